@@ -1,0 +1,22 @@
+"""Typed errors of the public API. The CLI turns them into one-line messages."""
+from __future__ import annotations
+
+
+class OSDPError(Exception):
+    """Base of every error OSDP raises on purpose (bad input, impossible request)."""
+
+
+class InfeasiblePlanError(OSDPError):
+    """No plan fits the memory limit, even at batch size 1.
+
+    ``min_bytes`` is the smallest limit that would fit and ``breakdown`` the memory
+    breakdown (name -> bytes) of that smallest plan."""
+
+    def __init__(self, message: str, min_bytes: float | None = None, breakdown: dict | None = None):
+        super().__init__(message)
+        self.min_bytes = min_bytes
+        self.breakdown = dict(breakdown or {})
+
+
+class PlanMismatchError(OSDPError):
+    """A plan (or checkpoint) made for another model, world size or version."""
