@@ -1,0 +1,444 @@
+"""Exact plan search over a ``SearchProblem`` (see ``search_problem.py`` for the problem).
+
+    search(problem, backend="auto") -> SearchResult     the optimum (C++ core or reference)
+    search_python(problem)          -> SearchResult     numpy reference, same result bit for bit
+    evaluate_assignment(problem, option_index, variant) -> (feasible, time_s, peak_bytes, peak_op)
+    brute_force(problem)            -> SearchResult     enumeration, for tests on small problems
+    validate_problem(problem)                            clear ValueErrors for malformed tables
+
+[Note: exact search]
+The objective is a sum of per-op and per-segment terms, and the only coupling between
+ops is the held prefix: the memory at op i depends on the choices before it only through
+``prefix_q`` = buckets held by ``dp`` slices of earlier ops + activations carried by
+earlier segments. So a dynamic program over ops in order, with state = ``prefix_q``
+(0..B) and value = least time so far, is exact:
+
+  * B is the largest integer with ``B * quantum_bytes <= budget_bytes`` evaluated in floats.
+    A state above B can never become feasible again, because every memory term is
+    non-negative and nothing accumulated is ever given back during forward.
+  * op i (segment s, variant v), option o, from state x to y = x + held_q[o]: allowed iff
+        (float(y) * quantum_bytes + act_in_segment_bytes[i, v]) + local_bytes[o] <= budget_bytes
+    evaluated in exactly this order everywhere (here, the C++ core, evaluate_assignment),
+    without any epsilon, so all three agree on every plan.
+  * at the end of segment s under v: y += carry_act_q[s, v] (states > B dropped, except
+    after the last segment, whose carry no op ever sees) and time += extra_time_s[s, v];
+    then the min over variants per state.
+  * time is accumulated in one canonical order, ``constant_time_s``, then per segment the
+    op times followed by the segment's extra time, as ``evaluate_assignment`` does.
+    Float addition is monotone, so min over predecessors of fl(t + c) = fl(min t + c):
+    the DP optimum equals the least float sum over all plans bit for bit, not just
+    to a tolerance.
+Ties: the value is the pair (time, running peak) compared lexicographically, so among
+equal-time plans the lower peak wins (exact whenever time sums are exact, e.g. equal
+option times; with rounding the peak is only a tie-break). Remaining exact ties go to the
+first candidate: options in index order, variant 0 before 1, the lowest end state.
+An option with held_q, local_bytes and time_s all >= those of another option of the same
+op and variant (ties: the higher index) is dropped first: it can never be strictly better.
+
+Work is (ops x variants x reachable states x options); only the reachable range
+[lo, hi] of states is scanned. Per op and variant the winning option per end state is
+kept (uint16, relative to ``opt_begin``) and per segment the winning variant per state,
+for backtracking. The numpy reference and the C++ core follow the same order of
+updates, so they return the same plan, not only the same optimum.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import itertools
+import math
+import warnings
+
+import numpy as np
+
+from osdp.planner.search_problem import SearchProblem, SearchResult
+
+__all__ = [
+    "search",
+    "search_python",
+    "brute_force",
+    "evaluate_assignment",
+    "validate_problem",
+    "num_buckets",
+]
+
+# The states array has B + 1 entries; beyond this the quantum is too fine for the model.
+MAX_BUCKETS = 1 << 24
+# uint16 choice tables in the backtracking store.
+MAX_OPTIONS_PER_OP = 65535
+BRUTE_FORCE_LIMIT = 200_000
+
+_INT_FIELDS = ("seg_first_op", "seg_num_ops", "seg_num_variants", "seg_carry_act_q",
+               "opt_begin", "opt_end", "opt_slices", "opt_zdp_slices", "opt_held_q")
+_FLOAT_FIELDS = ("seg_extra_time_s", "act_in_segment_bytes", "opt_local_bytes", "opt_time_s")
+
+
+def validate_problem(problem: SearchProblem) -> None:
+    """Raise ValueError, naming the field, unless the tables are well formed.
+
+    Checks dtypes, shapes, segment contiguity, option ranges, finiteness and the
+    non-negativity of every memory term (the exactness argument relies on it)."""
+    if not isinstance(problem, SearchProblem):
+        raise ValueError(f"expected a SearchProblem, got {type(problem).__name__}")
+    for name in _INT_FIELDS + _FLOAT_FIELDS:
+        a = getattr(problem, name)
+        if not isinstance(a, np.ndarray):
+            raise ValueError(f"SearchProblem.{name} must be a numpy array, got {type(a).__name__}")
+        want = np.int64 if name in _INT_FIELDS else np.float64
+        if a.dtype != want:
+            raise ValueError(f"SearchProblem.{name} must have dtype {np.dtype(want)}, got {a.dtype}")
+    S = problem.seg_first_op.shape[0] if problem.seg_first_op.ndim == 1 else -1
+    n = problem.act_in_segment_bytes.shape[0] if problem.act_in_segment_bytes.ndim == 2 else -1
+    P = problem.opt_held_q.shape[0] if problem.opt_held_q.ndim == 1 else -1
+    shapes = {
+        "seg_first_op": (S,), "seg_num_ops": (S,), "seg_num_variants": (S,),
+        "seg_carry_act_q": (S, 2), "seg_extra_time_s": (S, 2),
+        "act_in_segment_bytes": (n, 2), "opt_begin": (n, 2), "opt_end": (n, 2),
+        "opt_slices": (P,), "opt_zdp_slices": (P,), "opt_held_q": (P,),
+        "opt_local_bytes": (P,), "opt_time_s": (P,),
+    }
+    for name, shape in shapes.items():
+        got = getattr(problem, name).shape
+        if -1 in shape or got != shape:
+            raise ValueError(f"SearchProblem.{name} has shape {got}, expected {shape} "
+                             f"(S={S} segments, n={n} ops, P={P} options)")
+    if S < 1 or n < 1:
+        raise ValueError(f"SearchProblem needs at least one segment and one op (S={S}, n={n})")
+    for name in ("quantum_bytes", "limit_bytes", "static_bytes", "constant_time_s"):
+        x = getattr(problem, name)
+        if not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x):
+            raise ValueError(f"SearchProblem.{name} must be a finite number, got {x!r}")
+    if not problem.quantum_bytes > 0:
+        raise ValueError(f"SearchProblem.quantum_bytes must be > 0, got {problem.quantum_bytes}")
+
+    first, count, nv = problem.seg_first_op, problem.seg_num_ops, problem.seg_num_variants
+    if np.any(count < 1):
+        raise ValueError(f"SearchProblem.seg_num_ops must be >= 1, got {count.tolist()}")
+    expect_first = np.concatenate(([0], np.cumsum(count)[:-1]))
+    if not np.array_equal(first, expect_first) or int(count.sum()) != n:
+        raise ValueError("segments must be contiguous and cover ops 0..n-1 in order: "
+                         f"seg_first_op={first.tolist()}, seg_num_ops={count.tolist()}, n={n}")
+    if not np.all((nv == 1) | (nv == 2)):
+        raise ValueError(f"SearchProblem.seg_num_variants must be 1 or 2, got {nv.tolist()}")
+    if np.any(problem.seg_carry_act_q < 0):
+        raise ValueError("SearchProblem.seg_carry_act_q must be >= 0")
+    if np.any(problem.opt_held_q < 0):
+        raise ValueError("SearchProblem.opt_held_q must be >= 0")
+    for name in _FLOAT_FIELDS:
+        if not np.all(np.isfinite(getattr(problem, name))):
+            raise ValueError(f"SearchProblem.{name} must be finite")
+    for name in ("act_in_segment_bytes", "opt_local_bytes"):
+        if np.any(getattr(problem, name) < 0):
+            raise ValueError(f"SearchProblem.{name} must be >= 0")
+    seg_of_op = np.repeat(np.arange(S), count)
+    used = np.arange(2)[None, :] < nv[seg_of_op][:, None]  # (n, 2): variant exists
+    b, e = problem.opt_begin, problem.opt_end
+    bad = used & ((b < 0) | (e < b) | (e > P))
+    if np.any(bad):
+        i, v = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"option range of op {i} variant {v} is [{b[i, v]}, {e[i, v]}), "
+                         f"not inside [0, {P})")
+    if np.any(used & (e - b > MAX_OPTIONS_PER_OP)):
+        raise ValueError(f"an op has more than {MAX_OPTIONS_PER_OP} options under one variant")
+
+
+def _max_reach(p: SearchProblem) -> int:
+    """Upper bound of any reachable state: the most every op and carry could hold."""
+    S = p.num_segments
+    total = 0
+    for s in range(S):
+        nv = int(p.seg_num_variants[s])
+        best = 0
+        for v in range(nv):
+            acc = 0
+            for i in range(int(p.seg_first_op[s]), int(p.seg_first_op[s] + p.seg_num_ops[s])):
+                b, e = int(p.opt_begin[i, v]), int(p.opt_end[i, v])
+                acc += int(p.opt_held_q[b:e].max()) if e > b else 0
+            if s + 1 < S:
+                acc += int(p.seg_carry_act_q[s, v])
+            best = max(best, acc)
+        total += best
+    return total
+
+
+def num_buckets(problem: SearchProblem) -> int:
+    """B: the largest state worth tracking (-1: not even an empty prefix fits).
+
+    The largest integer with float(B) * quantum_bytes <= budget_bytes, capped by the
+    largest state any plan can reach. Mirrors ``num_buckets`` in csrc/search/search.cpp."""
+    q, budget = float(problem.quantum_bytes), float(problem.budget_bytes)
+    cap = _max_reach(problem)
+    if not budget >= 0:
+        return -1
+    b = int(min(math.floor(budget / q), float(cap + 1)))
+    while b >= 0 and float(b) * q > budget:
+        b -= 1
+    while b < cap and float(b + 1) * q <= budget:
+        b += 1
+    b = min(b, cap)
+    if b + 1 > MAX_BUCKETS:
+        raise ValueError(f"{b + 1} memory buckets exceed the limit of {MAX_BUCKETS}; "
+                         f"use a larger quantum_bytes (now {q})")
+    return b
+
+
+def evaluate_assignment(problem: SearchProblem, option_index, variant):
+    """Cost of one plan: ``(feasible, time_s, peak_bytes, peak_op)``.
+
+    ``option_index[i]`` is a flat option index for op i, ``variant[s]`` the variant of
+    segment s. Peak and time are reported for infeasible plans too. Raises ValueError
+    if an option is not in its op's range under the segment's variant."""
+    p = problem
+    S, n = p.num_segments, p.num_ops
+    option_index, variant = list(option_index), list(variant)
+    if len(option_index) != n or len(variant) != S:
+        raise ValueError(f"need {n} option indices and {S} variants, got "
+                         f"{len(option_index)} and {len(variant)}")
+    q, budget = float(p.quantum_bytes), float(p.budget_bytes)
+    time_s = float(p.constant_time_s)
+    prefix = 0
+    feasible = True
+    peak, peak_op = -math.inf, -1
+    for s in range(S):
+        v = int(variant[s])
+        if not 0 <= v < int(p.seg_num_variants[s]):
+            raise ValueError(f"segment {s} has no variant {v}")
+        first = int(p.seg_first_op[s])
+        for i in range(first, first + int(p.seg_num_ops[s])):
+            o = int(option_index[i])
+            if not int(p.opt_begin[i, v]) <= o < int(p.opt_end[i, v]):
+                raise ValueError(f"option {o} is not an option of op {i} under variant {v}")
+            prefix += int(p.opt_held_q[o])
+            # [Note: exact search] the one memory test, same expression in the DPs
+            mem = (float(prefix) * q + float(p.act_in_segment_bytes[i, v])) + float(p.opt_local_bytes[o])
+            feasible = feasible and mem <= budget
+            if mem > peak:
+                peak, peak_op = mem, i
+            time_s += float(p.opt_time_s[o])
+        time_s += float(p.seg_extra_time_s[s, v])
+        prefix += int(p.seg_carry_act_q[s, v])
+    return feasible, time_s, float(p.static_bytes) + peak, peak_op
+
+
+def _kept_options(p: SearchProblem, i: int, v: int) -> np.ndarray:
+    """Flat indices of the options of op i under v that no other option dominates."""
+    b, e = int(p.opt_begin[i, v]), int(p.opt_end[i, v])
+    idx = np.arange(b, e)
+    h, l, t = p.opt_held_q[b:e], p.opt_local_bytes[b:e], p.opt_time_s[b:e]
+    # weak[j, k]: option j is no worse than option k in every term
+    weak = (h[:, None] <= h[None, :]) & (l[:, None] <= l[None, :]) & (t[:, None] <= t[None, :])
+    strict = (h[:, None] < h[None, :]) | (l[:, None] < l[None, :]) | (t[:, None] < t[None, :])
+    earlier = idx[:, None] < idx[None, :]
+    dominated = np.any(weak & (strict | earlier), axis=0)
+    return idx[~dominated]
+
+
+def search_python(problem: SearchProblem) -> SearchResult:
+    """The numpy reference of [Note: exact search]. Same plan as the C++ core."""
+    validate_problem(problem)
+    p = problem
+    S = p.num_segments
+    q, budget = float(p.quantum_bytes), float(p.budget_bytes)
+    B = num_buckets(p)
+    if B < 0:
+        return SearchResult(feasible=False)
+    nstates = B + 1
+    qy = np.arange(nstates, dtype=np.float64) * q  # fl(float(y) * q), as in evaluate_assignment
+    inf = math.inf
+    # distribution entering the current segment
+    in_t = np.full(nstates, inf)
+    in_p = np.full(nstates, -inf)
+    in_t[0] = float(p.constant_time_s)
+    lo, hi = 0, 0
+    op_choice = {}  # (i, v) -> (first state, uint16 options relative to opt_begin)
+    seg_choice = []  # s -> (first state, int8 variant)
+    visited = 0
+    for s in range(S):
+        first, count = int(p.seg_first_op[s]), int(p.seg_num_ops[s])
+        last_seg = s + 1 == S
+        seg_t = np.full(nstates, inf)
+        seg_p = np.full(nstates, -inf)
+        seg_v = np.full(nstates, -1, dtype=np.int8)
+        slo, shi = nstates, -1
+        for v in range(int(p.seg_num_variants[s])):
+            cur_t, cur_p, clo, chi = in_t, in_p, lo, hi
+            for i in range(first, first + count):
+                if clo > chi:
+                    break
+                visited += chi - clo + 1
+                act = float(p.act_in_segment_bytes[i, v])
+                nxt_t = np.full(nstates, inf)
+                nxt_p = np.full(nstates, -inf)
+                choice = np.zeros(nstates, dtype=np.uint16)
+                base = int(p.opt_begin[i, v])
+                for o in _kept_options(p, i, v):
+                    h = int(p.opt_held_q[o])
+                    ylo, yhi = clo + h, min(chi + h, B)
+                    if ylo > yhi:
+                        continue
+                    ys = slice(ylo, yhi + 1)
+                    xs = slice(clo, clo + yhi + 1 - ylo)
+                    mem = (qy[ys] + act) + float(p.opt_local_bytes[o])
+                    t = cur_t[xs] + float(p.opt_time_s[o])
+                    pk = np.maximum(cur_p[xs], mem)
+                    ot, op_ = nxt_t[ys], nxt_p[ys]
+                    better = (mem <= budget) & ((t < ot) | ((t == ot) & (pk < op_)))
+                    ot[better] = t[better]
+                    op_[better] = pk[better]
+                    choice[ys][better] = o - base
+                reach = np.flatnonzero(nxt_t < inf)
+                if reach.size == 0:
+                    clo, chi = 1, 0
+                    break
+                clo, chi = int(reach[0]), int(reach[-1])
+                op_choice[(i, v)] = (clo, choice[clo:chi + 1].copy())
+                cur_t, cur_p = nxt_t, nxt_p
+            if clo > chi:
+                continue
+            # segment end: carry the saved activations, add the variant's extra time
+            c = 0 if last_seg else int(p.seg_carry_act_q[s, v])
+            ylo, yhi = clo + c, min(chi + c, B)
+            if ylo > yhi:
+                continue
+            ys, xs = slice(ylo, yhi + 1), slice(clo, clo + yhi + 1 - ylo)
+            t = cur_t[xs] + float(p.seg_extra_time_s[s, v])
+            pk = cur_p[xs]
+            ot, op_ = seg_t[ys], seg_p[ys]
+            better = (t < ot) | ((t == ot) & (pk < op_))
+            ot[better] = t[better]
+            op_[better] = pk[better]
+            seg_v[ys][better] = v
+            slo, shi = min(slo, ylo), max(shi, yhi)
+        if slo > shi or not np.any(seg_t[slo:shi + 1] < inf):
+            return SearchResult(feasible=False, states_visited=visited)
+        reach = np.flatnonzero(seg_t < inf)
+        lo, hi = int(reach[0]), int(reach[-1])
+        seg_choice.append((lo, seg_v[lo:hi + 1].copy()))
+        in_t, in_p = seg_t, seg_p
+
+    # best end state: least time, then least peak, then lowest state
+    t_end = in_t[lo:hi + 1]
+    cand = np.flatnonzero(t_end == t_end.min())
+    y = lo + int(cand[np.argmin(in_p[lo:hi + 1][cand])])  # argmin: first of equal peaks
+    time_s, peak_inner = float(in_t[y]), float(in_p[y])
+
+    option_index = [0] * p.num_ops
+    variant = [0] * S
+    for s in reversed(range(S)):
+        slo_s, sv = seg_choice[s]
+        v = int(sv[y - slo_s])
+        variant[s] = v
+        if s + 1 < S:
+            y -= int(p.seg_carry_act_q[s, v])
+        first, count = int(p.seg_first_op[s]), int(p.seg_num_ops[s])
+        for i in reversed(range(first, first + count)):
+            clo, ch = op_choice[(i, v)]
+            o = int(p.opt_begin[i, v]) + int(ch[y - clo])
+            option_index[i] = o
+            y -= int(p.opt_held_q[o])
+    assert y == 0, "backtracking must end in the empty prefix"
+    return _result(p, time_s, peak_inner, option_index, variant, visited)
+
+
+def _result(p, time_s, peak_inner, option_index, variant, visited) -> SearchResult:
+    # peak_op: the first op at the plan's peak (the DP tracks only the value).
+    _, _, _, peak_op = evaluate_assignment(p, option_index, variant)
+    return SearchResult(
+        feasible=True,
+        time_s=float(time_s),
+        peak_bytes=float(p.static_bytes) + float(peak_inner),
+        peak_op=int(peak_op),
+        option_index=tuple(int(o) for o in option_index),
+        variant=tuple(int(v) for v in variant),
+        states_visited=int(visited),
+    )
+
+
+def brute_force(problem: SearchProblem, limit: int = BRUTE_FORCE_LIMIT) -> SearchResult:
+    """Enumerate every plan (for tests). Lexicographic (time, peak); first plan wins ties.
+
+    Raises ValueError when the problem has more than ``limit`` plans."""
+    validate_problem(problem)
+    p = problem
+    per_seg = []  # per segment: list of (variant, options of its ops)
+    total = 1
+    for s in range(p.num_segments):
+        first, count = int(p.seg_first_op[s]), int(p.seg_num_ops[s])
+        combos = []
+        for v in range(int(p.seg_num_variants[s])):
+            ranges = [range(int(p.opt_begin[i, v]), int(p.opt_end[i, v]))
+                      for i in range(first, first + count)]
+            combos.extend((v, opts) for opts in itertools.product(*ranges))
+        per_seg.append(combos)
+        total *= len(combos)
+        if total > limit:
+            raise ValueError(f"brute_force: more than {limit} plans; it is meant for small problems")
+    best = None
+    for plan in itertools.product(*per_seg):
+        variant = [v for v, _ in plan]
+        option_index = [o for _, opts in plan for o in opts]
+        ok, t, peak, peak_op = evaluate_assignment(p, option_index, variant)
+        if ok and (best is None or t < best[0] or (t == best[0] and peak < best[1])):
+            best = (t, peak, peak_op, option_index, variant)
+    if best is None:
+        return SearchResult(feasible=False, states_visited=total)
+    t, peak, peak_op, option_index, variant = best
+    return SearchResult(True, t, peak, peak_op, tuple(option_index), tuple(variant), total)
+
+
+@functools.lru_cache(maxsize=None)
+def _native():
+    try:
+        return importlib.import_module("osdp._C")
+    except ImportError as err:
+        raise ImportError(
+            "the C++ search core osdp._C is not built; build it with "
+            "`OSDP_SKIP_CUDA=1 python setup.py build_ext --inplace` (or `pip install -e .`) "
+            f"from the repository root ({err})") from err
+
+
+def search_cpp(problem: SearchProblem) -> SearchResult:
+    """The C++ core (osdp._C). Same plan as ``search_python``."""
+    validate_problem(problem)
+    C = _native()
+    p = problem
+    r = C.search(
+        seg_first_op=p.seg_first_op, seg_num_ops=p.seg_num_ops,
+        seg_num_variants=p.seg_num_variants,
+        seg_carry_act_q=np.ascontiguousarray(p.seg_carry_act_q),
+        seg_extra_time_s=np.ascontiguousarray(p.seg_extra_time_s),
+        act_in_segment_bytes=np.ascontiguousarray(p.act_in_segment_bytes),
+        opt_begin=np.ascontiguousarray(p.opt_begin), opt_end=np.ascontiguousarray(p.opt_end),
+        opt_held_q=np.ascontiguousarray(p.opt_held_q),
+        opt_local_bytes=np.ascontiguousarray(p.opt_local_bytes),
+        opt_time_s=np.ascontiguousarray(p.opt_time_s),
+        quantum_bytes=float(p.quantum_bytes), budget_bytes=float(p.budget_bytes),
+        constant_time_s=float(p.constant_time_s), max_buckets=MAX_BUCKETS,
+    )
+    if not r["feasible"]:
+        return SearchResult(feasible=False, states_visited=int(r["states_visited"]))
+    return _result(p, r["time_s"], r["peak_inner_bytes"], r["option_index"].tolist(),
+                   r["variant"].tolist(), r["states_visited"])
+
+
+_warned_fallback = False
+
+
+def search(problem: SearchProblem, backend: str = "auto") -> SearchResult:
+    """The exact optimum of ``problem``. backend: "cpp", "python" or "auto"
+    (the C++ core if it is built, else the reference, with a one-time warning)."""
+    global _warned_fallback
+    if backend == "python":
+        return search_python(problem)
+    if backend == "cpp":
+        return search_cpp(problem)
+    if backend != "auto":
+        raise ValueError(f"backend must be 'auto', 'cpp' or 'python', got {backend!r}")
+    try:
+        _native()
+    except ImportError as err:
+        if not _warned_fallback:
+            warnings.warn(f"{err}; using the (slower) Python search", RuntimeWarning, stacklevel=2)
+            _warned_fallback = True
+        return search_python(problem)
+    return search_cpp(problem)
