@@ -1,0 +1,442 @@
+"""The cost model: what every choice costs in time and memory. Single source of truth.
+
+Search, batch scheduler, plan reports and the runtime's prefetch window all read it.
+``ProblemTemplate`` holds the batch-independent part of every option; ``problem(b)``
+turns it into the search's option tables at batch b; ``evaluate`` prices one concrete
+plan with exact (unquantized) bytes and says where its peak is.
+
+[Note: time model]
+Per op and option (g slices, k of them ``zdp``), with N ranks and ring collectives
+AG(x) = (N-1) a_ag + (N-1)/N x b_ag, RS likewise:
+    forward  comm = g * AG(P/g)                      (every slice is gathered once)
+    backward comm = k * AG(P/g) * (2 if the block is checkpointed else 1)
+                    + g * RS(G/g)                    (grads of every slice)
+    forward  compute = fit(b) * split_efficiency(g) + (g-1) * slice_overhead
+    backward compute = ratio * forward compute (+ forward compute when checkpointed)
+Communication runs on its own stream and is issued ahead of use within the prefetch
+window W. Each phase of each op costs max(compute, comm) when the op's slice and the
+next unit can both be in flight inside the window (2 P/g <= W), and compute + comm when
+they cannot (the gather then waits for the previous buffer to be freed). Taking the
+max per op rather than over the whole step is what keeps the objective additive, and
+so the search exact; it is pessimistic where a comm-bound op could borrow idle comm
+time from a compute-bound neighbour.
+
+[Note: memory model]
+Static (paid by every plan): the 1/N shards of parameters, gradients and optimizer
+state, the device's constant bytes and batch-independent saved tensors. Per op i the
+search adds, on top of the prefix of kept weights and saved activations (see
+search_problem.py's [Note: the memory constraint]):
+    kept weights     (g - k) * P/g                  from its forward to its backward
+    in-flight gathers  P/g if P/g > W else min(W, P/g + bytes of the ops around it)
+    gradient buffers   2 * G/g   (the slice being computed + one reduce-scatter pending)
+    activation grads   b * saved activation bytes of the op
+With checkpointing a block keeps only its input; its activations are recomputed and
+alive again during its own backward. The model therefore places the peak at the op
+where prefix + transient is largest, normally the start of backward.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from ..errors import OSDPError
+from .describe import ModelDesc, OpDesc
+from .device import DeviceInfo
+from .search_problem import SearchProblem
+
+POLICIES = ("osdp", "zdp", "dp")
+CHECKPOINTING = ("auto", "none", "all")
+
+
+@dataclass(frozen=True)
+class PlannerSettings:
+    """Knobs of the planner. ``policy``: "osdp" searches per-op modes and splits;
+    "zdp" is FSDP full-shard (ZeRO-3) and "dp" shard-grad-op (ZeRO-2), both unsplit."""
+
+    max_slices: int = 16
+    policy: str = "osdp"
+    checkpointing: str = "none"  # "auto": per block, chosen by the search
+    prefetch_bytes: float | None = None  # None: 2 x the largest slice at the finest split
+    optimizer_state_bytes_per_param: float = 8.0  # AdamW: two fp32 moments
+    grad_bytes_per_element: float | None = None  # None: the parameters' element size
+    backward_compute_ratio: float = 2.0
+    memory_tolerance: float = 0.02  # worst-case quantization error / budget
+    min_buckets: int = 4096
+    max_buckets: int = 65536
+
+    def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise OSDPError(f"policy {self.policy!r} unknown; use one of {POLICIES}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise OSDPError(f"checkpointing {self.checkpointing!r} unknown; use one of {CHECKPOINTING}")
+        if not isinstance(self.max_slices, int) or self.max_slices < 1:
+            raise OSDPError(f"max slices must be a positive integer, got {self.max_slices!r}")
+        if self.prefetch_bytes is not None and self.prefetch_bytes < 0:
+            raise OSDPError("prefetch window must be >= 0 bytes")
+
+    def with_(self, **changes) -> "PlannerSettings":
+        return replace(self, **changes)
+
+
+def slice_choices(op: OpDesc, settings: PlannerSettings) -> tuple[int, ...]:
+    """Granularities g for an op: powers of two up to max_slices and the split axis."""
+    if settings.policy != "osdp" or not op.splittable:
+        return (1,)
+    return tuple(g for g in (1, 2, 4, 8, 16, 32, 64) if g <= settings.max_slices and g <= op.max_slices)
+
+
+def mode_choices(g: int, settings: PlannerSettings) -> tuple[int, ...]:
+    """Numbers k of zdp slices allowed for g slices."""
+    if settings.policy == "zdp":
+        return (g,)
+    if settings.policy == "dp":
+        return (0,)
+    return tuple(range(g + 1))
+
+
+def element_bytes(op: OpDesc) -> float:
+    return op.param_bytes / op.param_count if op.param_count else 0.0
+
+
+def shape_key(op: OpDesc) -> str:
+    """Ops with equal keys cost the same compute (identical layers share a fit)."""
+    return f"{op.kind}:{op.param_count}:{op.flops_per_sample:.6g}:{op.act_bytes_per_sample:.6g}"
+
+
+def prefetch_window(desc: ModelDesc, settings: PlannerSettings) -> float:
+    if settings.prefetch_bytes is not None:
+        return float(settings.prefetch_bytes)
+    finest = [op.param_bytes / max(slice_choices(op, settings)) for op in desc.ops]
+    return 2.0 * max(finest, default=0.0)
+
+
+def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
+    """Bytes every plan pays: 1/N shards of params, grads and optimizer state (padded)."""
+    n = device.world_size
+    params = grads = optim = 0.0
+    for op in desc.ops:
+        shard = math.ceil(op.param_count / n)
+        e = element_bytes(op)
+        params += shard * e
+        grads += shard * (settings.grad_bytes_per_element or e)
+        optim += shard * settings.optimizer_state_bytes_per_param
+    return {
+        "sharded_params": params,
+        "sharded_grads": grads,
+        "optimizer_state": optim,
+        "constant": float(device.constant_bytes) + desc.act_constant_bytes,
+    }
+
+
+def optimizer_step_s(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> float:
+    """AdamW reads and writes param, moments and reads grad: bandwidth bound."""
+    state = sum(static_bytes(desc, device, settings)[k] for k in ("sharded_params", "sharded_grads", "optimizer_state"))
+    return 2.0 * state / device.memory_bandwidth_bytes_per_s
+
+
+def split_efficiency(g: int) -> float:
+    """Compute inflation of a split matmul relative to the unsplit one (a fused
+    accumulate keeps it near 1; measured values come from the profiler's fits)."""
+    return 1.0
+
+
+@dataclass
+class _Segment:
+    name: str
+    ops: list[int]
+    checkpointable: bool
+    input_bytes_per_sample: float
+
+
+def _segments(desc: ModelDesc, settings: PlannerSettings) -> list[_Segment]:
+    """Blocks as segments; every op outside a block is a segment of its own."""
+    by_first = {b.first_op: b for b in desc.blocks}
+    segments, i = [], 0
+    while i < len(desc.ops):
+        block = by_first.get(i)
+        if block is not None and settings.checkpointing != "none":
+            segments.append(_Segment(block.name, list(range(i, i + block.num_ops)), True, block.input_bytes_per_sample))
+            i += block.num_ops
+        else:
+            segments.append(_Segment(desc.ops[i].name, [i], False, 0.0))
+            i += 1
+    return segments
+
+
+@dataclass
+class ProblemTemplate:
+    """Batch-independent option tables of a model on a device under settings."""
+
+    desc: ModelDesc
+    device: DeviceInfo
+    settings: PlannerSettings
+    window_bytes: float
+    static: dict[str, float]
+    quantum_bytes: float
+    segments: list[_Segment]
+    # flat per option (variant-1 options of a segment follow its variant-0 ones)
+    opt_op: np.ndarray = field(repr=False, default=None)
+    opt_variant: np.ndarray = field(repr=False, default=None)
+    opt_slices: np.ndarray = field(repr=False, default=None)
+    opt_zdp: np.ndarray = field(repr=False, default=None)
+    opt_held_bytes: np.ndarray = field(repr=False, default=None)
+    opt_transient_bytes: np.ndarray = field(repr=False, default=None)  # gathers + grad buffers
+    opt_comm_f_s: np.ndarray = field(repr=False, default=None)
+    opt_comm_b_s: np.ndarray = field(repr=False, default=None)
+    opt_overlap: np.ndarray = field(repr=False, default=None)
+    opt_split_overhead_s: np.ndarray = field(repr=False, default=None)
+    opt_split_eff: np.ndarray = field(repr=False, default=None)
+    opt_begin: np.ndarray = field(repr=False, default=None)
+    opt_end: np.ndarray = field(repr=False, default=None)
+    # per op
+    fwd_intercept_s: np.ndarray = field(repr=False, default=None)
+    fwd_per_sample_s: np.ndarray = field(repr=False, default=None)
+    bwd_intercept_s: np.ndarray = field(repr=False, default=None)
+    bwd_per_sample_s: np.ndarray = field(repr=False, default=None)
+    act_per_sample: np.ndarray = field(repr=False, default=None)
+
+    @property
+    def budget_bytes(self) -> float:
+        return self.device.memory_limit_bytes - sum(self.static.values())
+
+    def problem(self, batch: int) -> SearchProblem:
+        return _problem_at(self, batch)
+
+
+def _compute_fit(op: OpDesc, device: DeviceInfo, settings: PlannerSettings):
+    fit = device.op_compute.get(shape_key(op))
+    if fit is not None:
+        bi = fit.bwd_intercept_s if fit.bwd_intercept_s is not None else settings.backward_compute_ratio * fit.fwd_intercept_s
+        bs = fit.bwd_per_sample_s if fit.bwd_per_sample_s is not None else settings.backward_compute_ratio * fit.fwd_per_sample_s
+        return fit.fwd_intercept_s, fit.fwd_per_sample_s, bi, bs
+    per_sample = op.flops_per_sample / device.flops_per_s
+    return (
+        device.op_overhead_s,
+        per_sample,
+        settings.backward_compute_ratio * device.op_overhead_s,
+        settings.backward_compute_ratio * per_sample,
+    )
+
+
+def _ahead_bytes(desc: ModelDesc, window: float) -> tuple[list[float], list[float]]:
+    """Bytes that can be gathered ahead of each op: the following ops in forward, the
+    preceding ones in backward, capped by the window."""
+    sizes = [op.param_bytes if not op.tied_to else 0 for op in desc.ops]
+    after, before = [0.0] * len(sizes), [0.0] * len(sizes)
+    acc = 0.0
+    for i in range(len(sizes) - 1, -1, -1):
+        after[i] = min(window, acc)
+        acc = min(window, acc + sizes[i])
+    acc = 0.0
+    for i, size in enumerate(sizes):
+        before[i] = min(window, acc)
+        acc = min(window, acc + size)
+    return after, before
+
+
+def _owner_bytes(desc: ModelDesc, op: OpDesc) -> float:
+    return desc.ops[desc.op_index(op.tied_to)].param_bytes if op.tied_to else 0.0
+
+
+def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings | None = None) -> ProblemTemplate:
+    settings = settings or PlannerSettings()
+    n = device.world_size
+    window = prefetch_window(desc, settings)
+    static = static_bytes(desc, device, settings)
+    budget = device.memory_limit_bytes - sum(static.values())
+    segments = _segments(desc, settings)
+    after, before = _ahead_bytes(desc, window)
+    # [Note: memory quantization] in search_problem.py: enough buckets that rounding
+    # up every accumulating term costs at most memory_tolerance of the budget.
+    terms = len(desc.ops) + len(segments)
+    buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
+    quantum = max(budget, 1.0) / buckets
+
+    cols = {k: [] for k in ("op", "variant", "g", "k", "held", "transient", "comm_f", "comm_b", "overlap", "ovh", "eff")}
+    begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
+    end = np.zeros((len(desc.ops), 2), dtype=np.int64)
+    for seg in segments:
+        for variant in ((0, 1) if seg.checkpointable else (0,)):
+            for i in seg.ops:
+                op = desc.ops[i]
+                begin[i, variant] = len(cols["op"])
+                e = element_bytes(op)
+                grad_ratio = (settings.grad_bytes_per_element or e) / e if e else 0.0
+                trainable = 1.0  # frozen units still gather; their RS is skipped (see describe)
+                for g in slice_choices(op, settings):
+                    for k in mode_choices(g, settings):
+                        if op.tied_to:
+                            # [Note: tied weights] a second use gathers the owner's
+                            # weights again in forward and backward, as a zdp use would
+                            s = _owner_bytes(desc, op)
+                            held, comm_f = 0.0, device.all_gather.time_s(s, n)
+                            comm_b = comm_f * (2 if variant else 1)
+                            grad = 0.0
+                        else:
+                            s = op.param_bytes / g
+                            held = (g - k) * s
+                            ag = device.all_gather.time_s(s, n)
+                            grad = s * grad_ratio * trainable
+                            comm_f = g * ag
+                            comm_b = k * ag * (2 if variant else 1) + g * device.reduce_scatter.time_s(grad, n)
+                        if s > window:
+                            gathers_f = gathers_b = s
+                        else:
+                            gathers_f = min(window, s + after[i])
+                            gathers_b = min(window, s + before[i])
+                        cols["op"].append(i)
+                        cols["variant"].append(variant)
+                        cols["g"].append(g)
+                        cols["k"].append(k)
+                        cols["held"].append(held)
+                        cols["transient"].append(max(gathers_f, gathers_b + 2 * grad))
+                        cols["comm_f"].append(comm_f)
+                        cols["comm_b"].append(comm_b)
+                        cols["overlap"].append(2 * s <= window)
+                        cols["ovh"].append((g - 1) * device.slice_overhead_s)
+                        cols["eff"].append(split_efficiency(g))
+                end[i, variant] = len(cols["op"])
+
+    fits = [_compute_fit(op, device, settings) for op in desc.ops]
+    arr = lambda key, dtype=np.float64: np.asarray(cols[key], dtype=dtype)  # noqa: E731
+    return ProblemTemplate(
+        desc=desc,
+        device=device,
+        settings=settings,
+        window_bytes=window,
+        static=static,
+        quantum_bytes=quantum,
+        segments=segments,
+        opt_op=arr("op", np.int64),
+        opt_variant=arr("variant", np.int64),
+        opt_slices=arr("g", np.int64),
+        opt_zdp=arr("k", np.int64),
+        opt_held_bytes=arr("held"),
+        opt_transient_bytes=arr("transient"),
+        opt_comm_f_s=arr("comm_f"),
+        opt_comm_b_s=arr("comm_b"),
+        opt_overlap=arr("overlap", bool),
+        opt_split_overhead_s=arr("ovh"),
+        opt_split_eff=arr("eff"),
+        opt_begin=begin,
+        opt_end=end,
+        fwd_intercept_s=np.array([f[0] for f in fits]),
+        fwd_per_sample_s=np.array([f[1] for f in fits]),
+        bwd_intercept_s=np.array([f[2] for f in fits]),
+        bwd_per_sample_s=np.array([f[3] for f in fits]),
+        act_per_sample=np.array([op.act_bytes_per_sample for op in desc.ops]),
+    )
+
+
+def _option_times(t: ProblemTemplate, batch: int) -> np.ndarray:
+    op = t.opt_op
+    comp_f = (t.fwd_intercept_s[op] + t.fwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
+    comp_b = (t.bwd_intercept_s[op] + t.bwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
+    comp_b = comp_b + comp_f * (t.opt_variant == 1)  # recompute of a checkpointed block
+    overlapped = np.maximum(comp_f, t.opt_comm_f_s) + np.maximum(comp_b, t.opt_comm_b_s)
+    serial = comp_f + t.opt_comm_f_s + comp_b + t.opt_comm_b_s
+    return np.where(t.opt_overlap, overlapped, serial)
+
+
+def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
+    if not isinstance(batch, (int, np.integer)) or batch < 1:
+        raise OSDPError(f"batch size must be a positive integer, got {batch!r}")
+    q = t.quantum_bytes
+    act = t.act_per_sample * batch
+    n_ops, n_seg = len(t.desc.ops), len(t.segments)
+    act_in = np.zeros((n_ops, 2))
+    carry = np.zeros((n_seg, 2), dtype=np.int64)
+    for s, seg in enumerate(t.segments):
+        inside = np.cumsum(act[seg.ops])
+        act_in[seg.ops, 0] = inside
+        carry[s, 0] = math.ceil(inside[-1] / q - 1e-9) if inside[-1] > 0 else 0
+        if seg.checkpointable:
+            kept = seg.input_bytes_per_sample * batch
+            act_in[seg.ops, 1] = kept + inside
+            carry[s, 1] = math.ceil(kept / q - 1e-9) if kept > 0 else 0
+    held_q = np.ceil(t.opt_held_bytes / q - 1e-9).astype(np.int64)
+    held_q[t.opt_held_bytes <= 0] = 0
+    return SearchProblem(
+        seg_first_op=np.array([seg.ops[0] for seg in t.segments], dtype=np.int64),
+        seg_num_ops=np.array([len(seg.ops) for seg in t.segments], dtype=np.int64),
+        seg_num_variants=np.array([2 if seg.checkpointable else 1 for seg in t.segments], dtype=np.int64),
+        seg_carry_act_q=carry,
+        seg_extra_time_s=np.zeros((n_seg, 2)),
+        act_in_segment_bytes=act_in,
+        opt_begin=t.opt_begin,
+        opt_end=t.opt_end,
+        opt_slices=t.opt_slices,
+        opt_zdp_slices=t.opt_zdp,
+        opt_held_q=held_q,
+        opt_local_bytes=t.opt_transient_bytes + act[t.opt_op],
+        opt_time_s=_option_times(t, batch),
+        quantum_bytes=q,
+        limit_bytes=float(t.device.memory_limit_bytes),
+        static_bytes=float(sum(t.static.values())),
+        constant_time_s=optimizer_step_s(t.desc, t.device, t.settings),
+        seg_names=tuple(seg.name for seg in t.segments),
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted cost of one plan at one batch size, in exact bytes."""
+
+    step_s: float
+    peak_bytes: float
+    peak_op: str  # name of the op where the peak happens
+    breakdown: dict  # name -> bytes at the peak
+    fits: bool
+
+    def samples_per_s(self, batch: int, world_size: int) -> float:
+        return batch * world_size / self.step_s
+
+
+def evaluate(
+    template: ProblemTemplate,
+    batch: int,
+    option_index,
+    variant,
+) -> Estimate:
+    """Price a concrete plan given as option indices (per op) and variants (per segment)
+    of the template, with exact bytes (no quantization)."""
+    t = template
+    times = _option_times(t, batch)
+    act = t.act_per_sample * batch
+    held_prefix = act_prefix = 0.0
+    best = (-1.0, -1, {})
+    total_s = optimizer_step_s(t.desc, t.device, t.settings)
+    static_total = sum(t.static.values())
+    for s, seg in enumerate(t.segments):
+        v = variant[s]
+        inside = 0.0
+        kept = seg.input_bytes_per_sample * batch if v == 1 else 0.0
+        for i in seg.ops:
+            o = option_index[i]
+            if not (t.opt_begin[i, v] <= o < t.opt_end[i, v]):
+                raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
+            total_s += times[o]
+            held_prefix += t.opt_held_bytes[o]
+            inside += act[i]
+            live = {
+                "sharded_states": static_total - t.static["constant"],
+                "constant": t.static["constant"],
+                "kept_dp_weights": held_prefix,
+                "saved_activations": act_prefix + kept + inside,
+                "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),
+                "activation_grads": float(act[i]),
+            }
+            total = sum(live.values())
+            if total > best[0]:
+                best = (total, i, live)
+        act_prefix += kept if v == 1 else inside
+    peak, peak_i, breakdown = best
+    return Estimate(
+        step_s=float(total_s),
+        peak_bytes=float(peak),
+        peak_op=t.desc.ops[peak_i].name,
+        breakdown=breakdown,
+        fits=peak <= t.device.memory_limit_bytes,
+    )

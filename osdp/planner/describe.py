@@ -1,0 +1,349 @@
+"""Model description: the ordered operator units the planner decides on.
+
+``describe(model, example_inputs)`` measures a real forward on this process (saved
+activations through saved-tensor hooks, FLOPs through ``FlopCounterMode``).
+``describe_gpt(config)`` builds the same description analytically, so models far larger
+than this machine can be planned. Both return a ``ModelDesc``.
+
+[Note: attributing work to units]
+A unit is a leaf module that owns parameters, in the order its forward first runs.
+Work done outside any unit (attention scores, GELU, residual adds) belongs to the unit
+that ran last before it: its memory and time live and die with that unit's place in
+the schedule. Saved tensors are counted once per storage (a tensor saved by two ops is
+one allocation) and parameters are never counted as activations.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+from ..errors import OSDPError
+
+_SPLITTABLE_KINDS = ("linear", "conv1d")
+
+
+@dataclass(frozen=True)
+class OpDesc:
+    """One operator unit. Bytes are per device for the unsharded (gathered) weights."""
+
+    name: str  # module path, e.g. "blocks.0.mlp.c_fc"
+    kind: str  # lower-case module class: linear, embedding, layernorm, conv1d, ...
+    param_count: int  # parameters owned by this unit (0 for a tied second use)
+    param_bytes: int  # bytes of those parameters in the dtype they are gathered in
+    act_bytes_per_sample: float  # activation bytes saved for backward, per sample
+    flops_per_sample: float  # forward FLOPs per sample
+    splittable: bool  # can be split along its input features
+    in_features: int = 0  # split axis length (0 if not splittable)
+    block: str | None = None  # checkpointable block this unit belongs to
+    tied_to: str | None = None  # owner unit when this op reuses another unit's weights
+
+    @property
+    def max_slices(self) -> int:
+        return self.in_features if self.splittable else 1
+
+
+@dataclass(frozen=True)
+class BlockDesc:
+    """A checkpointable block: a contiguous run of units."""
+
+    name: str
+    first_op: int
+    num_ops: int
+    input_bytes_per_sample: float  # what checkpointing keeps: the block's input
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    name: str
+    ops: tuple[OpDesc, ...]
+    blocks: tuple[BlockDesc, ...] = ()
+    act_constant_bytes: float = 0.0  # saved bytes independent of the batch (masks, ...)
+    # work not attributed to a unit of its own, counted in totals for reference
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if not self.ops:
+            raise OSDPError(
+                f"model {self.name!r} has no parameters: there is nothing to shard or plan"
+            )
+        names = [op.name for op in self.ops]
+        if len(set(names)) != len(names):
+            raise OSDPError(f"model {self.name!r} lists a unit twice: unit names must be unique")
+        for op in self.ops:
+            if op.param_count < 0 or op.param_bytes < 0 or op.act_bytes_per_sample < 0:
+                raise OSDPError(f"unit {op.name!r} has a negative size; sizes must be >= 0")
+
+    @property
+    def param_count(self) -> int:
+        return sum(op.param_count for op in self.ops)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(op.param_bytes for op in self.ops)
+
+    def op_index(self, name: str) -> int:
+        for i, op in enumerate(self.ops):
+            if op.name == name:
+                return i
+        raise KeyError(f"no unit named {name!r} in model {self.name!r}")
+
+    def fingerprint(self) -> str:
+        """Identity of the model's structure: unit names, kinds and sizes in order.
+        Plans and checkpoints carry it so that they are only used with this model."""
+        parts = [(op.name, op.kind, op.param_count, op.tied_to) for op in self.ops]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "ops": [asdict(op) for op in self.ops],
+            "blocks": [asdict(b) for b in self.blocks],
+            "act_constant_bytes": self.act_constant_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelDesc":
+        return cls(
+            name=data["name"],
+            ops=tuple(OpDesc(**op) for op in data["ops"]),
+            blocks=tuple(BlockDesc(**b) for b in data.get("blocks", ())),
+            act_constant_bytes=float(data.get("act_constant_bytes", 0.0)),
+        )
+
+
+def module_kind(module: nn.Module) -> str:
+    return type(module).__name__.lower()
+
+
+def _split_axis(module: nn.Module) -> int:
+    """Length of the input-feature axis a split cuts, 0 if the module is not splittable."""
+    kind = module_kind(module)
+    if kind == "linear":
+        return module.in_features
+    if kind == "conv1d" and hasattr(module, "nx"):  # Hugging Face GPT-2 Conv1D
+        return module.weight.shape[0]
+    return 0
+
+
+def _default_blocks(model: nn.Module) -> list[str]:
+    """Checkpointable blocks: the children of every ModuleList (transformer layers)."""
+    return [
+        f"{name}.{i}" if name else str(i)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for i, _ in enumerate(module)
+    ]
+
+
+class _Recorder:
+    """Hooks that attribute saved tensors to the unit that is running."""
+
+    def __init__(self, units: dict[nn.Module, str], param_ptrs: set[int]):
+        self.units = units
+        self.param_ptrs = param_ptrs
+        self.order: list[str] = []
+        self.saved: dict[str, int] = {}
+        self.seen_storages: set[int] = set()
+        self.current: str | None = None
+        self.pending_bytes = 0  # saved before the first unit ran
+
+    def pre_hook(self, module, _inputs):
+        name = self.units[module]
+        if name not in self.order:
+            self.order.append(name)
+        self.current = name
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self.param_ptrs and ptr not in self.seen_storages and storage.nbytes():
+            self.seen_storages.add(ptr)
+            if self.current is None:
+                self.pending_bytes += storage.nbytes()
+            else:
+                self.saved[self.current] = self.saved.get(self.current, 0) + storage.nbytes()
+        return tensor
+
+
+def _measure_forward(model, inputs, units, param_ptrs, blocks):
+    """One forward pass: unit order, saved bytes per unit, block input bytes, FLOPs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rec = _Recorder(units, param_ptrs)
+    block_inputs: dict[str, int] = {}
+    handles = [m.register_forward_pre_hook(rec.pre_hook) for m in units]
+    modules = dict(model.named_modules())
+    for block in blocks:
+
+        def block_hook(_m, args, block=block):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            block_inputs.setdefault(block, sum(t.numel() * t.element_size() for t in tensors))
+
+        handles.append(modules[block].register_forward_pre_hook(block_hook))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+            with FlopCounterMode(display=False) as counter:
+                model(*inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    if rec.order:
+        first = rec.order[0]
+        rec.saved[first] = rec.saved.get(first, 0) + rec.pending_bytes
+    return rec.order, rec.saved, block_inputs, counter.get_flop_counts()
+
+
+def _attribute_flops(flop_counts, root_name: str, unit_names, order) -> dict[str, float]:
+    """FLOPs per unit: a unit's own, plus the residual FLOPs of every enclosing module
+    (its total minus its children's) given to its first unit in execution order."""
+    totals = {}
+    for key, ops in flop_counts.items():
+        if key == "Global":
+            continue
+        path = key[len(root_name) + 1 :] if key != root_name else ""
+        totals[path] = float(sum(ops.values()))
+    result = {name: totals.get(name, 0.0) for name in unit_names}
+    rank = {name: i for i, name in enumerate(order)}
+    for path, total in totals.items():
+        if path in result:
+            continue
+        prefix = f"{path}." if path else ""
+        inner = [p for p in totals if p.startswith(prefix) and p != path]
+        # direct children among the modules that ran (a ModuleList never runs itself)
+        children = [p for p in inner if not any(p.startswith(q + ".") for q in inner)]
+        residual = total - sum(totals[c] for c in children)
+        inside = [u for u in unit_names if u.startswith(prefix) and u in rank]
+        if residual > 0 and inside:
+            result[min(inside, key=rank.__getitem__)] += residual
+    return result
+
+
+def describe(
+    model: nn.Module,
+    example_inputs,
+    *,
+    name: str | None = None,
+    blocks: list[str] | None = None,
+    batch_size: int | None = None,
+) -> ModelDesc:
+    """Describe ``model`` by running ``model(*example_inputs)`` once (twice when the
+    batch can be halved, to separate per-sample bytes from constant ones).
+
+    ``blocks``: module paths that may be checkpointed (default: children of every
+    ModuleList). ``batch_size``: the batch of ``example_inputs`` (default: dim 0 of the
+    first tensor).
+    """
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    if batch_size is None:
+        if not tensors or tensors[0].dim() == 0:
+            raise OSDPError("describe needs example inputs with a batch dimension (dim 0)")
+        batch_size = int(tensors[0].shape[0])
+    if batch_size <= 0:
+        raise OSDPError(f"example batch size must be positive, got {batch_size}")
+
+    units: dict[nn.Module, str] = {}
+    owner_of: dict[int, str] = {}  # id(param) -> first unit that owns it
+    tied: dict[str, str] = {}
+    for path, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        units[module] = path
+        for p in params:
+            if id(p) in owner_of:
+                tied.setdefault(path, owner_of[id(p)])
+            else:
+                owner_of[id(p)] = path
+    if not units:
+        raise OSDPError(f"{type(model).__name__} has no parameters: there is nothing to shard or plan")
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    block_names = _default_blocks(model) if blocks is None else list(blocks)
+    known = dict(model.named_modules())
+    for block in block_names:
+        if block not in known:
+            raise OSDPError(f"block {block!r} is not a module path of the model")
+
+    was_training = model.training
+    model.train()
+    try:
+        order, saved, block_in, flops = _measure_forward(model, inputs, units, param_ptrs, block_names)
+        half = batch_size // 2
+        if half >= 1 and all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors):
+            # clones: a view would share (and count) the full batch's storage
+            small = tuple(t[:half].clone() if isinstance(t, torch.Tensor) else t for t in inputs)
+            _, saved_half, _, _ = _measure_forward(model, small, units, param_ptrs, [])
+        else:
+            half, saved_half = 0, {}
+    finally:
+        model.train(was_training)
+
+    per_sample, constant = {}, 0.0
+    for unit in order:
+        full = saved.get(unit, 0)
+        if half:  # two points: bytes = constant + per_sample * batch
+            slope = (full - saved_half.get(unit, 0)) / (batch_size - half)
+            per_sample[unit] = max(slope, 0.0)
+            constant += max(full - slope * batch_size, 0.0)
+        else:
+            per_sample[unit] = full / batch_size
+    unit_flops = _attribute_flops(flops, type(model).__name__, list(order), order)
+
+    ops = []
+    by_path = {path: module for module, path in units.items()}
+    for path in order:
+        module = by_path[path]
+        own = [p for p in module.parameters(recurse=False) if owner_of[id(p)] == path]
+        axis = _split_axis(module)
+        ops.append(
+            OpDesc(
+                name=path,
+                kind=module_kind(module),
+                param_count=sum(p.numel() for p in own),
+                param_bytes=sum(p.numel() * p.element_size() for p in own),
+                act_bytes_per_sample=per_sample.get(path, 0.0),
+                flops_per_sample=unit_flops.get(path, 0.0) / batch_size,
+                splittable=module_kind(module) in _SPLITTABLE_KINDS and axis >= 2 and path not in tied,
+                in_features=axis if path not in tied else 0,
+                block=_enclosing_block(path, block_names),
+                tied_to=tied.get(path),
+            )
+        )
+    block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})
+    return ModelDesc(
+        name=name or type(model).__name__,
+        ops=tuple(ops),
+        blocks=block_descs,
+        act_constant_bytes=constant,
+    )
+
+
+def _enclosing_block(path: str, blocks: list[str]) -> str | None:
+    for block in blocks:
+        if path == block or path.startswith(block + "."):
+            return block
+    return None
+
+
+def _block_descs(ops, block_names, input_bytes_per_sample) -> tuple[BlockDesc, ...]:
+    result = []
+    for block in block_names:
+        idx = [i for i, op in enumerate(ops) if op.block == block]
+        if not idx:
+            continue
+        if idx != list(range(idx[0], idx[-1] + 1)):
+            raise OSDPError(f"block {block!r} does not run as one contiguous piece; it cannot be checkpointed")
+        result.append(BlockDesc(block, idx[0], len(idx), input_bytes_per_sample.get(block, 0.0)))
+    return tuple(sorted(result, key=lambda b: b.first_op))
+
+
+def with_dtype(desc: ModelDesc, param_bytes_per_element: int) -> ModelDesc:
+    """The same model with weights gathered in another dtype (e.g. 2 for bf16)."""
+    return replace(
+        desc,
+        ops=tuple(replace(op, param_bytes=op.param_count * param_bytes_per_element) for op in desc.ops),
+    )

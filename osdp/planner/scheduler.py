@@ -1,0 +1,154 @@
+"""Batch scheduler: the batch size and plan with the most samples per second.
+
+[Note: exact batch sweep]
+Memory grows with the batch for every plan, so feasibility is monotone in b: the largest
+feasible batch is found by doubling then bisection (each probe one exact search). The
+batches below it are then searched from the largest down, skipping any batch whose
+throughput bound b / (least possible step time at b, memory ignored) cannot beat the
+best plan found so far. The result is the exact maximum of samples/s over all batch
+sizes, at a few searches instead of one per batch.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..errors import InfeasiblePlanError, OSDPError
+from .cost_model import Estimate, PlannerSettings, ProblemTemplate, build_template, evaluate, _option_times
+from .describe import ModelDesc
+from .device import DeviceInfo
+from .search import search
+from .search_problem import SearchResult
+
+MAX_BATCH = 1 << 20  # a sweep never goes past this (a model with nothing batch-dependent)
+
+
+@dataclass(frozen=True)
+class Scheduled:
+    template: ProblemTemplate
+    batch: int
+    result: SearchResult
+    estimate: Estimate  # exact bytes of the chosen plan
+    searches: int  # exact searches run
+    search_s: float  # wall time of the whole sweep
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.batch * self.template.device.world_size / self.result.time_s
+
+
+def _time_lower_bound(t: ProblemTemplate, batch: int) -> float:
+    times = _option_times(t, batch)
+    best = np.full(len(t.desc.ops), np.inf)
+    np.minimum.at(best, t.opt_op, times)
+    return float(best.sum())
+
+
+def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto") -> SearchResult:
+    return search(t.problem(batch), backend=backend)
+
+
+def _finish(t, batch, result, searches, started) -> Scheduled:
+    estimate = evaluate(t, batch, result.option_index, result.variant)
+    return Scheduled(t, batch, result, estimate, searches, time.perf_counter() - started)
+
+
+def schedule(
+    desc: ModelDesc,
+    device: DeviceInfo,
+    settings: PlannerSettings | None = None,
+    batch: int | None = None,
+    backend: str = "auto",
+    max_batch: int = MAX_BATCH,
+) -> Scheduled:
+    """Plan at a fixed ``batch``, or sweep batch sizes (``batch=None``) for the most
+    samples per second. Raises ``InfeasiblePlanError`` when nothing fits at batch 1
+    (or at the requested batch)."""
+    started = time.perf_counter()
+    t = build_template(desc, device, settings)
+    if batch is not None:
+        result = search_batch(t, batch, backend)
+        if not result.feasible:
+            raise _infeasible(t, batch)
+        return _finish(t, batch, result, 1, started)
+
+    searches = 0
+    results: dict[int, SearchResult] = {}
+
+    def probe(b: int) -> bool:
+        nonlocal searches
+        searches += 1
+        results[b] = search_batch(t, b, backend)
+        return results[b].feasible
+
+    if not probe(1):
+        raise _infeasible(t, 1)
+    lo, hi = 1, None  # lo feasible, hi infeasible
+    while hi is None:
+        nxt = min(lo * 2, max_batch)
+        if nxt == lo:
+            break
+        if probe(nxt):
+            lo = nxt
+        else:
+            hi = nxt
+    if hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if probe(mid):
+                lo = mid
+            else:
+                hi = mid
+
+    constant_s = t.problem(1).constant_time_s
+    best_b, best_rate = 0, -1.0
+    for b in range(lo, 0, -1):
+        if b not in results:
+            bound = b / (_time_lower_bound(t, b) + constant_s)
+            if bound <= best_rate:
+                continue
+            probe(b)
+        r = results[b]
+        if r.feasible and b / r.time_s > best_rate:
+            best_b, best_rate = b, b / r.time_s
+    return _finish(t, best_b, results[best_b], searches, started)
+
+
+def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
+    """The error for 'nothing fits', with the smallest plan's exact memory."""
+    smallest = min_memory_estimate(t, batch)
+    lines = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in smallest.breakdown.items())
+    return InfeasiblePlanError(
+        f"no plan fits in {t.device.memory_limit_bytes / 2**30:.2f} GiB per device at batch {batch}: "
+        f"the smallest plan (all zdp, finest split{', checkpointing' if t.settings.checkpointing != 'none' else ''}) "
+        f"needs {smallest.peak_bytes / 2**30:.2f} GiB, peaking at {smallest.peak_op} ({lines}); "
+        "raise the memory limit, add devices, or allow splitting/checkpointing",
+        min_bytes=smallest.peak_bytes,
+        breakdown=smallest.breakdown,
+    )
+
+
+def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
+    """The least-memory plan: every op all-zdp at its finest split, every block
+    checkpointed when allowed (ties broken by smaller transient bytes)."""
+    option_index = []
+    variant = [1 if seg.checkpointable else 0 for seg in t.segments]
+    seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
+    problem = t.problem(batch)
+    for i in range(len(t.desc.ops)):
+        v = variant[seg_of[i]]
+        lo, hi = t.opt_begin[i, v], t.opt_end[i, v]
+        idx = np.arange(lo, hi)
+        key = t.opt_held_bytes[idx] + problem.opt_local_bytes[idx]
+        option_index.append(int(idx[np.argmin(key)]))
+    return evaluate(t, batch, option_index, variant)
+
+
+def check_batch(batch) -> int:
+    if batch is None:
+        return None
+    if not isinstance(batch, (int, np.integer)) or isinstance(batch, bool) or batch < 1:
+        raise OSDPError(f"batch size must be a positive integer, got {batch!r}")
+    return int(batch)
