@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "OSDP": "osdp.api",
     "describe": "osdp.planner.describe",
-    "describe_gpt": "osdp.planner.describe",
+    "describe_gpt": "osdp.planner.gpt_desc",
     "ModelDesc": "osdp.planner.describe",
     "OpDesc": "osdp.planner.describe",
     "DeviceInfo": "osdp.planner.device",

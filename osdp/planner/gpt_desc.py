@@ -1,0 +1,63 @@
+"""Analytic description of the package's GPT (``osdp.models.GPT``) from its config.
+
+Gives the same units, in the same order, with the same parameter counts, FLOPs and
+saved-activation bytes that ``describe`` measures on a real forward (a test checks it),
+so models far larger than this machine can be planned.
+
+Per block (s = seq, h = width, a = heads, e = element bytes), saved per sample:
+    ln_1, ln_2    s h e (input) + 2 s * 4 (fp32 mean and rstd)
+    attn.c_attn   s h e (input) + 3 s h e (q, k, v) + a s^2 e (softmax output); also
+                  carries the attention matmuls' 4 s^2 h FLOPs
+    attn.c_proj   s h e (input)
+    mlp.c_fc      s h e (input) + r s h e (GELU input)
+    mlp.c_proj    r s h e (input)
+The embedding saves the token ids (s * 8); the head saves its input, the logits
+and the targets for the loss: s h e + s V e + s * 8.
+"""
+from __future__ import annotations
+
+from ..models.gpt import GPTConfig
+from .describe import BlockDesc, ModelDesc, OpDesc
+
+
+def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = None) -> ModelDesc:
+    s, e, a, r, vocab = config.seq_len, dtype_bytes, config.heads, config.mlp_ratio, config.vocab_size
+    widths = config.widths
+    ops: list[OpDesc] = []
+    blocks: list[BlockDesc] = []
+
+    def linear(path, fan_in, fan_out, act, extra_flops=0.0, bias=True, block=None):
+        count = fan_in * fan_out + (fan_out if bias else 0)
+        ops.append(OpDesc(path, "linear", count, count * e, act, 2.0 * s * fan_in * fan_out + extra_flops,
+                          splittable=fan_in >= 2, in_features=fan_in if fan_in >= 2 else 0, block=block))
+
+    def layernorm(path, h, block=None):
+        ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block))
+
+    h0 = config.hidden
+    ids = s * 8  # int64 token ids, saved by the embedding (and the targets, by the loss)
+    ops.append(OpDesc("wte", "embedding", vocab * h0, vocab * h0 * e, ids, 0.0, False))
+    ops.append(OpDesc("wpe", "embedding", s * h0, s * h0 * e, 0.0, 0.0, False))
+    inputs = (h0,) + widths[:-1]
+    for i, (w_in, h) in enumerate(zip(inputs, widths)):
+        if w_in != h:
+            first = len(ops)
+            linear(f"bridges.{i}", w_in, h, s * w_in * e, block=f"bridges.{i}")
+            blocks.append(BlockDesc(f"bridges.{i}", first, 1, s * w_in * e))
+        b = f"blocks.{i}"
+        first = len(ops)
+        layernorm(f"{b}.ln_1", h, b)
+        linear(f"{b}.attn.c_attn", h, 3 * h, 4 * s * h * e + a * s * s * e, extra_flops=4.0 * s * s * h, block=b)
+        linear(f"{b}.attn.c_proj", h, h, s * h * e, block=b)
+        layernorm(f"{b}.ln_2", h, b)
+        linear(f"{b}.mlp.c_fc", h, r * h, s * h * e + r * s * h * e, block=b)
+        linear(f"{b}.mlp.c_proj", r * h, h, r * s * h * e, block=b)
+        blocks.append(BlockDesc(b, first, len(ops) - first, s * h * e))
+    layernorm("ln_f", widths[-1])
+    head_act = s * widths[-1] * e + s * vocab * e + ids
+    if config.tie_embeddings:
+        ops.append(OpDesc("lm_head", "linear", 0, 0, head_act, 2.0 * s * widths[-1] * vocab, False, tied_to="wte"))
+    else:
+        linear("lm_head", widths[-1], vocab, head_act, bias=False)
+    label = name or f"GPT-{config.num_layers}x{config.hidden}"
+    return ModelDesc(name=label, ops=tuple(ops), blocks=tuple(blocks))
