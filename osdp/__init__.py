@@ -29,7 +29,7 @@ _EXPORTS = {
     "PlannerSettings": "osdp.planner.cost_model",
     "evaluate": "osdp.planner.cost_model",
     "Plan": "osdp.planner.plan",
-    "make_plan": "osdp.planner.scheduler",
+    "make_plan": "osdp.planner.planner",
     "auto_plan": "osdp.api",
     "InfeasiblePlanError": "osdp.errors",
     "PlanMismatchError": "osdp.errors",

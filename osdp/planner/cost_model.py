@@ -106,9 +106,14 @@ def shape_key(op: OpDesc) -> str:
 
 
 def prefetch_window(desc: ModelDesc, settings: PlannerSettings) -> float:
+    """Default: room for two of the largest slices at the finest split, so every split
+    op can overlap its gathers. Unsplittable giants (a big embedding) do not set it:
+    they run with their gather exposed rather than inflate every op's window."""
     if settings.prefetch_bytes is not None:
         return float(settings.prefetch_bytes)
-    finest = [op.param_bytes / max(slice_choices(op, settings)) for op in desc.ops]
+    finest = [op.param_bytes / max(slice_choices(op, settings)) for op in desc.ops if op.splittable]
+    if not finest:
+        finest = [op.param_bytes for op in desc.ops]
     return 2.0 * max(finest, default=0.0)
 
 
@@ -146,21 +151,22 @@ def split_efficiency(g: int) -> float:
 class _Segment:
     name: str
     ops: list[int]
-    checkpointable: bool
+    variants: tuple[bool, ...]  # per search variant: is the segment checkpointed
     input_bytes_per_sample: float
 
 
 def _segments(desc: ModelDesc, settings: PlannerSettings) -> list[_Segment]:
     """Blocks as segments; every op outside a block is a segment of its own."""
+    variants = {"none": (False,), "auto": (False, True), "all": (True,)}[settings.checkpointing]
     by_first = {b.first_op: b for b in desc.blocks}
     segments, i = [], 0
     while i < len(desc.ops):
         block = by_first.get(i)
         if block is not None and settings.checkpointing != "none":
-            segments.append(_Segment(block.name, list(range(i, i + block.num_ops)), True, block.input_bytes_per_sample))
+            segments.append(_Segment(block.name, list(range(i, i + block.num_ops)), variants, block.input_bytes_per_sample))
             i += block.num_ops
         else:
-            segments.append(_Segment(desc.ops[i].name, [i], False, 0.0))
+            segments.append(_Segment(desc.ops[i].name, [i], (False,), 0.0))
             i += 1
     return segments
 
@@ -179,6 +185,7 @@ class ProblemTemplate:
     # flat per option (variant-1 options of a segment follow its variant-0 ones)
     opt_op: np.ndarray = field(repr=False, default=None)
     opt_variant: np.ndarray = field(repr=False, default=None)
+    opt_checkpointed: np.ndarray = field(repr=False, default=None)
     opt_slices: np.ndarray = field(repr=False, default=None)
     opt_zdp: np.ndarray = field(repr=False, default=None)
     opt_held_bytes: np.ndarray = field(repr=False, default=None)
@@ -254,11 +261,11 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
     quantum = max(budget, 1.0) / buckets
 
-    cols = {k: [] for k in ("op", "variant", "g", "k", "held", "transient", "comm_f", "comm_b", "overlap", "ovh", "eff")}
+    cols = {k: [] for k in ("op", "variant", "ckpt", "g", "k", "held", "transient", "comm_f", "comm_b", "overlap", "ovh", "eff")}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
     for seg in segments:
-        for variant in ((0, 1) if seg.checkpointable else (0,)):
+        for variant, checkpointed in enumerate(seg.variants):
             for i in seg.ops:
                 op = desc.ops[i]
                 begin[i, variant] = len(cols["op"])
@@ -272,7 +279,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                             # weights again in forward and backward, as a zdp use would
                             s = _owner_bytes(desc, op)
                             held, comm_f = 0.0, device.all_gather.time_s(s, n)
-                            comm_b = comm_f * (2 if variant else 1)
+                            comm_b = comm_f * (2 if checkpointed else 1)
                             grad = 0.0
                         else:
                             s = op.param_bytes / g
@@ -280,7 +287,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                             ag = device.all_gather.time_s(s, n)
                             grad = s * grad_ratio * trainable
                             comm_f = g * ag
-                            comm_b = k * ag * (2 if variant else 1) + g * device.reduce_scatter.time_s(grad, n)
+                            comm_b = k * ag * (2 if checkpointed else 1) + g * device.reduce_scatter.time_s(grad, n)
                         if s > window:
                             gathers_f = gathers_b = s
                         else:
@@ -288,6 +295,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                             gathers_b = min(window, s + before[i])
                         cols["op"].append(i)
                         cols["variant"].append(variant)
+                        cols["ckpt"].append(checkpointed)
                         cols["g"].append(g)
                         cols["k"].append(k)
                         cols["held"].append(held)
@@ -311,6 +319,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         segments=segments,
         opt_op=arr("op", np.int64),
         opt_variant=arr("variant", np.int64),
+        opt_checkpointed=arr("ckpt", bool),
         opt_slices=arr("g", np.int64),
         opt_zdp=arr("k", np.int64),
         opt_held_bytes=arr("held"),
@@ -334,7 +343,7 @@ def _option_times(t: ProblemTemplate, batch: int) -> np.ndarray:
     op = t.opt_op
     comp_f = (t.fwd_intercept_s[op] + t.fwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
     comp_b = (t.bwd_intercept_s[op] + t.bwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
-    comp_b = comp_b + comp_f * (t.opt_variant == 1)  # recompute of a checkpointed block
+    comp_b = comp_b + comp_f * t.opt_checkpointed  # recompute of a checkpointed block
     overlapped = np.maximum(comp_f, t.opt_comm_f_s) + np.maximum(comp_b, t.opt_comm_b_s)
     serial = comp_f + t.opt_comm_f_s + comp_b + t.opt_comm_b_s
     return np.where(t.opt_overlap, overlapped, serial)
@@ -350,18 +359,17 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
     carry = np.zeros((n_seg, 2), dtype=np.int64)
     for s, seg in enumerate(t.segments):
         inside = np.cumsum(act[seg.ops])
-        act_in[seg.ops, 0] = inside
-        carry[s, 0] = math.ceil(inside[-1] / q - 1e-9) if inside[-1] > 0 else 0
-        if seg.checkpointable:
-            kept = seg.input_bytes_per_sample * batch
-            act_in[seg.ops, 1] = kept + inside
-            carry[s, 1] = math.ceil(kept / q - 1e-9) if kept > 0 else 0
+        for v, checkpointed in enumerate(seg.variants):
+            kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
+            act_in[seg.ops, v] = kept + inside
+            carried = kept if checkpointed else inside[-1]
+            carry[s, v] = math.ceil(carried / q - 1e-9) if carried > 0 else 0
     held_q = np.ceil(t.opt_held_bytes / q - 1e-9).astype(np.int64)
     held_q[t.opt_held_bytes <= 0] = 0
     return SearchProblem(
         seg_first_op=np.array([seg.ops[0] for seg in t.segments], dtype=np.int64),
         seg_num_ops=np.array([len(seg.ops) for seg in t.segments], dtype=np.int64),
-        seg_num_variants=np.array([2 if seg.checkpointable else 1 for seg in t.segments], dtype=np.int64),
+        seg_num_variants=np.array([len(seg.variants) for seg in t.segments], dtype=np.int64),
         seg_carry_act_q=carry,
         seg_extra_time_s=np.zeros((n_seg, 2)),
         act_in_segment_bytes=act_in,
@@ -411,8 +419,9 @@ def evaluate(
     static_total = sum(t.static.values())
     for s, seg in enumerate(t.segments):
         v = variant[s]
+        checkpointed = seg.variants[v]
         inside = 0.0
-        kept = seg.input_bytes_per_sample * batch if v == 1 else 0.0
+        kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
         for i in seg.ops:
             o = option_index[i]
             if not (t.opt_begin[i, v] <= o < t.opt_end[i, v]):
@@ -431,7 +440,7 @@ def evaluate(
             total = sum(live.values())
             if total > best[0]:
                 best = (total, i, live)
-        act_prefix += kept if v == 1 else inside
+        act_prefix += kept if checkpointed else inside
     peak, peak_i, breakdown = best
     return Estimate(
         step_s=float(total_s),

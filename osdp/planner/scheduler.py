@@ -134,7 +134,7 @@ def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
     """The least-memory plan: every op all-zdp at its finest split, every block
     checkpointed when allowed (ties broken by smaller transient bytes)."""
     option_index = []
-    variant = [1 if seg.checkpointable else 0 for seg in t.segments]
+    variant = [max(range(len(seg.variants)), key=lambda v: seg.variants[v]) for seg in t.segments]
     seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
     problem = t.problem(batch)
     for i in range(len(t.desc.ops)):

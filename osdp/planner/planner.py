@@ -1,0 +1,98 @@
+"""make_plan: describe + device + settings -> Plan, with the FSDP baselines beside it."""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from ..errors import InfeasiblePlanError
+from .cost_model import PlannerSettings
+from .describe import ModelDesc
+from .device import DeviceInfo
+from .plan import Plan, Prediction, UnitDecision
+from .scheduler import Scheduled, check_batch, schedule
+
+# baseline name -> settings overrides (policy, checkpointing)
+BASELINES = {
+    "fsdp": dict(policy="zdp", checkpointing="none"),
+    "shard_grad_op": dict(policy="dp", checkpointing="none"),
+}
+CKPT_BASELINES = {"fsdp_ckpt": dict(policy="zdp", checkpointing="all")}
+
+
+def _prediction(s: Scheduled) -> Prediction:
+    return Prediction(
+        batch_size=s.batch,
+        step_s=s.result.time_s,
+        samples_per_s=s.samples_per_s,
+        peak_bytes=s.estimate.peak_bytes,
+        peak_op=s.estimate.peak_op,
+        breakdown=dict(s.estimate.breakdown),
+    )
+
+
+def plan_from_schedule(s: Scheduled, baselines: dict | None = None) -> Plan:
+    t = s.template
+    desc = t.desc
+    checkpointed = {
+        desc.ops[i].name
+        for seg, v in zip(t.segments, s.result.variant)
+        if seg.variants[v]
+        for i in seg.ops
+    }
+    units = []
+    for i, op in enumerate(desc.ops):
+        if op.tied_to:  # a second use of another unit's weights: no unit of its own
+            continue
+        o = s.result.option_index[i]
+        g, k = int(t.opt_slices[o]), int(t.opt_zdp[o])
+        units.append(UnitDecision(op.name, op.kind, op.param_bytes, ("zdp",) * k + ("dp",) * (g - k),
+                                  op.name in checkpointed))
+    blocks = tuple(seg.name for seg, v in zip(t.segments, s.result.variant) if seg.variants[v])
+    rounded_terms = sum(1 for i in range(len(desc.ops)) if t.opt_held_bytes[s.result.option_index[i]] > 0)
+    return Plan(
+        model_name=desc.name,
+        fingerprint=desc.fingerprint(),
+        world_size=t.device.world_size,
+        memory_limit_bytes=float(t.device.memory_limit_bytes),
+        batch_size=s.batch,
+        prefetch_bytes=int(t.window_bytes),
+        units=tuple(units),
+        checkpoint_blocks=blocks,
+        predicted=_prediction(s),
+        baselines=dict(baselines or {}),
+        device_name=t.device.name,
+        search_s=s.search_s,
+        searches=s.searches,
+        quantum_bytes=t.quantum_bytes,
+        rounding_bound_bytes=t.quantum_bytes * (rounded_terms + len(t.segments)),
+        settings=asdict(t.settings),
+    )
+
+
+def make_plan(
+    desc: ModelDesc,
+    device: DeviceInfo,
+    settings: PlannerSettings | None = None,
+    batch: int | None = None,
+    backend: str = "auto",
+    baselines: bool = True,
+) -> Plan:
+    """The plan with the most samples/s (or the fastest at ``batch``), plus the
+    predictions of FSDP full shard and shard-grad-op at the same memory limit, each at
+    its own best batch (and FSDP with checkpointing when checkpointing is allowed)."""
+    settings = settings or PlannerSettings()
+    batch = check_batch(batch)
+    best = schedule(desc, device, settings, batch=batch, backend=backend)
+    found = {}
+    if baselines:
+        wanted = dict(BASELINES)
+        if settings.checkpointing != "none":
+            wanted.update(CKPT_BASELINES)
+        for name, overrides in wanted.items():
+            try:
+                found[name] = _prediction(
+                    schedule(desc, device, settings.with_(**overrides, prefetch_bytes=settings.prefetch_bytes),
+                             batch=None, backend=backend)
+                )
+            except InfeasiblePlanError:
+                found[name] = None
+    return plan_from_schedule(best, found)
