@@ -34,6 +34,7 @@ _EXPORTS = {
     "InfeasiblePlanError": "osdp.errors",
     "PlanMismatchError": "osdp.errors",
     "OSDPError": "osdp.errors",
+    "ConfigError": "osdp.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

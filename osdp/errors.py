@@ -6,6 +6,10 @@ class OSDPError(Exception):
     """Base of every error OSDP raises on purpose (bad input, impossible request)."""
 
 
+class ConfigError(OSDPError, ValueError):
+    """A configuration value that is out of range or unknown."""
+
+
 class InfeasiblePlanError(OSDPError):
     """No plan fits the memory limit, even at batch size 1.
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..errors import ConfigError
+
 
 @dataclass(frozen=True)
 class GPTConfig:
@@ -30,20 +32,20 @@ class GPTConfig:
         for name in ("vocab_size", "seq_len", "num_layers", "hidden", "heads", "mlp_ratio"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+                raise ConfigError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
         if self.block_hidden and len(self.block_hidden) != self.num_layers:
-            raise ValueError(
+            raise ConfigError(
                 f"GPTConfig.block_hidden has {len(self.block_hidden)} entries; "
                 f"it needs one per layer ({self.num_layers}) or none"
             )
         for width in self.widths:
             if width % self.heads:
-                raise ValueError(
+                raise ConfigError(
                     f"hidden size {width} is not divisible by heads={self.heads}; "
                     "pick a hidden size that is a multiple of the head count"
                 )
         if self.tie_embeddings and self.widths[-1] != self.hidden:
-            raise ValueError("tie_embeddings needs the last block's width equal to `hidden`")
+            raise ConfigError("tie_embeddings needs the last block's width equal to `hidden`")
 
     @property
     def widths(self) -> tuple[int, ...]:
@@ -130,7 +132,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = idx.shape[1]
         if seq > self.config.seq_len:
-            raise ValueError(f"sequence length {seq} exceeds the model's seq_len={self.config.seq_len}")
+            raise ConfigError(f"sequence length {seq} exceeds the model's seq_len={self.config.seq_len}")
         pos = torch.arange(seq, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for bridge, block in zip(self.bridges, self.blocks):

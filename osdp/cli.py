@@ -1,0 +1,186 @@
+"""Command line: ``osdp plan | simulate | demo``.
+
+Every bad input ends in one line on stderr (``osdp: error: ...``) and exit status 2;
+no traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .errors import OSDPError
+
+
+def _model_desc(args):
+    from .models import GPTConfig, get_preset
+    from .planner.gpt_desc import describe_gpt
+
+    shape = dict(num_layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq, vocab_size=args.vocab)
+    given = {k: v for k, v in shape.items() if v is not None}
+    if args.preset:
+        base = get_preset(args.preset)
+        name = args.preset
+    elif given:
+        base = GPTConfig(num_layers=1, hidden=1024, heads=16, seq_len=1024, vocab_size=50257)
+        name = None
+    else:
+        base, name = get_preset(DEFAULT_PRESET), DEFAULT_PRESET
+    fields = dict(base.__dict__)
+    fields.update(given)
+    if args.block_hidden:
+        fields["block_hidden"] = tuple(int(x) for x in args.block_hidden.split(","))
+    elif "num_layers" in given or "hidden" in given:
+        fields["block_hidden"] = ()
+    try:
+        config = GPTConfig(**fields)
+    except (TypeError, ValueError) as exc:
+        raise OSDPError(str(exc)) from None
+    label = name if name and not given else f"GPT-{config.num_layers}x{config.hidden}"
+    return describe_gpt(config, dtype_bytes=args.dtype_bytes, name=label)
+
+
+def _device(args):
+    from .planner.device import load_cluster, parse_bytes
+
+    device = load_cluster(args.cluster)
+    changes = {}
+    if args.world_size is not None:
+        if args.world_size < 1:
+            raise OSDPError(f"--world-size must be a positive integer, got {args.world_size}")
+        changes["world_size"] = args.world_size
+    if args.memory is not None:
+        changes["memory_limit_bytes"] = parse_bytes(args.memory)
+    return device.with_(**changes)
+
+
+def _settings(args):
+    from .planner.cost_model import PlannerSettings
+
+    if args.max_slices < 1:
+        raise OSDPError(f"--max-slices must be >= 1, got {args.max_slices}")
+    return PlannerSettings(max_slices=args.max_slices, checkpointing=args.checkpointing)
+
+
+DEFAULT_PRESET = "nd-48x1024"
+
+
+def cmd_plan(args) -> int:
+    from .planner.plan import Plan
+    from .planner.planner import make_plan
+
+    if args.plan:
+        plan = Plan.load(args.plan)
+    else:
+        if args.batch is not None and args.batch < 1:
+            raise OSDPError(f"--batch must be a positive integer, got {args.batch}")
+        plan = make_plan(_model_desc(args), _device(args), _settings(args), batch=args.batch, backend=args.backend)
+    print(plan)
+    speedup = plan.speedup_over_fsdp
+    if speedup is not None:
+        print(f"\npredicted speedup over FSDP (full shard) at {plan.memory_limit_bytes / 2**30:.2f} GiB: {speedup:.2f}x")
+    elif "fsdp" in plan.baselines:
+        print("\nFSDP (full shard) does not fit at this memory limit; OSDP does")
+    print(f"search time: {plan.search_s:.3f} s")
+    if args.json:
+        plan.save(args.json)
+        print(f"plan written to {args.json}")
+    if args.plot:
+        from .plot import plot_plan
+
+        plot_plan(plan, _model_desc(args) if not args.plan else None, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from .simulate import run_simulation
+
+    print(run_simulation(cluster=args.cluster, backend=args.backend, quick=args.quick))
+    return 0
+
+
+def _add_model_flags(p):
+    g = p.add_argument_group("model (a preset, or a GPT shape)")
+    g.add_argument("--preset", help=f"named model config (default {DEFAULT_PRESET}); see `osdp presets`")
+    g.add_argument("--layers", type=int)
+    g.add_argument("--hidden", type=int)
+    g.add_argument("--heads", type=int)
+    g.add_argument("--seq", type=int)
+    g.add_argument("--vocab", type=int)
+    g.add_argument("--block-hidden", help="comma-separated per-block widths (inconsistent & consecutive models)")
+    g.add_argument("--dtype-bytes", type=int, default=4, choices=(2, 4), help="bytes per weight element (default 4: fp32)")
+
+
+def _add_cluster_flags(p):
+    g = p.add_argument_group("cluster")
+    g.add_argument("--cluster", default="titan-rtx-pcie3", help="profile name or JSON file (default titan-rtx-pcie3)")
+    g.add_argument("--world-size", type=int, help="data-parallel ranks (default: the profile's)")
+    g.add_argument("--memory", help="memory limit per device, e.g. 8GiB (default: the profile's)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="osdp", description="Optimal Sharded Data Parallel for PyTorch")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a model on a cluster and show the predicted speedup over FSDP")
+    _add_model_flags(p)
+    _add_cluster_flags(p)
+    p.add_argument("--batch", type=int, help="batch size per device (default: sweep for the most samples/s)")
+    p.add_argument("--max-slices", type=int, default=16, help="largest split granularity (1 disables splitting)")
+    p.add_argument("--checkpointing", default="none", choices=("none", "auto", "all"),
+                   help="activation checkpointing: none, per block chosen by the planner, or every block")
+    p.add_argument("--json", help="write the plan to this file")
+    p.add_argument("--plan", help="show a saved plan instead of planning")
+    p.add_argument("--plot", help="write a PNG of the decisions and predicted memory")
+    p.add_argument("--backend", default="auto", choices=("auto", "cpp", "python"), help="search core")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="the paper's experiment grid, predicted (throughput ratios vs FSDP)")
+    p.add_argument("--cluster", default="titan-rtx-pcie3")
+    p.add_argument("--backend", default="auto", choices=("auto", "cpp", "python"))
+    p.add_argument("--quick", action="store_true", help="one model per family")
+    p.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("presets", help="list the model presets")
+    p.set_defaults(func=cmd_presets)
+
+    p = sub.add_parser("demo", help="plan and train a small GPT on this machine (2 gloo processes)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--memory", default="96MiB", help="memory limit per process")
+    p.add_argument("--preset", default="small")
+    p.set_defaults(func=cmd_demo)
+    return parser
+
+
+def cmd_presets(args) -> int:
+    from .models import PRESETS
+
+    for name, c in sorted(PRESETS.items()):
+        widths = f" widths {','.join(map(str, c.block_hidden))}" if c.block_hidden else ""
+        print(f"{name:18s} layers {c.num_layers:3d} hidden {c.hidden:6d} heads {c.heads:3d} seq {c.seq_len:5d} vocab {c.vocab_size}{widths}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(args)
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except OSDPError as exc:
+        print(f"osdp: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("osdp: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
