@@ -2,7 +2,8 @@
 
 [Note: exact batch sweep]
 Memory grows with the batch for every plan, so feasibility is monotone in b: the largest
-feasible batch is found by doubling then bisection (each probe one exact search). The
+feasible batch is found by doubling then bisection, each probe an exact feasibility
+search over the least-memory options only (``least_memory_problem``). The
 batches below it are then searched from the largest down, skipping any batch whose
 throughput bound b / (least possible step time at b, memory ignored) cannot beat the
 best plan found so far. The result is the exact maximum of samples/s over all batch
@@ -11,7 +12,7 @@ sizes, at a few searches instead of one per batch.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from .cost_model import Estimate, PlannerSettings, ProblemTemplate, build_templa
 from .describe import ModelDesc
 from .device import DeviceInfo
 from .search import search
-from .search_problem import SearchResult
+from .search_problem import SearchProblem, SearchResult
 
 MAX_BATCH = 1 << 20  # a sweep never goes past this (a model with nothing batch-dependent)
 
@@ -31,7 +32,7 @@ class Scheduled:
     batch: int
     result: SearchResult
     estimate: Estimate  # exact bytes of the chosen plan
-    searches: int  # exact searches run
+    searches: int  # exact searches run (feasibility probes included)
     search_s: float  # wall time of the whole sweep
 
     @property
@@ -48,6 +49,50 @@ def _time_lower_bound(t: ProblemTemplate, batch: int) -> float:
 
 def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto") -> SearchResult:
     return search(t.problem(batch), backend=backend)
+
+
+def least_memory_problem(problem: SearchProblem) -> SearchProblem | None:
+    """The problem with each op reduced to its least-memory option, or None when no
+    option has both the least held and the least local bytes of its op.
+
+    Every memory constraint is monotone in held and local bytes, so any feasible plan
+    stays feasible when each op takes such an option: the reduced problem is feasible
+    exactly when the full one is, and it searches in a fraction of the time."""
+    keep = []
+    for i in range(problem.num_ops):
+        for v in range(2):
+            lo, hi = problem.opt_begin[i, v], problem.opt_end[i, v]
+            if hi <= lo:
+                keep.append((lo, lo))
+                continue
+            held = problem.opt_held_q[lo:hi]
+            local = problem.opt_local_bytes[lo:hi]
+            best = int(np.lexsort((local, held))[0])
+            if local[best] > local.min():
+                return None
+            keep.append((lo + best, lo + best + 1))
+    index = np.array([k for k, _ in keep], dtype=np.int64)
+    sizes = np.array([e - b for b, e in keep], dtype=np.int64)
+    begin = np.concatenate(([0], np.cumsum(sizes)[:-1])).reshape(-1, 2)
+    end = begin + sizes.reshape(-1, 2)
+    chosen = index[sizes == 1]
+    return replace(
+        problem,
+        opt_begin=begin,
+        opt_end=end,
+        opt_slices=problem.opt_slices[chosen],
+        opt_zdp_slices=problem.opt_zdp_slices[chosen],
+        opt_held_q=problem.opt_held_q[chosen],
+        opt_local_bytes=problem.opt_local_bytes[chosen],
+        opt_time_s=problem.opt_time_s[chosen],
+    )
+
+
+def fits_at(t: ProblemTemplate, batch: int, backend: str = "auto") -> bool:
+    """Whether any plan fits at ``batch`` (exact, through the least-memory problem)."""
+    problem = t.problem(batch)
+    reduced = least_memory_problem(problem)
+    return search(reduced if reduced is not None else problem, backend=backend).feasible
 
 
 def _finish(t, batch, result, searches, started) -> Scheduled:
@@ -77,27 +122,32 @@ def schedule(
     searches = 0
     results: dict[int, SearchResult] = {}
 
-    def probe(b: int) -> bool:
+    def probe(b: int) -> SearchResult:
         nonlocal searches
         searches += 1
         results[b] = search_batch(t, b, backend)
-        return results[b].feasible
+        return results[b]
 
-    if not probe(1):
+    def fits(b: int) -> bool:
+        nonlocal searches
+        searches += 1
+        return fits_at(t, b, backend)
+
+    if not fits(1):
         raise _infeasible(t, 1)
     lo, hi = 1, None  # lo feasible, hi infeasible
     while hi is None:
         nxt = min(lo * 2, max_batch)
         if nxt == lo:
             break
-        if probe(nxt):
+        if fits(nxt):
             lo = nxt
         else:
             hi = nxt
     if hi is not None:
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if probe(mid):
+            if fits(mid):
                 lo = mid
             else:
                 hi = mid
@@ -105,12 +155,10 @@ def schedule(
     constant_s = t.problem(1).constant_time_s
     best_b, best_rate = 0, -1.0
     for b in range(lo, 0, -1):
-        if b not in results:
-            bound = b / (_time_lower_bound(t, b) + constant_s)
-            if bound <= best_rate:
-                continue
-            probe(b)
-        r = results[b]
+        bound = b / (_time_lower_bound(t, b) + constant_s)
+        if bound <= best_rate:
+            continue
+        r = probe(b)
         if r.feasible and b / r.time_s > best_rate:
             best_b, best_rate = b, b / r.time_s
     return _finish(t, best_b, results[best_b], searches, started)

@@ -1,0 +1,158 @@
+"""The cost model against hand-computed fp64 formulas, and its memory bookkeeping."""
+import math
+
+import numpy as np
+import pytest
+
+from osdp.errors import OSDPError
+from osdp.planner.cost_model import PlannerSettings, build_template, evaluate
+from osdp.planner.describe import BlockDesc, ModelDesc, OpDesc
+from osdp.planner.device import CollectiveCost, DeviceInfo, parse_bytes
+
+MiB = 2**20
+
+
+def device(world=4, limit=1 << 30, **kw):
+    args = dict(
+        name="test",
+        world_size=world,
+        memory_limit_bytes=limit,
+        all_gather=CollectiveCost(alpha_s=1e-5, beta_s_per_byte=1e-9),
+        reduce_scatter=CollectiveCost(alpha_s=2e-5, beta_s_per_byte=2e-9),
+        flops_per_s=1e12,
+        op_overhead_s=1e-5,
+        slice_overhead_s=3e-6,
+        memory_bandwidth_bytes_per_s=1e11,
+        constant_bytes=0,
+    )
+    args.update(kw)
+    return DeviceInfo(**args)
+
+
+def linear_model(n_ops=1, in_f=256, out_f=256, act=4096.0, flops=1e6):
+    ops = tuple(
+        OpDesc(f"l{i}", "linear", in_f * out_f, in_f * out_f * 4, act, flops, True, in_f)
+        for i in range(n_ops)
+    )
+    return ModelDesc("lin", ops)
+
+
+def option(t, op, g, k, variant=0):
+    for o in range(t.opt_begin[op, variant], t.opt_end[op, variant]):
+        if t.opt_slices[o] == g and t.opt_zdp[o] == k:
+            return o
+    raise AssertionError(f"no option g={g} k={k}")
+
+
+def ring(alpha, beta, nbytes, n):
+    return (n - 1) * alpha + (n - 1) / n * nbytes * beta
+
+
+@pytest.mark.parametrize("g,k", [(1, 0), (1, 1), (4, 1), (4, 4), (16, 7)])
+def test_option_time_matches_alpha_beta_gamma(g, k):
+    desc = linear_model()
+    dev = device()
+    window = 1e12  # everything overlaps
+    t = build_template(desc, dev, PlannerSettings(prefetch_bytes=window))
+    b = 8
+    P = 256 * 256 * 4
+    s = P / g
+    ag = ring(1e-5, 1e-9, s, 4)
+    rs = ring(2e-5, 2e-9, s, 4)
+    comp_f = 1e-5 + 1e6 / 1e12 * b + (g - 1) * 3e-6
+    comp_b = 2 * (1e-5 + 1e6 / 1e12 * b) + (g - 1) * 3e-6
+    expect = max(comp_f, g * ag) + max(comp_b, k * ag + g * rs)
+    got = t.problem(b).opt_time_s[option(t, 0, g, k)]
+    assert got == pytest.approx(expect, rel=1e-12)
+
+
+def test_gather_is_exposed_when_two_slices_do_not_fit_the_window():
+    desc = linear_model()
+    P = 256 * 256 * 4
+    t = build_template(desc, device(), PlannerSettings(prefetch_bytes=P * 1.5))
+    p = t.problem(1)
+    o1, o2 = option(t, 0, 1, 1), option(t, 0, 2, 2)
+    comp_f = 1e-5 + 1e-6
+    comp_b = 2 * comp_f
+    ag1 = ring(1e-5, 1e-9, P, 4)
+    rs1 = ring(2e-5, 2e-9, P, 4)
+    # unsplit: 2P > window -> serial
+    assert p.opt_time_s[o1] == pytest.approx(comp_f + ag1 + comp_b + ag1 + rs1, rel=1e-12)
+    # two slices: 2 * P/2 <= window -> overlapped
+    ag2, rs2 = ring(1e-5, 1e-9, P / 2, 4), ring(2e-5, 2e-9, P / 2, 4)
+    comp_f2 = comp_f + 3e-6
+    comp_b2 = comp_b + 3e-6
+    assert p.opt_time_s[o2] == pytest.approx(max(comp_f2, 2 * ag2) + max(comp_b2, 2 * ag2 + 2 * rs2), rel=1e-12)
+
+
+def test_dp_is_cheaper_in_time_and_dearer_in_memory():
+    t = build_template(linear_model(), device(), PlannerSettings(prefetch_bytes=0))
+    p = t.problem(1)
+    dp, zdp = option(t, 0, 1, 0), option(t, 0, 1, 1)
+    assert p.opt_time_s[dp] < p.opt_time_s[zdp]
+    assert p.opt_held_q[dp] > 0 and p.opt_held_q[zdp] == 0
+
+
+def test_peak_is_at_start_of_backward_with_a_breakdown():
+    desc = linear_model(n_ops=5)
+    dev = device()
+    t = build_template(desc, dev, PlannerSettings(prefetch_bytes=0))
+    b = 3
+    choices = [option(t, i, 1, 0) for i in range(5)]  # all dp
+    est = evaluate(t, b, choices, [0] * 5)
+    P = 256 * 256 * 4
+    shard = math.ceil(256 * 256 / 4)
+    states = shard * (4 + 4 + 8) * 5
+    expect = states + 5 * P + 5 * 4096 * b + (P + 2 * P) + 4096 * b
+    assert est.peak_op == "l4"
+    assert est.peak_bytes == pytest.approx(expect)
+    assert sum(est.breakdown.values()) == pytest.approx(est.peak_bytes)
+    assert est.breakdown["kept_dp_weights"] == 5 * P
+
+
+def test_search_memory_is_conservative_and_within_its_bound():
+    from osdp.planner.search import evaluate_assignment
+
+    desc = linear_model(n_ops=7, in_f=96, out_f=40, act=1000.0)
+    t = build_template(desc, device(limit=parse_bytes("4MiB")), PlannerSettings(min_buckets=64, max_buckets=64))
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        choice = [int(rng.integers(t.opt_begin[i, 0], t.opt_end[i, 0])) for i in range(7)]
+        p = t.problem(2)
+        _, _, quantized_peak, _ = evaluate_assignment(p, choice, [0] * 7)
+        exact = evaluate(t, 2, choice, [0] * 7).peak_bytes
+        assert quantized_peak >= exact - 1e-6
+        # one quantum per op with kept weights plus one per segment (7 single-op segments)
+        assert quantized_peak - exact <= t.quantum_bytes * (7 + 7) + 1e-6
+
+
+def test_checkpointing_keeps_block_input_and_pays_recompute_and_a_gather():
+    ops = tuple(OpDesc(f"b.{i}", "linear", 64 * 64, 64 * 64 * 4, 5000.0, 1e6, True, 64, block="b") for i in range(3))
+    desc = ModelDesc("blk", ops, (BlockDesc("b", 0, 3, 700.0),))
+    t = build_template(desc, device(limit=parse_bytes("8MiB")), PlannerSettings(checkpointing="auto", prefetch_bytes=1e12, min_buckets=65536))
+    p = t.problem(4)
+    assert list(p.seg_num_variants) == [2]
+    assert p.act_in_segment_bytes[2, 0] == pytest.approx(3 * 5000 * 4)
+    assert p.act_in_segment_bytes[2, 1] == pytest.approx(700 * 4 + 3 * 5000 * 4)
+    plain, ckpt = option(t, 0, 1, 1, 0), option(t, 0, 1, 1, 1)
+    assert p.opt_time_s[ckpt] > p.opt_time_s[plain]
+    assert p.seg_carry_act_q[0, 1] < p.seg_carry_act_q[0, 0]
+
+
+def test_bad_settings_and_sizes_are_rejected():
+    with pytest.raises(OSDPError, match="policy"):
+        PlannerSettings(policy="zero3")
+    with pytest.raises(OSDPError, match="max slices"):
+        PlannerSettings(max_slices=0)
+    with pytest.raises(OSDPError, match="world size"):
+        device(world=0)
+    with pytest.raises(OSDPError, match="memory limit"):
+        device(limit=-1)
+    with pytest.raises(OSDPError, match="batch size"):
+        build_template(linear_model(), device()).problem(0)
+    with pytest.raises(OSDPError, match="negative"):
+        ModelDesc("x", (OpDesc("a", "linear", -1, 4, 0.0, 0.0, False),))
+    for text in ("8XB", "", "-1GiB", "GiB"):
+        with pytest.raises(OSDPError):
+            parse_bytes(text)
+    assert parse_bytes("1.5GiB") == 1.5 * 2**30
