@@ -1,0 +1,142 @@
+"""Batch scheduler, Plan storage and the `osdp` CLI."""
+import json
+
+import numpy as np
+import pytest
+
+import osdp
+from osdp.cli import main
+from osdp.errors import InfeasiblePlanError, OSDPError, PlanMismatchError
+from osdp.models import GPTConfig
+from osdp.planner.cost_model import PlannerSettings, build_template
+from osdp.planner.device import load_cluster
+from osdp.planner.gpt_desc import describe_gpt
+from osdp.planner.plan import Plan
+from osdp.planner.planner import make_plan
+from osdp.planner.scheduler import fits_at, schedule, search_batch
+
+MiB = 2**20
+TINY = GPTConfig(vocab_size=256, seq_len=32, num_layers=3, hidden=64, heads=4)
+
+
+def small_device(limit_mib=48, world=4):
+    return load_cluster("titan-rtx-pcie3").with_(memory_limit_bytes=limit_mib * MiB, world_size=world, constant_bytes=0)
+
+
+@pytest.mark.parametrize("ckpt", ["none", "auto"])
+@pytest.mark.parametrize("limit_mib", [24, 48])
+def test_sweep_finds_the_best_samples_per_second_over_every_batch(ckpt, limit_mib):
+    desc = describe_gpt(TINY)
+    dev = small_device(limit_mib)
+    settings = PlannerSettings(checkpointing=ckpt, max_slices=4)
+    best = schedule(desc, dev, settings, backend="python")
+    t = build_template(desc, dev, settings)
+    # reference: search every batch until nothing fits, keep the most samples/s
+    rates, b = {}, 1
+    while True:
+        r = search_batch(t, b, "python")
+        if not r.feasible:
+            break
+        rates[b] = b / r.time_s
+        b += 1
+    assert rates, "the reference found nothing; the instance is too tight"
+    top = max(rates, key=rates.get)
+    assert best.batch == top
+    assert best.samples_per_s == pytest.approx(rates[top] * dev.world_size, rel=1e-12)
+    assert best.estimate.fits and best.estimate.peak_bytes <= dev.memory_limit_bytes
+
+
+def test_least_memory_feasibility_agrees_with_the_full_search():
+    desc = describe_gpt(TINY)
+    for limit in (10, 16, 24, 40):
+        t = build_template(desc, small_device(limit), PlannerSettings(checkpointing="auto", max_slices=4))
+        for b in (1, 2, 5, 9, 17):
+            assert fits_at(t, b, "python") == search_batch(t, b, "python").feasible
+
+
+def test_infeasible_plan_error_names_the_minimum_memory():
+    desc = describe_gpt(TINY)
+    with pytest.raises(InfeasiblePlanError) as info:
+        schedule(desc, small_device(1), PlannerSettings(), backend="python")
+    err = info.value
+    assert err.min_bytes > 1 * MiB
+    assert "needs" in str(err) and "GiB" in str(err)
+    assert sum(err.breakdown.values()) == pytest.approx(err.min_bytes)
+    # with a little more than the stated minimum (and the quantization), a plan fits
+    roomy = small_device(err.min_bytes * 1.1 / MiB)
+    assert schedule(desc, roomy, PlannerSettings(), backend="python").batch >= 1
+
+
+def test_plan_round_trips_and_rejects_another_model(tmp_path):
+    desc = describe_gpt(TINY)
+    plan = make_plan(desc, small_device(), PlannerSettings(max_slices=4), backend="python")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = Plan.load(path, fingerprint=desc.fingerprint())
+    assert loaded == plan
+    assert loaded.plan_hash() == plan.plan_hash()
+    other = describe_gpt(GPTConfig(vocab_size=256, seq_len=32, num_layers=2, hidden=64, heads=4))
+    with pytest.raises(PlanMismatchError, match="fingerprint"):
+        Plan.load(path, fingerprint=other.fingerprint())
+    with pytest.raises(PlanMismatchError, match="world size"):
+        plan.check_model(desc.fingerprint(), world_size=2)
+    data = json.loads(path.read_text())
+    data["version"] = 99
+    path.write_text(json.dumps(data))
+    with pytest.raises(OSDPError, match="version"):
+        Plan.load(path)
+    path.write_text("{")
+    with pytest.raises(OSDPError, match="not valid JSON"):
+        Plan.load(path)
+
+
+def test_plan_predictions_and_baselines_are_consistent():
+    desc = describe_gpt(TINY)
+    plan = make_plan(desc, small_device(), PlannerSettings(max_slices=4), backend="python")
+    assert set(plan.baselines) == {"fsdp", "shard_grad_op"}
+    fsdp = plan.baselines["fsdp"]
+    # the OSDP search space contains the FSDP plan at every batch: never slower
+    assert plan.predicted.samples_per_s >= fsdp.samples_per_s * (1 - 1e-12)
+    modes = plan.unit_modes()
+    assert set(modes) == {op.name for op in desc.ops}
+    assert all(set(m) <= {"dp", "zdp"} for m in modes.values())
+    text = str(plan)
+    assert "FSDP full shard" in text and "samples/s" in text
+
+
+def test_cli_plan_writes_json_and_shows_it(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    args = ["plan", "--layers", "2", "--hidden", "64", "--heads", "4", "--seq", "32", "--vocab", "256",
+            "--world-size", "4", "--memory", "1GiB", "--max-slices", "4", "--backend", "python", "--json", str(out)]
+    assert main(args) == 0
+    shown = capsys.readouterr().out
+    assert "speedup over FSDP" in shown or "FSDP (full shard) does not fit" in shown
+    saved = json.loads(out.read_text())
+    assert saved["search_s"] > 0
+    assert main(["plan", "--plan", str(out)]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["plan", "--preset", "nope"], "unknown model preset"),
+        (["plan", "--preset", "tiny", "--memory", "8XB"], "cannot read memory size"),
+        (["plan", "--preset", "tiny", "--memory", "1KiB"], "no plan fits"),
+        (["plan", "--preset", "tiny", "--batch", "0"], "--batch"),
+        (["plan", "--preset", "tiny", "--world-size", "0"], "--world-size"),
+        (["plan", "--layers", "2", "--hidden", "65", "--heads", "4"], "not divisible"),
+        (["plan", "--plan", "/nonexistent/plan.json"], "does not exist"),
+        (["plan", "--cluster", "nowhere"], "unknown cluster"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("osdp: error:") and needle in err
+    assert "\n" not in err and "Traceback" not in err
+
+
+def test_public_api_names_resolve():
+    for name in osdp.__all__:
+        if name != "__version__":
+            assert getattr(osdp, name) is not None
