@@ -1,0 +1,70 @@
+"""Slice matmuls: ``osdp_kernels`` on CUDA when it is importable, torch otherwise.
+
+The torch versions are the reference semantics the kernels must match:
+
+- ``addmm_slice_(out, x, w_slice, k0, bias=None)``: ``out += x[:, k0:k0+ks] @ w_slice.T
+  (+ bias)``, ``out`` an fp32 accumulator;
+- ``slice_dx(dy, w_slice, dx, k0)``: ``dx[:, k0:k0+ks] = dy @ w_slice``;
+- ``slice_dw(dy, x, k0, ks, out=None, accumulate=False)``: ``dy.T @ x[:, k0:k0+ks]``,
+  written to (or added into) ``out`` when given.
+
+The slice of ``x`` is always a strided view, never a copy.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # another package; the runtime must work without it
+    import osdp_kernels as _kernels
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _kernels = None
+
+
+def _kernel(name: str, tensor: torch.Tensor):
+    if _kernels is None or not tensor.is_cuda:
+        return None
+    return getattr(_kernels, name, None)
+
+
+def ref_addmm_slice_(out, x, w_slice, k0, bias=None):
+    xs = x[:, k0 : k0 + w_slice.shape[1]]
+    if xs.dtype == out.dtype and w_slice.dtype == out.dtype:
+        out.addmm_(xs, w_slice.t())
+    else:
+        out.add_(torch.mm(xs, w_slice.t()).to(out.dtype))
+    if bias is not None:
+        out.add_(bias.to(out.dtype))
+    return out
+
+
+def ref_slice_dx(dy, w_slice, dx, k0):
+    dx[:, k0 : k0 + w_slice.shape[1]].copy_(torch.mm(dy, w_slice.to(dy.dtype)))
+    return dx
+
+
+def ref_slice_dw(dy, x, k0, ks, out=None, accumulate=False):
+    dw = torch.mm(dy.t(), x[:, k0 : k0 + ks])
+    if out is None:
+        return dw
+    if accumulate:
+        out.add_(dw.to(out.dtype))
+    else:
+        out.copy_(dw)
+    return out
+
+
+def addmm_slice_(out, x, w_slice, k0, bias=None):
+    fn = _kernel("addmm_slice_", out)
+    return (fn or ref_addmm_slice_)(out, x, w_slice, k0, bias)
+
+
+def slice_dx(dy, w_slice, dx, k0):
+    fn = _kernel("slice_dx", dy)
+    return (fn or ref_slice_dx)(dy, w_slice, dx, k0)
+
+
+def slice_dw(dy, x, k0, ks, out=None, accumulate=False):
+    fn = _kernel("slice_dw", dy)
+    if fn is None:
+        return ref_slice_dw(dy, x, k0, ks, out=out, accumulate=accumulate)
+    return fn(dy, x, k0, ks, out=out, accumulate=accumulate)

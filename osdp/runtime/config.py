@@ -1,0 +1,137 @@
+"""Turn ``plan=`` or ``default_mode=/modes=/splits=`` into per-unit slice modes, with
+errors that say what is wrong and what would be right."""
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from ..errors import OSDPError, PlanMismatchError
+from .modes import Mode, parse_mode
+
+_SLICE_NAME = re.compile(r"(.+)\[(\d+)\]")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """What the runtime executes: per-unit modes (one per slice; len = slice count)."""
+
+    unit_modes: dict[str, tuple[Mode, ...]]
+    prefetch_bytes: int | None  # None: the runtime picks a default
+    checkpoint_blocks: tuple[str, ...]
+    fingerprint: str | None = None
+
+
+def unit_candidates(model: nn.Module) -> list[str]:
+    """Module paths of modules that own parameters directly, in module order."""
+    return [path for path, m in model.named_modules() if any(p is not None for p in m._parameters.values())]
+
+
+def _check_name(name, candidates: list[str], modules: dict, where: str) -> None:
+    if isinstance(name, str) and name in candidates:
+        return
+    if isinstance(name, str) and name in modules:
+        inside = [c for c in candidates if c.startswith(name + ".") or name == ""][:4]
+        raise OSDPError(
+            f"{where}: {name!r} is a module that owns no parameters itself; units are the modules "
+            f"that do, name those instead (e.g. {', '.join(map(repr, inside))})"
+        )
+    close = difflib.get_close_matches(str(name), candidates, n=3)
+    hint = f"; did you mean {', '.join(map(repr, close))}?" if close else f"; units are e.g. {', '.join(map(repr, candidates[:4]))}"
+    raise OSDPError(f"{where}: {name!r} is not a unit of the model (units are module paths of modules that own parameters){hint}")
+
+
+def _parse_modes(value, where: str) -> tuple[Mode, ...]:
+    if isinstance(value, (str, Mode)):
+        return (parse_mode(value, where),)
+    if isinstance(value, (tuple, list)) and value:
+        return tuple(parse_mode(v, f"{where}[{i}]") for i, v in enumerate(value))
+    raise OSDPError(f"{where}: expected 'dp', 'zdp' or a non-empty sequence of them (one per slice), got {value!r}")
+
+
+def resolve_config(
+    model: nn.Module,
+    *,
+    plan,
+    default_mode,
+    modes,
+    splits,
+    prefetch_bytes,
+    checkpoint_blocks,
+    world_size: int,
+) -> RuntimeConfig:
+    fingerprint = None
+    if plan is not None:
+        if modes or splits:
+            raise OSDPError("give either plan= or modes=/splits=, not both: the plan already names every unit's modes")
+        plan_world = getattr(plan, "world_size", None)
+        if plan_world is not None and plan_world != world_size:
+            raise PlanMismatchError(
+                f"this plan was made for world size {plan_world}, the process group has "
+                f"{world_size} ranks: plan again for {world_size}"
+            )
+        modes = dict(plan.unit_modes())
+        if prefetch_bytes is None:
+            prefetch_bytes = getattr(plan, "prefetch_bytes", None)
+        if not checkpoint_blocks:
+            checkpoint_blocks = tuple(getattr(plan, "checkpoint_blocks", ()) or ())
+        fingerprint = getattr(plan, "fingerprint", None)
+    modes = dict(modes or {})
+    splits = dict(splits or {})
+    default = parse_mode(default_mode, "default_mode")
+    candidates = unit_candidates(model)
+    modules = dict(model.named_modules())
+
+    slices: dict[str, int] = {}
+    for name, g in splits.items():
+        _check_name(name, candidates, modules, "splits")
+        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+            raise OSDPError(f"splits[{name!r}] = {g!r}: the slice count must be an integer >= 1")
+        slices[name] = g
+
+    per_unit: dict[str, tuple[Mode, ...]] = {}
+    per_slice: dict[tuple[str, int], Mode] = {}
+    for key, value in modes.items():
+        match = _SLICE_NAME.fullmatch(key) if isinstance(key, str) else None
+        if match and key not in candidates:
+            base, i = match.group(1), int(match.group(2))
+            _check_name(base, candidates, modules, f"modes[{key!r}]")
+            if base not in slices:
+                raise OSDPError(f"modes[{key!r}] names slice {i} of {base!r}, which is not split: add splits={{{base!r}: g}}")
+            if i >= slices[base]:
+                raise OSDPError(f"modes[{key!r}]: {base!r} has {slices[base]} slices (0..{slices[base] - 1})")
+            per_slice[(base, i)] = parse_mode(value, f"modes[{key!r}]")
+            continue
+        _check_name(key, candidates, modules, "modes")
+        unit_modes = _parse_modes(value, f"modes[{key!r}]")
+        if len(unit_modes) > 1:
+            if key in slices and slices[key] != len(unit_modes):
+                raise OSDPError(
+                    f"modes[{key!r}] gives {len(unit_modes)} per-slice modes but splits[{key!r}] = "
+                    f"{slices[key]}: give one mode per slice, or one mode for all"
+                )
+            slices[key] = len(unit_modes)
+        per_unit[key] = unit_modes
+
+    unit_modes: dict[str, tuple[Mode, ...]] = {}
+    for name in candidates:
+        g = slices.get(name, 1)
+        chosen = per_unit.get(name, (default,))
+        chosen = list(chosen * g if len(chosen) == 1 else chosen)
+        for i in range(g):
+            chosen[i] = per_slice.get((name, i), chosen[i])
+        unit_modes[name] = tuple(chosen)
+
+    if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
+        raise OSDPError(f"prefetch_bytes must be an integer >= 0 (bytes), got {prefetch_bytes!r}")
+    blocks = tuple(checkpoint_blocks or ())
+    for block in blocks:
+        if block not in modules:
+            close = difflib.get_close_matches(str(block), list(modules), n=3)
+            raise OSDPError(
+                f"checkpoint block {block!r} is not a module path of the model"
+                + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
+            )
+    return RuntimeConfig(unit_modes, prefetch_bytes, blocks, fingerprint)

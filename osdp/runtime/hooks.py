@@ -1,0 +1,134 @@
+"""Module hooks that run ordinary (unsplit) units through the scheduler.
+
+Before a bound module's forward, each of its units is gathered and the module's
+parameter attributes are set to views of the gathered buffers. For a trainable unit
+the views come out of :class:`_GatherFn`, whose backward receives exactly this call's
+gradient of every view: that is the "backward of this use is done" signal. A frozen
+unit has no gradient; its signal is :class:`_InputGradFn` on the module's inputs (when
+they need grad) or, failing that, the end of the backward pass. Hooks on the module's
+outputs start each use's backward (gather again / prefetch) before autograd runs the
+module's backward.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from .scheduler import Scheduler, Use
+from .shard_unit import ShardUnit
+
+
+class _GatherFn(torch.autograd.Function):
+    """shard -> views of the gathered weights (fresh aliases per call)."""
+
+    @staticmethod
+    def forward(ctx, scheduler: Scheduler, use: Use, shard: torch.Tensor):
+        ctx.scheduler, ctx.use = scheduler, use
+        ctx.set_materialize_grads(False)
+        return tuple(v.view_as(v) for v in use.unit.views)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # a recompute's node is never run by autograd; guard anyway
+        if not ctx.use.recompute:
+            ctx.scheduler.post_backward(ctx.use, grads)
+        return None, None, None
+
+
+class _InputGradFn(torch.autograd.Function):
+    """Identity on a module's inputs; its backward marks the end of frozen units' uses."""
+
+    @staticmethod
+    def forward(ctx, scheduler: Scheduler, uses, *tensors):
+        ctx.scheduler, ctx.uses = scheduler, uses
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        for use in ctx.uses:
+            ctx.scheduler.post_backward(use, None)
+        return (None, None) + grads
+
+
+class _PreBackward:
+    """Tensor hook on a module's outputs: the first one to fire starts the uses' backward."""
+
+    def __init__(self, scheduler: Scheduler, uses: list[Use]):
+        self.scheduler = scheduler
+        self.uses = uses
+        self.fired = False
+
+    def __call__(self, grad):
+        if not self.fired:
+            self.fired = True
+            for use in self.uses:
+                self.scheduler.pre_backward(use)
+        return None
+
+
+class ModuleBinding:
+    """One module and the units whose views it computes with (several when a parameter
+    is tied to another module's unit): ``entries = [(unit, [(attr, slot index)])]``."""
+
+    def __init__(self, module: nn.Module, path: str, entries, scheduler: Scheduler):
+        self.module = module
+        self.path = path
+        self.entries: list[tuple[ShardUnit, list[tuple[str, int]]]] = entries
+        self.scheduler = scheduler
+        self._stack: list[list[Use]] = []
+        self.handles = [
+            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            module.register_forward_hook(self._post_forward, with_kwargs=True),
+        ]
+
+    def set_views(self) -> None:
+        """Point the module's parameter attributes at the (freed) gathered buffers."""
+        for unit, attrs in self.entries:
+            for attr, i in attrs:
+                setattr(self.module, attr, unit.views[i])
+
+    def _pre_forward(self, module, args, kwargs):
+        sched = self.scheduler
+        grad_enabled = torch.is_grad_enabled()
+        uses = []
+        for unit, attrs in self.entries:
+            use = sched.pre_forward(unit)
+            uses.append(use)
+            if grad_enabled and unit.requires_grad:
+                # also in a checkpoint recompute: the recomputed graph must save the same
+                # tensors as the original forward did
+                tensors = _GatherFn.apply(sched, use, unit.shard)
+            else:
+                tensors = [v.view_as(v) for v in unit.views]
+            for attr, i in attrs:
+                setattr(module, attr, tensors[i])
+        frozen = [u for u in uses if not u.unit.requires_grad and not u.recompute]
+        if frozen and grad_enabled:
+            args, kwargs = _hook_inputs(sched, frozen, args, kwargs)
+        self._stack.append(uses)
+        return args, kwargs
+
+    def _post_forward(self, module, args, kwargs, output):
+        uses = self._stack.pop()
+        needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        recompute = uses[0].recompute
+        expects_backward = torch.is_grad_enabled() and bool(needs_grad) and not recompute
+        for use in uses:
+            self.scheduler.post_forward(use, expects_backward)
+        if expects_backward:
+            hook = _PreBackward(self.scheduler, uses)
+            for tensor in needs_grad:
+                tensor.register_hook(hook)
+        return output
+
+
+def _hook_inputs(scheduler, uses, args, kwargs):
+    flat_args, spec = tree_flatten((args, kwargs))
+    idx = [i for i, t in enumerate(flat_args) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return args, kwargs
+    outs = _InputGradFn.apply(scheduler, uses, *[flat_args[i] for i in idx])
+    for i, t in zip(idx, outs):
+        flat_args[i] = t
+    return tree_unflatten(flat_args, spec)

@@ -1,0 +1,59 @@
+"""Execution modes of a unit and the states it moves through."""
+from __future__ import annotations
+
+import enum
+
+from ..errors import OSDPError
+
+
+class Mode(str, enum.Enum):
+    """What a unit does with its all-gathered weights between forward and backward."""
+
+    DP = "dp"
+    """Keep: gathered once before forward, kept through backward, freed after its last
+    backward use. 1 all-gather + 1 reduce-scatter per step."""
+
+    ZDP = "zdp"
+    """Reshard: freed right after forward, gathered again before backward, freed after.
+    2 all-gathers + 1 reduce-scatter per step."""
+
+
+class GatherState(enum.Enum):
+    """Where a unit's unsharded (gathered) weights are."""
+
+    SHARDED = "sharded"
+    """Only the local shard exists; the gathered buffer's storage has size 0."""
+
+    GATHERING = "gathering"
+    """Storage allocated and an all-gather issued; compute must wait on it first."""
+
+    GATHERED = "gathered"
+    """The gathered buffer holds the full weights and compute may read it."""
+
+
+class UseState(enum.Enum):
+    """One forward call's use of a unit, as seen by backward."""
+
+    FORWARD = "forward"
+    """The unit's forward is running."""
+
+    AWAIT_BACKWARD = "await_backward"
+    """Forward done; its outputs need gradients, so a backward use will come."""
+
+    BACKWARD = "backward"
+    """Backward of this use has started (weights must be gathered) and not finished."""
+
+    DONE = "done"
+    """Finished, or no backward will come (no grad needed, or end of the backward pass)."""
+
+
+def parse_mode(value, where: str) -> Mode:
+    """``"dp"``/``"zdp"`` (any case) or a :class:`Mode`; anything else is an OSDPError."""
+    if isinstance(value, Mode):
+        return value
+    if isinstance(value, str):
+        try:
+            return Mode(value.lower())
+        except ValueError:
+            pass
+    raise OSDPError(f"{where}: mode {value!r} is not one of 'dp', 'zdp'")

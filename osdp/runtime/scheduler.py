@@ -1,0 +1,324 @@
+"""The stream scheduler: when each unit is all-gathered, freed and reduce-scattered.
+
+Module hooks (``hooks.py``) and split ops (``osdp.ops``) drive it with one protocol::
+
+    use = sched.pre_forward(unit)         # gathered (and later units prefetched)
+    ... compute with unit.views ...
+    sched.post_forward(use, expects_backward)
+    # backward
+    sched.pre_backward(use)               # gathered again if it was freed
+    grads, accumulate = sched.grad_buffer(unit)   # optional: write dW in place
+    sched.post_backward(use, grads_or_None)       # reduce-scatter when the last use is done
+
+[Note: unit lifetime]
+A unit's gathered weights are freed when no use of it is computing (``n_active == 0``)
+and, for a ``dp`` unit, no use still waits for its backward (``n_await == 0``). So a
+``zdp`` unit is freed after each forward use and each backward use; a ``dp`` unit is
+kept from its first forward to its last backward use; with no grad (eval) both free
+right after forward. A unit's unsharded gradient is reduce-scattered when its last
+awaited use finished backward. At the end of a backward pass (autograd final callback)
+uses that never got a backward (outputs not in the loss) are dropped, partial
+gradients are reduce-scattered, all reduce-scatters are waited on and every gathered
+buffer is freed, on every rank alike (the graph is the same on every rank).
+
+[Note: prefetch window]
+The order of unit uses is recorded in the first forward with grad enabled and assumed
+to stay. Before computing a unit the scheduler issues its gather (always), then issues
+gathers of the next units in that order (reversed, for backward) while the transient
+gathered bytes (every gathered unit except ``dp`` units that finished forward and wait
+for backward) plus the next unit's bytes stay <= ``prefetch_bytes``. Prefetch stops at
+the first unit that does not fit, so gathers are issued in use order on every rank.
+
+[Note: activation checkpointing]
+A forward that runs inside backward is a checkpoint recompute. It gathers what it needs
+(a ``zdp`` unit is gathered again), frees only what it gathered itself, and registers
+no backward uses: the backward of the original forward's uses does that.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd import Variable
+
+from .collectives import CommContext
+from .ledger import MemoryLedger
+from .modes import GatherState, Mode, UseState
+from .shard_unit import ShardUnit
+
+
+@dataclass(eq=False)
+class Use:
+    """One forward call's use of a unit (the handle that backward refers to)."""
+
+    unit: ShardUnit
+    state: UseState = UseState.FORWARD
+    recompute: bool = False
+    gathered_here: bool = False  # recompute only: this use gathered the unit, so frees it
+    abandoned: bool = False  # dropped by the end of a backward pass before its backward
+    entry: list | None = field(default=None, repr=False)  # its slot in the recorded order
+
+
+def _in_autograd_engine() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class Scheduler:
+    def __init__(self, units: list[ShardUnit], comm: CommContext, ledger: MemoryLedger, prefetch_bytes: int):
+        self.units = units
+        self.comm = comm
+        self.ledger = ledger
+        self.prefetch_bytes = int(prefetch_bytes)
+        self.max_inflight_reduce_scatters = 2
+        self._recording: list[list] | None = None  # [unit, expects_backward] per use
+        self._fwd_order: list[ShardUnit] | None = None
+        self._bwd_order: list[ShardUnit] | None = None
+        self._fwd_cursor = 0
+        self._bwd_cursor = 0
+        self._in_forward = False
+        self._in_backward = False
+        self._live: dict[ShardUnit, None] = {}  # units not SHARDED, in gather order
+        self._awaiting: dict[Use, None] = {}
+        self._reduce_scatters: deque = deque()
+
+    # ---- forward order ------------------------------------------------------------
+    def begin_forward(self) -> None:
+        self._in_forward = True
+        self._fwd_cursor = 0
+        if self._fwd_order is None and torch.is_grad_enabled():
+            self._recording = []
+
+    def end_forward(self) -> None:
+        self._in_forward = False
+        rec, self._recording = self._recording, None
+        if rec and any(expects for _, expects in rec):
+            self._fwd_order = [unit for unit, _ in rec]
+            self._bwd_order = [u for u, expects in reversed(rec) if expects and u.backward_needs_weights]
+
+    @property
+    def forward_order(self) -> list[str] | None:
+        return None if self._fwd_order is None else [u.name for u in self._fwd_order]
+
+    # ---- the protocol ---------------------------------------------------------------
+    def pre_forward(self, unit: ShardUnit) -> Use:
+        if self._in_backward or _in_autograd_engine():
+            was_gathered = unit.state is not GatherState.SHARDED
+            self._issue(unit)
+            self._wait(unit)
+            unit.n_active += 1
+            return Use(unit, recompute=True, gathered_here=not was_gathered)
+        if (
+            unit.state is GatherState.GATHERED
+            and unit.n_active == 0
+            and unit.n_await == 0
+            and unit.gathered_version != unit.shard._version
+        ):
+            self._free(unit)  # weights were updated since this copy was gathered
+        self._issue(unit)
+        if self._in_forward and self._fwd_order is not None:
+            pos = _find(self._fwd_order, unit, self._fwd_cursor)
+            if pos is not None:
+                self._fwd_cursor = pos + 1
+                unit.n_active += 1  # counts as transient while prefetching
+                self._prefetch(self._fwd_order, pos + 1)
+                unit.n_active -= 1
+        self._wait(unit)
+        unit.n_active += 1
+        use = Use(unit)
+        if self._recording is not None and self._in_forward:
+            use.entry = [unit, False]
+            self._recording.append(use.entry)
+        return use
+
+    def post_forward(self, use: Use, expects_backward: bool) -> None:
+        unit = use.unit
+        unit.n_active -= 1
+        if use.recompute:
+            use.state = UseState.DONE
+            if use.gathered_here:
+                self._maybe_free(unit)
+            return
+        if expects_backward:
+            use.state = UseState.AWAIT_BACKWARD
+            unit.n_await += 1
+            self._awaiting[use] = None
+            if use.entry is not None:
+                use.entry[1] = True
+        else:
+            use.state = UseState.DONE
+        self._maybe_free(unit)
+        if self._in_forward and self._fwd_order is not None:
+            self._prefetch(self._fwd_order, self._fwd_cursor)
+
+    def pre_backward(self, use: Use) -> None:
+        if use.recompute or use.state is UseState.BACKWARD:
+            return
+        if use.state is UseState.DONE and not use.abandoned:
+            return
+        self._enter_backward()
+        unit = use.unit
+        self._take_await(use)
+        use.state = UseState.BACKWARD
+        unit.n_active += 1
+        self._issue(unit)
+        if self._bwd_order is not None:
+            pos = _find(self._bwd_order, unit, self._bwd_cursor)
+            if pos is not None:
+                self._bwd_cursor = pos + 1
+                self._prefetch(self._bwd_order, pos + 1)
+        self._wait(unit)
+
+    def grad_buffer(self, unit: ShardUnit) -> tuple[list[torch.Tensor], bool]:
+        """Views of ``unit``'s unsharded gradient (one per slot) and whether they already
+        hold a gradient to add to (``False``: overwrite every view)."""
+        if unit.grad_flat is not None:
+            return unit.grad_views(unit.grad_flat), True
+        flat = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.gathered.device)
+        flat[unit.numel :].zero_()  # padding: see [Note: flat shard layout]
+        unit.grad_flat = flat
+        self.ledger.grad_alloc(unit.name, flat.numel() * flat.element_size())
+        return unit.grad_views(flat), False
+
+    def post_backward(self, use: Use, grads) -> None:
+        """``grads``: one gradient (or None) per slot, or None when the caller wrote them
+        through :meth:`grad_buffer` (or the unit is frozen)."""
+        if use.recompute:
+            return
+        unit = use.unit
+        self._enter_backward()
+        if use.state is UseState.BACKWARD:
+            unit.n_active -= 1
+        else:  # backward without pre_backward: a split op that needs no weights
+            self._take_await(use)
+        use.state = UseState.DONE
+        use.abandoned = False
+        if grads is not None and unit.requires_grad:
+            views, accumulate = self.grad_buffer(unit)
+            for view, grad in zip(views, grads):
+                if grad is None:
+                    if not accumulate:
+                        view.zero_()
+                elif accumulate:
+                    view.add_(grad)
+                else:
+                    view.copy_(grad)
+        if unit.n_await == 0 and unit.n_active == 0 and unit.grad_flat is not None:
+            self._reduce_scatter(unit)
+        self._maybe_free(unit)
+        if self._bwd_order is not None:
+            self._prefetch(self._bwd_order, self._bwd_cursor)
+
+    # ---- gathers ------------------------------------------------------------------
+    def _issue(self, unit: ShardUnit) -> None:
+        if unit.state is not GatherState.SHARDED:
+            return
+        unit.alloc_gathered()
+        self.ledger.gather(unit.name, unit.gathered_bytes)
+        unit.pending = self.comm.all_gather(unit.gathered, unit.shard)
+        unit.state = GatherState.GATHERING
+        unit.gathered_version = unit.shard._version
+        self._live[unit] = None
+
+    def _wait(self, unit: ShardUnit) -> None:
+        if unit.state is GatherState.GATHERING:
+            unit.pending.wait()
+            unit.pending = None
+            unit.state = GatherState.GATHERED
+
+    def _free(self, unit: ShardUnit) -> None:
+        if unit.state is GatherState.SHARDED:
+            return
+        self._wait(unit)  # never release memory a collective still writes
+        unit.free_gathered()
+        self.ledger.free(unit.name)
+        del self._live[unit]
+
+    def _maybe_free(self, unit: ShardUnit) -> None:
+        """See [Note: unit lifetime]."""
+        if unit.state is GatherState.SHARDED or unit.n_active > 0:
+            return
+        if unit.mode is Mode.DP and unit.n_await > 0 and unit.backward_needs_weights:
+            return
+        self._free(unit)
+
+    def _kept(self, unit: ShardUnit) -> bool:
+        return unit.mode is Mode.DP and unit.n_active == 0 and unit.n_await > 0
+
+    def transient_bytes(self) -> int:
+        """Gathered bytes that count against the prefetch window."""
+        return sum(u.gathered_bytes for u in self._live if not self._kept(u))
+
+    def _prefetch(self, order: list[ShardUnit], start: int) -> None:
+        """See [Note: prefetch window]."""
+        if self.prefetch_bytes <= 0:
+            return
+        transient = self.transient_bytes()
+        for unit in order[start:]:
+            if unit.state is not GatherState.SHARDED:
+                continue
+            if transient + unit.gathered_bytes > self.prefetch_bytes:
+                return
+            self._issue(unit)
+            transient += unit.gathered_bytes
+
+    # ---- gradients ----------------------------------------------------------------
+    def _take_await(self, use: Use) -> None:
+        if use.state is UseState.AWAIT_BACKWARD:
+            use.unit.n_await -= 1
+            self._awaiting.pop(use, None)
+
+    def _reduce_scatter(self, unit: ShardUnit) -> None:
+        flat, unit.grad_flat = unit.grad_flat, None
+        out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
+        pending = self.comm.reduce_scatter(out, flat)
+        self.ledger.reduce_scattered(unit.name)
+        self._reduce_scatters.append((unit, flat, out, pending))
+        while len(self._reduce_scatters) > self.max_inflight_reduce_scatters:
+            self._finish_reduce_scatter()
+
+    def _finish_reduce_scatter(self) -> None:
+        unit, flat, out, pending = self._reduce_scatters.popleft()
+        pending.wait()
+        out.div_(self.comm.world_size)  # average over ranks (each rank's loss is a local mean)
+        if unit.shard.grad is None:
+            unit.shard.grad = out
+        else:
+            unit.shard.grad.add_(out)
+        self.ledger.grad_free(unit.name, flat.numel() * flat.element_size())
+
+    # ---- end of backward --------------------------------------------------------------
+    def _enter_backward(self) -> None:
+        if not self._in_backward and _in_autograd_engine():
+            self._in_backward = True
+            Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        """See [Note: unit lifetime]: the same on every rank."""
+        for use in list(self._awaiting):
+            self._take_await(use)
+            use.state = UseState.DONE
+            use.abandoned = True
+        for unit in self.units:
+            if unit.grad_flat is not None and unit.n_active == 0:
+                self._reduce_scatter(unit)
+        self.wait_reduce_scatters()
+        for unit in list(self._live):
+            if unit.n_active == 0:
+                self._free(unit)
+        self._in_backward = False
+        self._bwd_cursor = 0
+
+    def wait_reduce_scatters(self) -> None:
+        while self._reduce_scatters:
+            self._finish_reduce_scatter()
+
+    def gathered_units(self) -> list[str]:
+        return [u.name for u in self._live]
+
+
+def _find(order: list[ShardUnit], unit: ShardUnit, start: int) -> int | None:
+    for i in range(start, len(order)):
+        if order[i] is unit:
+            return i
+    return None

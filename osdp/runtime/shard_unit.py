@@ -1,0 +1,118 @@
+"""A shard unit: the parameters one module (or one slice of a split module) owns,
+flattened into one buffer that is sharded evenly across ranks.
+
+[Note: flat shard layout]
+A unit's parameters are flattened in a fixed order and concatenated into one flat
+buffer of ``numel`` elements, zero-padded to ``padded_numel = world * shard_numel``.
+Rank r holds ``flat[r * shard_numel : (r + 1) * shard_numel]`` as an nn.Parameter
+(what the optimizer sees). One all-gather of the shards rebuilds the flat buffer in
+rank order, so every original parameter is a plain view of the gathered buffer (no
+copy-out), and one reduce-scatter of the flat gradient gives each rank its shard's
+gradient. The padding is zero in the weights and in every gradient, so optimizers keep
+it zero.
+
+[Note: freeing gathered storage]
+The gathered buffer is allocated once as a tensor; freeing resizes its *storage* to 0
+bytes and gathering resizes it back and writes into it. Views of it (the parameter
+views and anything autograd saved) stay the same objects, so a zdp unit re-gathered
+for backward is seen by the tensors autograd saved in forward. Writes into it happen
+under ``_unsafe_preserve_version_counter`` so the saved tensors' version check passes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .modes import GatherState, Mode
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """Where one original parameter lives in its unit's flat buffer."""
+
+    attr: str  # attribute name on the module that computes with it
+    fqns: tuple[str, ...]  # its names in the original model's state dict (several if tied)
+    shape: torch.Size
+    offset: int
+    numel: int
+
+
+class ShardUnit:
+    """Flat sharded parameters of one unit, the gathered buffer and per-step counters."""
+
+    def __init__(
+        self,
+        name: str,
+        slots: list[ParamSlot],
+        tensors: list[torch.Tensor],
+        mode: Mode,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        requires_grad: bool,
+    ):
+        self.name = name
+        self.slots = tuple(slots)
+        self.mode = mode
+        self.requires_grad = requires_grad
+        self.world_size = world_size
+        dtype = tensors[0].dtype
+        self.numel = sum(s.numel for s in slots)
+        self.shard_numel = -(-self.numel // world_size)  # ceil
+        self.padded_numel = self.shard_numel * world_size
+        with torch.no_grad():
+            flat = torch.zeros(self.padded_numel, dtype=dtype)
+            for slot, tensor in zip(slots, tensors):
+                flat[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
+            local = flat[rank * self.shard_numel : (rank + 1) * self.shard_numel].to(device).clone()
+        self.shard = nn.Parameter(local, requires_grad=requires_grad)
+        self.shard._osdp_unit_name = name  # so a parameter can be traced back to its unit
+        self.gathered = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        self.views = [self.gathered.narrow(0, s.offset, s.numel).view(s.shape) for s in slots]
+        self._free_storage()
+        self.state = GatherState.SHARDED
+        self.pending = None  # collectives.Pending of an all-gather in flight
+        self.gathered_version = -1  # shard._version when the gathered copy was made
+        # per-step bookkeeping, owned by the scheduler
+        self.n_active = 0  # uses computing now (forward or backward)
+        self.n_await = 0  # uses whose backward has not started yet
+        self.grad_flat: torch.Tensor | None = None  # unsharded gradient being accumulated
+        # False for split ops whose backward reads no weights (embedding rows)
+        self.backward_needs_weights = True
+
+    @property
+    def gathered_bytes(self) -> int:
+        return self.padded_numel * self.gathered.element_size()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gathered.dtype
+
+    def alloc_gathered(self) -> None:
+        storage = self.gathered.untyped_storage()
+        if storage.size() == 0:
+            storage.resize_(self.gathered_bytes)
+
+    def _free_storage(self) -> None:
+        storage = self.gathered.untyped_storage()
+        if storage.size() != 0:
+            storage.resize_(0)
+
+    def free_gathered(self) -> None:
+        self._free_storage()
+        self.state = GatherState.SHARDED
+
+    def grad_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]
+
+    def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``attr -> tensor`` views of a full (gathered) flat buffer."""
+        return {s.attr: flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots}
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardUnit({self.name!r}, mode={self.mode.value}, numel={self.numel}, "
+            f"shard_numel={self.shard_numel}, state={self.state.value})"
+        )
