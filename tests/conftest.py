@@ -1,6 +1,16 @@
-"""Shared test setup: `gpu` tests skip cleanly without CUDA."""
+"""Shared test setup.
+
+- ``gpu`` tests skip cleanly without CUDA.
+- Without a GPU, Triton kernels run in the interpreter: TRITON_INTERPRET must be set
+  before any kernel module is imported, so it is set here, first.
+"""
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
