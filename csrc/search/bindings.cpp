@@ -2,6 +2,7 @@
 // SearchProblem first; the checks here keep the core safe when called directly.
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <stdexcept>
 #include <string>
@@ -49,7 +50,7 @@ py::dict search(py::object seg_first_op, py::object seg_num_ops, py::object seg_
                 py::object act_in_segment_bytes, py::object opt_begin, py::object opt_end,
                 py::object opt_held_q, py::object opt_local_bytes, py::object opt_time_s,
                 double quantum_bytes, double budget_bytes, double constant_time_s,
-                int64_t max_buckets) {
+                int64_t max_buckets, const std::string& isa) {
   ProblemView p;
   p.seg_first_op = view<int64_t>(seg_first_op, "seg_first_op", {-1}, &p.num_segments);
   const int64_t S = p.num_segments;
@@ -75,7 +76,7 @@ py::dict search(py::object seg_first_op, py::object seg_num_ops, py::object seg_
     // The arrays stay alive (owned by the caller's frame) while the GIL is released.
     py::gil_scoped_release release;
     osdp::search::validate(p);
-    r = osdp::search::solve(p);
+    r = osdp::search::solve(p, isa);
   }
   py::dict out;
   out["feasible"] = r.feasible;
@@ -97,8 +98,11 @@ PYBIND11_MODULE(_C, m) {
         py::arg("act_in_segment_bytes"), py::arg("opt_begin"), py::arg("opt_end"),
         py::arg("opt_held_q"), py::arg("opt_local_bytes"), py::arg("opt_time_s"),
         py::arg("quantum_bytes"), py::arg("budget_bytes"), py::arg("constant_time_s"),
-        py::arg("max_buckets") = int64_t(1) << 24,
+        py::arg("max_buckets") = int64_t(1) << 24, py::arg("isa") = "auto",
         "Optimum of one SearchProblem's tables (exact; see [Note: exact search]).\n"
         "Returns a dict: feasible, time_s, peak_inner_bytes (without static_bytes),\n"
-        "option_index[n], variant[S], states_visited, num_buckets.");
+        "option_index[n], variant[S], states_visited, num_buckets.\n"
+        "isa: relax kernel, 'auto' or one of available_isas() (all give the same result).");
+  m.def("available_isas", &osdp::search::available_isas,
+        "Relax kernels this build and CPU can run (for tests and benchmarks).");
 }

@@ -5,6 +5,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <stdexcept>
 #include <string>
@@ -18,29 +22,185 @@ constexpr int64_t kMaxOptionsPerOp = 65535;  // choices are stored as uint16
 
 [[noreturn]] void fail(const std::string& msg) { throw std::invalid_argument(msg); }
 
+std::string join_isas() {
+  std::string out;
+  for (const auto& isa : available_isas()) out += (out.empty() ? "" : ", ") + isa;
+  return out;
+}
+
 // The one memory test (same expression as evaluate_assignment): qy = float(y) * quantum.
 inline bool fits(double qy, double act, double local, double budget) {
   return (qy + act) + local <= budget;
 }
 
-// Relax one option over `len` consecutive input states: out[k] <- in[k] + option when
-// that is lexicographically smaller in (time, peak). Every k here fits in memory
-// (the caller clipped the range), unreachable inputs carry time = inf and never win.
-// Branch-free so that the compiler vectorizes it.
-void relax(const double* __restrict tin, const double* __restrict pin,
-           double* __restrict tout, double* __restrict pout, uint16_t* __restrict cout,
-           const double* __restrict qy, int64_t len, double act, double local, double time,
-           uint16_t rel) {
-  for (int64_t k = 0; k < len; ++k) {
-    const double mem = (qy[k] + act) + local;
-    const double t = tin[k] + time;
-    const double pk = pin[k] < mem ? mem : pin[k];
-    const double ot = tout[k], op = pout[k];
-    const bool better = (t < ot) | ((t == ot) & (pk < op));
-    tout[k] = better ? t : ot;
-    pout[k] = better ? pk : op;
-    cout[k] = better ? rel : cout[k];
+// [Note: relax kernel]
+// One op, pull form: for each end state y in blocks of kLanes, scan the op's options
+// in index order and keep the lexicographically least (time, peak) of
+//     in[y - held_q[o]] + option o,   where (qy[y] + act) + local[o] <= budget,
+// so a block's winners stay in registers and each input is read, never written.
+// The candidates reach each y in the same order as in search_python's option-by-option
+// updates, with the same strict comparison, so the winners are the same.
+// The caller guarantees that every x a block reads is either reachable or holds
+// (inf, -inf), and that qy is defined for every y of the blocks. Lanes past the last
+// useful state then never win: their inputs are unreachable or they exceed the budget.
+constexpr int64_t kLanes = 8;
+
+#define OSDP_RELAX_ARGS                                                                   \
+  const double *tin, const double *pin, double *tout, double *pout, uint16_t *cout,      \
+      const double *qy, int64_t y0, int64_t nblocks, double act, double budget,           \
+      const int64_t *held, const double *local, const double *time, const double *rel,    \
+      int64_t nopt
+
+void relax_op_scalar(OSDP_RELAX_ARGS) {
+  for (int64_t k = 0; k < nblocks * kLanes; ++k) {
+    const int64_t y = y0 + k;
+    const double qa = qy[y] + act;
+    double at = kInf, ap = -kInf, ac = 0;
+    for (int64_t o = 0; o < nopt; ++o) {
+      const double mem = qa + local[o];
+      const double t = tin[y - held[o]] + time[o];
+      const double xp = pin[y - held[o]];
+      const double pk = xp > mem ? xp : mem;
+      if (mem <= budget && (t < at || (t == at && pk < ap))) {
+        at = t;
+        ap = pk;
+        ac = rel[o];
+      }
+    }
+    tout[y] = at;
+    pout[y] = ap;
+    cout[k] = uint16_t(ac);
   }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define OSDP_HAVE_X86_KERNELS 1
+// U blocks at a time: the (time, peak) comparison chain of one block is serial over
+// the options, so independent blocks side by side keep the vector units busy.
+template <int U>
+__attribute__((target("avx512f"), always_inline)) inline void relax_blocks_avx512(
+    OSDP_RELAX_ARGS, int64_t b0) {
+  (void)nblocks;
+  const __m512d vbudget = _mm512_set1_pd(budget), vact = _mm512_set1_pd(act);
+  __m512d qa[U], at[U], ap[U], ac[U];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) {
+    qa[u] = _mm512_add_pd(_mm512_loadu_pd(qy + y0 + (b0 + u) * kLanes), vact);
+    at[u] = _mm512_set1_pd(kInf);
+    ap[u] = _mm512_set1_pd(-kInf);
+    ac[u] = _mm512_setzero_pd();
+  }
+  for (int64_t o = 0; o < nopt; ++o) {
+    const __m512d vl = _mm512_set1_pd(local[o]), vt = _mm512_set1_pd(time[o]);
+    const __m512d vr = _mm512_set1_pd(rel[o]);
+    const double* xt = tin + (y0 + b0 * kLanes - held[o]);
+    const double* xp = pin + (y0 + b0 * kLanes - held[o]);
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const __m512d mem = _mm512_add_pd(qa[u], vl);
+      const __m512d t = _mm512_add_pd(_mm512_loadu_pd(xt + u * kLanes), vt);
+      const __m512d pk = _mm512_max_pd(_mm512_loadu_pd(xp + u * kLanes), mem);
+      const __mmask8 better =
+          _mm512_cmp_pd_mask(mem, vbudget, _CMP_LE_OQ) &
+          (_mm512_cmp_pd_mask(t, at[u], _CMP_LT_OQ) |
+           (_mm512_cmp_pd_mask(t, at[u], _CMP_EQ_OQ) & _mm512_cmp_pd_mask(pk, ap[u], _CMP_LT_OQ)));
+      at[u] = _mm512_mask_blend_pd(better, at[u], t);
+      ap[u] = _mm512_mask_blend_pd(better, ap[u], pk);
+      ac[u] = _mm512_mask_blend_pd(better, ac[u], vr);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) {
+    const int64_t y = y0 + (b0 + u) * kLanes;
+    _mm512_storeu_pd(tout + y, at[u]);
+    _mm512_storeu_pd(pout + y, ap[u]);
+    const __m256i c32 = _mm512_cvttpd_epi32(ac[u]);  // choices < 65536: exact
+    alignas(32) int32_t c[kLanes];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(c), c32);
+    for (int64_t k = 0; k < kLanes; ++k) cout[(b0 + u) * kLanes + k] = uint16_t(c[k]);
+  }
+}
+
+__attribute__((target("avx512f"))) void relax_op_avx512(OSDP_RELAX_ARGS) {
+  int64_t b = 0;
+  for (; b + 4 <= nblocks; b += 4)
+    relax_blocks_avx512<4>(tin, pin, tout, pout, cout, qy, y0, nblocks, act, budget, held, local,
+                           time, rel, nopt, b);
+  for (; b < nblocks; ++b)
+    relax_blocks_avx512<1>(tin, pin, tout, pout, cout, qy, y0, nblocks, act, budget, held, local,
+                           time, rel, nopt, b);
+}
+
+// AVX2: the same with 4 lanes (half blocks), also U at a time.
+template <int U>
+__attribute__((target("avx2"), always_inline)) inline void relax_halves_avx2(OSDP_RELAX_ARGS,
+                                                                            int64_t h0) {
+  (void)nblocks;
+  const __m256d vbudget = _mm256_set1_pd(budget), vact = _mm256_set1_pd(act);
+  __m256d qa[U], at[U], ap[U], ac[U];
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) {
+    qa[u] = _mm256_add_pd(_mm256_loadu_pd(qy + y0 + (h0 + u) * 4), vact);
+    at[u] = _mm256_set1_pd(kInf);
+    ap[u] = _mm256_set1_pd(-kInf);
+    ac[u] = _mm256_setzero_pd();
+  }
+  for (int64_t o = 0; o < nopt; ++o) {
+    const __m256d vl = _mm256_set1_pd(local[o]), vt = _mm256_set1_pd(time[o]);
+    const __m256d vr = _mm256_set1_pd(rel[o]);
+    const double* xt = tin + (y0 + h0 * 4 - held[o]);
+    const double* xp = pin + (y0 + h0 * 4 - held[o]);
+#pragma GCC unroll 8
+    for (int u = 0; u < U; ++u) {
+      const __m256d mem = _mm256_add_pd(qa[u], vl);
+      const __m256d t = _mm256_add_pd(_mm256_loadu_pd(xt + u * 4), vt);
+      const __m256d pk = _mm256_max_pd(_mm256_loadu_pd(xp + u * 4), mem);
+      const __m256d better = _mm256_and_pd(
+          _mm256_cmp_pd(mem, vbudget, _CMP_LE_OQ),
+          _mm256_or_pd(_mm256_cmp_pd(t, at[u], _CMP_LT_OQ),
+                       _mm256_and_pd(_mm256_cmp_pd(t, at[u], _CMP_EQ_OQ),
+                                     _mm256_cmp_pd(pk, ap[u], _CMP_LT_OQ))));
+      at[u] = _mm256_blendv_pd(at[u], t, better);
+      ap[u] = _mm256_blendv_pd(ap[u], pk, better);
+      ac[u] = _mm256_blendv_pd(ac[u], vr, better);
+    }
+  }
+#pragma GCC unroll 8
+  for (int u = 0; u < U; ++u) {
+    const int64_t y = y0 + (h0 + u) * 4;
+    _mm256_storeu_pd(tout + y, at[u]);
+    _mm256_storeu_pd(pout + y, ap[u]);
+    alignas(32) double c[4];
+    _mm256_store_pd(c, ac[u]);
+    for (int64_t k = 0; k < 4; ++k) cout[(h0 + u) * 4 + k] = uint16_t(c[k]);
+  }
+}
+
+__attribute__((target("avx2"))) void relax_op_avx2(OSDP_RELAX_ARGS) {
+  const int64_t nhalves = 2 * nblocks;
+  int64_t h = 0;
+  for (; h + 4 <= nhalves; h += 4)
+    relax_halves_avx2<4>(tin, pin, tout, pout, cout, qy, y0, nblocks, act, budget, held, local,
+                         time, rel, nopt, h);
+  for (; h < nhalves; ++h)
+    relax_halves_avx2<1>(tin, pin, tout, pout, cout, qy, y0, nblocks, act, budget, held, local,
+                         time, rel, nopt, h);
+}
+#endif
+
+using RelaxFn = void (*)(OSDP_RELAX_ARGS);
+
+RelaxFn pick_kernel(const std::string& isa) {
+#ifdef OSDP_HAVE_X86_KERNELS
+  const bool avx512 = __builtin_cpu_supports("avx512f"), avx2 = __builtin_cpu_supports("avx2");
+  if (isa == "auto") return avx512 ? relax_op_avx512 : avx2 ? relax_op_avx2 : relax_op_scalar;
+  if (isa == "avx512" && avx512) return relax_op_avx512;
+  if (isa == "avx2" && avx2) return relax_op_avx2;
+#else
+  if (isa == "auto") return relax_op_scalar;
+#endif
+  if (isa == "scalar") return relax_op_scalar;
+  fail("kernel isa '" + isa + "' is not available here (available: " + join_isas() + ")");
 }
 
 // First and last reachable (finite time) state of t[lo..hi]; lo > hi when none.
@@ -54,7 +214,7 @@ void reach_range(const double* t, int64_t lo, int64_t hi, int64_t* rlo, int64_t*
 
 // Largest state y <= B with fits(y) (-1: none). fits is monotone in y, so a guess
 // from the division is corrected by stepping (a few steps at most).
-int64_t max_fitting_state(const std::vector<double>& qy, int64_t B, double q, double act,
+int64_t max_fitting_state(const double* qy, int64_t B, double q, double act,
                           double local, double budget) {
   double g = std::floor((budget - act - local) / q);
   int64_t y = g < -1 ? -1 : (g > double(B) ? B : int64_t(g));
@@ -148,7 +308,17 @@ int64_t num_buckets(const ProblemView& p) {
   return b;
 }
 
-Result solve(const ProblemView& p) {
+std::vector<std::string> available_isas() {
+  std::vector<std::string> out = {"scalar"};
+#ifdef OSDP_HAVE_X86_KERNELS
+  if (__builtin_cpu_supports("avx2")) out.push_back("avx2");
+  if (__builtin_cpu_supports("avx512f")) out.push_back("avx512");
+#endif
+  return out;
+}
+
+Result solve(const ProblemView& p, const std::string& isa) {
+  const RelaxFn relax_op = pick_kernel(isa);
   Result r;
   const int64_t S = p.num_segments, n = p.num_ops;
   const int64_t B = num_buckets(p);
@@ -157,12 +327,10 @@ Result solve(const ProblemView& p) {
   const int64_t N = B + 1;
   const double q = p.quantum_bytes, budget = p.budget_bytes;
 
-  std::vector<double> qy(N);
-  for (int64_t y = 0; y < N; ++y) qy[y] = double(y) * q;
-
   // Options no other option of the same op and variant dominates (ties: lower index),
   // in index order; kept[kept_at[2i+v] .. kept_at[2i+v+1]).
   std::vector<int64_t> kept_at(2 * n + 1, 0), kept;
+  int64_t hmax_all = 0;
   for (int64_t s = 0; s < S; ++s) {
     for (int64_t i = p.seg_first_op[s]; i < p.seg_first_op[s] + p.seg_num_ops[s]; ++i) {
       for (int64_t v = 0; v < 2; ++v) {
@@ -180,69 +348,95 @@ Result solve(const ProblemView& p) {
             const bool strict = hc < ha || lc < la || tc < ta;
             dominated = weak && (strict || c < a);
           }
-          if (!dominated) kept.push_back(a);
+          if (!dominated) {
+            kept.push_back(a);
+            if (p.opt_held_q[a] <= B) hmax_all = std::max(hmax_all, p.opt_held_q[a]);
+          }
         }
       }
     }
   }
   kept_at[2 * n] = int64_t(kept.size());
 
-  std::vector<double> in_t(N, kInf), in_p(N, -kInf), seg_t(N), seg_p(N);
-  std::vector<double> buf_t[2] = {std::vector<double>(N), std::vector<double>(N)};
-  std::vector<double> buf_p[2] = {std::vector<double>(N), std::vector<double>(N)};
+  // State arrays are padded so that relax_op reads and writes whole blocks without
+  // bounds checks: x = y - held_q >= -pad_lo, y < N + pad_hi.
+  const int64_t pad_lo = hmax_all + kLanes, pad_hi = 2 * kLanes, total = pad_lo + N + pad_hi;
+  struct States {
+    std::vector<double> t_store, p_store;
+    double* t;
+    double* p;
+    explicit States(int64_t total, int64_t pad)
+        : t_store(size_t(total), kInf), p_store(size_t(total), -kInf),
+          t(t_store.data() + pad), p(p_store.data() + pad) {}
+  };
+  States in(total, pad_lo), seg(total, pad_lo), a(total, pad_lo), b(total, pad_lo);
+  States* bufs[2] = {&a, &b};
+  std::vector<double> qy_store(size_t(total), 0.0);
+  double* qy = qy_store.data() + pad_lo;
+  for (int64_t y = 0; y < N + pad_hi; ++y) qy[y] = double(y) * q;  // as in search_python
   std::vector<int8_t> seg_v(N);
   std::vector<Table> op_tab(2 * n), seg_tab(S);
-  in_t[0] = p.constant_time_s;
+  // per op: the kept options that fit somewhere in the reachable range
+  std::vector<int64_t> f_held;
+  std::vector<double> f_local, f_time, f_rel;
+  in.t[0] = p.constant_time_s;
   int64_t lo = 0, hi = 0;
 
   for (int64_t s = 0; s < S; ++s) {
     const int64_t first = p.seg_first_op[s], count = p.seg_num_ops[s];
     const bool last_seg = s + 1 == S;
-    int64_t slo = N, shi = -1;  // range of seg_* that is initialized
+    int64_t slo = N, shi = -1;  // range of seg that is initialized
     for (int64_t v = 0; v < p.seg_num_variants[s]; ++v) {
-      const double* ct = in_t.data();
-      const double* cp = in_p.data();
+      States* cur = &in;
       int64_t clo = lo, chi = hi;
       int which = 0;
       bool alive = true;
       for (int64_t i = first; i < first + count; ++i) {
         r.states_visited += chi - clo + 1;
-        const int64_t kb = kept_at[2 * i + v], ke = kept_at[2 * i + v + 1];
+        const double act = p.act_in_segment_bytes[2 * i + v];
+        const int64_t base = p.opt_begin[2 * i + v];
+        f_held.clear();
+        f_local.clear();
+        f_time.clear();
+        f_rel.clear();
         int64_t hmin = std::numeric_limits<int64_t>::max(), hmax = -1;
-        for (int64_t k = kb; k < ke; ++k) {
-          hmin = std::min(hmin, p.opt_held_q[kept[k]]);
-          hmax = std::max(hmax, p.opt_held_q[kept[k]]);
+        for (int64_t k = kept_at[2 * i + v]; k < kept_at[2 * i + v + 1]; ++k) {
+          const int64_t o = kept[k], h = p.opt_held_q[o];
+          if (h > B - clo) continue;  // above B from every reachable state
+          if (clo + h > max_fitting_state(qy, B, q, act, p.opt_local_bytes[o], budget)) continue;
+          f_held.push_back(h);
+          f_local.push_back(p.opt_local_bytes[o]);
+          f_time.push_back(p.opt_time_s[o]);
+          f_rel.push_back(double(o - base));
+          hmin = std::min(hmin, h);
+          hmax = std::max(hmax, h);
         }
-        if (kb == ke || clo + hmin > B) {
+        if (f_held.empty()) {
           alive = false;
           break;
         }
         const int64_t rlo = clo + hmin, rhi = std::min(chi + hmax, B);
-        double* nt = buf_t[which].data();
-        double* np = buf_p[which].data();
-        std::fill(nt + rlo, nt + rhi + 1, kInf);
-        std::fill(np + rlo, np + rhi + 1, -kInf);
+        const int64_t nblocks = (rhi - rlo + kLanes) / kLanes;
+        // [Note: relax kernel] inputs outside [clo, chi] that the blocks read: unreachable
+        std::fill(cur->t + (rlo - hmax), cur->t + clo, kInf);
+        std::fill(cur->p + (rlo - hmax), cur->p + clo, -kInf);
+        const int64_t xend = rlo + nblocks * kLanes - hmin;  // one past the last x read
+        if (xend > chi + 1) {
+          std::fill(cur->t + chi + 1, cur->t + xend, kInf);
+          std::fill(cur->p + chi + 1, cur->p + xend, -kInf);
+        }
+        States* nxt = bufs[which];
         Table& tab = op_tab[2 * i + v];
         tab.lo = rlo;
-        tab.op.assign(size_t(rhi - rlo + 1), 0);
-        const double act = p.act_in_segment_bytes[2 * i + v];
-        const int64_t base = p.opt_begin[2 * i + v];
-        for (int64_t k = kb; k < ke; ++k) {
-          const int64_t o = kept[k], h = p.opt_held_q[o];
-          const double local = p.opt_local_bytes[o];
-          const int64_t ylo = clo + h;
-          const int64_t yhi = std::min({chi + h, B, max_fitting_state(qy, B, q, act, local, budget)});
-          if (ylo > yhi) continue;
-          relax(ct + clo, cp + clo, nt + ylo, np + ylo, tab.op.data() + (ylo - rlo), qy.data() + ylo,
-                yhi - ylo + 1, act, local, p.opt_time_s[o], uint16_t(o - base));
-        }
-        reach_range(nt, rlo, rhi, &clo, &chi);
+        tab.op.resize(size_t(nblocks * kLanes));
+        relax_op(cur->t, cur->p, nxt->t, nxt->p, tab.op.data(), qy, rlo, nblocks, act, budget,
+                 f_held.data(), f_local.data(), f_time.data(), f_rel.data(), int64_t(f_held.size()));
+        reach_range(nxt->t, rlo, rhi, &clo, &chi);
         if (clo > chi) {
           alive = false;
           break;
         }
-        ct = nt;
-        cp = np;
+        cur = nxt;
         which ^= 1;
       }
       if (!alive) continue;
@@ -253,38 +447,37 @@ Result solve(const ProblemView& p) {
       const int64_t nlo = std::min(slo, ylo), nhi = std::max(shi, yhi);
       for (int64_t y = nlo; y <= nhi; ++y) {
         if (y >= slo && y <= shi) continue;  // already initialized
-        seg_t[y] = kInf;
-        seg_p[y] = -kInf;
+        seg.t[y] = kInf;
+        seg.p[y] = -kInf;
         seg_v[y] = -1;
       }
       slo = nlo;
       shi = nhi;
       const double extra = p.seg_extra_time_s[2 * s + v];
       for (int64_t y = ylo; y <= yhi; ++y) {
-        const double t = ct[y - c] + extra, pk = cp[y - c];
-        if (t < seg_t[y] || (t == seg_t[y] && pk < seg_p[y])) {
-          seg_t[y] = t;
-          seg_p[y] = pk;
+        const double t = cur->t[y - c] + extra, pk = cur->p[y - c];
+        if (t < seg.t[y] || (t == seg.t[y] && pk < seg.p[y])) {
+          seg.t[y] = t;
+          seg.p[y] = pk;
           seg_v[y] = int8_t(v);
         }
       }
     }
     if (slo > shi) return r;
-    reach_range(seg_t.data(), slo, shi, &lo, &hi);
+    reach_range(seg.t, slo, shi, &lo, &hi);
     if (lo > hi) return r;
     seg_tab[s].lo = lo;
     seg_tab[s].var.assign(seg_v.begin() + lo, seg_v.begin() + hi + 1);
-    std::swap(in_t, seg_t);
-    std::swap(in_p, seg_p);
+    std::swap(in, seg);
   }
 
   // best end state: least time, then least peak, then the lowest state
   int64_t y = lo;
   for (int64_t x = lo + 1; x <= hi; ++x)
-    if (in_t[x] < in_t[y] || (in_t[x] == in_t[y] && in_p[x] < in_p[y])) y = x;
+    if (in.t[x] < in.t[y] || (in.t[x] == in.t[y] && in.p[x] < in.p[y])) y = x;
   r.feasible = true;
-  r.time_s = in_t[y];
-  r.peak_inner_bytes = in_p[y];
+  r.time_s = in.t[y];
+  r.peak_inner_bytes = in.p[y];
   r.option_index.assign(n, -1);
   r.variant.assign(S, -1);
   for (int64_t s = S - 1; s >= 0; --s) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace osdp {
@@ -43,8 +44,12 @@ void validate(const ProblemView& p);
 // B, the largest state worth tracking (-1: nothing fits); mirrors num_buckets() in search.py.
 int64_t num_buckets(const ProblemView& p);
 
-// The optimum. Call validate() first.
-Result solve(const ProblemView& p);
+// The optimum. Call validate() first. isa picks the relax kernel: "auto" (the widest the
+// CPU runs) or one of available_isas(); every kernel returns the same result.
+Result solve(const ProblemView& p, const std::string& isa = "auto");
+
+// Kernels this build and CPU can run, e.g. {"scalar", "avx2", "avx512"}.
+std::vector<std::string> available_isas();
 
 }  // namespace search
 }  // namespace osdp

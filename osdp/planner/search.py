@@ -56,6 +56,7 @@ from osdp.planner.search_problem import SearchProblem, SearchResult
 __all__ = [
     "search",
     "search_python",
+    "search_cpp",
     "brute_force",
     "evaluate_assignment",
     "validate_problem",
@@ -397,8 +398,11 @@ def _native():
             f"from the repository root ({err})") from err
 
 
-def search_cpp(problem: SearchProblem) -> SearchResult:
-    """The C++ core (osdp._C). Same plan as ``search_python``."""
+def search_cpp(problem: SearchProblem, isa: str = "auto") -> SearchResult:
+    """The C++ core (osdp._C). Same plan as ``search_python``.
+
+    ``isa`` picks the relax kernel ("auto": the widest the CPU runs; see
+    ``osdp._C.available_isas()``); every kernel gives the same result."""
     validate_problem(problem)
     C = _native()
     p = problem
@@ -413,7 +417,7 @@ def search_cpp(problem: SearchProblem) -> SearchResult:
         opt_local_bytes=np.ascontiguousarray(p.opt_local_bytes),
         opt_time_s=np.ascontiguousarray(p.opt_time_s),
         quantum_bytes=float(p.quantum_bytes), budget_bytes=float(p.budget_bytes),
-        constant_time_s=float(p.constant_time_s), max_buckets=MAX_BUCKETS,
+        constant_time_s=float(p.constant_time_s), max_buckets=MAX_BUCKETS, isa=isa,
     )
     if not r["feasible"]:
         return SearchResult(feasible=False, states_visited=int(r["states_visited"]))

@@ -123,6 +123,14 @@ def native_or_skip():
         pytest.skip(f"osdp._C not built: {err}")
 
 
+def native_isas():
+    """Every relax kernel of osdp._C this CPU runs; [] (or a failure) without osdp._C."""
+    try:
+        return list(native_or_skip().available_isas())
+    except pytest.skip.Exception:
+        return []
+
+
 BACKENDS = ["python", "cpp"]
 
 
@@ -145,6 +153,7 @@ def check_plan(problem, r: SearchResult):
 @pytest.mark.parametrize("seed", range(8))
 def test_random_against_brute_force(seed, dyadic):
     rng = np.random.default_rng(1000 * seed + dyadic)
+    isas = native_isas()
     nfeasible = 0
     for _ in range(25):  # 2 x 8 x 25 = 400 instances
         p = random_problem(rng, dyadic=dyadic)
@@ -158,14 +167,9 @@ def test_random_against_brute_force(seed, dyadic):
             check_plan(p, py)
             if dyadic:  # time sums exact -> the lexicographic (time, peak) DP is exact
                 assert py.peak_bytes == bf.peak_bytes
-        try:
-            native = native_or_skip()
-        except pytest.skip.Exception:
-            native = None
-        if native is not None:
-            cpp = S.search(p, backend="cpp")
-            assert cpp == py  # same plan, not only the same optimum
-            assert cpp.states_visited == py.states_visited
+        for isa in isas:  # every kernel: same plan as the reference, not only the same optimum
+            cpp = S.search_cpp(p, isa=isa)
+            assert cpp == py and cpp.states_visited == py.states_visited
     assert nfeasible >= 5  # the generator must produce feasible instances too
 
 
@@ -199,10 +203,13 @@ def medium_problem(rng, nseg=20, ops=3, nopt=8, quantum=1.0):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_cpp_matches_python_medium(seed):
-    native_or_skip()
+    isas = native_or_skip().available_isas()
+    assert "scalar" in isas
     p = medium_problem(np.random.default_rng(seed))
-    py, cpp = S.search_python(p), S.search(p, backend="cpp")
-    assert cpp == py and cpp.states_visited == py.states_visited
+    py = S.search_python(p)
+    for isa in isas:
+        cpp = S.search_cpp(p, isa=isa)
+        assert cpp == py and cpp.states_visited == py.states_visited
     if py.feasible:
         check_plan(p, py)
 
@@ -370,6 +377,8 @@ def test_native_binding_checks_arrays():
     for name, (value, msg) in cases.items():
         with pytest.raises(ValueError, match=msg):
             C.search(**{**kw, name: value})
+    with pytest.raises(ValueError, match="not available"):
+        C.search(**kw, isa="sse9")
 
 
 def test_evaluate_assignment_rejects_foreign_options():
