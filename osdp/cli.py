@@ -88,7 +88,8 @@ def cmd_plan(args) -> int:
     if args.plot:
         from .plot import plot_plan
 
-        plot_plan(plan, _model_desc(args) if not args.plan else None, args.plot)
+        model_given = not args.plan or args.preset or args.layers
+        plot_plan(plan, args.plot, *((_model_desc(args), _device(args)) if model_given else ()))
         print(f"plot written to {args.plot}")
     return 0
 

@@ -402,6 +402,37 @@ class Estimate:
         return batch * world_size / self.step_s
 
 
+def live_memory(template: ProblemTemplate, batch: int, option_index, variant) -> list[tuple[int, dict]]:
+    """Per op, the live bytes by category at that op (the larger of its forward and
+    backward, as the model counts them), in exact bytes. Validates the assignment."""
+    t = template
+    act = t.act_per_sample * batch
+    static_total = sum(t.static.values())
+    held_prefix = act_prefix = 0.0
+    rows = []
+    for s, seg in enumerate(t.segments):
+        v = variant[s]
+        checkpointed = seg.variants[v]
+        inside = 0.0
+        kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
+        for i in seg.ops:
+            o = option_index[i]
+            if not (t.opt_begin[i, v] <= o < t.opt_end[i, v]):
+                raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
+            held_prefix += t.opt_held_bytes[o]
+            inside += act[i]
+            rows.append((i, {
+                "sharded_states": static_total - t.static["constant"],
+                "constant": t.static["constant"],
+                "kept_dp_weights": float(held_prefix),
+                "saved_activations": float(act_prefix + kept + inside),
+                "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),
+                "activation_grads": float(act[i]),
+            }))
+        act_prefix += kept if checkpointed else inside
+    return rows
+
+
 def evaluate(
     template: ProblemTemplate,
     batch: int,
@@ -412,36 +443,10 @@ def evaluate(
     of the template, with exact bytes (no quantization)."""
     t = template
     times = _option_times(t, batch)
-    act = t.act_per_sample * batch
-    held_prefix = act_prefix = 0.0
-    best = (-1.0, -1, {})
-    total_s = optimizer_step_s(t.desc, t.device, t.settings)
-    static_total = sum(t.static.values())
-    for s, seg in enumerate(t.segments):
-        v = variant[s]
-        checkpointed = seg.variants[v]
-        inside = 0.0
-        kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
-        for i in seg.ops:
-            o = option_index[i]
-            if not (t.opt_begin[i, v] <= o < t.opt_end[i, v]):
-                raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
-            total_s += times[o]
-            held_prefix += t.opt_held_bytes[o]
-            inside += act[i]
-            live = {
-                "sharded_states": static_total - t.static["constant"],
-                "constant": t.static["constant"],
-                "kept_dp_weights": held_prefix,
-                "saved_activations": act_prefix + kept + inside,
-                "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),
-                "activation_grads": float(act[i]),
-            }
-            total = sum(live.values())
-            if total > best[0]:
-                best = (total, i, live)
-        act_prefix += kept if checkpointed else inside
-    peak, peak_i, breakdown = best
+    rows = live_memory(t, batch, option_index, variant)
+    total_s = optimizer_step_s(t.desc, t.device, t.settings) + float(sum(times[o] for o in option_index))
+    peak_i, breakdown = max(rows, key=lambda row: sum(row[1].values()))
+    peak = sum(breakdown.values())
     return Estimate(
         step_s=float(total_s),
         peak_bytes=float(peak),
