@@ -38,14 +38,18 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _strides(t: torch.Tensor | None) -> tuple[int, int]:
-    return (0, 0) if t is None else tuple(t.stride())
+    """Element strides, with 1 for size-1 dims (their stride is arbitrary in torch and
+    never used, but the kernel picks each operand's layout by which stride is 1)."""
+    if t is None:
+        return (0, 0)
+    return tuple(st if n > 1 else 1 for n, st in zip(t.shape, t.stride()))
 
 
 def addmm_slice(out, xs, w, bias, cast_out):
     C = _module()
     M, N = out.shape
     with torch.cuda.device(out.device):
-        C.addmm_slice(_ptr(out), *out.stride(), _ptr(xs), *xs.stride(), _ptr(w), *w.stride(),
+        C.addmm_slice(_ptr(out), *_strides(out), _ptr(xs), *_strides(xs), _ptr(w), *_strides(w),
                       M, N, xs.shape[1], DTYPE_CODE[xs.dtype],
                       _ptr(bias), bias.stride(0) if bias is not None else 0,
                       DTYPE_CODE[bias.dtype] if bias is not None else 0,
@@ -58,14 +62,14 @@ def slice_dx(dxs, dy, w):
     C = _module()
     M, N = dxs.shape
     with torch.cuda.device(dxs.device):
-        C.slice_dx(_ptr(dxs), *dxs.stride(), DTYPE_CODE[dxs.dtype], _ptr(dy), *dy.stride(),
-                   _ptr(w), *w.stride(), M, N, dy.shape[1], DTYPE_CODE[dy.dtype], _stream(dxs))
+        C.slice_dx(_ptr(dxs), *_strides(dxs), DTYPE_CODE[dxs.dtype], _ptr(dy), *_strides(dy),
+                   _ptr(w), *_strides(w), M, N, dy.shape[1], DTYPE_CODE[dy.dtype], _stream(dxs))
 
 
 def slice_dw(out, dy, xs, accumulate):
     C = _module()
     M, N = out.shape
     with torch.cuda.device(out.device):
-        C.slice_dw(_ptr(out), *out.stride(), DTYPE_CODE[out.dtype], bool(accumulate),
-                   _ptr(dy), *dy.stride(), _ptr(xs), *xs.stride(), M, N, dy.shape[0],
+        C.slice_dw(_ptr(out), *_strides(out), DTYPE_CODE[out.dtype], bool(accumulate),
+                   _ptr(dy), *_strides(dy), _ptr(xs), *_strides(xs), M, N, dy.shape[0],
                    DTYPE_CODE[dy.dtype], _stream(out))
