@@ -58,9 +58,11 @@ def build_problem(segments, *, quantum=1.0, limit=10.0, static=0.0, constant=0.0
         static_bytes=static, constant_time_s=constant)
 
 
-def random_problem(rng: np.random.Generator, *, dyadic: bool, max_plans: int = 4000):
+def random_problem(rng: np.random.Generator, *, dyadic: bool, ties: bool = False,
+                   max_plans: int = 4000):
     """Small random instance; dyadic=True makes every time a multiple of 1/8 so that
-    time sums are exact and the peak tie-break is exact too."""
+    time sums are exact and the peak tie-break is exact too; ties=True draws times and
+    memory from a few values so that many plans tie exactly (tie-break order)."""
     while True:
         shape = [(int(rng.integers(1, 4)), int(rng.integers(1, 3)))
                  for _ in range(int(rng.integers(1, 5)))]  # (ops, variants) per segment
@@ -72,6 +74,8 @@ def random_problem(rng: np.random.Generator, *, dyadic: bool, max_plans: int = 4
     quantum = float(rng.choice([1.0, 0.1, 3.7e6, 2.0**20]))
 
     def rtime():
+        if ties:
+            return float(rng.integers(0, 2))
         if dyadic:
             return float(rng.integers(0, 24)) / 8
         return float(rng.choice([rng.uniform(0, 3), float(rng.integers(0, 4))]))
@@ -88,10 +92,11 @@ def random_problem(rng: np.random.Generator, *, dyadic: bool, max_plans: int = 4
                     if options_pool and rng.random() < 0.15:
                         opt = options_pool[int(rng.integers(len(options_pool)))]
                     else:
-                        opt = (int(rng.integers(0, 6)), float(rng.uniform(0, 4)) * quantum, rtime())
+                        local = float(rng.integers(0, 2)) if ties else float(rng.uniform(0, 4))
+                        opt = (int(rng.integers(0, 3 if ties else 6)), local * quantum, rtime())
                     options_pool.append(opt)
                     opts.append(opt)
-                act = 0.0 if rng.random() < 0.3 else float(rng.uniform(0, 3)) * quantum
+                act = 0.0 if ties or rng.random() < 0.3 else float(rng.uniform(0, 3)) * quantum
                 ops.append({"act": act, "options": opts})
             variants.append({"ops": ops, "carry": int(rng.integers(0, 7)) if v == 0 else int(rng.integers(0, 3)),
                              "extra": rtime()})
@@ -135,8 +140,10 @@ BACKENDS = ["python", "cpp"]
 
 
 def run(problem, backend):
+    """search() with that backend; for "cpp", every kernel must agree."""
     if backend == "cpp":
-        native_or_skip()
+        results = [S.search_cpp(problem, isa=isa) for isa in native_or_skip().available_isas()]
+        assert all(r == results[0] for r in results)
     return S.search(problem, backend=backend)
 
 
@@ -149,14 +156,15 @@ def check_plan(problem, r: SearchResult):
     assert peak <= problem.limit_bytes
 
 
-@pytest.mark.parametrize("dyadic", [False, True])
-@pytest.mark.parametrize("seed", range(8))
-def test_random_against_brute_force(seed, dyadic):
-    rng = np.random.default_rng(1000 * seed + dyadic)
+@pytest.mark.parametrize("kind", ["float", "dyadic", "ties"])
+@pytest.mark.parametrize("seed", range(6))
+def test_random_against_brute_force(seed, kind):
+    dyadic, ties = kind != "float", kind == "ties"
+    rng = np.random.default_rng([seed, len(kind)])
     isas = native_isas()
     nfeasible = 0
-    for _ in range(25):  # 2 x 8 x 25 = 400 instances
-        p = random_problem(rng, dyadic=dyadic)
+    for _ in range(25):  # 3 x 6 x 25 = 450 instances
+        p = random_problem(rng, dyadic=dyadic, ties=ties)
         bf = S.brute_force(p)
         py = S.search_python(p)
         assert py.feasible == bf.feasible
@@ -248,6 +256,16 @@ def test_tight_bound_is_inclusive_and_float_exact(backend):
     assert r.option_index == (1,) and r == S.brute_force(p)
     p = one_seg([{"act": 0.0, "options": opts}], quantum=0.1, limit=3 * 0.1)
     assert run(p, backend).option_index == (0,)
+    # B is not floor(budget / quantum): 3 * 0.7 fits in fl(3 * 0.7) though
+    # floor(fl(3 * 0.7) / 0.7) == 2, and 5 * 0.7 does not fit in the next float below
+    # although floor(that / 0.7) == 5
+    p = one_seg([{"act": 0.0, "options": [(3, 0.0, 1.0), (2, 0.0, 2.0)]}], quantum=0.7, limit=3 * 0.7)
+    assert math.floor(p.budget_bytes / 0.7) == 2 and S.num_buckets(p) == 3
+    assert run(p, backend).option_index == (0,) == S.brute_force(p).option_index
+    below = float(np.nextafter(5 * 0.7, 0))
+    p = one_seg([{"act": 0.0, "options": [(5, 0.0, 1.0), (4, 0.0, 2.0)]}], quantum=0.7, limit=below)
+    assert math.floor(p.budget_bytes / 0.7) == 5 and S.num_buckets(p) == 4
+    assert run(p, backend).option_index == (1,) == S.brute_force(p).option_index
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -265,6 +283,19 @@ def test_ties(backend):
     r = run(p, backend)
     assert r.time_s == 2.0 and r.peak_bytes == S.brute_force(p).peak_bytes == 3.0
     assert r.option_index == (0, 2)
+    # equal (time, peak) reaching one state from two states: the first option wins
+    # ((A, C) and (B, D) both cost 1 with peak 1; (A, D) would need 2 buckets)
+    ops = [{"act": 0.0, "options": [(1, 0.0, 0.0), (0, 0.0, 1.0)]},
+           {"act": 0.0, "options": [(0, 0.0, 1.0), (1, 0.0, 0.0)]}]
+    r = run(one_seg(ops, limit=1.0), backend)
+    assert r.option_index == (0, 2) and r.time_s == 1.0 and r.peak_bytes == 1.0
+    # equal (time, peak) in two end states: the lower state wins
+    r = run(one_seg([{"act": 0.0, "options": [(1, 0.0, 1.0), (0, 1.0, 1.0)]}], limit=5.0), backend)
+    assert r.option_index == (1,)
+    # equal variants: variant 0 wins
+    var = {"ops": [{"act": 0.0, "options": [(0, 1.0, 1.0)]}], "carry": 0, "extra": 0.5}
+    r = run(build_problem([{"variants": [var, dict(var)]}], limit=5.0), backend)
+    assert r.variant == (0,) and r.time_s == 1.5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
