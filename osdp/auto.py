@@ -1,0 +1,69 @@
+"""Auto mode: profile, plan on rank 0, broadcast, check by hash on every rank."""
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from .errors import InfeasiblePlanError, OSDPError, PlanMismatchError
+from .planner.cost_model import PlannerSettings
+from .planner.plan import Plan
+from .planner.planner import make_plan
+from .planner.profile import profile
+
+
+def _broadcast(obj, group):
+    box = [obj]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def check_same_plan(plan: Plan, group=None) -> None:
+    """Every rank must run the same plan: compare hashes, fail on all ranks if not."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    hashes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(hashes, plan.plan_hash(), group=group)
+    if len(set(hashes)) != 1:
+        raise PlanMismatchError(
+            f"ranks hold different plans (hashes by rank: {hashes}); every rank must use the "
+            "same plan: plan once and broadcast it, or load the same file everywhere"
+        )
+
+
+def auto_plan(
+    model,
+    example_inputs,
+    memory_limit=None,
+    *,
+    process_group=None,
+    settings: PlannerSettings | None = None,
+    batch: int | None = None,
+    backend: str = "auto",
+    cache_dir=None,
+    progress: bool = True,
+    **profile_kwargs,
+) -> Plan:
+    """Measure this cluster, then plan for the most samples per second within
+    ``memory_limit`` per device (all ranks call it). Returns the same ``Plan`` on every
+    rank; its ``batch_size`` is the per-device batch the training loop must use."""
+    desc, device = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
+                           cache_dir=cache_dir, progress=progress, **profile_kwargs)
+    distributed = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(process_group) if distributed else 0
+    outcome = None
+    if rank == 0:
+        try:
+            outcome = make_plan(desc, device, settings, batch=batch, backend=backend).to_dict()
+        except OSDPError as exc:  # every rank raises the same error instead of hanging
+            outcome = {"error": type(exc).__name__, "message": str(exc),
+                       "min_bytes": getattr(exc, "min_bytes", None), "breakdown": getattr(exc, "breakdown", None)}
+    if distributed:
+        outcome = _broadcast(outcome, process_group)
+    if "error" in outcome:
+        if outcome["error"] == "InfeasiblePlanError":
+            raise InfeasiblePlanError(outcome["message"], outcome["min_bytes"], outcome["breakdown"])
+        raise OSDPError(outcome["message"])
+    plan = Plan.from_dict(outcome)
+    plan.check_model(desc.fingerprint(), device.world_size)
+    check_same_plan(plan, process_group)
+    return plan

@@ -1,0 +1,369 @@
+"""Profiler: measure what the cost model needs on the real hardware and process group.
+
+    desc, device = osdp.profile(model, example_inputs, memory_limit="8GiB")
+
+* collectives: all-gather and reduce-scatter times over message sizes (4 KiB..256 MiB by
+  default), fitted to the ring model t = (N-1) a + (N-1)/N S b (see device.CollectiveCost);
+* compute: forward and backward time of every unit at several batch sizes, fitted to
+  intercept + slope * batch, shared by units of the same shape (``shape_key``);
+* splitting: the extra time of each additional slice of a split matmul;
+* activation bytes per sample: through ``describe`` (saved-tensor hooks).
+
+Every rank measures (so contention is real) and rank 0's numbers are broadcast: all
+ranks plan from identical inputs. Results are cached on disk (``$OSDP_CACHE_DIR`` or
+~/.cache/osdp): compute fits keyed by device, dtype and unit shape (the shape key holds
+the unit's kind, size, FLOPs and activation bytes, so a changed model re-measures only
+its changed units), collectives keyed by device, backend and world size.
+
+[Note: timing units]
+Forward time of a unit runs from its forward pre-hook to the next unit's (work between
+units belongs to the unit before it, as in describe's attribution). Backward time of a
+unit runs from the moment the gradient of the next unit's parameters is accumulated to
+the moment its own is: in reverse order, that interval holds its own backward and that of
+the work attributed to it in forward.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from ..errors import OSDPError
+from .cost_model import shape_key
+from .describe import ModelDesc, describe
+from .device import CollectiveCost, ComputeFit, DeviceInfo, parse_bytes
+
+log = logging.getLogger("osdp.profile")
+CACHE_VERSION = 1
+DEFAULT_COMM_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
+FULL_COMM_SIZES = tuple(4096 * 2**i for i in range(17))  # 4 KiB .. 256 MiB
+
+
+class Progress:
+    """A progress bar on a terminal, log lines otherwise (silent on ranks > 0)."""
+
+    def __init__(self, total: int, label: str, enabled: bool = True):
+        self.total, self.done, self.label = max(total, 1), 0, label
+        self.enabled = enabled
+        self.tty = enabled and sys.stderr.isatty()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        if not self.enabled:
+            return
+        if self.tty:
+            filled = int(30 * self.done / self.total)
+            sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (30 - filled)}] {self.done}/{self.total} {what[:40]:<40}")
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+        else:
+            log.info("%s %d/%d: %s", self.label, self.done, self.total, what)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fit_line(xs, ys) -> tuple[float, float]:
+    """Least-squares intercept and slope, slope clamped at >= 0 and intercept at >= 0."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var > 0 else 0.0
+    slope = max(slope, 0.0)
+    return max(my - slope * mx, 0.0), slope
+
+
+# ---- collectives -------------------------------------------------------------------
+
+def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, device=None,
+                        progress: Progress | None = None) -> tuple[CollectiveCost, CollectiveCost]:
+    """Fit alpha/beta of all-gather and reduce-scatter on ``group`` (all ranks call)."""
+    world = dist.get_world_size(group)
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if world == 1:
+        return CollectiveCost(0.0, 0.0), CollectiveCost(0.0, 0.0)
+    fits = []
+    for op in ("all_gather", "reduce_scatter"):
+        xs, ys = [], []
+        for size in sizes:
+            elems = max(world, size // 4 // world * world)
+            full = torch.zeros(elems, device=device)
+            shard = torch.zeros(elems // world, device=device)
+            samples = []
+            for rep in range(repeats + 1):
+                dist.barrier(group)
+                _sync(device)
+                start = time.perf_counter()
+                if op == "all_gather":
+                    dist.all_gather_into_tensor(full, shard, group=group)
+                else:
+                    dist.reduce_scatter_tensor(shard, full, group=group)
+                _sync(device)
+                if rep:  # the first run warms up buffers and connections
+                    samples.append(time.perf_counter() - start)
+            # the slowest rank decides when a collective is done for everyone
+            t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            xs.append(elems * 4)
+            ys.append(float(t))
+            if progress:
+                progress.step(f"{op} {elems * 4 / 2**20:.2f} MiB")
+        intercept, slope = _fit_line(xs, ys)
+        fits.append(CollectiveCost(alpha_s=intercept / (world - 1), beta_s_per_byte=slope * world / (world - 1)))
+    return fits[0], fits[1]
+
+
+# ---- compute -----------------------------------------------------------------------
+
+def _batch_of(inputs, batch: int):
+    out = []
+    for t in inputs:
+        if isinstance(t, torch.Tensor) and t.dim() > 0:
+            reps = -(-batch // t.shape[0])
+            t = t.repeat(reps, *([1] * (t.dim() - 1)))[:batch] if reps > 1 else t[:batch]
+        out.append(t)
+    return tuple(out)
+
+
+def _unit_modules(model: nn.Module, desc: ModelDesc) -> list[tuple[str, nn.Module]]:
+    modules = dict(model.named_modules())
+    return [(op.name, modules[op.name]) for op in desc.ops]
+
+
+def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3) -> dict[str, tuple[float, float]]:
+    """Median (forward_s, backward_s) per unit for one forward + backward of ``inputs``."""
+    units = _unit_modules(model, desc)
+    device = next(model.parameters()).device
+    stamps_f: dict[str, float] = {}
+    stamps_b: dict[str, float] = {}
+    handles = []
+    def stamp(table, name):
+        def hook(*_):  # returns None: a pre-hook's return value would replace the inputs
+            _sync(device)
+            table.setdefault(name, time.perf_counter())
+        return hook
+
+    for name, module in units:
+        handles.append(module.register_forward_pre_hook(stamp(stamps_f, name)))
+        params = [p for p in module.parameters(recurse=False) if p.requires_grad]
+        if params:
+            handles.append(params[0].register_post_accumulate_grad_hook(stamp(stamps_b, name)))
+    loss_fn = loss_fn or (lambda out: out if out.dim() == 0 else out.float().sum())
+    samples = {name: ([], []) for name, _ in units}
+    try:
+        for rep in range(repeats + 1):
+            stamps_f.clear()
+            stamps_b.clear()
+            model.zero_grad(set_to_none=True)
+            loss = loss_fn(model(*inputs))
+            _sync(device)
+            fwd_end = time.perf_counter()
+            loss.backward()
+            _sync(device)
+            if not rep:
+                continue
+            order = [n for n, _ in units if n in stamps_f]
+            order.sort(key=stamps_f.__getitem__)
+            for i, name in enumerate(order):
+                end = stamps_f[order[i + 1]] if i + 1 < len(order) else fwd_end
+                samples[name][0].append(end - stamps_f[name])
+            # backward: from the next unit's gradient (or the start) to this unit's
+            previous = fwd_end
+            for name in reversed(order):
+                if name in stamps_b:
+                    samples[name][1].append(stamps_b[name] - previous)
+                    previous = stamps_b[name]
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    return {n: (statistics.median(f) if f else 0.0, statistics.median(b) if b else 0.0) for n, (f, b) in samples.items()}
+
+
+def profile_compute(model, example_inputs, desc: ModelDesc, batches, loss_fn=None, repeats=3,
+                    skip_keys=(), progress: Progress | None = None) -> dict[str, ComputeFit]:
+    """Fits per shape key (units of equal shape pooled) for keys not in ``skip_keys``."""
+    per_batch = {}
+    for b in batches:
+        per_batch[b] = time_units(model, _batch_of(example_inputs, b), desc, loss_fn, repeats)
+        if progress:
+            progress.step(f"compute at batch {b}")
+    by_key: dict[str, list[str]] = {}
+    for op in desc.ops:
+        if shape_key(op) not in skip_keys:
+            by_key.setdefault(shape_key(op), []).append(op.name)
+    fits = {}
+    for key, names in by_key.items():
+        xs, yf, yb = [], [], []
+        for b in batches:
+            for name in names:
+                xs.append(b)
+                yf.append(per_batch[b][name][0])
+                yb.append(per_batch[b][name][1])
+        fi, fs = _fit_line(xs, yf)
+        bi, bs = _fit_line(xs, yb)
+        fits[key] = ComputeFit(fi, fs, bi, bs)
+    return fits
+
+
+def profile_split_overhead(in_features=1024, out_features=1024, tokens=2048, max_slices=16, device=None,
+                           dtype=torch.float32, repeats=5) -> float:
+    """Seconds each additional slice adds to a split matmul (fp32 accumulate, one cast)."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    x = torch.randn(tokens, in_features, device=device, dtype=dtype)
+    w = torch.randn(out_features, in_features, device=device, dtype=dtype)
+
+    def run(g):
+        out = torch.zeros(tokens, out_features, device=device, dtype=torch.float32)
+        step = in_features // g
+        for i in range(g):
+            k0 = i * step
+            k1 = in_features if i == g - 1 else k0 + step
+            out.addmm_(x[:, k0:k1].float(), w[:, k0:k1].float().t())
+        return out.to(dtype)
+
+    def timed(g):
+        samples = []
+        for rep in range(repeats + 1):
+            _sync(device)
+            start = time.perf_counter()
+            run(g)
+            _sync(device)
+            if rep:
+                samples.append(time.perf_counter() - start)
+        return statistics.median(samples)
+
+    g = min(max_slices, in_features)
+    return max((timed(g) - timed(1)) / max(g - 1, 1), 0.0)
+
+
+# ---- cache and driver -----------------------------------------------------------------
+
+def _device_label(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu-{os.cpu_count()}cores"
+
+
+def _cache_path(cache_dir) -> Path:
+    root = Path(cache_dir or os.environ.get("OSDP_CACHE_DIR") or Path.home() / ".cache" / "osdp")
+    return root / "profile-cache.json"
+
+
+def _load_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        if data.get("version") == CACHE_VERSION:
+            return data
+        log.warning("ignoring profile cache %s of version %s", path, data.get("version"))
+    except FileNotFoundError:
+        pass
+    except (json.JSONDecodeError, AttributeError):
+        log.warning("profile cache %s is unreadable; measuring again", path)
+    return {"version": CACHE_VERSION, "comm": {}, "compute": {}, "split": {}}
+
+
+def _save_cache(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)  # atomic: a crash never leaves half a cache
+
+
+def profile(
+    model: nn.Module,
+    example_inputs,
+    *,
+    memory_limit=None,
+    process_group=None,
+    batches=None,
+    loss_fn=None,
+    comm_sizes=None,
+    repeats: int = 3,
+    cache_dir=None,
+    use_cache: bool = True,
+    progress: bool = True,
+) -> tuple[ModelDesc, DeviceInfo]:
+    """Describe ``model`` and measure this cluster. Every rank of ``process_group`` calls
+    it (collectively); all get rank 0's numbers. ``memory_limit``: per device (bytes or
+    '8GiB'); default the GPU's total memory, required on CPU."""
+    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(process_group) if distributed else 1
+    rank = dist.get_rank(process_group) if distributed else 0
+    device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+    if memory_limit is None:
+        if device.type != "cuda":
+            raise OSDPError("profile needs memory_limit on CPU (e.g. memory_limit='8GiB')")
+        memory_limit = torch.cuda.get_device_properties(device).total_memory
+    limit = parse_bytes(memory_limit)
+    desc = describe(model, inputs)
+    dtype = str(next(model.parameters()).dtype)
+    label = _device_label(device)
+    backend = dist.get_backend(process_group) if distributed else "none"
+    example_batch = int(next(t for t in inputs if isinstance(t, torch.Tensor)).shape[0])
+    batches = tuple(batches or sorted({max(1, example_batch // 4), max(1, example_batch // 2), example_batch}))
+    comm_sizes = tuple(comm_sizes or (FULL_COMM_SIZES if device.type == "cuda" else DEFAULT_COMM_SIZES))
+
+    path = _cache_path(cache_dir)
+    cache = _load_cache(path) if use_cache else _load_cache(Path("/nonexistent"))
+    comm_key = f"{label}|{backend}|world={world}"
+    compute_key = f"{label}|{dtype}"
+    cached_fits = {k: ComputeFit(**v) for k, v in cache["compute"].get(compute_key, {}).items()} if use_cache else {}
+    todo_keys = {shape_key(op) for op in desc.ops} - set(cached_fits)
+    need_comm = world > 1 and comm_key not in cache["comm"]
+    need_split = compute_key not in cache["split"]
+    steps = (2 * len(comm_sizes) if need_comm else 0) + (len(batches) if todo_keys else 0) + 1
+    bar = Progress(steps, "osdp profile", enabled=progress and rank == 0)
+
+    if need_comm:
+        ag, rs = profile_collectives(process_group, comm_sizes, repeats, device, bar)
+        comm = {"all_gather": ag.__dict__, "reduce_scatter": rs.__dict__}
+    else:
+        comm = cache["comm"].get(comm_key, {"all_gather": {"alpha_s": 0.0, "beta_s_per_byte": 0.0},
+                                            "reduce_scatter": {"alpha_s": 0.0, "beta_s_per_byte": 0.0}})
+    fits = dict(cached_fits)
+    if todo_keys:
+        fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar))
+    split = cache["split"].get(compute_key)
+    if split is None:
+        split = profile_split_overhead(device=device)
+    bar.step("split overhead")
+
+    total_flops = sum(op.flops_per_sample for op in desc.ops)
+    slope = sum(fits[shape_key(op)].fwd_per_sample_s for op in desc.ops)
+    measured = {
+        "name": f"{world}x {label} ({backend})",
+        "world_size": world,
+        "memory_limit_bytes": limit,
+        "all_gather": comm["all_gather"],
+        "reduce_scatter": comm["reduce_scatter"],
+        "flops_per_s": total_flops / slope if slope > 0 and total_flops > 0 else 1e12,
+        "op_overhead_s": statistics.median([f.fwd_intercept_s for f in fits.values()]) if fits else 0.0,
+        "slice_overhead_s": split,
+        "op_compute": {k: v.__dict__ for k, v in fits.items()},
+        "source": f"measured by osdp.profile on {label}, {dtype}, {backend}, world size {world}",
+    }
+    if distributed:  # identical inputs on every rank: rank 0's measurement
+        box = [measured]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group)
+        measured = box[0]
+    if rank == 0 and use_cache:
+        if world > 1:
+            cache["comm"][comm_key] = {"all_gather": measured["all_gather"], "reduce_scatter": measured["reduce_scatter"]}
+        cache["compute"].setdefault(compute_key, {}).update(measured["op_compute"])
+        cache["split"][compute_key] = measured["slice_overhead_s"]
+        _save_cache(path, cache)
+    return desc, DeviceInfo.from_dict(measured)
+
