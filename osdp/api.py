@@ -129,7 +129,7 @@ class OSDP(nn.Module):
             return
         mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
         every = torch.empty(self._comm.world_size, dtype=torch.int64, device=self.device)
-        dist.all_gather_into_tensor(every, mine, group=self._comm.group)
+        self._comm.all_gather(every, mine).wait()
         if len(set(every.tolist())) != 1:
             raise PlanMismatchError(
                 "ranks resolved different OSDP configurations (plan, modes, splits, prefetch or "

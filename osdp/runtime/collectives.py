@@ -24,6 +24,11 @@ import torch
 import torch.distributed as dist
 
 
+# torch >= 2.13 names them *_single and deprecates the *_into_tensor / *_tensor names
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class Pending(NamedTuple):
     """A collective in flight; ``wait()`` orders the caller's compute after it."""
 
@@ -85,7 +90,7 @@ class CommContext:
             return Pending(_done)
 
         def fn(async_op):
-            return dist.all_gather_into_tensor(output, shard.detach(), group=self.group, async_op=async_op)
+            return _all_gather(output, shard.detach(), group=self.group, async_op=async_op)
 
         return self._issue(self.all_gather_stream if self.use_streams else None, fn, output)
 
@@ -96,7 +101,7 @@ class CommContext:
             return Pending(_done)
 
         def fn(async_op):
-            return dist.reduce_scatter_tensor(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            return _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
         return self._issue(self.reduce_scatter_stream if self.use_streams else None, fn, output)
 

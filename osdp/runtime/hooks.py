@@ -91,6 +91,9 @@ class ModuleBinding:
     def _pre_forward(self, module, args, kwargs):
         sched = self.scheduler
         grad_enabled = torch.is_grad_enabled()
+        # a checkpoint recompute that stopped early never ran our post-forward hook
+        while self._stack and self._stack[-1][0].recompute:
+            self._stack.pop()
         uses = []
         for unit, attrs in self.entries:
             use = sched.pre_forward(unit)

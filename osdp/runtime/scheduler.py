@@ -29,6 +29,13 @@ gathered bytes (every gathered unit except ``dp`` units that finished forward an
 for backward) plus the next unit's bytes stay <= ``prefetch_bytes``. Prefetch stops at
 the first unit that does not fit, so gathers are issued in use order on every rank.
 
+[Note: unsharded gradients]
+A unit's unsharded gradient buffer lives from its first backward use until its
+reduce-scatter is waited on. At most ``max_inflight_reduce_scatters`` (1) reduce-scatters
+are in flight: issuing one more waits for the oldest, so at most two units' unsharded
+gradients are live at once (the one being computed and the one being reduced), plus
+partial gradients of units used more than once whose last use is still to come.
+
 [Note: activation checkpointing]
 A forward that runs inside backward is a checkpoint recompute. It gathers what it needs
 (a ``zdp`` unit is gathered again), frees only what it gathered itself, and registers
@@ -70,7 +77,8 @@ class Scheduler:
         self.comm = comm
         self.ledger = ledger
         self.prefetch_bytes = int(prefetch_bytes)
-        self.max_inflight_reduce_scatters = 2
+        # see [Note: unsharded gradients]
+        self.max_inflight_reduce_scatters = 1
         self._recording: list[list] | None = None  # [unit, expects_backward] per use
         self._fwd_order: list[ShardUnit] | None = None
         self._bwd_order: list[ShardUnit] | None = None
@@ -103,10 +111,12 @@ class Scheduler:
     # ---- the protocol ---------------------------------------------------------------
     def pre_forward(self, unit: ShardUnit) -> Use:
         if self._in_backward or _in_autograd_engine():
+            # no n_active pin: checkpoint may stop the recompute early, inside a
+            # module's forward, so a matching post_forward is not guaranteed; nothing
+            # frees this unit before it is used (frees happen on its own events)
             was_gathered = unit.state is not GatherState.SHARDED
             self._issue(unit)
             self._wait(unit)
-            unit.n_active += 1
             return Use(unit, recompute=True, gathered_here=not was_gathered)
         if (
             unit.state is GatherState.GATHERED
@@ -133,12 +143,12 @@ class Scheduler:
 
     def post_forward(self, use: Use, expects_backward: bool) -> None:
         unit = use.unit
-        unit.n_active -= 1
         if use.recompute:
             use.state = UseState.DONE
             if use.gathered_here:
                 self._maybe_free(unit)
             return
+        unit.n_active -= 1
         if expects_backward:
             use.state = UseState.AWAIT_BACKWARD
             unit.n_await += 1
