@@ -5,9 +5,13 @@
   before any kernel module is imported, so it is set here, first.
 """
 import os
+import sys
 
 import pytest
 import torch
+
+# test helpers shared across folders (e.g. runtime.dist_harness) import from here
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

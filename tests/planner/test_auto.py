@@ -1,0 +1,65 @@
+"""Profiler and auto_plan on real gloo process groups (2 ranks, one spawn)."""
+import pytest
+import torch
+
+from runtime.dist_harness import spawn
+
+from osdp.planner.profile import _fit_line
+
+
+def test_line_fit_recovers_intercept_and_slope():
+    xs = [1, 2, 4, 8]
+    intercept, slope = _fit_line(xs, [0.5 + 0.25 * x for x in xs])
+    assert intercept == pytest.approx(0.5) and slope == pytest.approx(0.25)
+    # a decreasing measurement is noise: slope clamps to 0, never negative
+    assert _fit_line([1, 2], [2.0, 1.0])[1] == 0.0
+
+
+def _ranks(rank, world, cache_dir):
+    import osdp
+    from osdp.errors import InfeasiblePlanError
+    from osdp.models import GPT, example_batch, get_preset
+    from osdp.planner import profile as prof
+
+    torch.manual_seed(0)
+    config = get_preset("tiny")
+    model = GPT(config)
+    inputs = example_batch(config, 4)
+    kwargs = dict(cache_dir=cache_dir, comm_sizes=(4096, 65536, 1 << 20), repeats=1, progress=False)
+    out = {}
+    plan = osdp.auto_plan(model, inputs, "64MiB", **kwargs)
+    out["plan"] = plan.to_dict()
+    out["hash"] = plan.plan_hash()
+
+    # the second call finds everything in the cache: nothing is measured again
+    def refuse(*a, **k):
+        raise AssertionError("measured again despite the cache")
+
+    saved = prof.profile_compute, prof.profile_collectives
+    prof.profile_compute = prof.profile_collectives = refuse
+    try:
+        _, device = prof.profile(model, inputs, memory_limit="64MiB", **kwargs)
+        out["device"] = device.to_dict()
+    finally:
+        prof.profile_compute, prof.profile_collectives = saved
+
+    # nothing fits: every rank raises the same typed error instead of hanging
+    try:
+        osdp.auto_plan(model, inputs, "1KiB", **kwargs)
+        out["infeasible"] = None
+    except InfeasiblePlanError as exc:
+        out["infeasible"] = (str(exc), exc.min_bytes)
+    return out
+
+
+@pytest.mark.slow
+def test_auto_plan_is_identical_on_every_rank(tmp_path):
+    a, b = spawn(_ranks, 2, str(tmp_path))
+    assert a["hash"] == b["hash"] and a["plan"] == b["plan"]
+    assert a["plan"]["world_size"] == 2 and a["plan"]["batch_size"] >= 1
+    assert a["device"] == b["device"]
+    ag = a["device"]["all_gather"]
+    assert ag["alpha_s"] >= 0 and ag["beta_s_per_byte"] > 0
+    assert a["device"]["op_compute"], "no compute fits were measured"
+    assert a["infeasible"] is not None and a["infeasible"] == b["infeasible"]
+    assert a["infeasible"][1] > 1024
