@@ -138,7 +138,6 @@ CASES = [
     Case("twice_dp", "twice", lambda m: {"default_mode": "dp"}),
     Case("twice_zdp", "twice", lambda m: {"default_mode": "zdp", "prefetch_bytes": 10**6}),
 ]
-MODEL_KEYS = sorted({c.model for c in CASES})
 
 
 def _local(batch, rank):
@@ -271,15 +270,16 @@ def mismatch_probe(rank: int, world_size: int):
     return None
 
 
-def run_all(rank: int, world_size: int):
-    torch.use_deterministic_algorithms(False)
+def run_all(rank: int, world_size: int, case_names):
     out = {"osdp": {}, "fsdp2": {}, "ref": {}}
-    for case in CASES:
+    cases = [c for c in CASES if c.name in case_names]
+    models = sorted({c.model for c in cases})
+    for case in cases:
         out["osdp"][case.name] = train_osdp(case, rank, world_size)
-    for key in MODEL_KEYS:
+    for key in models:
         out["fsdp2"][key] = train_fsdp2(key, rank, world_size)
     if rank == 0:
-        for key in MODEL_KEYS:
+        for key in models:
             out["ref"][key] = train_reference(key, world_size)
     out["split_window"] = split_window_probe(rank, world_size)
     out["mismatch"] = mismatch_probe(rank, world_size)

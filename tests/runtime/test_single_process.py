@@ -1,0 +1,249 @@
+"""In-process checks on a 1-rank gloo group: configuration errors, split ops against
+the modules they replace, the registry, eval mode and the plan object."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import osdp
+from osdp.errors import OSDPError, PlanMismatchError
+from osdp.models import GPT, GPTConfig, example_batch
+from osdp.ops import SplitModule, get_split_op, register_split_op, split_sizes
+from osdp.ops import kernels
+
+from .dist_harness import free_port
+
+CFG = GPTConfig(vocab_size=97, seq_len=8, num_layers=2, hidden=10, heads=2)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank_group():
+    if dist.is_initialized():
+        yield
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class FakePlan:
+    """Stands in for osdp.planner.plan.Plan: only what the runtime reads."""
+
+    modes: dict
+    world_size: int = 1
+    prefetch_bytes: int = 4096
+    checkpoint_blocks: tuple = ()
+    fingerprint: str = "fake"
+
+    def unit_modes(self):
+        return dict(self.modes)
+
+
+def gpt(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(**{**CFG.__dict__, **kw}))
+
+
+# ---- configuration errors -----------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"modes": {"blocks.0.mlp.cfc": "dp"}}, r"'blocks.0.mlp.cfc' is not a unit.*did you mean 'blocks.0.mlp.c_fc'"),
+        ({"modes": {"blocks.0.mlp": "dp"}}, r"owns no parameters itself.*blocks.0.mlp.c_fc"),
+        ({"splits": {"nope": 2}}, r"splits: 'nope' is not a unit"),
+        ({"modes": {"wte": "ddp"}}, r"modes\['wte'\]: mode 'ddp' is not one of 'dp', 'zdp'"),
+        ({"default_mode": "fsdp"}, r"default_mode: mode 'fsdp'"),
+        ({"modes": {"wte": []}}, r"non-empty sequence"),
+        ({"modes": {"blocks.0.mlp.c_fc": ("dp", "zdp", "dp")}, "splits": {"blocks.0.mlp.c_fc": 2}}, r"3 per-slice modes but splits.* = 2"),
+        ({"splits": {"blocks.0.mlp.c_fc": 0}}, r"integer >= 1"),
+        ({"splits": {"blocks.0.mlp.c_fc": 11}}, r"in_features=10\) into 11 slices: use 1 <= g <= 10"),
+        ({"splits": {"blocks.0.ln_1": 2}}, r"LayerNorm, which has no split op; modules that can be split: Embedding, Linear"),
+        ({"modes": {"blocks.0.mlp.c_fc[1]": "dp"}}, r"names slice 1 of 'blocks.0.mlp.c_fc', which is not split"),
+        ({"modes": {"blocks.0.mlp.c_fc[5]": "dp"}, "splits": {"blocks.0.mlp.c_fc": 2}}, r"has 2 slices \(0..1\)"),
+        ({"checkpoint_blocks": ("blocks.9",)}, r"checkpoint block 'blocks.9' is not a module path"),
+        ({"prefetch_bytes": -1}, r"prefetch_bytes must be an integer >= 0"),
+    ],
+)
+def test_bad_configs_raise_clear_errors(kwargs, match):
+    with pytest.raises(OSDPError, match=match):
+        osdp.OSDP(gpt(), **kwargs)
+
+
+def test_split_of_tied_module_is_refused():
+    with pytest.raises(OSDPError, match=r"cannot split 'lm_head': its parameters are shared"):
+        osdp.OSDP(gpt(tie_embeddings=True), splits={"lm_head": 2})
+
+
+def test_mixed_frozen_unit_is_refused():
+    model = gpt()
+    model.blocks[0].ln_1.bias.requires_grad_(False)
+    with pytest.raises(OSDPError, match=r"'blocks.0.ln_1' mixes frozen and trainable"):
+        osdp.OSDP(model)
+
+
+def test_plan_world_size_mismatch():
+    with pytest.raises(PlanMismatchError, match=r"made for world size 4, the process group has 1 ranks: plan again for 1"):
+        osdp.OSDP(gpt(), plan=FakePlan({}, world_size=4))
+
+
+def test_plan_and_modes_are_exclusive():
+    with pytest.raises(OSDPError, match="either plan= or modes="):
+        osdp.OSDP(gpt(), plan=FakePlan({}), modes={"wte": "dp"})
+
+
+def test_api_auto_plan_is_a_placeholder():
+    from osdp import api
+
+    with pytest.raises(NotImplementedError, match="planner integration pending"):
+        api.auto_plan(gpt(), None)
+
+
+# ---- the plan object --------------------------------------------------------------
+def test_plan_is_read_duck_typed():
+    plan = FakePlan(
+        {"wte": ("zdp",), "blocks.0.mlp.c_fc": ("dp", "zdp", "dp"), "lm_head": ("dp",), "blocks.1.mlp.c_fc": ("zdp",)},
+        prefetch_bytes=1234,
+        checkpoint_blocks=("blocks.1",),
+    )
+    model = osdp.OSDP(gpt(), plan=plan, default_mode="dp")
+    modes = model.unit_modes()
+    assert modes["wte"] == "zdp" and modes["lm_head"] == "dp" and modes["blocks.0.ln_1"] == "dp"
+    assert [modes[f"blocks.0.mlp.c_fc[{i}]"] for i in range(3)] == ["dp", "zdp", "dp"]
+    assert model.prefetch_bytes == 1234 and model.checkpoint_blocks == ("blocks.1",)
+    assert model.plan_fingerprint == "fake"
+    loss = model(*example_batch(CFG, 2))
+    loss.backward()
+    gathers = model.memory_stats()["all_gathers"]
+    # checkpointed block: a zdp unit is gathered for forward, recompute and backward (the
+    # 1234-byte window is too small to prefetch it); a dp unit once, kept throughout
+    assert gathers["blocks.1.mlp.c_fc"] == 3 and gathers["blocks.1.mlp.c_proj"] == 1
+
+
+def test_tied_alias_accepts_a_mode_and_shares_the_unit():
+    model = osdp.OSDP(gpt(tie_embeddings=True), modes={"lm_head": "dp", "wte": "zdp"})
+    assert "lm_head" not in model.unit_names()
+    assert model.tied_modules() == {"lm_head": "wte"}
+    state = model.full_state_dict()
+    assert torch.equal(state["wte.weight"], state["lm_head.weight"])
+
+
+# ---- split ops against the modules they replace ------------------------------------
+@pytest.mark.parametrize("in_features,g", [(10, 4), (12, 3), (7, 7), (16, 1)])
+@pytest.mark.parametrize("modes", ["dp", "zdp", "mixed"])
+def test_split_linear_matches_linear(in_features, g, modes):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(in_features, 6))
+    wrapped = nn.Sequential(nn.Linear(in_features, 6))
+    wrapped.load_state_dict(ref.state_dict())
+    slice_modes = ["dp", "zdp"] * g if modes == "mixed" else [modes] * g
+    model = osdp.OSDP(wrapped, modes={"0": tuple(slice_modes[:g])}, splits={"0": g}, prefetch_bytes=0)
+    x = torch.randn(2, 3, in_features, dtype=torch.float64).float().requires_grad_(True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    for _ in range(2):  # twice: gradients accumulate into .grad
+        model(x).sin().sum().backward()
+        ref(x_ref).sin().sum().backward()
+    state = model.full_state_dict()
+    torch.testing.assert_close(model(x), ref(x_ref), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
+    grads = torch.cat([p.grad for p in model.parameters()])
+    assert torch.equal(state["0.weight"], ref[0].weight.detach())
+    sizes = split_sizes(in_features, g)
+    expected, k0 = [], 0
+    for i, ks in enumerate(sizes):  # flat slice i = [W[:, k0:k0+ks] (+ bias for slice 0)]
+        expected.append(ref[0].weight.grad[:, k0 : k0 + ks].reshape(-1))
+        if i == 0:
+            expected.append(ref[0].bias.grad)
+        k0 += ks
+    torch.testing.assert_close(grads, torch.cat(expected), rtol=1e-5, atol=1e-6)
+
+
+def test_split_embedding_matches_embedding_with_padding_idx():
+    torch.manual_seed(0)
+    ref = nn.Embedding(11, 4, padding_idx=3)
+    wrapped = nn.Embedding(11, 4, padding_idx=3)
+    wrapped.load_state_dict(ref.state_dict())
+    model = osdp.OSDP(nn.Sequential(wrapped), modes={"0": ("zdp", "dp", "zdp")})
+    idx = torch.tensor([[0, 3, 10, 5], [5, 5, 9, 1]])
+    weights = torch.randn(2, 4, 4)
+    (model(idx) * weights).sum().backward()
+    (ref(idx) * weights).sum().backward()
+    torch.testing.assert_close(model(idx), ref(idx))
+    grads = torch.cat([p.grad for p in model.parameters()]).view(11, 4)
+    torch.testing.assert_close(grads, ref.weight.grad)
+    assert model.memory_stats()["all_gathers"] == {"0[0]": 2, "0[1]": 2, "0[2]": 2}  # 2 forwards, no backward gather
+
+
+def test_reference_slice_kernels():
+    torch.manual_seed(0)
+    x, w, dy = torch.randn(5, 9), torch.randn(4, 3), torch.randn(5, 4)
+    out = torch.zeros(5, 4)
+    kernels.addmm_slice_(out, x, w, 2, bias=torch.ones(4))
+    torch.testing.assert_close(out, x[:, 2:5] @ w.T + 1)
+    dx = torch.zeros(5, 9)
+    kernels.slice_dx(dy, w, dx, 6)
+    torch.testing.assert_close(dx[:, 6:9], dy @ w)
+    assert dx[:, :6].abs().sum() == 0
+    dw = torch.ones(4, 3)
+    kernels.slice_dw(dy, x, 1, 3, out=dw, accumulate=True)
+    torch.testing.assert_close(dw, 1 + dy.T @ x[:, 1:4])
+    # bf16 input, fp32 accumulator: one cast at the end
+    out = torch.zeros(5, 4)
+    kernels.addmm_slice_(out, x.bfloat16(), w.bfloat16(), 2)
+    torch.testing.assert_close(out, (x[:, 2:5] @ w.T), rtol=2e-2, atol=2e-2)
+
+
+def test_registry_extension_point():
+    class Bilinear3(SplitModule):  # a made-up op: only registration is exercised
+        module_type = nn.Bilinear
+        op_name = "bilinear_test"
+
+    try:
+        register_split_op(Bilinear3)
+        assert get_split_op(nn.Bilinear(2, 2, 2)) is Bilinear3
+
+        class Other(SplitModule):
+            module_type = nn.Bilinear
+            op_name = "other"
+
+        with pytest.raises(OSDPError, match="already has split op 'bilinear_test'"):
+            register_split_op(Other)
+    finally:
+        from osdp.ops import registry
+
+        registry._REGISTRY.pop(nn.Bilinear, None)
+    with pytest.raises(TypeError):
+        register_split_op(nn.Linear)
+
+
+# ---- runtime behaviour --------------------------------------------------------------
+def test_eval_forward_frees_everything_and_state_is_inspectable():
+    model = osdp.OSDP(gpt(), default_mode="dp", splits={"blocks.0.mlp.c_fc": 2})
+    with torch.no_grad():
+        model(example_batch(CFG, 2)[0])
+    assert model.gathered_units() == []
+    stats = model.memory_stats()
+    for key in ("peak_gathered_bytes", "peak_grad_bytes", "current_gathered_bytes", "unit_peak_gathered_bytes"):
+        assert key in stats
+    assert stats["current_gathered_bytes"] == 0 and stats["peak_gathered_bytes"] > 0
+    model.reset_memory_stats()
+    assert model.memory_stats()["peak_gathered_bytes"] == 0
+    assert model.unwrapped is model.module
+    assert "blocks.0.mlp.c_fc[1]" in model.unit_names()
+    # buffers stay as they were; every parameter is a local shard
+    assert all(isinstance(p, nn.Parameter) and p.dim() == 1 for p in model.parameters())
+
+
+def test_weights_updated_between_forwards_are_regathered():
+    model = osdp.OSDP(gpt(), default_mode="dp")
+    idx, tgt = example_batch(CFG, 2)
+    with torch.no_grad():
+        before = model(idx, tgt).item()
+        for p in model.parameters():
+            p.add_(0.05)
+        after = model(idx, tgt).item()
+    assert before != after
