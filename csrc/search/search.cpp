@@ -49,9 +49,10 @@ constexpr int64_t kLanes = 8;
   const double *tin, const double *pin, double *tout, double *pout, uint16_t *cout,      \
       const double *qy, int64_t y0, int64_t nblocks, double act, double budget,           \
       const int64_t *held, const double *local, const double *time, const double *rel,    \
-      int64_t nopt
+      const int64_t *ymax, int64_t nopt
 
 void relax_op_scalar(OSDP_RELAX_ARGS) {
+  (void)ymax;  // the memory test below is the same predicate
   for (int64_t k = 0; k < nblocks * kLanes; ++k) {
     const int64_t y = y0 + k;
     const double qa = qy[y] + act;
@@ -95,15 +96,18 @@ __attribute__((target("avx512f"), always_inline)) inline void relax_blocks_avx51
     const __m512d vr = _mm512_set1_pd(rel[o]);
     const double* xt = tin + (y0 + b0 * kLanes - held[o]);
     const double* xp = pin + (y0 + b0 * kLanes - held[o]);
+    // all_fit: every y of the group is <= the option's last fitting state, so the
+    // memory test (monotone in y) passes everywhere and its compare is skipped
+    const bool all_fit = y0 + (b0 + U) * kLanes - 1 <= ymax[o];
 #pragma GCC unroll 8
     for (int u = 0; u < U; ++u) {
       const __m512d mem = _mm512_add_pd(qa[u], vl);
       const __m512d t = _mm512_add_pd(_mm512_loadu_pd(xt + u * kLanes), vt);
       const __m512d pk = _mm512_max_pd(_mm512_loadu_pd(xp + u * kLanes), mem);
+      const __mmask8 fit = all_fit ? __mmask8(0xFF) : _mm512_cmp_pd_mask(mem, vbudget, _CMP_LE_OQ);
       const __mmask8 better =
-          _mm512_cmp_pd_mask(mem, vbudget, _CMP_LE_OQ) &
-          (_mm512_cmp_pd_mask(t, at[u], _CMP_LT_OQ) |
-           (_mm512_cmp_pd_mask(t, at[u], _CMP_EQ_OQ) & _mm512_cmp_pd_mask(pk, ap[u], _CMP_LT_OQ)));
+          _mm512_mask_cmp_pd_mask(fit, t, at[u], _CMP_LT_OQ) |
+          (_mm512_mask_cmp_pd_mask(fit, t, at[u], _CMP_EQ_OQ) & _mm512_cmp_pd_mask(pk, ap[u], _CMP_LT_OQ));
       at[u] = _mm512_mask_blend_pd(better, at[u], t);
       ap[u] = _mm512_mask_blend_pd(better, ap[u], pk);
       ac[u] = _mm512_mask_blend_pd(better, ac[u], vr);
@@ -125,10 +129,10 @@ __attribute__((target("avx512f"))) void relax_op_avx512(OSDP_RELAX_ARGS) {
   int64_t b = 0;
   for (; b + 4 <= nblocks; b += 4)
     relax_blocks_avx512<4>(tin, pin, tout, pout, cout, qy, y0, nblocks, act, budget, held, local,
-                           time, rel, nopt, b);
+                           time, rel, ymax, nopt, b);
   for (; b < nblocks; ++b)
     relax_blocks_avx512<1>(tin, pin, tout, pout, cout, qy, y0, nblocks, act, budget, held, local,
-                           time, rel, nopt, b);
+                           time, rel, ymax, nopt, b);
 }
 
 // AVX2: the same with 4 lanes (half blocks), also U at a time.
@@ -136,6 +140,7 @@ template <int U>
 __attribute__((target("avx2"), always_inline)) inline void relax_halves_avx2(OSDP_RELAX_ARGS,
                                                                             int64_t h0) {
   (void)nblocks;
+  (void)ymax;
   const __m256d vbudget = _mm256_set1_pd(budget), vact = _mm256_set1_pd(act);
   __m256d qa[U], at[U], ap[U], ac[U];
 #pragma GCC unroll 8
@@ -181,10 +186,10 @@ __attribute__((target("avx2"))) void relax_op_avx2(OSDP_RELAX_ARGS) {
   int64_t h = 0;
   for (; h + 4 <= nhalves; h += 4)
     relax_halves_avx2<4>(tin, pin, tout, pout, cout, qy, y0, nblocks, act, budget, held, local,
-                         time, rel, nopt, h);
+                         time, rel, ymax, nopt, h);
   for (; h < nhalves; ++h)
     relax_halves_avx2<1>(tin, pin, tout, pout, cout, qy, y0, nblocks, act, budget, held, local,
-                         time, rel, nopt, h);
+                         time, rel, ymax, nopt, h);
 }
 #endif
 
@@ -377,7 +382,7 @@ Result solve(const ProblemView& p, const std::string& isa) {
   std::vector<int8_t> seg_v(N);
   std::vector<Table> op_tab(2 * n), seg_tab(S);
   // per op: the kept options that fit somewhere in the reachable range
-  std::vector<int64_t> f_held;
+  std::vector<int64_t> f_held, f_ymax;
   std::vector<double> f_local, f_time, f_rel;
   in.t[0] = p.constant_time_s;
   int64_t lo = 0, hi = 0;
@@ -396,6 +401,7 @@ Result solve(const ProblemView& p, const std::string& isa) {
         const double act = p.act_in_segment_bytes[2 * i + v];
         const int64_t base = p.opt_begin[2 * i + v];
         f_held.clear();
+        f_ymax.clear();
         f_local.clear();
         f_time.clear();
         f_rel.clear();
@@ -403,8 +409,10 @@ Result solve(const ProblemView& p, const std::string& isa) {
         for (int64_t k = kept_at[2 * i + v]; k < kept_at[2 * i + v + 1]; ++k) {
           const int64_t o = kept[k], h = p.opt_held_q[o];
           if (h > B - clo) continue;  // above B from every reachable state
-          if (clo + h > max_fitting_state(qy, B, q, act, p.opt_local_bytes[o], budget)) continue;
+          const int64_t ymax = max_fitting_state(qy, B, q, act, p.opt_local_bytes[o], budget);
+          if (clo + h > ymax) continue;
           f_held.push_back(h);
+          f_ymax.push_back(ymax);
           f_local.push_back(p.opt_local_bytes[o]);
           f_time.push_back(p.opt_time_s[o]);
           f_rel.push_back(double(o - base));
@@ -430,7 +438,8 @@ Result solve(const ProblemView& p, const std::string& isa) {
         tab.lo = rlo;
         tab.op.resize(size_t(nblocks * kLanes));
         relax_op(cur->t, cur->p, nxt->t, nxt->p, tab.op.data(), qy, rlo, nblocks, act, budget,
-                 f_held.data(), f_local.data(), f_time.data(), f_rel.data(), int64_t(f_held.size()));
+                 f_held.data(), f_local.data(), f_time.data(), f_rel.data(), f_ymax.data(),
+                 int64_t(f_held.size()));
         reach_range(nxt->t, rlo, rhi, &clo, &chi);
         if (clo > chi) {
           alive = false;

@@ -38,8 +38,10 @@ op and variant (ties: the higher index) is dropped first: it can never be strict
 Work is (ops x variants x reachable states x options); only the reachable range
 [lo, hi] of states is scanned. Per op and variant the winning option per end state is
 kept (uint16, relative to ``opt_begin``) and per segment the winning variant per state,
-for backtracking. The numpy reference and the C++ core follow the same order of
-updates, so they return the same plan, not only the same optimum.
+for backtracking. The reference pushes option by option over all states; the C++ core
+pulls, per end state, over the options (see [Note: relax kernel] in
+csrc/search/search.cpp). Each end state sees the same candidates in the same order with
+the same strict comparison, so both return the same plan, not only the same optimum.
 """
 from __future__ import annotations
 
