@@ -1,5 +1,5 @@
 """Models shipped with OSDP: a minGPT-style GPT and named configs."""
-from .gpt import GPT, GPTConfig, example_batch
+from .gpt import GPT, GPTConfig, counting_batch, example_batch
 from .presets import PRESETS, get_preset
 
-__all__ = ["GPT", "GPTConfig", "example_batch", "PRESETS", "get_preset"]
+__all__ = ["GPT", "GPTConfig", "counting_batch", "example_batch", "PRESETS", "get_preset"]

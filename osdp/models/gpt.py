@@ -149,3 +149,13 @@ def example_batch(config: GPTConfig, batch: int, seed: int = 0, device=None):
     idx = torch.randint(0, config.vocab_size, (batch, config.seq_len + 1), generator=gen)
     idx = idx.to(device) if device is not None else idx
     return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+
+def counting_batch(config: GPTConfig, batch: int, seed: int = 0, device=None):
+    """(idx, targets) where every next token is the previous one + 1 (mod vocab), from a
+    random start: a task a GPT learns in a few steps, so training visibly works."""
+    gen = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, config.vocab_size, (batch, 1), generator=gen)
+    idx = (start + torch.arange(config.seq_len + 1)) % config.vocab_size
+    idx = idx.to(device) if device is not None else idx
+    return idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
