@@ -408,19 +408,12 @@ def search_cpp(problem: SearchProblem, isa: str = "auto") -> SearchResult:
     validate_problem(problem)
     C = _native()
     p = problem
-    r = C.search(
-        seg_first_op=p.seg_first_op, seg_num_ops=p.seg_num_ops,
-        seg_num_variants=p.seg_num_variants,
-        seg_carry_act_q=np.ascontiguousarray(p.seg_carry_act_q),
-        seg_extra_time_s=np.ascontiguousarray(p.seg_extra_time_s),
-        act_in_segment_bytes=np.ascontiguousarray(p.act_in_segment_bytes),
-        opt_begin=np.ascontiguousarray(p.opt_begin), opt_end=np.ascontiguousarray(p.opt_end),
-        opt_held_q=np.ascontiguousarray(p.opt_held_q),
-        opt_local_bytes=np.ascontiguousarray(p.opt_local_bytes),
-        opt_time_s=np.ascontiguousarray(p.opt_time_s),
-        quantum_bytes=float(p.quantum_bytes), budget_bytes=float(p.budget_bytes),
-        constant_time_s=float(p.constant_time_s), max_buckets=MAX_BUCKETS, isa=isa,
-    )
+    arrays = {name: np.ascontiguousarray(getattr(p, name)) for name in (
+        "seg_first_op", "seg_num_ops", "seg_num_variants", "seg_carry_act_q",
+        "seg_extra_time_s", "act_in_segment_bytes", "opt_begin", "opt_end", "opt_held_q",
+        "opt_local_bytes", "opt_time_s")}
+    r = C.search(**arrays, quantum_bytes=float(p.quantum_bytes), budget_bytes=float(p.budget_bytes),
+                 constant_time_s=float(p.constant_time_s), max_buckets=MAX_BUCKETS, isa=isa)
     if not r["feasible"]:
         return SearchResult(feasible=False, states_visited=int(r["states_visited"]))
     return _result(p, r["time_s"], r["peak_inner_bytes"], r["option_index"].tolist(),

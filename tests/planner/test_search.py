@@ -431,3 +431,13 @@ def test_backend_argument():
     with pytest.raises(ValueError, match="backend"):
         S.search(_small(), backend="fortran")
     assert S.search(_small(), backend="auto").feasible
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_arrays_are_accepted(backend):
+    import dataclasses
+    p = _small()
+    wide = np.repeat(p.opt_time_s, 2)  # a non-contiguous view with the same values
+    q = dataclasses.replace(p, opt_time_s=wide[::2])
+    assert not q.opt_time_s.flags.c_contiguous
+    assert run(q, backend) == S.search_python(p)
