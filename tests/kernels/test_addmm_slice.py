@@ -3,7 +3,7 @@ import torch
 import torch.nn.functional as F
 
 import osdp_kernels as K
-from _util import DEVICE, DTYPES, assert_within_2x_torch, randn, torch_rows
+from kernel_testutil import DEVICE, DTYPES, assert_within_2x_torch, randn, torch_rows
 
 # (M, N, K_total, k0, ks): M=1, N=233, K not a multiple of the block, odd offsets,
 # a slice covering all of K, several row tiles.

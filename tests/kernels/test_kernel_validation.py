@@ -4,7 +4,7 @@ import torch
 
 import osdp_kernels as K
 from osdp_kernels import _common
-from _util import DEVICE
+from kernel_testutil import DEVICE
 
 
 def t(*shape, dtype=torch.float16):

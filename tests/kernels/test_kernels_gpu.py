@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 import osdp_kernels as K
-from _util import assert_within_2x_torch, torch_rows
+from kernel_testutil import assert_within_2x_torch, torch_rows
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

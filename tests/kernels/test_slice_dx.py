@@ -2,7 +2,7 @@ import pytest
 import torch
 
 import osdp_kernels as K
-from _util import DEVICE, DTYPES, assert_within_2x_torch, randn, torch_rows
+from kernel_testutil import DEVICE, DTYPES, assert_within_2x_torch, randn, torch_rows
 
 SHAPES = [(1, 233, 96, 17, 50), (37, 233, 200, 0, 200), (70, 64, 130, 64, 66), (33, 97, 300, 150, 129)]
 
