@@ -59,7 +59,13 @@ def _settings(args):
 
     if args.max_slices < 1:
         raise OSDPError(f"--max-slices must be >= 1, got {args.max_slices}")
-    return PlannerSettings(max_slices=args.max_slices, checkpointing=args.checkpointing)
+    return PlannerSettings(
+        max_slices=args.max_slices,
+        checkpointing=args.checkpointing,
+        param_dtype_bytes=2 if args.mixed_precision else None,
+        reduce_dtype_bytes=4 if args.mixed_precision else None,
+        gradient_sync=args.gradient_sync,
+    )
 
 
 DEFAULT_PRESET = "nd-48x1024"
@@ -74,7 +80,10 @@ def cmd_plan(args) -> int:
     else:
         if args.batch is not None and args.batch < 1:
             raise OSDPError(f"--batch must be a positive integer, got {args.batch}")
-        plan = make_plan(_model_desc(args), _device(args), _settings(args), batch=args.batch, backend=args.backend)
+        if args.global_batch is not None and args.batch is not None:
+            raise OSDPError("give --batch (per device) or --global-batch (per optimizer step), not both")
+        plan = make_plan(_model_desc(args), _device(args), _settings(args), batch=args.batch, backend=args.backend,
+                         global_batch=args.global_batch)
     print(plan)
     speedup = plan.speedup_over_fsdp
     if speedup is not None:
@@ -131,6 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-slices", type=int, default=16, help="largest split granularity (1 disables splitting)")
     p.add_argument("--checkpointing", default="none", choices=("none", "auto", "all"),
                    help="activation checkpointing: none, per block chosen by the planner, or every block")
+    p.add_argument("--mixed-precision", action="store_true",
+                   help="gather and compute in 16-bit (bf16/fp16), reduce gradients in fp32, fp32 master shards")
+    p.add_argument("--global-batch", type=int,
+                   help="samples per optimizer step across ranks: picks micro-batch size and accumulation steps")
+    p.add_argument("--gradient-sync", default="last", choices=("every", "last"),
+                   help="with accumulation: reduce-scatter after every micro-batch, or only after the last")
     p.add_argument("--json", help="write the plan to this file")
     p.add_argument("--plan", help="show a saved plan instead of planning")
     p.add_argument("--plot", help="write a PNG of the decisions and predicted memory")

@@ -13,6 +13,10 @@ AG(x) = (N-1) a_ag + (N-1)/N x b_ag, RS likewise:
                     + g * RS(G/g)                    (grads of every slice)
     forward  compute = fit(b) * split_efficiency(g) + (g-1) * slice_overhead
     backward compute = ratio * forward compute (+ forward compute when checkpointed)
+With mixed precision, P is the weights' bytes in param_dtype and G the gradients' in
+reduce_dtype. With gradient accumulation over a micro-batches an optimizer step costs
+a times the above, or, when gradients are reduce-scattered only after the last
+micro-batch, (a - 1) micro-batches without the reduce-scatters plus one with them.
 Communication runs on its own stream and is issued ahead of use within the prefetch
 window W. Each phase of each op costs max(compute, comm) when the op's slice and the
 next unit can both be in flight inside the window (2 P/g <= W), and compute + comm when
@@ -23,7 +27,10 @@ time from a compute-bound neighbour.
 
 [Note: memory model]
 Static (paid by every plan): the 1/N shards of parameters, gradients and optimizer
-state, the device's constant bytes and batch-independent saved tensors. Per op i the
+state (in the model's own dtype: the fp32 master copy under mixed precision), the
+device's constant bytes and batch-independent saved tensors, and under gradient
+accumulation synced at the last micro-batch, every unit's unsharded gradient
+accumulator in reduce_dtype. Per op i the
 search adds, on top of the prefix of kept weights and saved activations (see
 search_problem.py's [Note: the memory constraint]):
     kept weights     (g - k) * P/g                  from its forward to its backward
@@ -60,7 +67,16 @@ class PlannerSettings:
     checkpointing: str = "none"  # "auto": per block, chosen by the search
     prefetch_bytes: float | None = None  # None: 2 x the largest slice at the finest split
     optimizer_state_bytes_per_param: float = 8.0  # AdamW: two fp32 moments
-    grad_bytes_per_element: float | None = None  # None: the parameters' element size
+    # mixed precision (like FSDP2's MixedPrecisionPolicy): weights are gathered and used
+    # in param_dtype, gradients reduced in reduce_dtype, the sharded master copy and its
+    # optimizer state stay in the model's own dtype. None: the model's own dtype.
+    param_dtype_bytes: int | None = None
+    reduce_dtype_bytes: int | None = None
+    # gradient accumulation: micro-batches per optimizer step, and whether gradients are
+    # reduce-scattered after every micro-batch ("every") or only after the last one
+    # ("last": unsharded accumulators for every unit stay alive across micro-batches)
+    accumulation_steps: int = 1
+    gradient_sync: str = "last"
     backward_compute_ratio: float = 2.0
     memory_tolerance: float = 0.02  # worst-case quantization error / budget
     min_buckets: int = 4096
@@ -75,6 +91,14 @@ class PlannerSettings:
             raise OSDPError(f"max slices must be a positive integer, got {self.max_slices!r}")
         if self.prefetch_bytes is not None and self.prefetch_bytes < 0:
             raise OSDPError("prefetch window must be >= 0 bytes")
+        for name in ("param_dtype_bytes", "reduce_dtype_bytes"):
+            value = getattr(self, name)
+            if value is not None and value not in (1, 2, 4, 8):
+                raise OSDPError(f"{name} must be 1, 2, 4 or 8 bytes, got {value!r}")
+        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
+            raise OSDPError(f"accumulation steps must be a positive integer, got {self.accumulation_steps!r}")
+        if self.gradient_sync not in ("every", "last"):
+            raise OSDPError(f"gradient_sync must be 'every' or 'last', got {self.gradient_sync!r}")
 
     def with_(self, **changes) -> "PlannerSettings":
         return replace(self, **changes)
@@ -97,7 +121,30 @@ def mode_choices(g: int, settings: PlannerSettings) -> tuple[int, ...]:
 
 
 def element_bytes(op: OpDesc) -> float:
+    """Bytes per parameter at rest (the model's own dtype: the master copy)."""
     return op.param_bytes / op.param_count if op.param_count else 0.0
+
+
+def gathered_bytes(op: OpDesc, settings: PlannerSettings) -> float:
+    """Bytes of the unit's full weights as gathered and computed with."""
+    if settings.param_dtype_bytes is None or not op.param_count:
+        return float(op.param_bytes)
+    return float(op.param_count * settings.param_dtype_bytes)
+
+
+def reduced_bytes(op: OpDesc, settings: PlannerSettings) -> float:
+    """Bytes of the unit's full gradient as reduce-scattered."""
+    return float(op.param_count * (settings.reduce_dtype_bytes or element_bytes(op)))
+
+
+def activation_scale(desc: ModelDesc, settings: PlannerSettings) -> float:
+    """Saved activations shrink with the compute dtype (the description was measured in
+    the model's own dtype)."""
+    if settings.param_dtype_bytes is None:
+        return 1.0
+    counted = [op for op in desc.ops if op.param_count]
+    model_bytes = sum(op.param_bytes for op in counted) / max(sum(op.param_count for op in counted), 1)
+    return settings.param_dtype_bytes / model_bytes if model_bytes else 1.0
 
 
 def shape_key(op: OpDesc) -> str:
@@ -111,28 +158,34 @@ def prefetch_window(desc: ModelDesc, settings: PlannerSettings) -> float:
     they run with their gather exposed rather than inflate every op's window."""
     if settings.prefetch_bytes is not None:
         return float(settings.prefetch_bytes)
-    finest = [op.param_bytes / max(slice_choices(op, settings)) for op in desc.ops if op.splittable]
+    finest = [gathered_bytes(op, settings) / max(slice_choices(op, settings)) for op in desc.ops if op.splittable]
     if not finest:
-        finest = [op.param_bytes for op in desc.ops]
+        finest = [gathered_bytes(op, settings) for op in desc.ops]
     return 2.0 * max(finest, default=0.0)
 
 
 def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
-    """Bytes every plan pays: 1/N shards of params, grads and optimizer state (padded)."""
+    """Bytes every plan pays: 1/N shards of params, grads and optimizer state (padded),
+    and with gradient accumulation synced only at the last micro-batch, the unsharded
+    gradient accumulators of every unit."""
     n = device.world_size
-    params = grads = optim = 0.0
+    params = grads = optim = accumulators = 0.0
     for op in desc.ops:
         shard = math.ceil(op.param_count / n)
         e = element_bytes(op)
         params += shard * e
-        grads += shard * (settings.grad_bytes_per_element or e)
+        grads += shard * e
         optim += shard * settings.optimizer_state_bytes_per_param
-    return {
+        accumulators += reduced_bytes(op, settings)
+    result = {
         "sharded_params": params,
         "sharded_grads": grads,
         "optimizer_state": optim,
-        "constant": float(device.constant_bytes) + desc.act_constant_bytes,
+        "constant": float(device.constant_bytes) + desc.act_constant_bytes * activation_scale(desc, settings),
     }
+    if settings.accumulation_steps > 1 and settings.gradient_sync == "last":
+        result["grad_accumulators"] = accumulators
+    return result
 
 
 def optimizer_step_s(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> float:
@@ -191,7 +244,8 @@ class ProblemTemplate:
     opt_held_bytes: np.ndarray = field(repr=False, default=None)
     opt_transient_bytes: np.ndarray = field(repr=False, default=None)  # gathers + grad buffers
     opt_comm_f_s: np.ndarray = field(repr=False, default=None)
-    opt_comm_b_s: np.ndarray = field(repr=False, default=None)
+    opt_gather_b_s: np.ndarray = field(repr=False, default=None)  # backward all-gathers
+    opt_reduce_b_s: np.ndarray = field(repr=False, default=None)  # backward reduce-scatters
     opt_overlap: np.ndarray = field(repr=False, default=None)
     opt_split_overhead_s: np.ndarray = field(repr=False, default=None)
     opt_split_eff: np.ndarray = field(repr=False, default=None)
@@ -227,10 +281,10 @@ def _compute_fit(op: OpDesc, device: DeviceInfo, settings: PlannerSettings):
     )
 
 
-def _ahead_bytes(desc: ModelDesc, window: float) -> tuple[list[float], list[float]]:
+def _ahead_bytes(desc: ModelDesc, window: float, settings: PlannerSettings) -> tuple[list[float], list[float]]:
     """Bytes that can be gathered ahead of each op: the following ops in forward, the
     preceding ones in backward, capped by the window."""
-    sizes = [op.param_bytes if not op.tied_to else 0 for op in desc.ops]
+    sizes = [gathered_bytes(op, settings) if not op.tied_to else 0 for op in desc.ops]
     after, before = [0.0] * len(sizes), [0.0] * len(sizes)
     acc = 0.0
     for i in range(len(sizes) - 1, -1, -1):
@@ -243,8 +297,8 @@ def _ahead_bytes(desc: ModelDesc, window: float) -> tuple[list[float], list[floa
     return after, before
 
 
-def _owner_bytes(desc: ModelDesc, op: OpDesc) -> float:
-    return desc.ops[desc.op_index(op.tied_to)].param_bytes if op.tied_to else 0.0
+def _owner_bytes(desc: ModelDesc, op: OpDesc, settings: PlannerSettings) -> float:
+    return gathered_bytes(desc.ops[desc.op_index(op.tied_to)], settings) if op.tied_to else 0.0
 
 
 def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings | None = None) -> ProblemTemplate:
@@ -254,14 +308,14 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     static = static_bytes(desc, device, settings)
     budget = device.memory_limit_bytes - sum(static.values())
     segments = _segments(desc, settings)
-    after, before = _ahead_bytes(desc, window)
+    after, before = _ahead_bytes(desc, window, settings)
     # [Note: memory quantization] in search_problem.py: enough buckets that rounding
     # up every accumulating term costs at most memory_tolerance of the budget.
     terms = len(desc.ops) + len(segments)
     buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
     quantum = max(budget, 1.0) / buckets
 
-    cols = {k: [] for k in ("op", "variant", "ckpt", "g", "k", "held", "transient", "comm_f", "comm_b", "overlap", "ovh", "eff")}
+    cols = {k: [] for k in ("op", "variant", "ckpt", "g", "k", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff")}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
     for seg in segments:
@@ -269,25 +323,24 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
             for i in seg.ops:
                 op = desc.ops[i]
                 begin[i, variant] = len(cols["op"])
-                e = element_bytes(op)
-                grad_ratio = (settings.grad_bytes_per_element or e) / e if e else 0.0
-                trainable = 1.0  # frozen units still gather; their RS is skipped (see describe)
+                full_grad = reduced_bytes(op, settings)
                 for g in slice_choices(op, settings):
                     for k in mode_choices(g, settings):
                         if op.tied_to:
                             # [Note: tied weights] a second use gathers the owner's
                             # weights again in forward and backward, as a zdp use would
-                            s = _owner_bytes(desc, op)
+                            s = _owner_bytes(desc, op, settings)
                             held, comm_f = 0.0, device.all_gather.time_s(s, n)
-                            comm_b = comm_f * (2 if checkpointed else 1)
-                            grad = 0.0
+                            gather_b = comm_f * (2 if checkpointed else 1)
+                            grad, reduce_b = 0.0, 0.0
                         else:
-                            s = op.param_bytes / g
+                            s = gathered_bytes(op, settings) / g
                             held = (g - k) * s
                             ag = device.all_gather.time_s(s, n)
-                            grad = s * grad_ratio * trainable
+                            grad = full_grad / g
                             comm_f = g * ag
-                            comm_b = k * ag * (2 if checkpointed else 1) + g * device.reduce_scatter.time_s(grad, n)
+                            gather_b = k * ag * (2 if checkpointed else 1)
+                            reduce_b = g * device.reduce_scatter.time_s(grad, n)
                         if s > window:
                             gathers_f = gathers_b = s
                         else:
@@ -301,7 +354,8 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                         cols["held"].append(held)
                         cols["transient"].append(max(gathers_f, gathers_b + 2 * grad))
                         cols["comm_f"].append(comm_f)
-                        cols["comm_b"].append(comm_b)
+                        cols["gather_b"].append(gather_b)
+                        cols["reduce_b"].append(reduce_b)
                         cols["overlap"].append(2 * s <= window)
                         cols["ovh"].append((g - 1) * device.slice_overhead_s)
                         cols["eff"].append(split_efficiency(g))
@@ -325,7 +379,8 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         opt_held_bytes=arr("held"),
         opt_transient_bytes=arr("transient"),
         opt_comm_f_s=arr("comm_f"),
-        opt_comm_b_s=arr("comm_b"),
+        opt_gather_b_s=arr("gather_b"),
+        opt_reduce_b_s=arr("reduce_b"),
         opt_overlap=arr("overlap", bool),
         opt_split_overhead_s=arr("ovh"),
         opt_split_eff=arr("eff"),
@@ -335,18 +390,33 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         fwd_per_sample_s=np.array([f[1] for f in fits]),
         bwd_intercept_s=np.array([f[2] for f in fits]),
         bwd_per_sample_s=np.array([f[3] for f in fits]),
-        act_per_sample=np.array([op.act_bytes_per_sample for op in desc.ops]),
+        act_per_sample=np.array([op.act_bytes_per_sample for op in desc.ops]) * activation_scale(desc, settings),
     )
 
 
-def _option_times(t: ProblemTemplate, batch: int) -> np.ndarray:
+def _phase_times(t: ProblemTemplate, batch: int, reduce: bool) -> np.ndarray:
+    """Forward + backward time of one micro-batch per option, with or without the
+    reduce-scatter of its gradients."""
     op = t.opt_op
     comp_f = (t.fwd_intercept_s[op] + t.fwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
     comp_b = (t.bwd_intercept_s[op] + t.bwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
     comp_b = comp_b + comp_f * t.opt_checkpointed  # recompute of a checkpointed block
-    overlapped = np.maximum(comp_f, t.opt_comm_f_s) + np.maximum(comp_b, t.opt_comm_b_s)
-    serial = comp_f + t.opt_comm_f_s + comp_b + t.opt_comm_b_s
+    comm_b = t.opt_gather_b_s + (t.opt_reduce_b_s if reduce else 0.0)
+    overlapped = np.maximum(comp_f, t.opt_comm_f_s) + np.maximum(comp_b, comm_b)
+    serial = comp_f + t.opt_comm_f_s + comp_b + comm_b
     return np.where(t.opt_overlap, overlapped, serial)
+
+
+def _option_times(t: ProblemTemplate, batch: int) -> np.ndarray:
+    """Time of one optimizer step per option: every micro-batch of the accumulation,
+    reduce-scattering after each one or only after the last (``gradient_sync``)."""
+    steps = t.settings.accumulation_steps
+    full = _phase_times(t, batch, reduce=True)
+    if steps == 1:
+        return full
+    if t.settings.gradient_sync == "every":
+        return steps * full
+    return (steps - 1) * _phase_times(t, batch, reduce=False) + full
 
 
 def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
@@ -407,7 +477,12 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
     backward, as the model counts them), in exact bytes. Validates the assignment."""
     t = template
     act = t.act_per_sample * batch
-    static_total = sum(t.static.values())
+    static_parts = {
+        "sharded_states": t.static["sharded_params"] + t.static["sharded_grads"] + t.static["optimizer_state"],
+        "constant": t.static["constant"],
+    }
+    if "grad_accumulators" in t.static:
+        static_parts["grad_accumulators"] = t.static["grad_accumulators"]
     held_prefix = act_prefix = 0.0
     rows = []
     for s, seg in enumerate(t.segments):
@@ -422,8 +497,7 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
             held_prefix += t.opt_held_bytes[o]
             inside += act[i]
             rows.append((i, {
-                "sharded_states": static_total - t.static["constant"],
-                "constant": t.static["constant"],
+                **static_parts,
                 "kept_dp_weights": float(held_prefix),
                 "saved_activations": float(act_prefix + kept + inside),
                 "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),

@@ -72,6 +72,8 @@ class Plan:
     quantum_bytes: float = 0.0
     rounding_bound_bytes: float = 0.0  # worst-case over-estimate from quantization
     settings: dict = field(default_factory=dict)
+    accumulation_steps: int = 1  # micro-batches of batch_size per optimizer step
+    gradient_sync: str = "last"  # reduce-scatter after "every" micro-batch or the "last"
     version: int = PLAN_VERSION
 
     # ---- what the runtime reads -------------------------------------------------
@@ -93,6 +95,7 @@ class Plan:
             "prefetch_bytes": self.prefetch_bytes,
             "units": [(u.name, u.modes) for u in self.units],
             "checkpoint_blocks": list(self.checkpoint_blocks),
+            "accumulation": [self.accumulation_steps, self.gradient_sync],
         }
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -184,7 +187,10 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
     lines = [
         f"OSDP plan for {plan.model_name} (fingerprint {plan.fingerprint}) on {plan.device_name or '?'}",
         f"  world size {plan.world_size}, memory limit {_gib(plan.memory_limit_bytes)}, "
-        f"batch {plan.batch_size}/device, prefetch window {plan.prefetch_bytes / 2**20:.1f} MiB",
+        f"batch {plan.batch_size}/device"
+        + (f" x {plan.accumulation_steps} micro-batches (grads reduced after {plan.gradient_sync})"
+           if plan.accumulation_steps > 1 else "")
+        + f", prefetch window {plan.prefetch_bytes / 2**20:.1f} MiB",
         f"  predicted: step {p.step_s * 1e3:.2f} ms, {p.samples_per_s:.2f} samples/s, "
         f"peak {_gib(p.peak_bytes)} at {p.peak_op}",
     ]

@@ -65,6 +65,8 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None) -> Plan:
         quantum_bytes=t.quantum_bytes,
         rounding_bound_bytes=t.quantum_bytes * (rounded_terms + len(t.segments)),
         settings=asdict(t.settings),
+        accumulation_steps=t.settings.accumulation_steps,
+        gradient_sync=t.settings.gradient_sync,
     )
 
 
@@ -75,13 +77,14 @@ def make_plan(
     batch: int | None = None,
     backend: str = "auto",
     baselines: bool = True,
+    global_batch: int | None = None,
 ) -> Plan:
     """The plan with the most samples/s (or the fastest at ``batch``), plus the
     predictions of FSDP full shard and shard-grad-op at the same memory limit, each at
     its own best batch (and FSDP with checkpointing when checkpointing is allowed)."""
     settings = settings or PlannerSettings()
     batch = check_batch(batch)
-    best = schedule(desc, device, settings, batch=batch, backend=backend)
+    best = schedule(desc, device, settings, batch=batch, backend=backend, global_batch=global_batch)
     found = {}
     if baselines:
         wanted = dict(BASELINES)
@@ -90,8 +93,8 @@ def make_plan(
         for name, overrides in wanted.items():
             try:
                 found[name] = _prediction(
-                    schedule(desc, device, settings.with_(**overrides, prefetch_bytes=settings.prefetch_bytes),
-                             batch=None, backend=backend)
+                    schedule(desc, device, settings.with_(**overrides), batch=None, backend=backend,
+                             global_batch=global_batch)
                 )
             except InfeasiblePlanError:
                 found[name] = None

@@ -36,8 +36,13 @@ class Scheduled:
     search_s: float  # wall time of the whole sweep
 
     @property
+    def accumulation_steps(self) -> int:
+        return self.template.settings.accumulation_steps
+
+    @property
     def samples_per_s(self) -> float:
-        return self.batch * self.template.device.world_size / self.result.time_s
+        """Global samples per second: every micro-batch of every rank."""
+        return self.batch * self.accumulation_steps * self.template.device.world_size / self.result.time_s
 
 
 def _time_lower_bound(t: ProblemTemplate, batch: int) -> float:
@@ -107,11 +112,15 @@ def schedule(
     batch: int | None = None,
     backend: str = "auto",
     max_batch: int = MAX_BATCH,
+    global_batch: int | None = None,
 ) -> Scheduled:
     """Plan at a fixed ``batch``, or sweep batch sizes (``batch=None``) for the most
-    samples per second. Raises ``InfeasiblePlanError`` when nothing fits at batch 1
-    (or at the requested batch)."""
+    samples per second, or reach ``global_batch`` samples per optimizer step with the
+    fastest micro-batch size and gradient accumulation. Raises ``InfeasiblePlanError``
+    when nothing fits at batch 1 (or at the requested batch)."""
     started = time.perf_counter()
+    if global_batch is not None:
+        return _schedule_global(desc, device, settings or PlannerSettings(), global_batch, backend, started)
     t = build_template(desc, device, settings)
     if batch is not None:
         result = search_batch(t, batch, backend)
@@ -162,6 +171,32 @@ def schedule(
         if r.feasible and b / r.time_s > best_rate:
             best_b, best_rate = b, b / r.time_s
     return _finish(t, best_b, results[best_b], searches, started)
+
+
+def _schedule_global(desc, device, settings, global_batch, backend, started) -> Scheduled:
+    """Every micro-batch size m that divides the per-device share of ``global_batch``
+    (a = share / m micro-batches per step) is tried; the fastest step wins."""
+    world = device.world_size
+    if not isinstance(global_batch, (int, np.integer)) or global_batch < 1 or global_batch % world:
+        raise OSDPError(
+            f"global batch {global_batch!r} must be a positive multiple of the world size {world}"
+        )
+    share = global_batch // world
+    best, searches, smallest = None, 0, None
+    for micro in sorted((m for m in range(1, share + 1) if share % m == 0), reverse=True):
+        t = build_template(desc, device, settings.with_(accumulation_steps=share // micro))
+        smallest = (t, micro)
+        searches += 1
+        if not fits_at(t, micro, backend):
+            continue
+        searches += 1
+        result = search_batch(t, micro, backend)
+        if best is None or result.time_s < best[1].time_s:
+            best = (t, result, micro)
+    if best is None:
+        raise _infeasible(*smallest)
+    t, result, micro = best
+    return _finish(t, micro, result, searches, started)
 
 
 def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:

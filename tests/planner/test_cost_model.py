@@ -156,3 +156,38 @@ def test_bad_settings_and_sizes_are_rejected():
         with pytest.raises(OSDPError):
             parse_bytes(text)
     assert parse_bytes("1.5GiB") == 1.5 * 2**30
+
+
+def test_mixed_precision_gathers_half_the_bytes_and_keeps_fp32_master_state():
+    desc = linear_model()
+    full = build_template(desc, device(), PlannerSettings(prefetch_bytes=1e12))
+    mixed = build_template(desc, device(), PlannerSettings(prefetch_bytes=1e12, param_dtype_bytes=2, reduce_dtype_bytes=4))
+    o_full, o_mixed = option(full, 0, 1, 0), option(mixed, 0, 1, 0)
+    assert mixed.opt_held_bytes[o_mixed] == full.opt_held_bytes[o_full] / 2
+    ag_half = ring(1e-5, 1e-9, 256 * 256 * 2, 4)
+    assert mixed.opt_comm_f_s[o_mixed] == pytest.approx(ag_half, rel=1e-12)
+    # gradients are still reduced in fp32
+    assert mixed.opt_reduce_b_s[o_mixed] == pytest.approx(full.opt_reduce_b_s[o_full], rel=1e-12)
+    assert mixed.static == full.static  # fp32 master shards, grads and moments
+    assert mixed.act_per_sample[0] == pytest.approx(full.act_per_sample[0] / 2)
+
+
+@pytest.mark.parametrize("sync", ["every", "last"])
+def test_gradient_accumulation_time_and_accumulators(sync):
+    desc = linear_model(n_ops=2)
+    base = build_template(desc, device(), PlannerSettings(prefetch_bytes=1e12))
+    acc = build_template(desc, device(), PlannerSettings(prefetch_bytes=1e12, accumulation_steps=3, gradient_sync=sync))
+    b = 2
+    o = option(acc, 0, 1, 1)
+    one = base.problem(b).opt_time_s[option(base, 0, 1, 1)]
+    got = acc.problem(b).opt_time_s[o]
+    if sync == "every":
+        assert got == pytest.approx(3 * one, rel=1e-12)
+        assert "grad_accumulators" not in acc.static
+    else:
+        comp_f = 1e-5 + 1e6 / 1e12 * b
+        comp_b = 2 * comp_f
+        ag = ring(1e-5, 1e-9, 256 * 256 * 4, 4)
+        no_rs = max(comp_f, ag) + max(comp_b, ag)
+        assert got == pytest.approx(2 * no_rs + one, rel=1e-12)
+        assert acc.static["grad_accumulators"] == 2 * 256 * 256 * 4

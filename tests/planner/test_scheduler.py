@@ -140,3 +140,22 @@ def test_public_api_names_resolve():
     for name in osdp.__all__:
         if name != "__version__":
             assert getattr(osdp, name) is not None
+
+
+def test_global_batch_picks_the_fastest_micro_batch_split():
+    desc = describe_gpt(TINY)
+    dev = small_device(20)
+    settings = PlannerSettings(max_slices=4)
+    best = schedule(desc, dev, settings, backend="python", global_batch=4 * 12)
+    assert best.batch * best.accumulation_steps == 12
+    # reference: every divisor of the per-rank share, searched directly
+    times = {}
+    for micro in (1, 2, 3, 4, 6, 12):
+        t = build_template(desc, dev, settings.with_(accumulation_steps=12 // micro))
+        r = search_batch(t, micro, "python")
+        if r.feasible:
+            times[micro] = r.time_s
+    assert best.batch == min(times, key=times.get)
+    assert best.samples_per_s == pytest.approx(48 / times[best.batch], rel=1e-12)
+    with pytest.raises(OSDPError, match="multiple of the world size"):
+        schedule(desc, dev, settings, backend="python", global_batch=10)
