@@ -84,7 +84,7 @@ class CommContext:
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor) -> Pending:
         """``output`` (world * shard numel) <- the shards of all ranks, in rank order."""
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.use_streams:  # CUDA keeps the stream path
             with torch.autograd._unsafe_preserve_version_counter(output):
                 output.copy_(shard.detach())
             return Pending(_done)
@@ -96,7 +96,7 @@ class CommContext:
 
     def reduce_scatter(self, output: torch.Tensor, full: torch.Tensor) -> Pending:
         """``output`` (shard numel) <- this rank's chunk of the sum of ``full`` over ranks."""
-        if self.world_size == 1:
+        if self.world_size == 1 and not self.use_streams:
             output.copy_(full)
             return Pending(_done)
 

@@ -23,7 +23,9 @@ buffer is freed, on every rank alike (the graph is the same on every rank).
 
 [Note: prefetch window]
 The order of unit uses is recorded in the first forward with grad enabled and assumed
-to stay. Before computing a unit the scheduler issues its gather (always), then issues
+to stay; backward prefetches in reverse order (the first backward uses the reversed
+forward order, later ones the order the first backward actually took, which leaves out
+uses whose backward never comes). Before computing a unit the scheduler issues its gather (always), then issues
 gathers of the next units in that order (reversed, for backward) while the transient
 gathered bytes (every gathered unit except ``dp`` units that finished forward and wait
 for backward) plus the next unit's bytes stay <= ``prefetch_bytes``. Prefetch stops at
@@ -82,6 +84,7 @@ class Scheduler:
         self._recording: list[list] | None = None  # [unit, expects_backward] per use
         self._fwd_order: list[ShardUnit] | None = None
         self._bwd_order: list[ShardUnit] | None = None
+        self._bwd_recording: list[ShardUnit] | None = None  # first backward's real order
         self._fwd_cursor = 0
         self._bwd_cursor = 0
         self._in_forward = False
@@ -102,7 +105,9 @@ class Scheduler:
         rec, self._recording = self._recording, None
         if rec and any(expects for _, expects in rec):
             self._fwd_order = [unit for unit, _ in rec]
+            # until the first backward shows the real order: reversed forward order
             self._bwd_order = [u for u, expects in reversed(rec) if expects and u.backward_needs_weights]
+            self._bwd_recording = []
 
     @property
     def forward_order(self) -> list[str] | None:
@@ -171,6 +176,8 @@ class Scheduler:
         self._take_await(use)
         use.state = UseState.BACKWARD
         unit.n_active += 1
+        if self._bwd_recording is not None:
+            self._bwd_recording.append(unit)
         self._issue(unit)
         if self._bwd_order is not None:
             pos = _find(self._bwd_order, unit, self._bwd_cursor)
@@ -316,6 +323,9 @@ class Scheduler:
         for unit in list(self._live):
             if unit.n_active == 0:
                 self._free(unit)
+        if self._bwd_recording is not None:
+            # uses whose backward never came (outputs not in the loss) drop out
+            self._bwd_order, self._bwd_recording = self._bwd_recording, None
         self._in_backward = False
         self._bwd_cursor = 0
 
