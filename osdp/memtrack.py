@@ -32,6 +32,7 @@ class LiveBytesTracker(TorchDispatchMode):
     def _track(self, tensor) -> None:
         if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
             return
+        tensor = getattr(tensor, "_local_tensor", tensor)  # a DTensor's memory is its shard
         storage = tensor.untyped_storage()
         key = id(storage)
         if key not in self._live:
