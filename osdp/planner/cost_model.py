@@ -26,8 +26,10 @@ so the search exact; it is pessimistic where a comm-bound op could borrow idle c
 time from a compute-bound neighbour.
 
 [Note: memory model]
-Static (paid by every plan): the 1/N shards of parameters, gradients and optimizer
-state (in the model's own dtype: the fp32 master copy under mixed precision), the
+Static (paid by every plan): the 1/N shards of parameters and optimizer state (in the
+model's own dtype: the fp32 master copy under mixed precision; sharded gradients too when
+they persist between steps, else they count per op, for the ops whose backward is
+done, as they appear when backward reduce-scatters them), the
 device's constant bytes and batch-independent saved tensors, and under gradient
 accumulation synced at the last micro-batch, every unit's unsharded gradient
 accumulator in reduce_dtype. Per op i the
@@ -77,6 +79,9 @@ class PlannerSettings:
     # ("last": unsharded accumulators for every unit stay alive across micro-batches)
     accumulation_steps: int = 1
     gradient_sync: str = "last"
+    # optimizer.zero_grad(set_to_none=True), PyTorch's default: sharded gradients do not
+    # exist at the start of a step and appear as backward reduces them
+    grads_set_to_none: bool = True
     backward_compute_ratio: float = 2.0
     memory_tolerance: float = 0.02  # worst-case quantization error / budget
     min_buckets: int = 4096
@@ -179,18 +184,29 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
         accumulators += reduced_bytes(op, settings)
     result = {
         "sharded_params": params,
-        "sharded_grads": grads,
         "optimizer_state": optim,
         "constant": float(device.constant_bytes) + desc.act_constant_bytes * activation_scale(desc, settings),
     }
     if settings.accumulation_steps > 1 and settings.gradient_sync == "last":
         result["grad_accumulators"] = accumulators
+    if not settings.grads_set_to_none:
+        result["sharded_grads"] = grads
     return result
+
+
+def sharded_grads_after(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> np.ndarray:
+    """Per op i, bytes of the sharded gradients alive while op i runs: with gradients
+    set to None between steps, those of the ops after i (backward has reduced them)."""
+    if not settings.grads_set_to_none:
+        return np.zeros(len(desc.ops))
+    shard = np.array([math.ceil(op.param_count / device.world_size) * element_bytes(op) for op in desc.ops])
+    return np.concatenate((np.cumsum(shard[::-1])[::-1][1:], [0.0]))
 
 
 def optimizer_step_s(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> float:
     """AdamW reads and writes param, moments and reads grad: bandwidth bound."""
-    state = sum(static_bytes(desc, device, settings)[k] for k in ("sharded_params", "sharded_grads", "optimizer_state"))
+    static = static_bytes(desc, device, settings)
+    state = 2.0 * (static["sharded_params"] + static["optimizer_state"])  # grads: as big as params
     return 2.0 * state / device.memory_bandwidth_bytes_per_s
 
 
@@ -257,6 +273,7 @@ class ProblemTemplate:
     bwd_intercept_s: np.ndarray = field(repr=False, default=None)
     bwd_per_sample_s: np.ndarray = field(repr=False, default=None)
     act_per_sample: np.ndarray = field(repr=False, default=None)
+    grads_after: np.ndarray = field(repr=False, default=None)  # sharded grads alive at each op
 
     @property
     def budget_bytes(self) -> float:
@@ -391,6 +408,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         bwd_intercept_s=np.array([f[2] for f in fits]),
         bwd_per_sample_s=np.array([f[3] for f in fits]),
         act_per_sample=np.array([op.act_bytes_per_sample for op in desc.ops]) * activation_scale(desc, settings),
+        grads_after=sharded_grads_after(desc, device, settings),
     )
 
 
@@ -431,7 +449,8 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         inside = np.cumsum(act[seg.ops])
         for v, checkpointed in enumerate(seg.variants):
             kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
-            act_in[seg.ops, v] = kept + inside
+            # the per-op exact term also holds the sharded grads already reduced
+            act_in[seg.ops, v] = kept + inside + t.grads_after[seg.ops]
             carried = kept if checkpointed else inside[-1]
             carry[s, v] = math.ceil(carried / q - 1e-9) if carried > 0 else 0
     held_q = np.ceil(t.opt_held_bytes / q - 1e-9).astype(np.int64)
@@ -478,7 +497,7 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
     t = template
     act = t.act_per_sample * batch
     static_parts = {
-        "sharded_states": t.static["sharded_params"] + t.static["sharded_grads"] + t.static["optimizer_state"],
+        "sharded_states": sum(t.static.get(k, 0.0) for k in ("sharded_params", "sharded_grads", "optimizer_state")),
         "constant": t.static["constant"],
     }
     if "grad_accumulators" in t.static:
@@ -502,6 +521,7 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
                 "saved_activations": float(act_prefix + kept + inside),
                 "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),
                 "activation_grads": float(act[i]),
+                "sharded_grads_so_far": float(t.grads_after[i]),
             }))
         act_prefix += kept if checkpointed else inside
     return rows

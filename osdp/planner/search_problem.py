@@ -27,6 +27,10 @@ variant v the live memory is
                        + sum of carry_act_q[s', v'] of the earlier segments s')
     + act_in_segment_bytes[i, v] + local_bytes(chosen option of op i)
 
+(act_in_segment_bytes is the per-op exact, choice-independent term: the activations
+alive inside the segment, plus whatever else the cost model knows to be alive at that
+op regardless of the choices, such as the sharded gradients already reduced.)
+
 and it must be <= limit_bytes for every op. Weights kept by ``dp`` slices and activations
 saved for backward only grow during forward and only shrink during backward, so the
 largest live set at an op is its prefix plus its own transient buffers, and the peak of

@@ -102,12 +102,24 @@ def test_peak_is_at_start_of_backward_with_a_breakdown():
     est = evaluate(t, b, choices, [0] * 5)
     P = 256 * 256 * 4
     shard = math.ceil(256 * 256 / 4)
-    states = shard * (4 + 4 + 8) * 5
+    # at the start of backward no sharded gradient exists yet (zero_grad set them to None)
+    states = shard * (4 + 8) * 5
     expect = states + 5 * P + 5 * 4096 * b + (P + 2 * P) + 4096 * b
     assert est.peak_op == "l4"
     assert est.peak_bytes == pytest.approx(expect)
     assert sum(est.breakdown.values()) == pytest.approx(est.peak_bytes)
     assert est.breakdown["kept_dp_weights"] == 5 * P
+    assert est.breakdown["sharded_grads_so_far"] == 0
+    # gradients kept between steps (zero_grad(set_to_none=False)) are paid throughout
+    kept = build_template(desc, dev, PlannerSettings(prefetch_bytes=0, grads_set_to_none=False))
+    assert evaluate(kept, b, choices, [0] * 5).peak_bytes == pytest.approx(expect + shard * 4 * 5)
+
+
+def test_sharded_grads_appear_as_backward_passes_each_op():
+    desc = linear_model(n_ops=3)
+    t = build_template(desc, device(), PlannerSettings(prefetch_bytes=0))
+    shard = math.ceil(256 * 256 / 4) * 4
+    assert list(t.grads_after) == [2 * shard, shard, 0]
 
 
 def test_search_memory_is_conservative_and_within_its_bound():
