@@ -1,42 +1,255 @@
-"""Full (unsharded) state dicts, with the original model's names and shapes."""
+"""Where every original parameter lives in the shard units, and full (unsharded) state
+dicts with the original model's names and shapes.
+
+[Note: parameter layout]
+Every element of an original parameter lives in exactly one unit's flat buffer (see
+[Note: flat shard layout] in shard_unit.py). A :class:`Piece` is one slot of one unit:
+the flat range ``[offset, offset + numel)`` of that unit holds, in row-major order, the
+box ``[box_offsets, box_offsets + box_sizes)`` of the original parameter ``fqn``. An
+unsplit module's slot is the whole parameter; a slice of a split op is a box too (a
+Linear slice is ``W[:, k0:k0+ks]``, an Embedding slice ``W[r0:r0+rs]``). The boxes are
+derived from the split op's own ``merge`` applied to element ids (no split op needs to
+describe itself), and checked: a split op whose slots are not boxes is refused.
+Tied parameters are one piece under their first name (``named_parameters`` order);
+the other names are aliases. Padding belongs to no piece.
+
+Everything that maps between "unit shards" and "original parameters" (full state
+dicts, loading them, sharded DCP checkpoints in ``osdp.checkpoint``) goes through this
+layout, so they agree by construction.
+"""
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from ..errors import OSDPError
 from .build import BuiltModel
 from .collectives import CommContext
 
 
+@dataclass(frozen=True)
+class Piece:
+    """One slot of one unit: which box of which original parameter it holds."""
+
+    unit: int  # index into ``built.units``
+    fqn: str  # canonical name of the original parameter
+    offset: int  # start in the unit's (unpadded) flat buffer
+    numel: int
+    box_offsets: tuple[int, ...]
+    box_sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    aliases: tuple[str, ...]  # other names of the same (tied) parameter
+    pieces: tuple[Piece, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """See [Note: parameter layout]."""
+
+    params: dict[str, ParamInfo]  # canonical name -> info, in state_dict order
+    unit_pieces: tuple[tuple[Piece, ...], ...]  # per unit, in flat-buffer order
+    aliases: dict[str, str]  # alias -> canonical name
+    buffers: dict[str, tuple[int, ...]]  # persistent buffers (replicated) -> shape
+    state_keys: tuple[str, ...]  # the original model's state_dict keys, in order
+
+    def fingerprint(self) -> dict:
+        """What identifies the model in a checkpoint: original names and shapes."""
+        return {
+            "params": {k: list(p.shape) for k, p in self.params.items()},
+            "tied": dict(self.aliases),
+            "buffers": {k: list(v) for k, v in self.buffers.items()},
+        }
+
+
+def _box_of(ids: torch.Tensor, lo: int, hi: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """The box of ``ids`` holding ids ``lo..hi-1`` in row-major order, or None."""
+    mask = (ids >= lo) & (ids < hi)
+    count = int(mask.sum())
+    if count == 0:
+        return None
+    coords = mask.nonzero()
+    start = coords.min(0).values.tolist()
+    sizes = (coords.max(0).values + 1 - coords.min(0).values).tolist()
+    region = ids[tuple(slice(s, s + n) for s, n in zip(start, sizes))]
+    if math.prod(sizes) != hi - lo or count != hi - lo or not torch.equal(region.reshape(-1), torch.arange(lo, hi)):
+        raise OSDPError("not a box")
+    return tuple(start), tuple(sizes)
+
+
+def _split_pieces(path: str, module, units, index_of: dict[int, int]) -> tuple[dict, list[Piece]]:
+    """Shapes and pieces of a split module's original parameters, from its ``merge``."""
+    ids, base = [], 0
+    for unit in units:
+        ids.append(unit.unflatten(torch.arange(base, base + unit.numel)))
+        base += unit.numel
+    merged = type(module).merge(ids)
+    pieces, bases = [], 0
+    for unit in units:
+        for slot in unit.slots:
+            lo = bases + slot.offset
+            found = []
+            for attr, t in merged.items():
+                try:
+                    box = _box_of(t, lo, lo + slot.numel)
+                except OSDPError:
+                    box = "bad"
+                if box is not None:
+                    found.append((attr, box))
+            if len(found) != 1 or found[0][1] == "bad":
+                raise OSDPError(
+                    f"split op {type(module).__name__} of {path!r}: slot {slot.attr!r} of {unit.name!r} is not "
+                    "one box of one original parameter; checkpoints need each slice to be a box"
+                )
+            attr, (offsets, sizes) = found[0]
+            fqn = f"{path}.{attr}" if path else attr
+            pieces.append(Piece(index_of[id(unit)], fqn, slot.offset, slot.numel, offsets, sizes))
+        bases += unit.numel
+    shapes = {(f"{path}.{a}" if path else a): tuple(t.shape) for a, t in merged.items()}
+    return shapes, pieces
+
+
+def build_layout(model: nn.Module, built: BuiltModel, state_keys: list[str]) -> Layout:
+    """The layout of an OSDP-wrapped ``model`` (``model`` is the wrapped module)."""
+    index_of = {id(u): i for i, u in enumerate(built.units)}
+    split_units = {id(u) for _, units in built.splits.values() for u in units}
+    shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
+    aliases: dict[str, str] = {}
+    by_fqn: dict[str, list[Piece]] = {}
+    for i, unit in enumerate(built.units):
+        if id(unit) in split_units:
+            continue
+        for slot in unit.slots:
+            fqn = slot.fqns[0]
+            shapes[fqn], dtypes[fqn] = tuple(slot.shape), unit.dtype
+            aliases.update({alias: fqn for alias in slot.fqns[1:]})
+            zeros = (0,) * len(slot.shape)
+            by_fqn.setdefault(fqn, []).append(Piece(i, fqn, slot.offset, slot.numel, zeros, tuple(slot.shape)))
+    for path, (module, units) in built.splits.items():
+        split_shapes, pieces = _split_pieces(path, module, units, index_of)
+        shapes.update(split_shapes)
+        for piece in pieces:
+            dtypes[piece.fqn] = built.units[piece.unit].dtype
+            by_fqn.setdefault(piece.fqn, []).append(piece)
+    order = [k for k in state_keys if k in shapes] + [k for k in shapes if k not in state_keys]
+    params = {
+        fqn: ParamInfo(fqn, shapes[fqn], dtypes[fqn], tuple(a for a, c in aliases.items() if c == fqn), tuple(by_fqn[fqn]))
+        for fqn in order
+    }
+    for info in params.values():
+        if sum(p.numel for p in info.pieces) != math.prod(info.shape):
+            raise OSDPError(f"internal: the pieces of {info.fqn!r} do not cover it")
+    unit_pieces = [[] for _ in built.units]
+    for info in params.values():
+        for piece in info.pieces:
+            unit_pieces[piece.unit].append(piece)
+    persistent = set(state_keys)
+    buffers = {name: tuple(b.shape) for name, b in model.named_buffers() if name in persistent}
+    return Layout(
+        params=params,
+        unit_pieces=tuple(tuple(sorted(ps, key=lambda p: p.offset)) for ps in unit_pieces),
+        aliases=aliases,
+        buffers=buffers,
+        state_keys=tuple(state_keys),
+    )
+
+
+def box_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
+    """The piece's box of a full original parameter (a view)."""
+    for dim, (start, size) in enumerate(zip(piece.box_offsets, piece.box_sizes)):
+        tensor = tensor.narrow(dim, start, size)
+    return tensor
+
+
+def local_range(piece: Piece, rank: int, shard_numel: int) -> tuple[int, int] | None:
+    """The part ``[a, b)`` of the piece's flat range (in the piece's own row-major order,
+    0-based) that rank ``rank``'s shard holds; None if it holds none."""
+    a = max(piece.offset, rank * shard_numel)
+    b = min(piece.offset + piece.numel, (rank + 1) * shard_numel)
+    if a >= b:
+        return None
+    return a - piece.offset, b - piece.offset
+
+
 def full_state_dict(
-    model: nn.Module, built: BuiltModel, comm: CommContext, state_keys: list[str], rank0_only: bool = True
+    model: nn.Module,
+    built: BuiltModel,
+    comm: CommContext,
+    state_keys: list[str],
+    rank0_only: bool = True,
+    layout: Layout | None = None,
 ) -> dict[str, torch.Tensor]:
     """Gathers every unit (a collective: call it on every rank). Returns CPU tensors in
     the original ``state_dict()`` order on rank 0 (every rank if ``rank0_only=False``);
-    other ranks get ``{}``."""
+    other ranks get ``{}``. Tied names share one tensor, as in the original model."""
+    layout = layout or build_layout(model, built, state_keys)
     keep = comm.rank == 0 or not rank0_only
-    result: dict[str, torch.Tensor] = {}
-    full_of = {}
-    for unit in built.units:
-        full = comm.all_gather_sync(unit.shard.detach())
-        if keep:
-            full_of[unit.name] = full[: unit.numel].cpu().clone()
+    full: dict[str, torch.Tensor] = {}
+    if keep:
+        full = {fqn: torch.empty(info.shape, dtype=info.dtype) for fqn, info in layout.params.items()}
+    for unit, pieces in zip(built.units, layout.unit_pieces):
+        flat = comm.all_gather_sync(unit.shard.detach())
+        if not keep:
+            continue
+        flat = flat.cpu()
+        for piece in pieces:
+            box_view(full[piece.fqn], piece).copy_(flat[piece.offset : piece.offset + piece.numel].view(piece.box_sizes))
     if not keep:
         return {}
-    split_units = {u.name for _, units in built.splits.values() for u in units}
-    for unit in built.units:
-        if unit.name in split_units:
-            continue
-        parts = unit.unflatten(full_of[unit.name])
-        for slot in unit.slots:
-            for fqn in slot.fqns:
-                result[fqn] = parts[slot.attr]
-    for path, (module, units) in built.splits.items():
-        merged = type(module).merge([u.unflatten(full_of[u.name]) for u in units])
-        for attr, tensor in merged.items():
-            result[f"{path}.{attr}" if path else attr] = tensor
+    for alias, fqn in layout.aliases.items():
+        full[alias] = full[fqn]
     for name, buf in model.named_buffers():
-        result[name] = buf.detach().cpu().clone()
-    ordered = {k: result[k] for k in state_keys if k in result}
-    ordered.update({k: v for k, v in result.items() if k not in ordered and k in state_keys})
-    return ordered
+        if name in layout.buffers:
+            full[name] = buf.detach().cpu().clone()
+    return {k: full[k] for k in state_keys if k in full}
+
+
+def check_full_state_dict(layout: Layout, state_dict) -> str | None:
+    """Why ``state_dict`` cannot be loaded into the model (strict), or None."""
+    if not isinstance(state_dict, dict):
+        return f"expected a dict of tensors, got {type(state_dict).__name__}"
+    expected = set(layout.state_keys)
+    missing = [k for k in layout.state_keys if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    if unexpected:
+        problems.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+    wanted = {k: p.shape for k, p in layout.params.items()}
+    wanted.update({a: layout.params[c].shape for a, c in layout.aliases.items()})
+    wanted.update(layout.buffers)
+    for key, shape in wanted.items():
+        value = state_dict.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{key!r} is a {type(value).__name__}, not a tensor")
+        elif tuple(value.shape) != tuple(shape):
+            problems.append(f"{key!r} has shape {list(value.shape)}, the model's is {list(shape)}")
+    return "; ".join(problems) or None
+
+
+def local_shards_from_full(
+    layout: Layout, built: BuiltModel, rank: int, fqn: str, tensor: torch.Tensor, into: list[torch.Tensor]
+) -> None:
+    """Copy rank ``rank``'s elements of original parameter ``fqn`` (full ``tensor``) into
+    ``into[unit]`` (new local shards, one per unit)."""
+    for piece in layout.params[fqn].pieces:
+        unit = built.units[piece.unit]
+        part = local_range(piece, rank, unit.shard_numel)
+        if part is None:
+            continue
+        a, b = part
+        src = box_view(tensor, piece).reshape(-1)[a:b]
+        start = piece.offset + a - rank * unit.shard_numel
+        into[piece.unit][start : start + (b - a)].copy_(src)

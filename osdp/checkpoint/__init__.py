@@ -1,0 +1,435 @@
+"""Checkpoints of OSDP-wrapped models: full state dicts and sharded DCP checkpoints.
+
+- :func:`full_state_dict` / :func:`save_full`: the original model's state dict on rank 0
+  (loadable into the plain, unwrapped model with ``load_state_dict(strict=True)``).
+- :func:`load_full_state_dict` / :func:`load_full`: a full state dict back into an OSDP
+  model; every rank keeps its shard.
+- :func:`save` / :func:`load`: sharded checkpoints with optimizer state through
+  ``torch.distributed.checkpoint`` (every rank writes only its shard), loadable at
+  another world size or with another plan (modes, splits).
+
+Every function is a collective over the model's process group: call it on every rank.
+
+[Note: sharded checkpoint representation]
+The checkpoint is a directory in DCP format plus ``osdp_meta.pt``. Keys name ORIGINAL
+parameters, never units, so nothing in it depends on the plan or the world size:
+
+- ``model.<fqn>``: original parameter ``fqn`` (its first name if tied) with its
+  original shape; each rank writes the boxes its flat shards hold (see
+  [Note: parameter layout] in ``osdp/runtime/state_dict.py`` and
+  [Note: chunked tensors in DCP] in ``_dcp.py``); padding is never written.
+- ``model.<buffer>``: persistent buffers, written once (replicated).
+- ``optim.<fqn>.<key>``: optimizer state. A state tensor with the shard's shape
+  (AdamW ``exp_avg``/``exp_avg_sq``) is element-wise: mapped to ``fqn``'s elements
+  exactly like the parameter. Any other tensor (AdamW ``step``) is per parameter and
+  replicated: it must be equal for every unit holding a piece of ``fqn``; on load
+  every unit takes it from its parameters (which must agree). Python numbers in the
+  state go to the metadata.
+- ``osdp_meta.pt`` (``torch.save``, read with ``weights_only=True``): format version,
+  the model fingerprint (original parameter names and shapes, tied names, buffers),
+  optimizer class, its param-group hyperparameters and which state keys each parameter
+  has, ``step``, ``extra`` (rank 0's; plain containers, numbers, strings, tensors), and
+  for information the world size and unit modes it was saved with.
+
+Loading validates everything (fingerprint, optimizer class and groups, keys, shapes)
+before changing anything, reads into fresh buffers, and only then copies into the
+shards, the buffers and the optimizer (``optimizer.load_state_dict``, so torch's own
+dtype/device rules for each state apply). A failed load leaves model and optimizer as
+they were. Saving is atomic: see [Note: atomic checkpoints] in ``_atomic.py``.
+"""
+from __future__ import annotations
+
+import os
+import weakref
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from ..errors import OSDPError, PlanMismatchError
+from ..runtime.state_dict import (
+    Layout,
+    build_layout,
+    check_full_state_dict,
+    local_range,
+    local_shards_from_full,
+)
+from ..runtime.state_dict import full_state_dict as _gather_full_state_dict
+from . import _atomic
+from ._atomic import META_FILE, agree, broadcast_from_rank0, on_rank0
+from ._dcp import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner, flat_index, range_boxes
+
+__all__ = ["save", "load", "full_state_dict", "load_full_state_dict", "save_full", "load_full"]
+
+FORMAT = "osdp-sharded"
+FORMAT_VERSION = 1
+_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+# ---- helpers --------------------------------------------------------------------------
+def _prepare(model) -> Layout:
+    """Check ``model`` is OSDP-wrapped, finish pending gradient reductions, return its
+    (cached) layout."""
+    built = getattr(model, "_built", None)
+    if built is None or not hasattr(model, "_comm"):
+        raise OSDPError(f"expected an osdp.OSDP-wrapped model, got {type(model).__name__}")
+    model._scheduler.wait_reduce_scatters()
+    cached = _LAYOUTS.get(model)
+    if cached is None or cached[0] is not built:
+        cached = (built, build_layout(model.module, built, list(model._state_keys)))
+        _LAYOUTS[model] = cached
+    return cached[1]
+
+
+def _chunked(model, layout: Layout, fqn: str, flat_of) -> ChunkedTensor:
+    """This rank's boxes of original tensor ``fqn``; ``flat_of(unit index)`` is the
+    rank's flat local tensor of that unit (the shard or an element-wise state)."""
+    info = layout.params[fqn]
+    rank, chunks = model._comm.rank, []
+    for piece in info.pieces:
+        unit = model._built.units[piece.unit]
+        part = local_range(piece, rank, unit.shard_numel)
+        if part is None:
+            continue
+        a, b = part
+        base = piece.offset - rank * unit.shard_numel  # shard index of the piece's element 0
+        flat = flat_of(piece.unit)
+        for offsets, sizes in range_boxes(a, b, piece.box_sizes):
+            start = base + flat_index(offsets, piece.box_sizes)
+            n = 1
+            for s in sizes:
+                n *= s
+            view = flat.narrow(0, start, n).view(sizes)
+            chunks.append((tuple(o + p for o, p in zip(offsets, piece.box_offsets)), view))
+    return ChunkedTensor(torch.Size(info.shape), info.dtype, chunks)
+
+
+def _optimizer_units(model, optimizer) -> dict[int, int]:
+    """id(shard parameter) -> unit index, for the parameters the optimizer holds."""
+    index = {id(u.shard): i for i, u in enumerate(model._built.units)}
+    found = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in index:
+                raise OSDPError(
+                    "the optimizer holds a parameter that is not one of this OSDP model's shards "
+                    "(build the optimizer from model.parameters() after wrapping)"
+                )
+            found[id(p)] = index[id(p)]
+    return found
+
+
+def _optimizer_class(optimizer) -> str:
+    return f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+
+
+def _diff_fingerprint(saved: dict, mine: dict) -> str | None:
+    """What differs between two model fingerprints, or None."""
+    problems = []
+    for kind in ("params", "buffers"):
+        a, b = saved.get(kind, {}), mine.get(kind, {})
+        only_ckpt = [k for k in a if k not in b]
+        only_model = [k for k in b if k not in a]
+        shapes = [f"{k}: checkpoint {a[k]} vs model {b[k]}" for k in a if k in b and list(a[k]) != list(b[k])]
+        word = "parameters" if kind == "params" else "buffers"
+        if only_ckpt:
+            problems.append(f"{word} only in the checkpoint: {only_ckpt[:6]}{' ...' if len(only_ckpt) > 6 else ''}")
+        if only_model:
+            problems.append(f"{word} only in the model: {only_model[:6]}{' ...' if len(only_model) > 6 else ''}")
+        if shapes:
+            problems.append(f"{word} with other shapes: {'; '.join(shapes[:6])}{' ...' if len(shapes) > 6 else ''}")
+    if saved.get("tied", {}) != mine.get("tied", {}):
+        problems.append(f"tied parameters differ: checkpoint {saved.get('tied', {})} vs model {mine.get('tied', {})}")
+    return "; ".join(problems) or None
+
+
+# ---- full state dicts -------------------------------------------------------------------
+def full_state_dict(model, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The original model's state dict (names, shapes, order; CPU tensors), gathered.
+
+    On rank 0 (every rank if ``rank0_only=False``); other ranks get ``{}``. Loadable into
+    the unwrapped model with ``load_state_dict(strict=True)``."""
+    layout = _prepare(model)
+    return _gather_full_state_dict(
+        model.module, model._built, model._comm, list(model._state_keys), rank0_only, layout=layout
+    )
+
+
+def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> None:
+    """Load a full (original-names) state dict into an OSDP model; every rank keeps its
+    shard. Either every rank passes the state dict (each reads it, no communication), or
+    only rank 0 does (others pass None) and each tensor is broadcast from rank 0.
+    Strict: keys and shapes must match the original model; nothing changes on error."""
+    layout = _prepare(model)
+    comm, built = model._comm, model._built
+    have = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64)
+    if comm.world_size > 1:
+        torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN, group=comm.group)
+    everyone = bool(have.item())
+    error = None
+    if everyone or comm.rank == 0:
+        problem = "rank 0 has no state dict" if state_dict is None else check_full_state_dict(layout, state_dict)
+        if problem is not None:
+            error = PlanMismatchError(f"cannot load this state dict into the model: {problem}")
+    agree(comm, error)
+    new = [torch.zeros_like(u.shard, device="cpu") for u in built.units]
+    for fqn, info in layout.params.items():
+        if everyone:
+            tensor = state_dict[fqn].detach().to("cpu", info.dtype)
+        else:
+            tensor = state_dict[fqn].detach().to("cpu", info.dtype).contiguous() if comm.rank == 0 else torch.empty(info.shape, dtype=info.dtype)
+            torch.distributed.broadcast(tensor, src=torch.distributed.get_global_rank(comm.group, 0), group=comm.group)
+        local_shards_from_full(layout, built, comm.rank, fqn, tensor, new)
+    buffers = dict(model.module.named_buffers())
+    new_buffers = {}
+    for name in layout.buffers:
+        if everyone:
+            value = state_dict[name].detach()
+        else:
+            value = state_dict[name].detach().to("cpu").contiguous() if comm.rank == 0 else torch.empty_like(buffers[name], device="cpu")
+            value = value.to(buffers[name].dtype)
+            torch.distributed.broadcast(value, src=torch.distributed.get_global_rank(comm.group, 0), group=comm.group)
+        new_buffers[name] = value
+    with torch.no_grad():
+        for unit, shard in zip(built.units, new):
+            unit.shard.copy_(shard)
+        for name, value in new_buffers.items():
+            buffers[name].copy_(value)
+
+
+def save_full(model, path: str) -> None:
+    """Gather the full state dict and write it on rank 0 as one ``torch.save`` file,
+    atomically (temporary file + ``os.replace``)."""
+    state = full_state_dict(model, rank0_only=True)
+    on_rank0(model._comm, lambda: _atomic.atomic_torch_save(state, path))
+
+
+def load_full(model, path: str) -> None:
+    """Rank 0 reads a full state dict file (``weights_only``) and every rank takes its
+    shard (:func:`load_full_state_dict`)."""
+    state = on_rank0(model._comm, lambda: torch.load(path, map_location="cpu", weights_only=True))
+    load_full_state_dict(model, state if model._comm.rank == 0 else None)
+
+
+# ---- sharded checkpoints ----------------------------------------------------------------
+def _sharded_state(model, optimizer, layout: Layout) -> tuple[dict, dict | None]:
+    """DCP state dict (key -> ChunkedTensor) and the optimizer part of the metadata."""
+    units, rank0 = model._built.units, model._comm.rank == 0
+    state = {f"model.{fqn}": _chunked(model, layout, fqn, lambda i: units[i].shard.detach()) for fqn in layout.params}
+    buffers = dict(model.module.named_buffers())
+    for name in layout.buffers:
+        state[f"model.{name}"] = ChunkedTensor.whole(buffers[name].detach().cpu(), present=rank0)
+    if optimizer is None:
+        return state, None
+    in_optim = _optimizer_units(model, optimizer)
+    unit_state = {i: optimizer.state.get(units[i].shard) or None for i in in_optim.values()}
+    kinds: dict[str, dict] = {}
+    for fqn, info in layout.params.items():
+        states = [unit_state.get(p.unit) for p in info.pieces]
+        if all(s is None for s in states):
+            continue
+        if any(s is None for s in states) or len({tuple(sorted(s)) for s in states}) != 1:
+            raise OSDPError(f"optimizer state of {fqn!r} differs between the units holding it; cannot save it")
+        kinds[fqn] = {}
+        for key in states[0]:
+            values = [s[key] for s in states]
+            shards = [units[p.unit].shard for p in info.pieces]
+            if all(isinstance(v, torch.Tensor) and v.shape == sh.shape for v, sh in zip(values, shards)):
+                by_unit = {p.unit: s[key].detach() for p, s in zip(info.pieces, states)}
+                state[f"optim.{fqn}.{key}"] = _chunked(model, layout, fqn, by_unit.__getitem__)
+                kinds[fqn][key] = ("elementwise", str(values[0].dtype))
+            elif all(isinstance(v, torch.Tensor) for v in values):
+                if not all(v.shape == values[0].shape and torch.equal(v.cpu(), values[0].cpu()) for v in values):
+                    raise OSDPError(f"optimizer state {key!r} of {fqn!r} differs between the units holding it")
+                state[f"optim.{fqn}.{key}"] = ChunkedTensor.whole(values[0].detach().cpu(), present=rank0)
+                kinds[fqn][key] = ("tensor", str(values[0].dtype), list(values[0].shape))
+            else:
+                if any(v != values[0] for v in values):
+                    raise OSDPError(f"optimizer state {key!r} of {fqn!r} differs between the units holding it")
+                kinds[fqn][key] = ("value", values[0])
+    groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
+    return state, {"class": _optimizer_class(optimizer), "param_groups": groups, "state": kinds}
+
+
+def save(model, optimizer, path: str, *, step: int | None = None, extra=None) -> None:
+    """Save a sharded checkpoint of ``model`` (and ``optimizer``'s state, if given) to the
+    directory ``path`` with ``torch.distributed.checkpoint``: every rank writes only its
+    shards, under original parameter names (see [Note: sharded checkpoint
+    representation]). Atomic: ``path`` holds the previous checkpoint until the new one
+    is complete. ``step`` and ``extra`` (rank 0's) come back from :func:`load`."""
+    layout = _prepare(model)
+    comm = model._comm
+    path = os.path.abspath(path)
+    state, optim_meta = _sharded_state(model, optimizer, layout)
+    meta = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "fingerprint": layout.fingerprint(),
+        "optimizer": optim_meta,
+        "step": step,
+        "extra": extra,
+        "world_size": comm.world_size,
+        "unit_modes": {u.name: u.mode.value for u in model._built.units},
+    }
+    tmp = _atomic.partial_path(path)
+
+    def prepare():
+        _atomic.check_replaceable(path)
+        _atomic.fresh_dir(tmp)
+
+    on_rank0(comm, prepare)
+    try:
+        dcp.save(state, storage_writer=_writer(tmp), planner=ChunkSavePlanner(), process_group=comm.group)
+
+        def finish():
+            _atomic.atomic_torch_save(meta, os.path.join(tmp, META_FILE))
+            _atomic.replace_dir(tmp, path)
+
+        on_rank0(comm, finish)
+    except BaseException:
+        if comm.rank == 0 and os.path.lexists(tmp):
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _writer(path: str):
+    """The DCP storage writer (a function so tests can inject failures)."""
+    return dcp.FileSystemWriter(path, sync_files=True)
+
+
+def read_metadata(path: str) -> dict:
+    """The ``osdp_meta.pt`` of a sharded checkpoint (no collective)."""
+    file = os.path.join(path, META_FILE)
+    if not os.path.isfile(file):
+        raise OSDPError(f"{path!r} is not an OSDP sharded checkpoint (no {META_FILE})")
+    meta = torch.load(file, map_location="cpu", weights_only=True)
+    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+        raise PlanMismatchError(
+            f"{path!r} has checkpoint format {meta.get('format')!r} v{meta.get('version')}; "
+            f"this OSDP reads {FORMAT!r} v{FORMAT_VERSION}"
+        )
+    return meta
+
+
+def _check_optimizer(model, optimizer, layout: Layout, saved: dict | None) -> str | None:
+    if saved is None:
+        return "the checkpoint has no optimizer state (it was saved with optimizer=None); pass optimizer=None"
+    if saved["class"] != _optimizer_class(optimizer):
+        return f"the checkpoint has {saved['class']} state, the optimizer is a {_optimizer_class(optimizer)}"
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        return (
+            f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, "
+            f"this optimizer has {len(optimizer.param_groups)}"
+        )
+    for i in _optimizer_units(model, optimizer).values():
+        fqns = sorted({p.fqn for p in layout.unit_pieces[i]})
+        keys = {tuple(sorted(saved["state"][f])) if f in saved["state"] else None for f in fqns}
+        if len(keys) > 1:
+            return f"unit {model._built.units[i].name!r} takes parameters {fqns} whose saved optimizer states differ"
+    return None
+
+
+def load(model, optimizer, path: str) -> dict:
+    """Load a sharded checkpoint written by :func:`save` into ``model`` (and
+    ``optimizer``, if given; build it over ``model.parameters()`` as for training).
+    World size and plan may differ from the saving run: DCP reads each rank's boxes
+    from whatever saved chunks overlap them. Raises PlanMismatchError naming what
+    differs when the checkpoint is from another model; nothing changes on any error.
+    Returns ``{"step": ..., "extra": ...}`` as given to :func:`save`."""
+    layout = _prepare(model)
+    comm, units = model._comm, model._built.units
+    path = os.path.abspath(path)
+    meta = on_rank0(comm, lambda: read_metadata(path))
+    meta = broadcast_from_rank0(comm, meta)
+    error = None
+    problem = _diff_fingerprint(meta["fingerprint"], layout.fingerprint())
+    if problem is not None:
+        error = PlanMismatchError(f"checkpoint {path!r} is from another model: {problem}")
+    elif optimizer is not None:
+        problem = _check_optimizer(model, optimizer, layout, meta["optimizer"])
+        if problem is not None:
+            error = PlanMismatchError(f"cannot load checkpoint {path!r} into this optimizer: {problem}")
+    agree(comm, error)
+
+    # fresh buffers: nothing is touched until DCP has read everything
+    new_shards = [torch.zeros_like(u.shard) for u in units]
+    state = {f"model.{fqn}": _chunked(model, layout, fqn, new_shards.__getitem__) for fqn in layout.params}
+    buffers = dict(model.module.named_buffers())
+    new_buffers = {name: torch.empty_like(buffers[name], device="cpu") for name in layout.buffers}
+    state.update({f"model.{name}": ChunkedTensor.whole(t) for name, t in new_buffers.items()})
+    new_optim: dict[int, dict] = {}  # unit -> state
+    scalars: dict[tuple[str, str], torch.Tensor] = {}
+    if optimizer is not None:
+        kinds = meta["optimizer"]["state"]
+        elementwise: dict[tuple[int, str], torch.Tensor] = {}
+        for i in _optimizer_units(model, optimizer).values():
+            fqns = [p.fqn for p in layout.unit_pieces[i]]
+            if fqns and fqns[0] in kinds:
+                new_optim[i] = {}
+        for fqn, keys in kinds.items():
+            info = layout.params[fqn]
+            for key, kind in keys.items():
+                if kind[0] == "elementwise":
+                    dtype = getattr(torch, kind[1].split(".")[-1])
+                    for p in info.pieces:
+                        if (p.unit, key) not in elementwise:
+                            elementwise[(p.unit, key)] = torch.zeros(units[p.unit].shard_numel, dtype=dtype)
+                    state[f"optim.{fqn}.{key}"] = _chunked(model, layout, fqn, lambda u, k=key: elementwise[(u, k)])
+                elif kind[0] == "tensor":
+                    dtype = getattr(torch, kind[1].split(".")[-1])
+                    scalars[(fqn, key)] = torch.empty(kind[2], dtype=dtype)
+                    state[f"optim.{fqn}.{key}"] = ChunkedTensor.whole(scalars[(fqn, key)])
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(), process_group=comm.group)
+
+    # a unit's state: element-wise tensors from the staging buffers; per-parameter ones
+    # (AdamW step) from its parameters, which must agree
+    error = None
+    for i, unit_state in new_optim.items():
+        for fqn in sorted({p.fqn for p in layout.unit_pieces[i]}):
+            for key, kind in meta["optimizer"]["state"][fqn].items():
+                if kind[0] == "elementwise":
+                    unit_state[key] = elementwise[(i, key)]
+                    continue
+                value = scalars[(fqn, key)] if kind[0] == "tensor" else kind[1]
+                if key in unit_state and not _same(unit_state[key], value):
+                    error = PlanMismatchError(
+                        f"cannot load checkpoint {path!r}: unit {units[i].name!r} takes parameters whose "
+                        f"optimizer state {key!r} differs"
+                    )
+                unit_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    agree(comm, error)
+
+    # everything read and checked: now change the model and the optimizer
+    with torch.no_grad():
+        for unit, shard in zip(units, new_shards):
+            unit.shard.copy_(shard)
+        for name, value in new_buffers.items():
+            buffers[name].copy_(value)
+    if optimizer is not None:
+        _load_optimizer(model, optimizer, meta["optimizer"], new_optim)
+    return {"step": meta["step"], "extra": meta["extra"]}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def _load_optimizer(model, optimizer, saved: dict, new_state: dict[int, dict]) -> None:
+    """Through ``optimizer.load_state_dict`` (torch's per-state dtype/device rules)."""
+    units = model._built.units
+    index: dict[int, int] = {}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            index.setdefault(id(p), len(index))
+    groups = []
+    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
+        new_group = dict(saved_group)
+        new_group["params"] = [index[id(p)] for p in group["params"]]
+        if "param_names" in group:
+            new_group["param_names"] = list(group["param_names"])
+        groups.append(new_group)
+    state = {index[id(units[i].shard)]: st for i, st in new_state.items()}
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
