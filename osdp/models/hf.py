@@ -1,0 +1,135 @@
+"""Small Hugging Face causal LMs (GPT-2, Llama) built from configs, for tests and demos.
+
+No downloads: models are built from a config with random weights (seed with
+``torch.manual_seed`` first). The returned model *is* the Hugging Face model (a
+subclass of ``GPT2LMHeadModel`` / ``LlamaForCausalLM``), so module paths, parameter
+names and the state dict are Hugging Face's (``transformer.h.0.mlp.c_fc``,
+``model.layers.0.self_attn.q_proj``, ...); only ``forward`` is narrowed to what
+``osdp.describe`` and the trainers call: ``model(idx, targets=None)`` returns the mean
+next-token cross-entropy when ``targets`` are given, else the logits.
+
+``transformers`` is imported lazily; a clear ImportError says what to install.
+
+    torch.manual_seed(0)
+    model = gpt2_model(n_layer=4)
+    idx, targets = example_batch(model, batch_size=8)
+    loss = model(idx, targets)            # or hf_loss(any_hf_causal_lm, idx, targets)
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# Tiny defaults: a few layers, small hidden, a small vocabulary (97, prime: uneven
+# shards), eager attention and no dropout (deterministic, comparable across layouts).
+GPT2_DEFAULTS = dict(
+    vocab_size=97,
+    n_positions=32,
+    n_embd=12,
+    n_layer=2,
+    n_head=2,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+    tie_word_embeddings=True,
+    attn_implementation="eager",
+)
+LLAMA_DEFAULTS = dict(
+    vocab_size=97,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=32,
+    attention_dropout=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+    tie_word_embeddings=False,
+    attn_implementation="eager",
+)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "osdp.models.hf needs the `transformers` package (Hugging Face): pip install transformers"
+        ) from exc
+    return transformers
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``logits [B, T, V]`` against ``targets [B, T]`` (already
+    shifted: ``targets[:, t]`` is the token after ``idx[:, t]``), computed in fp32."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+class _LossForward:
+    """Mixin placed before a Hugging Face ``*ForCausalLM`` class in the MRO."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = super().forward(input_ids=idx, use_cache=False).logits
+        return logits if targets is None else causal_lm_loss(logits, targets)
+
+
+_LOSS_CLASSES: dict[type, type] = {}
+
+
+def loss_class(hf_class: type) -> type:
+    """``hf_class`` (a Hugging Face causal LM class) with ``forward(idx, targets=None)``."""
+    if hf_class not in _LOSS_CLASSES:
+        _LOSS_CLASSES[hf_class] = type(
+            f"{hf_class.__name__}WithLoss", (_LossForward, hf_class), {"__module__": __name__}
+        )
+    return _LOSS_CLASSES[hf_class]
+
+
+def _build(config_class, model_class, defaults: dict, overrides: dict) -> nn.Module:
+    settings = {**defaults, **overrides}
+    config = config_class(**settings)
+    return loss_class(model_class)(config)
+
+
+def gpt2_model(**config_overrides) -> nn.Module:
+    """A tiny ``GPT2LMHeadModel`` (tied ``wte``/``lm_head``; HF ``Conv1D`` projections)
+    with random weights. ``config_overrides`` are ``GPT2Config`` fields."""
+    tf = _transformers()
+    return _build(tf.GPT2Config, tf.GPT2LMHeadModel, GPT2_DEFAULTS, config_overrides)
+
+
+def llama_model(**config_overrides) -> nn.Module:
+    """A tiny ``LlamaForCausalLM`` (GQA, RMSNorm, SwiGLU, RoPE; ``nn.Linear`` without
+    bias) with random weights. ``config_overrides`` are ``LlamaConfig`` fields."""
+    tf = _transformers()
+    return _build(tf.LlamaConfig, tf.LlamaForCausalLM, LLAMA_DEFAULTS, config_overrides)
+
+
+def hf_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss of any Hugging Face causal LM (or an ``OSDP`` wrapping one):
+    calls ``model(input_ids=idx)``, which also works for the models built here."""
+    out = model(input_ids=idx, use_cache=False) if not _narrowed(model) else model(idx)
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return causal_lm_loss(logits, targets)
+
+
+def _narrowed(model: nn.Module) -> bool:
+    inner = getattr(model, "unwrapped", model)  # OSDP exposes the wrapped module
+    return isinstance(inner, _LossForward)
+
+
+def example_batch(model_or_vocab, batch_size: int, seq_len: int = 8, seed: int = 0):
+    """Random tokens ``(idx, targets)``, each ``[batch_size, seq_len]`` (int64), with
+    ``targets`` the next tokens of ``idx``; the same for the same seed on every rank.
+    ``model_or_vocab``: a model (its ``config.vocab_size``) or the vocabulary size."""
+    if isinstance(model_or_vocab, int):
+        vocab_size = model_or_vocab
+    else:
+        vocab_size = getattr(model_or_vocab, "unwrapped", model_or_vocab).config.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=gen)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
