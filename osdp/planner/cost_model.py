@@ -210,10 +210,13 @@ def optimizer_step_s(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetti
     return 2.0 * state / device.memory_bandwidth_bytes_per_s
 
 
-def split_efficiency(g: int) -> float:
-    """Compute inflation of a split matmul relative to the unsplit one (a fused
-    accumulate keeps it near 1; measured values come from the profiler's fits)."""
-    return 1.0
+def split_efficiency(g: int, device: DeviceInfo) -> float:
+    """Compute of a split matmul relative to the unsplit one: measured by the profiler
+    (``DeviceInfo.split_efficiency``), else 1 (a fused accumulate keeps it near 1 and
+    ``slice_overhead_s`` charges each extra slice's launch)."""
+    if g == 1:
+        return 1.0
+    return float(device.split_efficiency.get(str(g), 1.0))
 
 
 @dataclass
@@ -375,7 +378,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                         cols["reduce_b"].append(reduce_b)
                         cols["overlap"].append(2 * s <= window)
                         cols["ovh"].append((g - 1) * device.slice_overhead_s)
-                        cols["eff"].append(split_efficiency(g))
+                        cols["eff"].append(split_efficiency(g, device))
                 end[i, variant] = len(cols["op"])
 
     fits = [_compute_fit(op, device, settings) for op in desc.ops]

@@ -56,6 +56,8 @@ class DeviceInfo:
     constant_bytes: float = 0.0  # allocator slack, workspaces: paid by every plan
     # measured per-op fits, keyed by op *shape key* (see cost_model.shape_key)
     op_compute: dict = field(default_factory=dict)
+    # measured compute of a split op relative to the unsplit one, by slice count ("4": 1.07)
+    split_efficiency: dict = field(default_factory=dict)
     source: str = ""
 
     def __post_init__(self):

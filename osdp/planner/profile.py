@@ -6,7 +6,8 @@
   default), fitted to the ring model t = (N-1) a + (N-1)/N S b (see device.CollectiveCost);
 * compute: forward and backward time of every unit at several batch sizes, fitted to
   intercept + slope * batch, shared by units of the same shape (``shape_key``);
-* splitting: the extra time of each additional slice of a split matmul;
+* splitting: forward + backward time of the widest splittable unit split in g slices
+  (the runtime's slice ops) relative to the unsplit matmul;
 * activation bytes per sample: through ``describe`` (saved-tensor hooks).
 
 Every rank measures (so contention is real) and rank 0's numbers are broadcast: all
@@ -42,7 +43,7 @@ from .describe import ModelDesc, describe
 from .device import CollectiveCost, ComputeFit, DeviceInfo, parse_bytes
 
 log = logging.getLogger("osdp.profile")
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 DEFAULT_COMM_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
 FULL_COMM_SIZES = tuple(4096 * 2**i for i in range(17))  # 4 KiB .. 256 MiB
 
@@ -217,35 +218,46 @@ def profile_compute(model, example_inputs, desc: ModelDesc, batches, loss_fn=Non
     return fits
 
 
-def profile_split_overhead(in_features=1024, out_features=1024, tokens=2048, max_slices=16, device=None,
-                           dtype=torch.float32, repeats=5) -> float:
-    """Seconds each additional slice adds to a split matmul (fp32 accumulate, one cast)."""
+def profile_split_efficiency(in_features: int, out_features: int, tokens: int, slices=(2, 4, 8, 16),
+                             device=None, dtype=torch.float32, repeats: int = 5) -> dict[str, float]:
+    """Forward + backward time of a split linear (the runtime's slice ops: fp32
+    accumulate, X slices as views) relative to the unsplit one, per slice count."""
+    from ..ops.kernels import addmm_slice_, slice_dw, slice_dx
+
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     x = torch.randn(tokens, in_features, device=device, dtype=dtype)
     w = torch.randn(out_features, in_features, device=device, dtype=dtype)
+    dy = torch.randn(tokens, out_features, device=device, dtype=dtype)
 
-    def run(g):
+    def unsplit():
+        torch.nn.functional.linear(x, w)
+        torch.mm(dy, w)
+        torch.mm(dy.t(), x)
+
+    def split(g):
         out = torch.zeros(tokens, out_features, device=device, dtype=torch.float32)
-        step = in_features // g
-        for i in range(g):
-            k0 = i * step
-            k1 = in_features if i == g - 1 else k0 + step
-            out.addmm_(x[:, k0:k1].float(), w[:, k0:k1].float().t())
-        return out.to(dtype)
+        dx = torch.empty_like(x)
+        bounds = [round(i * in_features / g) for i in range(g + 1)]
+        for k0, k1 in zip(bounds, bounds[1:]):
+            addmm_slice_(out, x, w[:, k0:k1], k0)
+        out.to(dtype)
+        for k0, k1 in zip(bounds, bounds[1:]):
+            slice_dx(dy, w[:, k0:k1], dx, k0)
+            slice_dw(dy, x, k0, k1 - k0)
 
-    def timed(g):
+    def timed(fn):
         samples = []
         for rep in range(repeats + 1):
             _sync(device)
             start = time.perf_counter()
-            run(g)
+            fn()
             _sync(device)
             if rep:
                 samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
-    g = min(max_slices, in_features)
-    return max((timed(g) - timed(1)) / max(g - 1, 1), 0.0)
+    base = timed(unsplit)
+    return {str(g): timed(lambda g=g: split(g)) / base for g in slices if g <= in_features}
 
 
 # ---- cache and driver -----------------------------------------------------------------
@@ -323,7 +335,6 @@ def profile(
     cached_fits = {k: ComputeFit(**v) for k, v in cache["compute"].get(compute_key, {}).items()} if use_cache else {}
     todo_keys = {shape_key(op) for op in desc.ops} - set(cached_fits)
     need_comm = world > 1 and comm_key not in cache["comm"]
-    need_split = compute_key not in cache["split"]
     steps = (2 * len(comm_sizes) if need_comm else 0) + (len(batches) if todo_keys else 0) + 1
     bar = Progress(steps, "osdp profile", enabled=progress and rank == 0)
 
@@ -336,10 +347,15 @@ def profile(
     fits = dict(cached_fits)
     if todo_keys:
         fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar))
-    split = cache["split"].get(compute_key)
+    splittable = [op for op in desc.ops if op.splittable]
+    widest = max(splittable, key=lambda op: op.param_count, default=None)
+    tokens = example_batch * max(1, round(widest.flops_per_sample / (2 * widest.param_count))) if widest else 0
+    split_key = f"{compute_key}|{widest.in_features}x{widest.param_count // widest.in_features}x{tokens}" if widest else ""
+    split = cache["split"].get(split_key) if widest else {}
     if split is None:
-        split = profile_split_overhead(device=device)
-    bar.step("split overhead")
+        split = profile_split_efficiency(widest.in_features, widest.param_count // widest.in_features, tokens,
+                                         device=device)
+    bar.step("split efficiency")
 
     total_flops = sum(op.flops_per_sample for op in desc.ops)
     slope = sum(fits[shape_key(op)].fwd_per_sample_s for op in desc.ops)
@@ -351,7 +367,8 @@ def profile(
         "reduce_scatter": comm["reduce_scatter"],
         "flops_per_s": total_flops / slope if slope > 0 and total_flops > 0 else 1e12,
         "op_overhead_s": statistics.median([f.fwd_intercept_s for f in fits.values()]) if fits else 0.0,
-        "slice_overhead_s": split,
+        "slice_overhead_s": 0.0,  # measured as split_efficiency instead
+        "split_efficiency": split,
         "op_compute": {k: v.__dict__ for k, v in fits.items()},
         "source": f"measured by osdp.profile on {label}, {dtype}, {backend}, world size {world}",
     }
@@ -363,7 +380,8 @@ def profile(
         if world > 1:
             cache["comm"][comm_key] = {"all_gather": measured["all_gather"], "reduce_scatter": measured["reduce_scatter"]}
         cache["compute"].setdefault(compute_key, {}).update(measured["op_compute"])
-        cache["split"][compute_key] = measured["slice_overhead_s"]
+        if split_key:
+            cache["split"][split_key] = measured["split_efficiency"]
         _save_cache(path, cache)
     return desc, DeviceInfo.from_dict(measured)
 
