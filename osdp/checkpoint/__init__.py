@@ -39,11 +39,14 @@ they were. Saving is atomic: see [Note: atomic checkpoints] in ``_atomic.py``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import weakref
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ..errors import OSDPError, PlanMismatchError
 from ..runtime.state_dict import (
@@ -278,19 +281,29 @@ def save(model, optimizer, path: str, *, step: int | None = None, extra=None) ->
 
     on_rank0(comm, prepare)
     try:
-        dcp.save(state, storage_writer=_writer(tmp), planner=ChunkSavePlanner(), process_group=comm.group)
+        with _dcp_errors("saving", path):
+            dcp.save(state, storage_writer=_writer(tmp), planner=ChunkSavePlanner(), process_group=comm.group)
 
         def finish():
             _atomic.atomic_torch_save(meta, os.path.join(tmp, META_FILE))
             _atomic.replace_dir(tmp, path)
 
         on_rank0(comm, finish)
-    except BaseException:
-        if comm.rank == 0 and os.path.lexists(tmp):
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
+    except Exception:
+        # every failure above is raised on every rank (DCP and on_rank0 agree), so the
+        # cleanup can be collective: no rank goes on while the partial directory exists
+        on_rank0(comm, lambda: shutil.rmtree(tmp, ignore_errors=True))
         raise
+
+
+@contextlib.contextmanager
+def _dcp_errors(doing: str, path: str):
+    """DCP raises CheckpointException (a BaseException, on every rank when any rank
+    failed): turn it into an OSDPError that ``except Exception`` catches."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise OSDPError(f"{doing} checkpoint {path!r} failed: {exc}") from exc
 
 
 def _writer(path: str):
@@ -380,7 +393,8 @@ def load(model, optimizer, path: str) -> dict:
                     dtype = getattr(torch, kind[1].split(".")[-1])
                     scalars[(fqn, key)] = torch.empty(kind[2], dtype=dtype)
                     state[f"optim.{fqn}.{key}"] = ChunkedTensor.whole(scalars[(fqn, key)])
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(), process_group=comm.group)
+    with _dcp_errors("loading", path):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(), process_group=comm.group)
 
     # a unit's state: element-wise tensors from the staging buffers; per-parameter ones
     # (AdamW step) from its parameters, which must agree
