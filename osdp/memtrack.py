@@ -65,3 +65,20 @@ class LiveBytesTracker(TorchDispatchMode):
             self._track(leaf)
         self._sample()
         return out
+
+
+class IntervalPeakTracker(LiveBytesTracker):
+    """Live bytes with a peak per named interval: set ``interval`` to a name and every
+    sample after that counts toward that name's peak, together with the bytes of
+    ``extra()`` at the moment of the peak (e.g. gradients accumulated so far)."""
+
+    def __init__(self, initial=(), extra=lambda: 0):
+        self.interval = None
+        self.extra = extra
+        self.peaks: dict[str, tuple[int, int]] = {}
+        super().__init__(initial)
+
+    def _sample(self) -> None:
+        super()._sample()
+        if self.interval is not None and self.current_bytes > self.peaks.get(self.interval, (-1, 0))[0]:
+            self.peaks[self.interval] = (self.current_bytes, self.extra())

@@ -37,8 +37,11 @@ search adds, on top of the prefix of kept weights and saved activations (see
 search_problem.py's [Note: the memory constraint]):
     kept weights     (g - k) * P/g                  from its forward to its backward
     in-flight gathers  P/g if P/g > W else min(W, P/g + bytes of the ops around it)
-    gradient buffers   2 * G/g   (the slice being computed + one reduce-scatter pending)
-    activation grads   b * saved activation bytes of the op
+                       (in backward the op's own P/g only if it has zdp slices)
+    gradient buffers   G/g   (one reduce-scatter pending; the gradient being computed
+                       is part of the measured backward transients)
+    activation grads   b * the op's measured backward transients (describe's
+                       [Note: backward transients]; its saved bytes when unknown)
 With checkpointing a block keeps only its input; its activations are recomputed and
 alive again during its own backward. The model therefore places the peak at the op
 where prefix + transient is largest, normally the start of backward.
@@ -277,6 +280,7 @@ class ProblemTemplate:
     bwd_per_sample_s: np.ndarray = field(repr=False, default=None)
     act_per_sample: np.ndarray = field(repr=False, default=None)
     grads_after: np.ndarray = field(repr=False, default=None)  # sharded grads alive at each op
+    act_grad_per_sample: np.ndarray = field(repr=False, default=None)  # backward transients
 
     @property
     def budget_bytes(self) -> float:
@@ -361,18 +365,23 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                             comm_f = g * ag
                             gather_b = k * ag * (2 if checkpointed else 1)
                             reduce_b = g * device.reduce_scatter.time_s(grad, n)
+                        # backward gathers only the zdp slices (dp ones are kept, and
+                        # counted in held); the window fills with the units ahead
+                        own_b = s if (k > 0 or op.tied_to) else 0.0
                         if s > window:
-                            gathers_f = gathers_b = s
+                            gathers_f, gathers_b = s, own_b
                         else:
                             gathers_f = min(window, s + after[i])
-                            gathers_b = min(window, s + before[i])
+                            gathers_b = min(window, own_b + before[i])
                         cols["op"].append(i)
                         cols["variant"].append(variant)
                         cols["ckpt"].append(checkpointed)
                         cols["g"].append(g)
                         cols["k"].append(k)
                         cols["held"].append(held)
-                        cols["transient"].append(max(gathers_f, gathers_b + 2 * grad))
+                        # the slice's own unsharded gradient is part of the measured
+                        # backward transients; one more waits for its reduce-scatter
+                        cols["transient"].append(max(gathers_f, gathers_b + grad))
                         cols["comm_f"].append(comm_f)
                         cols["gather_b"].append(gather_b)
                         cols["reduce_b"].append(reduce_b)
@@ -411,6 +420,8 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         bwd_intercept_s=np.array([f[2] for f in fits]),
         bwd_per_sample_s=np.array([f[3] for f in fits]),
         act_per_sample=np.array([op.act_bytes_per_sample for op in desc.ops]) * activation_scale(desc, settings),
+        act_grad_per_sample=np.array([op.act_grad_bytes_per_sample or op.act_bytes_per_sample for op in desc.ops])
+        * activation_scale(desc, settings),
         grads_after=sharded_grads_after(desc, device, settings),
     )
 
@@ -470,7 +481,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         opt_slices=t.opt_slices,
         opt_zdp_slices=t.opt_zdp,
         opt_held_q=held_q,
-        opt_local_bytes=t.opt_transient_bytes + act[t.opt_op],
+        opt_local_bytes=t.opt_transient_bytes + t.act_grad_per_sample[t.opt_op] * batch,
         opt_time_s=_option_times(t, batch),
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
@@ -523,7 +534,7 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
                 "kept_dp_weights": float(held_prefix),
                 "saved_activations": float(act_prefix + kept + inside),
                 "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),
-                "activation_grads": float(act[i]),
+                "activation_grads": float(t.act_grad_per_sample[i] * batch),
                 "sharded_grads_so_far": float(t.grads_after[i]),
             }))
         act_prefix += kept if checkpointed else inside

@@ -11,6 +11,15 @@ Work done outside any unit (attention scores, GELU, residual adds) belongs to th
 that ran last before it: its memory and time live and die with that unit's place in
 the schedule. Saved tensors are counted once per storage (a tensor saved by two ops is
 one allocation) and parameters are never counted as activations.
+
+[Note: backward transients]
+During a unit's backward more is alive than the saved activations of the units up to it:
+the incoming gradient, the gradients it produces, temporaries of the attributed
+non-parameter ops (a softmax backward holds two score-sized tensors). describe measures
+it: a real backward runs under a live-bytes tracker, and for each unit the peak inside
+its backward interval (from the previous unit's gradient to its own, as the profiler
+times it) minus the parameters, the gradients so far and the saved activations of the
+units up to it is that unit's transient. Two batch sizes separate the per-sample part.
 """
 from __future__ import annotations
 
@@ -40,6 +49,9 @@ class OpDesc:
     in_features: int = 0  # split axis length (0 if not splittable)
     block: str | None = None  # checkpointable block this unit belongs to
     tied_to: str | None = None  # owner unit when this op reuses another unit's weights
+    # transient bytes of its backward beyond the saved activations (gradients of
+    # activations in flight), per sample; see [Note: backward transients]
+    act_grad_bytes_per_sample: float = 0.0
 
     @property
     def max_slices(self) -> int:
@@ -197,6 +209,60 @@ def _measure_forward(model, inputs, units, param_ptrs, blocks):
     return rec.order, rec.saved, block_inputs, counter.get_flop_counts()
 
 
+def _loss_of(output) -> torch.Tensor:
+    return output if output.dim() == 0 else output.float().sum()
+
+
+def _measure_backward(model, inputs, order: list[str], saved: dict[str, int]) -> dict[str, float]:
+    """Per unit, bytes alive at the peak of its backward beyond parameters, gradients and
+    the saved activations of the units up to it (see [Note: backward transients])."""
+    from ..memtrack import IntervalPeakTracker
+
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    modules = dict(model.named_modules())
+
+    def grad_bytes():
+        return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+
+    tracker = IntervalPeakTracker(params, extra=grad_bytes)
+    owners: dict[int, str] = {}  # a tied weight belongs to its first module, as in describe
+    for name, module in modules.items():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), name)
+    hooked = [i for i, name in enumerate(order)
+              if any(owners[id(p)] == name and p.requires_grad for p in modules[name].parameters(recurse=False))]
+    done: set[int] = set()
+    handles = []
+    for i in hooked:
+        name = order[i]
+        own = [p for p in modules[name].parameters(recurse=False) if owners[id(p)] == name and p.requires_grad]
+
+        def hook(_p, i=i):
+            # a tied weight accumulates once per use: only the last one (every later
+            # unit done) ends this unit's interval
+            if i not in done and all(j in done for j in hooked if j > i):
+                done.add(i)
+                tracker.interval = order[i - 1] if i else None
+
+        handles.append(own[0].register_post_accumulate_grad_hook(hook))
+    try:
+        with tracker:
+            loss = _loss_of(model(*inputs))
+            tracker.interval = order[-1]
+            loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    result, prefix = {}, 0
+    for name in order:
+        prefix += saved.get(name, 0)
+        peak, grads = tracker.peaks.get(name, (0, 0))
+        result[name] = max(peak - param_bytes - grads - prefix, 0) if peak else 0
+    return result
+
+
 def _attribute_flops(flop_counts, root_name: str, unit_names, order) -> dict[str, float]:
     """FLOPs per unit: a unit's own, plus the residual FLOPs of every enclosing module
     (its total minus its children's) given to its first unit in execution order."""
@@ -229,13 +295,15 @@ def describe(
     name: str | None = None,
     blocks: list[str] | None = None,
     batch_size: int | None = None,
+    measure_backward: bool = True,
 ) -> ModelDesc:
     """Describe ``model`` by running ``model(*example_inputs)`` once (twice when the
     batch can be halved, to separate per-sample bytes from constant ones).
 
     ``blocks``: module paths that may be checkpointed (default: children of every
     ModuleList). ``batch_size``: the batch of ``example_inputs`` (default: dim 0 of the
-    first tensor).
+    first tensor). ``measure_backward``: also run a backward (the output, or its sum, is
+    the loss) to measure each unit's backward transients.
     """
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
@@ -278,19 +346,30 @@ def describe(
             small = tuple(t[:half].clone() if isinstance(t, torch.Tensor) else t for t in inputs)
             _, saved_half, _, _ = _measure_forward(model, small, units, param_ptrs, [])
         else:
-            half, saved_half = 0, {}
+            half, small, saved_half = 0, None, {}
+        grads_full = grads_half = {}
+        if measure_backward:
+            grads_full = _measure_backward(model, inputs, order, saved)
+            if half:
+                grads_half = _measure_backward(model, small, order, saved_half)
     finally:
         model.train(was_training)
 
-    per_sample, constant = {}, 0.0
-    for unit in order:
-        full = saved.get(unit, 0)
-        if half:  # two points: bytes = constant + per_sample * batch
-            slope = (full - saved_half.get(unit, 0)) / (batch_size - half)
-            per_sample[unit] = max(slope, 0.0)
-            constant += max(full - slope * batch_size, 0.0)
-        else:
-            per_sample[unit] = full / batch_size
+    def split_batch(full: dict, halved: dict):
+        """Two points: bytes = constant + per_sample * batch (one point: all per sample)."""
+        per_sample, constant = {}, 0.0
+        for unit in order:
+            value = full.get(unit, 0)
+            if half:
+                slope = max((value - halved.get(unit, 0)) / (batch_size - half), 0.0)
+                per_sample[unit] = slope
+                constant += max(value - slope * batch_size, 0.0)
+            else:
+                per_sample[unit] = value / batch_size
+        return per_sample, constant
+
+    per_sample, constant = split_batch(saved, saved_half)
+    grad_per_sample, _ = split_batch(grads_full, grads_half)
     unit_flops = _attribute_flops(flops, type(model).__name__, list(order), order)
 
     ops = []
@@ -311,6 +390,7 @@ def describe(
                 in_features=axis if path not in tied else 0,
                 block=_enclosing_block(path, block_names),
                 tied_to=tied.get(path),
+                act_grad_bytes_per_sample=grad_per_sample.get(path, 0.0),
             )
         )
     block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})

@@ -13,6 +13,15 @@ Per block (s = seq, h = width, a = heads, e = element bytes), saved per sample:
     mlp.c_proj    r s h e (input)
 The embedding saves the token ids (s * 8); the head saves its input, the logits
 and the targets for the loss: s h e + s V e + s * 8.
+
+Backward transients (describe's [Note: backward transients]), per sample, each plus
+s * 8 bytes; measured values of describe() are equal, except attention's which is an
+upper bound within s h e of them (its peak moves between the softmax backward and
+the qkv backward with the shape):
+    wte, wpe      s h e            ln_*          3 s w e           ln_f     2 s w e
+    attn.c_attn   max(2 a s^2 + 2 s w, a s^2 + 3 s w) e            attn.c_proj  2 s w e
+    mlp.c_fc      (2 r + 1) s w e  mlp.c_proj    (r + 1) s w e     bridges  (w_in + w) s e
+    lm_head       2 s V e
 """
 from __future__ import annotations
 
@@ -26,38 +35,47 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
     ops: list[OpDesc] = []
     blocks: list[BlockDesc] = []
 
-    def linear(path, fan_in, fan_out, act, extra_flops=0.0, bias=True, block=None):
+    ids = s * 8  # int64 token ids, saved by the embedding (and the targets, by the loss)
+
+    def linear(path, fan_in, fan_out, act, grad, extra_flops=0.0, bias=True, block=None):
         count = fan_in * fan_out + (fan_out if bias else 0)
         ops.append(OpDesc(path, "linear", count, count * e, act, 2.0 * s * fan_in * fan_out + extra_flops,
-                          splittable=fan_in >= 2, in_features=fan_in if fan_in >= 2 else 0, block=block))
+                          splittable=fan_in >= 2, in_features=fan_in if fan_in >= 2 else 0, block=block,
+                          act_grad_bytes_per_sample=grad + ids))
 
-    def layernorm(path, h, block=None):
-        ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block))
+    def layernorm(path, h, grad_widths, block=None):
+        ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block,
+                          act_grad_bytes_per_sample=grad_widths * s * h * e + ids))
 
     h0 = config.hidden
-    ids = s * 8  # int64 token ids, saved by the embedding (and the targets, by the loss)
-    ops.append(OpDesc("wte", "embedding", vocab * h0, vocab * h0 * e, ids, 0.0, False))
-    ops.append(OpDesc("wpe", "embedding", s * h0, s * h0 * e, 0.0, 0.0, False))
+    ops.append(OpDesc("wte", "embedding", vocab * h0, vocab * h0 * e, ids, 0.0, False,
+                      act_grad_bytes_per_sample=s * h0 * e + ids))
+    ops.append(OpDesc("wpe", "embedding", s * h0, s * h0 * e, 0.0, 0.0, False,
+                      act_grad_bytes_per_sample=s * h0 * e + ids))
     inputs = (h0,) + widths[:-1]
     for i, (w_in, h) in enumerate(zip(inputs, widths)):
         if w_in != h:
             first = len(ops)
-            linear(f"bridges.{i}", w_in, h, s * w_in * e, block=f"bridges.{i}")
+            linear(f"bridges.{i}", w_in, h, s * w_in * e, (w_in + h) * s * e, block=f"bridges.{i}")
             blocks.append(BlockDesc(f"bridges.{i}", first, 1, s * w_in * e))
         b = f"blocks.{i}"
         first = len(ops)
-        layernorm(f"{b}.ln_1", h, b)
-        linear(f"{b}.attn.c_attn", h, 3 * h, 4 * s * h * e + a * s * s * e, extra_flops=4.0 * s * s * h, block=b)
-        linear(f"{b}.attn.c_proj", h, h, s * h * e, block=b)
-        layernorm(f"{b}.ln_2", h, b)
-        linear(f"{b}.mlp.c_fc", h, r * h, s * h * e + r * s * h * e, block=b)
-        linear(f"{b}.mlp.c_proj", r * h, h, r * s * h * e, block=b)
-        blocks.append(BlockDesc(b, first, len(ops) - first, s * h * e))
-    layernorm("ln_f", widths[-1])
+        scores, sh = a * s * s * e, s * h * e
+        layernorm(f"{b}.ln_1", h, 3, b)
+        linear(f"{b}.attn.c_attn", h, 3 * h, 4 * sh + scores, max(2 * scores + 2 * sh, scores + 3 * sh),
+               extra_flops=4.0 * s * s * h, block=b)
+        linear(f"{b}.attn.c_proj", h, h, sh, 2 * sh, block=b)
+        layernorm(f"{b}.ln_2", h, 3, b)
+        linear(f"{b}.mlp.c_fc", h, r * h, sh + r * sh, (2 * r + 1) * sh, block=b)
+        linear(f"{b}.mlp.c_proj", r * h, h, r * sh, (r + 1) * sh, block=b)
+        blocks.append(BlockDesc(b, first, len(ops) - first, sh))
+    layernorm("ln_f", widths[-1], 2)
     head_act = s * widths[-1] * e + s * vocab * e + ids
+    head_grad = 2 * s * vocab * e
     if config.tie_embeddings:
-        ops.append(OpDesc("lm_head", "linear", 0, 0, head_act, 2.0 * s * widths[-1] * vocab, False, tied_to="wte"))
+        ops.append(OpDesc("lm_head", "linear", 0, 0, head_act, 2.0 * s * widths[-1] * vocab, False, tied_to="wte",
+                          act_grad_bytes_per_sample=head_grad))
     else:
-        linear("lm_head", widths[-1], vocab, head_act, bias=False)
+        linear("lm_head", widths[-1], vocab, head_act, head_grad - ids, bias=False)
     label = name or f"GPT-{config.num_layers}x{config.hidden}"
     return ModelDesc(name=label, ops=tuple(ops), blocks=tuple(blocks))

@@ -58,8 +58,12 @@ def test_auto_plan_is_identical_on_every_rank(tmp_path):
     assert a["hash"] == b["hash"] and a["plan"] == b["plan"]
     assert a["plan"]["world_size"] == 2 and a["plan"]["batch_size"] >= 1
     assert a["device"] == b["device"]
-    ag = a["device"]["all_gather"]
-    assert ag["alpha_s"] >= 0 and ag["beta_s_per_byte"] > 0
+    # the fit's split between latency and bandwidth depends on timing noise; what must
+    # hold is a non-negative fit that predicts real time for a real message
+    for coll in ("all_gather", "reduce_scatter"):
+        fit = a["device"][coll]
+        assert fit["alpha_s"] >= 0 and fit["beta_s_per_byte"] >= 0
+        assert fit["alpha_s"] + fit["beta_s_per_byte"] * (1 << 20) > 0
     assert a["device"]["op_compute"], "no compute fits were measured"
     assert a["infeasible"] is not None and a["infeasible"] == b["infeasible"]
     assert a["infeasible"][1] > 1024
