@@ -2,22 +2,18 @@
 (OSDP, FSDP2 ZeRO-3 and ZeRO-2, DDP), one training step, and measured peak memory."""
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from osdp.launch import spawn  # noqa: E402,F401  (re-exported for the scripts)
 from osdp.memtrack import LiveBytesTracker  # noqa: E402
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
 
@@ -29,42 +25,6 @@ def device_for(rank: int) -> torch.device:
         torch.cuda.set_device(rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _worker(rank, world, port, out_dir, fn, args):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device_for(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world)
-    try:
-        result = fn(rank, world, *args)
-        torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
-    except BaseException:
-        torch.save({"ok": False, "error": traceback.format_exc()}, os.path.join(out_dir, f"{rank}.pt"))
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world: int, *args) -> list:
-    """``fn(rank, world, *args)`` on ``world`` local ranks; the per-rank results."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        try:
-            mp.spawn(_worker, args=(world, port, out_dir, fn, args), nprocs=world)
-        except Exception:
-            for r in range(world):
-                path = os.path.join(out_dir, f"{r}.pt")
-                if os.path.exists(path):
-                    data = torch.load(path, weights_only=False)
-                    if not data["ok"]:
-                        raise RuntimeError(f"rank {r} failed:\n{data['error']}") from None
-            raise
-        return [torch.load(os.path.join(out_dir, f"{r}.pt"), weights_only=False)["result"] for r in range(world)]
 
 
 def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False):

@@ -6,22 +6,13 @@ step, samples/s, peak memory (live-tensor tracking on CPU, the allocator on CUDA
 """
 from __future__ import annotations
 
-import os
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-DEMO_COMM_SIZES = (4096, 65536, 1 << 20, 4 << 20)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+DEMO_COMM_SIZES = (4096, 65536, 1 << 20, 4 << 20)  # enough for a model of a few MiB
 
 
 def _say(rank: int, text: str = "") -> None:
@@ -94,15 +85,8 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False):
     return {"losses": losses, "step_s": measured_s, "peak_bytes": peak, "plan": plan.to_dict()}
 
 
-def _worker(rank, world, port, preset, memory, steps, cache_dir):
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        train_with_plan(rank, world, preset, memory, steps, cache_dir)
-    finally:
-        dist.destroy_process_group()
+def _demo_rank(rank, world, preset, memory, steps, cache_dir):
+    train_with_plan(rank, world, preset, memory, steps, cache_dir)
 
 
 def run_demo(args) -> int:
@@ -114,10 +98,11 @@ def run_demo(args) -> int:
     parse_bytes(args.memory)
     if args.world_size < 1 or args.steps < 1:
         raise OSDPError("--world-size and --steps must be positive integers")
+    from .launch import spawn
+
     try:
-        mp.spawn(_worker, args=(args.world_size, _free_port(), args.preset, args.memory, args.steps, None),
-                 nprocs=args.world_size)
-    except mp.ProcessRaisedException as exc:
+        spawn(_demo_rank, args.world_size, args.preset, args.memory, args.steps, None, backend="gloo")
+    except RuntimeError as exc:
         # the worker's own error, one line (e.g. no plan fits the memory limit)
         last = str(exc).strip().splitlines()[-1]
         raise OSDPError(f"demo failed: {last}") from None
