@@ -77,8 +77,9 @@ def _prepare(model) -> Layout:
         raise OSDPError(f"expected an osdp.OSDP-wrapped model, got {type(model).__name__}")
     model._scheduler.wait_reduce_scatters()
     cached = _LAYOUTS.get(model)
-    if cached is None or cached[0] is not built:
-        cached = (built, build_layout(model.module, built, list(model._state_keys)))
+    if cached is None or cached[0]() is not built:
+        # a weak reference: the cache must not keep the model's units alive
+        cached = (weakref.ref(built), build_layout(model.module, built, list(model._state_keys)))
         _LAYOUTS[model] = cached
     return cached[1]
 
@@ -164,7 +165,9 @@ def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> N
     Strict: keys and shapes must match the original model; nothing changes on error."""
     layout = _prepare(model)
     comm, built = model._comm, model._built
-    have = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64)
+    device = comm.device  # collectives run there (NCCL needs device tensors)
+    src = torch.distributed.get_global_rank(comm.group, 0) if comm.world_size > 1 else 0
+    have = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64, device=device)
     if comm.world_size > 1:
         torch.distributed.all_reduce(have, op=torch.distributed.ReduceOp.MIN, group=comm.group)
     everyone = bool(have.item())
@@ -174,24 +177,25 @@ def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> N
         if problem is not None:
             error = PlanMismatchError(f"cannot load this state dict into the model: {problem}")
     agree(comm, error)
-    new = [torch.zeros_like(u.shard, device="cpu") for u in built.units]
-    for fqn, info in layout.params.items():
+
+    def value_of(name: str, like: torch.Tensor) -> torch.Tensor:
+        """``state_dict[name]`` as ``like``'s dtype: this rank's, or rank 0's broadcast."""
         if everyone:
-            tensor = state_dict[fqn].detach().to("cpu", info.dtype)
+            return state_dict[name].detach().to(like.dtype)
+        if comm.rank == 0:
+            tensor = state_dict[name].detach().to(device, like.dtype).contiguous()
         else:
-            tensor = state_dict[fqn].detach().to("cpu", info.dtype).contiguous() if comm.rank == 0 else torch.empty(info.shape, dtype=info.dtype)
-            torch.distributed.broadcast(tensor, src=torch.distributed.get_global_rank(comm.group, 0), group=comm.group)
+            tensor = torch.empty(like.shape, dtype=like.dtype, device=device)
+        if comm.world_size > 1:
+            torch.distributed.broadcast(tensor, src=src, group=comm.group)
+        return tensor
+
+    new = [torch.zeros_like(u.shard) for u in built.units]
+    for fqn, info in layout.params.items():
+        tensor = value_of(fqn, torch.empty(info.shape, dtype=info.dtype, device="meta"))
         local_shards_from_full(layout, built, comm.rank, fqn, tensor, new)
     buffers = dict(model.module.named_buffers())
-    new_buffers = {}
-    for name in layout.buffers:
-        if everyone:
-            value = state_dict[name].detach()
-        else:
-            value = state_dict[name].detach().to("cpu").contiguous() if comm.rank == 0 else torch.empty_like(buffers[name], device="cpu")
-            value = value.to(buffers[name].dtype)
-            torch.distributed.broadcast(value, src=torch.distributed.get_global_rank(comm.group, 0), group=comm.group)
-        new_buffers[name] = value
+    new_buffers = {name: value_of(name, buffers[name]) for name in layout.buffers}
     with torch.no_grad():
         for unit, shard in zip(built.units, new):
             unit.shard.copy_(shard)
