@@ -81,10 +81,11 @@ _LOSS_CLASSES: dict[type, type] = {}
 
 
 def loss_class(hf_class: type) -> type:
-    """``hf_class`` (a Hugging Face causal LM class) with ``forward(idx, targets=None)``."""
+    """``hf_class`` (a Hugging Face causal LM class) with ``forward(idx, targets=None)``;
+    the class attribute ``hf_class`` names the original."""
     if hf_class not in _LOSS_CLASSES:
         _LOSS_CLASSES[hf_class] = type(
-            f"{hf_class.__name__}WithLoss", (_LossForward, hf_class), {"__module__": __name__}
+            f"{hf_class.__name__}WithLoss", (_LossForward, hf_class), {"__module__": __name__, "hf_class": hf_class}
         )
     return _LOSS_CLASSES[hf_class]
 
@@ -111,7 +112,7 @@ def llama_model(**config_overrides) -> nn.Module:
 
 def hf_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of any Hugging Face causal LM (or an ``OSDP`` wrapping one):
-    calls ``model(input_ids=idx)``, which also works for the models built here."""
+    ``model(input_ids=idx).logits`` (``model(idx)`` for the models built here)."""
     out = model(input_ids=idx, use_cache=False) if not _narrowed(model) else model(idx)
     logits = out if isinstance(out, torch.Tensor) else out.logits
     return causal_lm_loss(logits, targets)

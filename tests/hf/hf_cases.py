@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from osdp.models.hf import example_batch, gpt2_model, llama_model
+from osdp.models.hf import example_batch, gpt2_model, hf_loss, llama_model
 from osdp.runtime.config import unit_candidates
 
 STEPS = 12
@@ -32,9 +32,15 @@ MODELS = {
 LAYER_CLASSES = ("GPT2Block", "LlamaDecoderLayer")
 
 
-def make_model(key: str):
+def make_model(key: str, raw: bool = False):
+    """``raw``: the plain Hugging Face class (forward(input_ids=...) -> ModelOutput),
+    same config, same initial weights (same __init__ under the same seed)."""
     torch.manual_seed(1234)
-    return MODELS[key]()
+    model = MODELS[key]()
+    if raw:
+        torch.manual_seed(1234)
+        model = type(model).hf_class(model.config)
+    return model
 
 
 def global_batch(key: str, step: int, world_size: int):
@@ -80,6 +86,7 @@ class Case:
     name: str
     model: str
     kwargs: object  # (model, world_size) -> OSDP keyword arguments
+    raw: bool = False  # wrap the plain Hugging Face model, train through hf_loss
 
 
 def _gpt2_split(m, ws, window=None, ckpt=()):
@@ -111,6 +118,7 @@ CASES = [
         "gpt2",
         lambda m, ws: _gpt2_split(m, ws, window=0, ckpt=("transformer.h.0", "transformer.h.1")),
     ),
+    Case("gpt2_raw_hf_split", "gpt2", lambda m, ws: {"modes": _random(m, seed=8), "splits": {"transformer.h.0.mlp.c_proj": 3}}, raw=True),
     Case("gpt2_plan", "gpt2", lambda m, ws: {"plan": make_plan("gpt2", ws)}),
     Case("llama_zdp", "llama", lambda m, ws: {"default_mode": "zdp"}),
     Case("llama_split_linear", "llama", _llama_split),
@@ -173,13 +181,14 @@ def train_fsdp2(key: str, rank: int, world_size: int):
 def train_osdp(case: Case, rank: int, world_size: int):
     import osdp
 
-    model = make_model(case.model)
+    model = make_model(case.model, raw=case.raw)
     kwargs = case.kwargs(model, world_size)
     wrapped = osdp.OSDP(model, **kwargs)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=LR, eps=EPS)
     losses, probe = [], {}
     for step in range(STEPS):
-        loss = wrapped(*_local(global_batch(case.model, step, world_size), rank))
+        batch = _local(global_batch(case.model, step, world_size), rank)
+        loss = hf_loss(wrapped, *batch) if case.raw else wrapped(*batch)
         if step == 1:
             probe["gathered_after_forward"] = wrapped.gathered_units()
         loss.backward()
@@ -196,6 +205,7 @@ def train_osdp(case: Case, rank: int, world_size: int):
         path: type(mod).__name__ for path, mod in wrapped.unwrapped.named_modules() if hasattr(mod, "flat_shards")
     }
     plan = kwargs.get("plan")
+    probe["module_class"] = type(wrapped.unwrapped).__name__
     probe["plan_modes"] = dict(plan.unit_modes()) if plan is not None else None
     return losses, (state if rank == 0 else None), probe
 

@@ -85,6 +85,14 @@ def test_conv1d_and_linear_were_split_by_their_ops():
     }
 
 
+def test_plain_hf_model_is_wrapped_as_is():
+    """A user's own Hugging Face model (keyword forward, ModelOutput) trains through
+    hf_loss with the same numbers as the narrowed model (checked in the parity test)."""
+    probe = _probe("gpt2_raw_hf_split")
+    assert probe["module_class"] == "GPT2LMHeadModel"
+    assert probe["split_ops"] == {"transformer.h.0.mlp.c_proj": "SplitConv1D"}
+
+
 @pytest.mark.parametrize("name", ["gpt2_split_conv1d", "llama_split_linear", "gpt2_random"])
 def test_dp_slices_kept_zdp_slices_freed_after_forward(name):
     """After forward exactly the dp units (and slices) hold gathered weights; after

@@ -47,7 +47,7 @@ def _err(got, ref64):
 
 
 def _check(got, ref64, unsplit32, what):
-    """[Note] split error <= 2x the unsplit fp32 Conv1D's error (both against fp64), with
+    """Split error <= 2x the unsplit fp32 Conv1D's error (both against fp64), with
     a floor at the rounding of the result itself (one fp32 ulp of the largest value)."""
     bound = max(2 * _err(unsplit32, ref64), EPS32 * ref64.abs().max().item())
     assert _err(got, ref64) <= bound, f"{what}: error {_err(got, ref64):.3e} > {bound:.3e}"
@@ -168,3 +168,40 @@ def test_registered_when_transformers_is_imported_after_osdp():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "SplitConv1D"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_slice_kernels_read_conv1d_layout_through_strides(dtype):
+    """On CUDA the op runs the osdp_kernels Triton kernels on transposed views (a
+    Conv1D slice W_i [ks, nf] passed as W_i.t(), its gradient written through
+    grad.t()). Run them here (Triton's interpreter on CPU, compiled on a GPU) against
+    fp64, within 2x of torch's own error in the same dtype."""
+    K = pytest.importorskip("osdp_kernels", reason="osdp_kernels (Triton) not importable")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and not K.INTERPRET:
+        pytest.skip("osdp_kernels was imported without TRITON_INTERPRET=1 and there is no GPU")
+    gen = torch.Generator().manual_seed(0)
+    M, nx, nf, k0, ks = 37, 40, 24, 13, 11
+    W = torch.randn(nx, nf, generator=gen, dtype=torch.float64)
+    x, dy, b = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((M, nx), (M, nf), (nf,)))
+    x_, dy_, W_, b_ = (t.to(dtype=dtype, device=device) for t in (x, dy, W, b))
+    Wi = W_[k0 : k0 + ks]  # rows of the gathered Conv1D weight: the slice's own storage
+    xs, xs64 = x_[:, k0 : k0 + ks], x[:, k0 : k0 + ks]
+
+    def check(got, ref64, torch_res, what):
+        err = (got.double().cpu() - ref64).abs().max().item()
+        err_pt = (torch_res.double().cpu() - ref64).abs().max().item()
+        assert err <= 2 * err_pt, f"{what}: {err:.3e} > 2 x torch's {err_pt:.3e}"
+
+    out = torch.zeros(M, nf, device=device)
+    K.addmm_slice_(out, x_, Wi.t(), k0, b_, backend="triton")
+    check(out, xs64 @ W[k0 : k0 + ks] + b, (xs @ Wi + b_).float(), "forward")
+    dx = torch.full((M, nx), float("nan"), dtype=dtype, device=device)
+    K.slice_dx(dy_, Wi.t(), dx, k0, backend="triton")
+    check(dx[:, k0 : k0 + ks], dy @ W[k0 : k0 + ks].t(), dy_ @ Wi.t(), "dX")
+    grad = torch.full((ks, nf), float("nan"), device=device)  # fp32 gradient buffer
+    K.slice_dw(dy_, x_, k0, ks, out=grad.t(), backend="triton")
+    check(grad, xs64.t() @ dy, (xs.t() @ dy_).float(), "dW")
+    first = grad.clone()
+    K.slice_dw(dy_, x_, k0, ks, out=grad.t(), accumulate=True, backend="triton")
+    check(grad, 2 * (xs64.t() @ dy), first + (xs.t() @ dy_).float(), "dW accumulated")
