@@ -40,6 +40,7 @@ they were. Saving is atomic: see [Note: atomic checkpoints] in ``_atomic.py``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import weakref
@@ -99,10 +100,7 @@ def _chunked(model, layout: Layout, fqn: str, flat_of) -> ChunkedTensor:
         flat = flat_of(piece.unit)
         for offsets, sizes in range_boxes(a, b, piece.box_sizes):
             start = base + flat_index(offsets, piece.box_sizes)
-            n = 1
-            for s in sizes:
-                n *= s
-            view = flat.narrow(0, start, n).view(sizes)
+            view = flat.narrow(0, start, math.prod(sizes)).view(sizes)
             chunks.append((tuple(o + p for o, p in zip(offsets, piece.box_offsets)), view))
     return ChunkedTensor(torch.Size(info.shape), info.dtype, chunks)
 
@@ -353,7 +351,8 @@ def load(model, optimizer, path: str) -> dict:
     World size and plan may differ from the saving run: DCP reads each rank's boxes
     from whatever saved chunks overlap them. Raises PlanMismatchError naming what
     differs when the checkpoint is from another model; nothing changes on any error.
-    Returns ``{"step": ..., "extra": ...}`` as given to :func:`save`."""
+    Like ``Optimizer.load_state_dict``, the param groups' hyperparameters (lr, betas,
+    ...) are the checkpoint's afterwards; set new ones after loading. Returns ``{"step": ..., "extra": ...}`` as given to :func:`save`."""
     layout = _prepare(model)
     comm, units = model._comm, model._built.units
     path = os.path.abspath(path)

@@ -70,49 +70,45 @@ class Layout:
         }
 
 
-def _box_of(ids: torch.Tensor, lo: int, hi: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
-    """The box of ``ids`` holding ids ``lo..hi-1`` in row-major order, or None."""
+def _box_of(ids: torch.Tensor, lo: int, hi: int) -> tuple[int, tuple | None]:
+    """How many of the ids ``lo..hi-1`` are in ``ids``, and the box ``(offsets, sizes)``
+    they fill in row-major order (None if they do not fill one)."""
     mask = (ids >= lo) & (ids < hi)
     count = int(mask.sum())
     if count == 0:
-        return None
+        return 0, None
     coords = mask.nonzero()
-    start = coords.min(0).values.tolist()
-    sizes = (coords.max(0).values + 1 - coords.min(0).values).tolist()
-    region = ids[tuple(slice(s, s + n) for s, n in zip(start, sizes))]
-    if math.prod(sizes) != hi - lo or count != hi - lo or not torch.equal(region.reshape(-1), torch.arange(lo, hi)):
-        raise OSDPError("not a box")
-    return tuple(start), tuple(sizes)
+    start, stop = coords.min(0).values, coords.max(0).values + 1
+    sizes = (stop - start).tolist()
+    region = ids[tuple(slice(s, e) for s, e in zip(start.tolist(), stop.tolist()))]
+    if math.prod(sizes) != hi - lo or not torch.equal(region.reshape(-1), torch.arange(lo, hi)):
+        return count, None
+    return count, (tuple(start.tolist()), tuple(sizes))
 
 
 def _split_pieces(path: str, module, units, index_of: dict[int, int]) -> tuple[dict, list[Piece]]:
-    """Shapes and pieces of a split module's original parameters, from its ``merge``."""
+    """Shapes and pieces of a split module's original parameters, from its ``merge``
+    applied to element ids (see [Note: parameter layout])."""
     ids, base = [], 0
     for unit in units:
         ids.append(unit.unflatten(torch.arange(base, base + unit.numel)))
         base += unit.numel
     merged = type(module).merge(ids)
-    pieces, bases = [], 0
+    pieces, base = [], 0
     for unit in units:
         for slot in unit.slots:
-            lo = bases + slot.offset
-            found = []
-            for attr, t in merged.items():
-                try:
-                    box = _box_of(t, lo, lo + slot.numel)
-                except OSDPError:
-                    box = "bad"
-                if box is not None:
-                    found.append((attr, box))
-            if len(found) != 1 or found[0][1] == "bad":
+            lo = base + slot.offset
+            hits = [(attr, *_box_of(t, lo, lo + slot.numel)) for attr, t in merged.items()]
+            hits = [h for h in hits if h[1]]
+            if len(hits) != 1 or hits[0][2] is None:
                 raise OSDPError(
                     f"split op {type(module).__name__} of {path!r}: slot {slot.attr!r} of {unit.name!r} is not "
                     "one box of one original parameter; checkpoints need each slice to be a box"
                 )
-            attr, (offsets, sizes) = found[0]
+            attr, _, (offsets, sizes) = hits[0]
             fqn = f"{path}.{attr}" if path else attr
             pieces.append(Piece(index_of[id(unit)], fqn, slot.offset, slot.numel, offsets, sizes))
-        bases += unit.numel
+        base += unit.numel
     shapes = {(f"{path}.{a}" if path else a): tuple(t.shape) for a, t in merged.items()}
     return shapes, pieces
 

@@ -140,3 +140,21 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(OSDPError, match="not one of this OSDP model's shards"):
         ck.save(model, foreign, str(tmp_path / "y"))
     assert not os.path.exists(tmp_path / "y")
+
+
+def test_split_op_whose_slices_are_not_boxes_is_refused():
+    from osdp.runtime.modes import Mode
+    from osdp.runtime.shard_unit import ParamSlot, ShardUnit
+    from osdp.runtime.state_dict import _split_pieces
+
+    class Interleaved:  # slice i holds the columns i, i + 2, i + 4: not a box
+        @classmethod
+        def merge(cls, slices):
+            return {"weight": torch.stack([s["weight"] for s in slices], dim=2).reshape(4, 6)}
+
+    units = [
+        ShardUnit(f"m[{i}]", [ParamSlot("weight", (), torch.Size([4, 3]), 0, 12)], [torch.zeros(4, 3)], Mode.ZDP, 0, 1, torch.device("cpu"), True)
+        for i in range(2)
+    ]
+    with pytest.raises(OSDPError, match="not one box"):
+        _split_pieces("m", Interleaved(), units, {id(u): i for i, u in enumerate(units)})
