@@ -17,7 +17,7 @@ from osdp.launch import spawn  # noqa: E402,F401  (re-exported for the scripts)
 from osdp.memtrack import LiveBytesTracker  # noqa: E402
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
 
-PEERS = ("osdp", "fsdp_zero3", "fsdp_zero2", "ddp")
+PEERS = ("osdp", "fsdp_zero3", "fsdp_zero2", "ddp", "osdp_ckpt", "fsdp_zero3_ckpt")
 
 
 def device_for(rank: int) -> torch.device:

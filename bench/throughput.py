@@ -1,4 +1,5 @@
-"""Throughput at equal memory per device: OSDP's plan vs FSDP2 ZeRO-3, ZeRO-2 and DDP.
+"""Throughput at equal memory per device: OSDP's plan vs FSDP2 ZeRO-3, ZeRO-2 and DDP,
+and OSDP with planned (per-block) checkpointing vs FSDP2 ZeRO-3 checkpointing every block.
 
     python bench/throughput.py            # 3 GPT families x 3 budgets, 2 ranks
     python bench/throughput.py --quick    # one model, one budget
@@ -40,18 +41,20 @@ def _run(rank, world, model_name, budget_bytes, steps, cache_dir):
 
     config = MODELS[model_name]
     rows = []
+    plans = {}
     # OSDP in auto mode: profile, plan at the budget, run at the plan's batch
-    torch.manual_seed(0)
-    probe = GPT(config)
-    try:
-        plan = osdp.auto_plan(probe, example_batch(config, 4), budget_bytes, cache_dir=cache_dir,
-                              settings=PlannerSettings(max_slices=8), progress=False,
-                              comm_sizes=(4096, 65536, 1 << 20, 8 << 20), repeats=2)
-    except osdp.InfeasiblePlanError:
-        plan = None
+    for peer, checkpointing in (("osdp", "none"), ("osdp_ckpt", "auto")):
+        torch.manual_seed(0)
+        try:
+            plans[peer] = osdp.auto_plan(GPT(config), example_batch(config, 4), budget_bytes, cache_dir=cache_dir,
+                                         settings=PlannerSettings(max_slices=8, checkpointing=checkpointing),
+                                         progress=False, comm_sizes=(4096, 65536, 1 << 20, 8 << 20), repeats=2)
+        except osdp.InfeasiblePlanError:
+            plans[peer] = None
     for peer in PEERS:
         start = time.perf_counter()
-        if peer == "osdp":
+        if peer in plans:
+            plan = plans[peer]
             if plan is None:
                 rows.append(dict(peer=peer, batch=0, peak_bytes=0, step_s=0.0, samples_per_s=0.0))
                 continue
@@ -60,16 +63,17 @@ def _run(rank, world, model_name, budget_bytes, steps, cache_dir):
             batch = plan.batch_size
             peak = measured_peak_bytes(model, optim, config, batch)
         else:
-            batch, peak = largest_fitting_batch(peer, config, budget_bytes)
+            base, checkpoint = peer.removesuffix("_ckpt"), peer.endswith("_ckpt")
+            batch, peak = largest_fitting_batch(base, config, budget_bytes, checkpoint=checkpoint)
             if batch == 0:
                 rows.append(dict(peer=peer, batch=0, peak_bytes=peak, step_s=0.0, samples_per_s=0.0))
                 continue
-            model = wrap_peer(peer, config)
+            model = wrap_peer(base, config, checkpoint=checkpoint)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step_s = median_step_s(model, optim, config, batch, steps)
         rows.append(dict(peer=peer, batch=batch, peak_bytes=peak, step_s=step_s,
                          samples_per_s=batch * world / step_s,
-                         predicted_samples_per_s=plan.predicted.samples_per_s if peer == "osdp" else "",
+                         predicted_samples_per_s=plans[peer].predicted.samples_per_s if peer in plans else "",
                          bench_s=time.perf_counter() - start))
         del model, optim
     return rows
@@ -92,17 +96,24 @@ def main(argv=None):
         for label, factor in budgets.items():
             budget = int(factor * param_bytes)
             rows = spawn(_run, args.world_size, name, budget, args.steps, args.cache_dir)[0]
-            best_peer = max((r for r in rows if r["peer"] != "osdp" and r["batch"]), key=lambda r: r["samples_per_s"],
-                            default=None)
+            # OSDP against the best peer that fits, without checkpointing; OSDP with
+            # (planned) checkpointing against FSDP ZeRO-3 with checkpointing on every block
+            best_peer = max((r for r in rows if r["peer"] in ("fsdp_zero3", "fsdp_zero2", "ddp") and r["batch"]),
+                            key=lambda r: r["samples_per_s"], default=None)
             osdp_row = rows[0]
+            ckpt_rows = {r["peer"]: r for r in rows if r["peer"].endswith("ckpt")}
             for r in rows:
                 r.update(model=name, budget=label, budget_bytes=budget, device=device,
                          fits=bool(r["batch"]) and r["peak_bytes"] <= budget)
                 table.append(r)
             ratio = (osdp_row["samples_per_s"] / best_peer["samples_per_s"]) if best_peer and osdp_row["batch"] else None
+            o, f = ckpt_rows["osdp_ckpt"], ckpt_rows["fsdp_zero3_ckpt"]
+            ckpt_ratio = o["samples_per_s"] / f["samples_per_s"] if o["batch"] and f["batch"] else None
             print(f"{name:<16} {label:<6} budget {budget / 2**20:7.1f} MiB  " + "  ".join(
-                f"{r['peer']}: b={r['batch']:<3d} {r['samples_per_s']:7.1f}/s peak {r['peak_bytes'] / 2**20:6.1f}"
-                for r in rows) + (f"  OSDP/best peer {ratio:.2f}x" if ratio else ""), flush=True)
+                f"{r['peer']}: b={r['batch']} {r['samples_per_s']:.1f}/s peak {r['peak_bytes'] / 2**20:.1f}MiB"
+                for r in rows), flush=True)
+            print(f"    OSDP / best peer: {f'{ratio:.2f}x' if ratio else '-'} ({best_peer['peer'] if best_peer else 'none fits'});"
+                  f" OSDP+ckpt / FSDP+ckpt: {f'{ckpt_ratio:.2f}x' if ckpt_ratio else '-'}", flush=True)
     out = ROOT / "bench" / "results" / f"throughput_{device.replace(' ', '_')}.csv"
     fields = ["model", "budget", "budget_bytes", "peer", "batch", "peak_bytes", "fits", "step_s", "samples_per_s",
               "predicted_samples_per_s", "bench_s", "device"]
