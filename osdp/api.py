@@ -1,6 +1,7 @@
 """``osdp.OSDP``: wrap a model so that it trains with a per-unit OSDP plan."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 
@@ -11,17 +12,17 @@ import torch.nn as nn
 from .errors import OSDPError, PlanMismatchError
 from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
-from .runtime.collectives import CommContext
-from .runtime.config import resolve_config
+from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
+from .runtime.config import check_plan_matches_model, own_param_counts, resolve_config
 from .runtime.hooks import ModuleBinding
 from .runtime.ledger import MemoryLedger
+from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
 from .runtime.modes import Mode
 from .runtime.scheduler import Scheduler
 from .runtime.state_dict import full_state_dict
 
 
-def auto_plan(*args, **kwargs):
-    raise NotImplementedError("planner integration pending")
+DEFAULT_COALESCE_BYTES = 64 * 1024
 
 
 def _default_device() -> torch.device:
@@ -52,6 +53,29 @@ class OSDP(nn.Module):
     slice count); slice names ``"name[i]"`` may also be keys. ``splits``: unit name ->
     slice count. ``prefetch_bytes``: the prefetch window (default: twice the largest
     unit's gathered bytes).
+
+    Auto mode: with no plan and no ``modes``/``splits``, ``memory_limit`` and
+    ``example_inputs`` (a tuple of forward arguments) make OSDP call
+    :func:`osdp.auto.auto_plan` first (every rank: it profiles, plans on rank 0 and
+    broadcasts; ``settings`` and ``auto_kwargs`` are passed on). ``model.plan`` is the
+    plan and ``model.batch_size`` the per-device batch the training loop must use.
+
+    Plan checks: every unit the plan names must be a module of ``module`` owning the
+    parameter count the plan priced, the plan's dtypes must match ``mixed_precision``
+    (:class:`PlanMismatchError` otherwise), and a forward whose batch (dim 0 of the first
+    tensor argument) exceeds ``plan.batch_size`` raises :class:`OSDPError`.
+
+    ``mixed_precision``: :class:`osdp.runtime.mixed_precision.MixedPrecision` (gathers and
+    compute in ``param_dtype``, reduction in ``reduce_dtype``, fp32 shards; see
+    [Note: mixed precision]). ``timeout_s``: bound on every wait for a collective (a
+    dead or hung peer raises ``CollectiveTimeoutError``, an OSDPError, naming the
+    collective and unit). ``coalesce_bytes``: small units' collectives are coalesced up
+    to this many bytes (0: off; see [Note: coalesced small units]).
+
+    Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
+    unsharded fp32 gradients across micro-batches (no reduce-scatter) until a backward
+    runs with sync on; ``micro_batch(i)`` applies the plan's ``gradient_sync`` policy
+    over ``accumulation_steps`` micro-batches.
     """
 
     def __init__(
@@ -67,15 +91,38 @@ class OSDP(nn.Module):
         prefetch_bytes: int | None = None,
         checkpoint_blocks: tuple[str, ...] = (),
         sync_module_states: bool = False,
+        mixed_precision: MixedPrecision | None = None,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+        coalesce_bytes: int | None = None,
+        memory_limit=None,
+        example_inputs=None,
+        settings=None,
+        auto_kwargs: dict | None = None,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise OSDPError("OSDP needs torch.distributed initialized (dist.init_process_group) before wrapping")
         if isinstance(module, OSDP):
             raise OSDPError("this module is already wrapped in OSDP")
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise OSDPError(f"mixed_precision must be an osdp MixedPrecision, got {type(mixed_precision).__name__}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise OSDPError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        if coalesce_bytes is None:
+            coalesce_bytes = DEFAULT_COALESCE_BYTES
+        if isinstance(coalesce_bytes, bool) or not isinstance(coalesce_bytes, int) or coalesce_bytes < 0:
+            raise OSDPError(f"coalesce_bytes must be an integer >= 0 (bytes), got {coalesce_bytes!r}")
         group = process_group if process_group is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         self.device = torch.device(device) if device is not None else _default_device()
+        if plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None):
+            plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision, auto_kwargs)
+        if plan is not None:
+            check_plan_matches_model(module, plan)
+            param_bytes = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
+            check_plan_dtypes(plan, mixed_precision, param_bytes)
+        self.plan = plan
+        self.mixed_precision = mixed_precision
         config = resolve_config(
             module,
             plan=plan,
@@ -88,22 +135,29 @@ class OSDP(nn.Module):
         )
         self.plan_fingerprint = config.fingerprint
         self._state_keys = list(module.state_dict().keys())
-        self._comm = CommContext(group, self.device)
-        self._check_same_config(config)
+        self._comm = CommContext(group, self.device, timeout_s)
+        self.timeout_s = float(timeout_s)
+        self._check_same_config(config, own_param_counts(module), mixed_precision, coalesce_bytes)
         if sync_module_states:
             with torch.no_grad():
                 for tensor in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(tensor.data, src=dist.get_global_rank(group, 0), group=group)
 
-        self._built = build_units(module, config.unit_modes, rank, world_size, self.device)
+        if not any(True for _ in module.parameters()):
+            raise OSDPError(
+                f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
+                "models with parameters; run a parameter-free module as it is)"
+            )
+        self._built = build_units(module, config.unit_modes, rank, world_size, self.device, mixed_precision)
         self.module = module.to(self.device)  # buffers; the shards already live there
-        if not self._built.units:
-            raise OSDPError(f"{type(module).__name__} has no parameters: there is nothing to shard")
         window = config.prefetch_bytes
         if window is None:
             window = 2 * max(u.gathered_bytes for u in self._built.units)
         self._ledger = MemoryLedger(self.device)
-        self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window)
+        self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, coalesce_bytes)
+        split_units = {id(u) for _, units in self._built.splits.values() for u in units}
+        self._scheduler.mark_coalescible([u for u in self._built.units if id(u) not in split_units])
+        self.coalesce_bytes = self._scheduler.coalesce_bytes
         self._bindings = []
         for mod, path, entries in self._built.bindings:
             binding = ModuleBinding(mod, path, entries, self._scheduler)
@@ -117,32 +171,111 @@ class OSDP(nn.Module):
         apply_checkpointing(self.module, config.checkpoint_blocks)
         self.checkpoint_blocks = config.checkpoint_blocks
 
-    def _check_same_config(self, config) -> None:
-        """All ranks must run the same plan: compare a hash of what each resolved."""
+    def _check_same_config(self, config, param_counts, mixed_precision, coalesce_bytes) -> None:
+        """All ranks must run the same plan on the same model: compare a hash of what each
+        resolved (per-unit modes and parameter counts, window, blocks, dtypes)."""
         core = {
             "units": {k: [m.value for m in v] for k, v in config.unit_modes.items()},
             "prefetch_bytes": config.prefetch_bytes,
             "checkpoint_blocks": list(config.checkpoint_blocks),
+            "coalesce_bytes": coalesce_bytes,
+            "mixed_precision": repr(mixed_precision),
         }
         digest = int(hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:15], 16)
+        params = int(hashlib.sha256(json.dumps(param_counts, sort_keys=True).encode()).hexdigest()[:15], 16)
         if self._comm.world_size == 1:
             return
-        mine = torch.tensor([digest], dtype=torch.int64, device=self.device)
-        every = torch.empty(self._comm.world_size, dtype=torch.int64, device=self.device)
-        self._comm.all_gather(every, mine).wait()
-        if len(set(every.tolist())) != 1:
+        every = self._comm.all_gather_object_hash(digest, "all-gather of the configuration hash")
+        every_params = self._comm.all_gather_object_hash(params, "all-gather of the parameter-count hash")
+        if len(set(every_params)) != 1:
             raise PlanMismatchError(
-                "ranks resolved different OSDP configurations (plan, modes, splits, prefetch or "
-                "checkpoint blocks differ between ranks): compute the plan once and broadcast it"
+                "ranks wrap different models: the parameter counts of their modules differ between "
+                "ranks (every rank must build the same model before wrapping it)"
+            )
+        if len(set(every)) != 1:
+            raise PlanMismatchError(
+                "ranks resolved different OSDP configurations (plan, modes, splits, prefetch, "
+                "checkpoint blocks, mixed precision or coalescing differ between ranks): compute the "
+                "plan once and broadcast it"
             )
 
     # ---- running ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if self.plan is not None:
+            self._check_batch(args, kwargs)
+        policy = self.mixed_precision
+        if policy is not None:
+            args, kwargs = policy.cast_inputs(args, kwargs)
         self._scheduler.begin_forward()
         try:
-            return self.module(*args, **kwargs)
+            output = self.module(*args, **kwargs)
         finally:
             self._scheduler.end_forward()
+        return output if policy is None else policy.cast_output(output)
+
+    def _check_batch(self, args, kwargs) -> None:
+        limit = getattr(self.plan, "batch_size", None)
+        if not limit:
+            return
+        first = next((t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        if first is None or first.dim() == 0:
+            return
+        if first.shape[0] > limit:
+            raise OSDPError(
+                f"batch of {first.shape[0]} samples per device exceeds the plan's batch_size={limit}: "
+                "the plan's memory prediction holds only up to that batch (use model.batch_size "
+                "samples per device, or plan again for a bigger batch)"
+            )
+
+    # ---- gradient accumulation -------------------------------------------------------
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Off: backward keeps (and adds to) unsharded fp32 gradients instead of
+        reduce-scattering them; on (default): the next backward reduce-scatters. See
+        [Note: gradient accumulation]."""
+        self._scheduler.sync_gradients = bool(requires_gradient_sync)
+
+    @property
+    def requires_gradient_sync(self) -> bool:
+        return self._scheduler.sync_gradients
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Micro-batches whose backward runs inside accumulate without communication."""
+        previous = self._scheduler.sync_gradients
+        self._scheduler.sync_gradients = False
+        try:
+            yield
+        finally:
+            self._scheduler.sync_gradients = previous
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (the plan's; 1 without a plan)."""
+        return int(getattr(self.plan, "accumulation_steps", 1) or 1)
+
+    @property
+    def gradient_sync(self) -> str:
+        """``"last"``: reduce-scatter only in the last micro-batch; ``"every"``: each."""
+        return str(getattr(self.plan, "gradient_sync", "last") or "last")
+
+    @contextlib.contextmanager
+    def micro_batch(self, index: int):
+        """Run micro-batch ``index`` (0-based, of ``accumulation_steps``) with the plan's
+        gradient sync policy: ``with model.micro_batch(i): model(x).backward()``."""
+        if not 0 <= index < self.accumulation_steps:
+            raise OSDPError(f"micro-batch index {index} out of range 0..{self.accumulation_steps - 1}")
+        sync = self.gradient_sync == "every" or index == self.accumulation_steps - 1
+        previous = self._scheduler.sync_gradients
+        self._scheduler.sync_gradients = sync
+        try:
+            yield
+        finally:
+            self._scheduler.sync_gradients = previous
+
+    @property
+    def batch_size(self) -> int | None:
+        """The per-device (micro-)batch the plan was made for (None without a plan)."""
+        return getattr(self.plan, "batch_size", None)
 
     # ---- inspection ---------------------------------------------------------------
     @property
@@ -188,3 +321,23 @@ class OSDP(nn.Module):
         """The original model's state dict, gathered (a collective: call on every rank)."""
         self._scheduler.wait_reduce_scatters()
         return full_state_dict(self.module, self._built, self._comm, self._state_keys, rank0_only)
+
+
+def _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision, auto_kwargs):
+    """``osdp.auto.auto_plan`` with the runtime's mixed-precision dtypes in the settings."""
+    if example_inputs is None:
+        raise OSDPError("auto mode needs example_inputs=(args of one forward) beside memory_limit=")
+    from .auto import auto_plan
+    from .planner.cost_model import PlannerSettings
+
+    settings = settings if settings is not None else PlannerSettings()
+    if mixed_precision is not None and mixed_precision.param_dtype is not None:
+        p_bytes = torch.empty((), dtype=mixed_precision.param_dtype).element_size()
+        r_dtype = mixed_precision.effective_reduce_dtype
+        r_bytes = torch.empty((), dtype=r_dtype).element_size()
+        if settings.param_dtype_bytes is None and settings.reduce_dtype_bytes is None:
+            settings = settings.with_(param_dtype_bytes=p_bytes, reduce_dtype_bytes=r_bytes)
+    if not isinstance(example_inputs, tuple):
+        example_inputs = (example_inputs,)
+    return auto_plan(module, example_inputs, memory_limit, process_group=process_group, settings=settings,
+                     **dict(auto_kwargs or {}))

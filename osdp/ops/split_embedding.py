@@ -19,7 +19,9 @@ class _SplitEmbeddingFn(torch.autograd.Function):
     def forward(ctx, idx, expects_backward: bool, module: "SplitEmbedding", *shards):
         sched = module.scheduler
         flat_idx = idx.reshape(-1)
-        out = torch.empty(flat_idx.numel(), module.embedding_dim, dtype=shards[0].dtype, device=shards[0].device)
+        # the gathered (compute) dtype: param_dtype under mixed precision
+        weight_dtype = module.units[0].views[0].dtype
+        out = torch.empty(flat_idx.numel(), module.embedding_dim, dtype=weight_dtype, device=shards[0].device)
         uses = []
         for i, unit in enumerate(module.units):
             use = sched.pre_forward(unit)

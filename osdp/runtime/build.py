@@ -54,7 +54,10 @@ def build_units(
     rank: int,
     world_size: int,
     device: torch.device,
+    mixed_precision=None,
 ) -> BuiltModel:
+    param_dtype = getattr(mixed_precision, "param_dtype", None)
+    reduce_dtype = getattr(mixed_precision, "effective_reduce_dtype", None)
     keep_alive = list(model.parameters())  # ids below must not be reused while we work
     fqns: dict[int, list[str]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
@@ -80,7 +83,10 @@ def build_units(
                     slots.append(ParamSlot(attr, (), t.shape, offset, t.numel()))
                     offset += t.numel()
                 slice_units.append(
-                    ShardUnit(f"{path}[{i}]", slots, list(tensors.values()), modes[i], rank, world_size, device, requires_grad)
+                    ShardUnit(
+                        f"{path}[{i}]", slots, list(tensors.values()), modes[i], rank, world_size, device,
+                        requires_grad, param_dtype, reduce_dtype,
+                    )
                 )
             new = op(module, len(modes))
             _set_submodule(model, path, new)
@@ -97,7 +103,10 @@ def build_units(
             for attr, p in own:
                 slots.append(ParamSlot(attr, tuple(fqns[id(p)]), p.shape, offset, p.numel()))
                 offset += p.numel()
-            unit = ShardUnit(path, slots, [p.detach() for _, p in own], modes[0], rank, world_size, device, requires_grad)
+            unit = ShardUnit(
+                path, slots, [p.detach() for _, p in own], modes[0], rank, world_size, device, requires_grad,
+                param_dtype, reduce_dtype,
+            )
             built.units.append(unit)
             for i, (attr, p) in enumerate(own):
                 owner[id(p)] = (unit, i)

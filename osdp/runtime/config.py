@@ -135,3 +135,51 @@ def resolve_config(
                 + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
             )
     return RuntimeConfig(unit_modes, prefetch_bytes, blocks, fingerprint)
+
+
+def own_param_counts(model: nn.Module) -> dict[str, int]:
+    """Module path -> parameters it owns that no earlier module owns (a tied second use
+    owns none), in module order: what a plan's units price."""
+    seen: set[int] = set()
+    counts: dict[str, int] = {}
+    for path, module in model.named_modules():
+        params = [p for p in module._parameters.values() if p is not None]
+        if not params:
+            continue
+        own = [p for p in params if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        counts[path] = sum(p.numel() for p in own)
+    return counts
+
+
+def check_plan_matches_model(model: nn.Module, plan) -> None:
+    """Every unit a plan names must be a module of ``model`` that owns the parameter
+    count the plan priced (``param_bytes`` / element size); a plan made for another
+    model fails here, naming the first unit that differs. Plans without ``units`` (duck
+    typed plans) are not checked."""
+    units = getattr(plan, "units", None)
+    if not units:
+        return
+    counts = own_param_counts(model)
+    modules = dict(model.named_modules())
+    elements = {p.element_size() for p in model.parameters()}
+    planned_bytes = (getattr(plan, "settings", None) or {}).get("param_dtype_bytes")
+    if planned_bytes:
+        elements.add(int(planned_bytes))
+    model_name = getattr(plan, "model_name", "?")
+    for unit in units:
+        name = unit.name
+        if name not in counts:
+            what = "owns no parameters" if name in modules else "is not a module of this model"
+            raise PlanMismatchError(
+                f"the plan (for model {model_name!r}) names unit {name!r}, which {what}: this plan was "
+                "made for another model; make a plan for this one"
+            )
+        have = counts[name]
+        if not any(have * e == unit.param_bytes for e in elements):
+            each = ", ".join(f"{unit.param_bytes / e:g}" for e in sorted(elements))
+            raise PlanMismatchError(
+                f"the plan (for model {model_name!r}) prices unit {name!r} at {unit.param_bytes} bytes "
+                f"({each} parameters), the model's module {name!r} owns {have} parameters: this plan was "
+                "made for another model (or another size of it); make a plan for this one"
+            )

@@ -38,6 +38,32 @@ are in flight: issuing one more waits for the oldest, so at most two units' unsh
 gradients are live at once (the one being computed and the one being reduced), plus
 partial gradients of units used more than once whose last use is still to come.
 
+[Note: coalesced small units]
+Every collective has a fixed cost (on gloo/CPU about 0.3-0.5 ms of latency and CPU per
+call, whatever its size), and OSDP's units are per leaf module, so a model has many
+tiny units (LayerNorms: 2 x hidden parameters) next to its big ones. A unit is *small*
+when it is a whole module (not a split slice: those are cut to bound the peak) and its
+gathered bytes are <= ``coalesce_bytes // 4``. When the scheduler gathers a small unit
+while it knows the order of the phase (forward or backward, from the second step on),
+it gathers with it, in ONE collective, the next small units of that order that are
+still sharded, up to ``coalesce_bytes`` in total and only while the transient gathered
+bytes stay within the prefetch window (they are prefetches: they count as transient
+until used). Small units' unsharded gradients wait (up to ``coalesce_bytes`` in total)
+and are reduce-scattered together, at the latest at the end of the backward pass.
+Memory model: the window bound is unchanged; the unsharded-gradient peak may grow by at
+most ``coalesce_bytes`` (a constant; default 64 KiB) and the coalesced collective's
+staging buffers are at most 2 x ``coalesce_bytes``. ``coalesce_bytes=0`` turns it off.
+Big units are never coalesced: that would need a copy out of a rank-major staging
+buffer, i.e. twice their bytes.
+
+[Note: gradient accumulation]
+With ``sync_gradients`` off (``OSDP.no_sync()`` / ``set_requires_gradient_sync(False)``)
+a unit's unsharded gradient is not reduce-scattered after its last use: it stays, in
+fp32 (the shards' dtype), and the next micro-batches add into it. The micro-batch whose
+backward runs with sync on adds its gradient and reduce-scatters the sum (in
+``reduce_dtype``); the result is added into the sharded ``.grad`` like any step. With
+sync on for every micro-batch, each reduce-scatter adds into ``.grad``.
+
 [Note: activation checkpointing]
 A forward that runs inside backward is a checkpoint recompute. It gathers what it needs
 (a ``zdp`` unit is gathered again), frees only what it gathered itself, and registers
@@ -74,11 +100,24 @@ def _in_autograd_engine() -> bool:
 
 
 class Scheduler:
-    def __init__(self, units: list[ShardUnit], comm: CommContext, ledger: MemoryLedger, prefetch_bytes: int):
+    def __init__(
+        self,
+        units: list[ShardUnit],
+        comm: CommContext,
+        ledger: MemoryLedger,
+        prefetch_bytes: int,
+        coalesce_bytes: int = 0,
+    ):
         self.units = units
         self.comm = comm
         self.ledger = ledger
         self.prefetch_bytes = int(prefetch_bytes)
+        # see [Note: coalesced small units]
+        self.coalesce_bytes = int(coalesce_bytes) if comm.world_size > 1 else 0
+        self._deferred: dict[ShardUnit, None] = {}  # small units whose reduce-scatter waits
+        self._deferred_bytes = 0
+        # see [Note: gradient accumulation]
+        self.sync_gradients = True
         # see [Note: unsharded gradients]
         self.max_inflight_reduce_scatters = 1
         self._recording: list[list] | None = None  # [unit, expects_backward] per use
@@ -92,6 +131,13 @@ class Scheduler:
         self._live: dict[ShardUnit, None] = {}  # units not SHARDED, in gather order
         self._awaiting: dict[Use, None] = {}
         self._reduce_scatters: deque = deque()
+        self._grad_bytes: dict[ShardUnit, int] = {}  # ledger bytes of gradients in flight
+
+    def mark_coalescible(self, units) -> None:
+        """``units``: the whole-module units that may be coalesced when small."""
+        limit = self.coalesce_bytes // 4
+        for unit in units:
+            unit.coalescible = self.coalesce_bytes > 0 and unit.gathered_bytes <= limit
 
     # ---- forward order ------------------------------------------------------------
     def begin_forward(self) -> None:
@@ -130,14 +176,17 @@ class Scheduler:
             and unit.gathered_version != unit.shard._version
         ):
             self._free(unit)  # weights were updated since this copy was gathered
-        self._issue(unit)
+        pos = None
         if self._in_forward and self._fwd_order is not None:
             pos = _find(self._fwd_order, unit, self._fwd_cursor)
-            if pos is not None:
-                self._fwd_cursor = pos + 1
-                unit.n_active += 1  # counts as transient while prefetching
-                self._prefetch(self._fwd_order, pos + 1)
-                unit.n_active -= 1
+        if pos is not None:
+            self._issue(unit, self._fwd_order, pos)
+            self._fwd_cursor = pos + 1
+            unit.n_active += 1  # counts as transient while prefetching
+            self._prefetch(self._fwd_order, pos + 1)
+            unit.n_active -= 1
+        else:
+            self._issue(unit)
         self._wait(unit)
         unit.n_active += 1
         use = Use(unit)
@@ -178,12 +227,13 @@ class Scheduler:
         unit.n_active += 1
         if self._bwd_recording is not None:
             self._bwd_recording.append(unit)
-        self._issue(unit)
-        if self._bwd_order is not None:
-            pos = _find(self._bwd_order, unit, self._bwd_cursor)
-            if pos is not None:
-                self._bwd_cursor = pos + 1
-                self._prefetch(self._bwd_order, pos + 1)
+        pos = None if self._bwd_order is None else _find(self._bwd_order, unit, self._bwd_cursor)
+        if pos is not None:
+            self._issue(unit, self._bwd_order, pos)
+            self._bwd_cursor = pos + 1
+            self._prefetch(self._bwd_order, pos + 1)
+        else:
+            self._issue(unit)
         self._wait(unit)
 
     def grad_buffer(self, unit: ShardUnit) -> tuple[list[torch.Tensor], bool]:
@@ -191,7 +241,9 @@ class Scheduler:
         hold a gradient to add to (``False``: overwrite every view)."""
         if unit.grad_flat is not None:
             return unit.grad_views(unit.grad_flat), True
-        flat = torch.empty(unit.padded_numel, dtype=unit.dtype, device=unit.gathered.device)
+        # reduce_dtype, or fp32 (the shards' dtype) while accumulating micro-batches
+        dtype = unit.reduce_dtype if self.sync_gradients else unit.shard_dtype
+        flat = torch.empty(unit.padded_numel, dtype=dtype, device=unit.gathered.device)
         flat[unit.numel :].zero_()  # padding: see [Note: flat shard layout]
         unit.grad_flat = flat
         self.ledger.grad_alloc(unit.name, flat.numel() * flat.element_size())
@@ -220,22 +272,57 @@ class Scheduler:
                     view.add_(grad)
                 else:
                     view.copy_(grad)
-        if unit.n_await == 0 and unit.n_active == 0 and unit.grad_flat is not None:
+        if unit.n_await == 0 and unit.n_active == 0 and unit.grad_flat is not None and self.sync_gradients:
             self._reduce_scatter(unit)
         self._maybe_free(unit)
         if self._bwd_order is not None:
             self._prefetch(self._bwd_order, self._bwd_cursor)
 
     # ---- gathers ------------------------------------------------------------------
-    def _issue(self, unit: ShardUnit) -> None:
+    def _issue(self, unit: ShardUnit, order: list[ShardUnit] | None = None, pos: int = 0) -> None:
+        """Gather ``unit``; a small one takes the next small units of ``order`` (after
+        ``pos``) along, see [Note: coalesced small units]."""
         if unit.state is not GatherState.SHARDED:
             return
+        if unit.coalescible and order is not None:
+            riders = self._riders(unit, order, pos)
+            if riders:
+                group = [unit] + riders
+                for u in group:
+                    self._start_gather(u)
+                names = ", ".join(repr(u.name) for u in group[:4]) + (", ..." if len(group) > 4 else "")
+                pending = self.comm.all_gather_coalesced(
+                    [u.gathered for u in group], [u.shard for u in group],
+                    f"coalesced all-gather of {len(group)} units ({names})",
+                )
+                shared = _Once(pending.wait)
+                for u in group:
+                    u.pending = shared
+                return
+        self._start_gather(unit)
+        unit.pending = self.comm.all_gather(unit.gathered, unit.shard, f"all-gather of unit {unit.name!r}")
+
+    def _start_gather(self, unit: ShardUnit) -> None:
         unit.alloc_gathered()
         self.ledger.gather(unit.name, unit.gathered_bytes)
-        unit.pending = self.comm.all_gather(unit.gathered, unit.shard)
         unit.state = GatherState.GATHERING
         unit.gathered_version = unit.shard._version
         self._live[unit] = None
+
+    def _riders(self, unit: ShardUnit, order: list[ShardUnit], pos: int) -> list[ShardUnit]:
+        budget = self.coalesce_bytes - unit.gathered_bytes
+        room = self.prefetch_bytes - self.transient_bytes() - unit.gathered_bytes
+        riders, seen = [], {unit}
+        for other in order[pos + 1 :]:
+            if not other.coalescible or other.state is not GatherState.SHARDED or other in seen:
+                continue
+            if other.dtype != unit.dtype or other.gathered_bytes > min(budget, room):
+                break
+            riders.append(other)
+            seen.add(other)
+            budget -= other.gathered_bytes
+            room -= other.gathered_bytes
+        return riders
 
     def _wait(self, unit: ShardUnit) -> None:
         if unit.state is GatherState.GATHERING:
@@ -264,20 +351,28 @@ class Scheduler:
 
     def transient_bytes(self) -> int:
         """Gathered bytes that count against the prefetch window."""
-        return sum(u.gathered_bytes for u in self._live if not self._kept(u))
+        total = 0
+        dp = Mode.DP
+        for u in self._live:
+            if not (u.mode is dp and u.n_active == 0 and u.n_await > 0):  # not _kept(u)
+                total += u.gathered_bytes
+        return total
 
     def _prefetch(self, order: list[ShardUnit], start: int) -> None:
         """See [Note: prefetch window]."""
         if self.prefetch_bytes <= 0:
             return
-        transient = self.transient_bytes()
-        for unit in order[start:]:
+        transient = None
+        for pos in range(start, len(order)):
+            unit = order[pos]
             if unit.state is not GatherState.SHARDED:
                 continue
+            if transient is None:
+                transient = self.transient_bytes()
             if transient + unit.gathered_bytes > self.prefetch_bytes:
                 return
-            self._issue(unit)
-            transient += unit.gathered_bytes
+            self._issue(unit, order, pos)
+            transient = None  # riders may have come along
 
     # ---- gradients ----------------------------------------------------------------
     def _take_await(self, use: Use) -> None:
@@ -286,23 +381,62 @@ class Scheduler:
             self._awaiting.pop(use, None)
 
     def _reduce_scatter(self, unit: ShardUnit) -> None:
+        if unit.coalescible and self.coalesce_bytes > 0:
+            # see [Note: coalesced small units]
+            if unit in self._deferred:
+                return
+            self._deferred[unit] = None
+            self._deferred_bytes += unit.grad_flat.numel() * unit.grad_flat.element_size()
+            if self._deferred_bytes >= self.coalesce_bytes:
+                self._flush_deferred()
+            return
         flat, unit.grad_flat = unit.grad_flat, None
-        out = torch.empty(unit.shard_numel, dtype=flat.dtype, device=flat.device)
-        pending = self.comm.reduce_scatter(out, flat)
+        self._grad_bytes[unit] = flat.numel() * flat.element_size()
+        if flat.dtype != unit.reduce_dtype:  # accumulated in fp32, reduced in reduce_dtype
+            flat = flat.to(unit.reduce_dtype)
+        out = torch.empty(unit.shard_numel, dtype=unit.shard_dtype, device=flat.device)
+        pending = self.comm.reduce_scatter(out, flat, f"reduce-scatter of unit {unit.name!r}")
         self.ledger.reduce_scattered(unit.name)
-        self._reduce_scatters.append((unit, flat, out, pending))
+        self._reduce_scatters.append(((unit,), (out,), pending))
         while len(self._reduce_scatters) > self.max_inflight_reduce_scatters:
             self._finish_reduce_scatter()
 
+    def _flush_deferred(self) -> None:
+        units, self._deferred, self._deferred_bytes = list(self._deferred), {}, 0
+        if not units:
+            return
+        by_dtype: dict[torch.dtype, list[ShardUnit]] = {}
+        for unit in units:
+            by_dtype.setdefault(unit.reduce_dtype, []).append(unit)
+        for dtype, group in by_dtype.items():
+            flats, outs = [], []
+            for unit in group:
+                flat, unit.grad_flat = unit.grad_flat, None
+                self._grad_bytes[unit] = flat.numel() * flat.element_size()
+                flats.append(flat if flat.dtype == dtype else flat.to(dtype))
+                outs.append(torch.empty(unit.shard_numel, dtype=unit.shard_dtype, device=flat.device))
+                self.ledger.reduce_scattered(unit.name)
+            if len(group) == 1:
+                pending = self.comm.reduce_scatter(outs[0], flats[0], f"reduce-scatter of unit {group[0].name!r}")
+            else:
+                names = ", ".join(repr(u.name) for u in group[:4]) + (", ..." if len(group) > 4 else "")
+                pending = self.comm.reduce_scatter_coalesced(
+                    outs, flats, f"coalesced reduce-scatter of {len(group)} units ({names})"
+                )
+            self._reduce_scatters.append((tuple(group), tuple(outs), pending))
+            while len(self._reduce_scatters) > self.max_inflight_reduce_scatters:
+                self._finish_reduce_scatter()
+
     def _finish_reduce_scatter(self) -> None:
-        unit, flat, out, pending = self._reduce_scatters.popleft()
+        units, outs, pending = self._reduce_scatters.popleft()
         pending.wait()
-        out.div_(self.comm.world_size)  # average over ranks (each rank's loss is a local mean)
-        if unit.shard.grad is None:
-            unit.shard.grad = out
-        else:
-            unit.shard.grad.add_(out)
-        self.ledger.grad_free(unit.name, flat.numel() * flat.element_size())
+        for unit, out in zip(units, outs):
+            out.div_(self.comm.world_size)  # average over ranks (each rank's loss is a local mean)
+            if unit.shard.grad is None:
+                unit.shard.grad = out
+            else:
+                unit.shard.grad.add_(out)
+            self.ledger.grad_free(unit.name, self._grad_bytes.pop(unit))
 
     # ---- end of backward --------------------------------------------------------------
     def _enter_backward(self) -> None:
@@ -316,9 +450,10 @@ class Scheduler:
             self._take_await(use)
             use.state = UseState.DONE
             use.abandoned = True
-        for unit in self.units:
-            if unit.grad_flat is not None and unit.n_active == 0:
-                self._reduce_scatter(unit)
+        if self.sync_gradients:
+            for unit in self.units:
+                if unit.grad_flat is not None and unit.n_active == 0:
+                    self._reduce_scatter(unit)
         self.wait_reduce_scatters()
         for unit in list(self._live):
             if unit.n_active == 0:
@@ -330,11 +465,26 @@ class Scheduler:
         self._bwd_cursor = 0
 
     def wait_reduce_scatters(self) -> None:
+        self._flush_deferred()
         while self._reduce_scatters:
             self._finish_reduce_scatter()
 
     def gathered_units(self) -> list[str]:
         return [u.name for u in self._live]
+
+
+class _Once:
+    """A shared wait (coalesced gather): the first caller waits, later ones return."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def wait(self) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn()
 
 
 def _find(order: list[ShardUnit], unit: ShardUnit, start: int) -> int | None:

@@ -52,6 +52,8 @@ class ShardUnit:
         world_size: int,
         device: torch.device,
         requires_grad: bool,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.name = name
         self.slots = tuple(slots)
@@ -69,7 +71,14 @@ class ShardUnit:
             local = flat[rank * self.shard_numel : (rank + 1) * self.shard_numel].to(device).clone()
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
         self.shard._osdp_unit_name = name  # so a parameter can be traced back to its unit
-        self.gathered = torch.empty(self.padded_numel, dtype=dtype, device=device)
+        # mixed precision (see [Note: mixed precision] in mixed_precision.py): the shard
+        # keeps the parameters' dtype (the master copy the optimizer steps); the gathered
+        # buffer, and so compute, is in param_dtype; gradients are reduced in reduce_dtype
+        floating = dtype.is_floating_point
+        self.param_dtype = param_dtype if (param_dtype is not None and floating) else dtype
+        self.reduce_dtype = reduce_dtype if (reduce_dtype is not None and floating) else self.param_dtype
+        self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+        self.gathered_bytes = self.padded_numel * self.gathered.element_size()  # when allocated
         self.views = [self.gathered.narrow(0, s.offset, s.numel).view(s.shape) for s in slots]
         self._free_storage()
         self.state = GatherState.SHARDED
@@ -81,14 +90,19 @@ class ShardUnit:
         self.grad_flat: torch.Tensor | None = None  # unsharded gradient being accumulated
         # False for split ops whose backward reads no weights (embedding rows)
         self.backward_needs_weights = True
-
-    @property
-    def gathered_bytes(self) -> int:
-        return self.padded_numel * self.gathered.element_size()
+        # small whole-module unit whose collectives may be coalesced with other small
+        # units' (set by the scheduler, see [Note: coalesced small units])
+        self.coalescible = False
 
     @property
     def dtype(self) -> torch.dtype:
+        """The gathered (compute) dtype."""
         return self.gathered.dtype
+
+    @property
+    def shard_dtype(self) -> torch.dtype:
+        """The sharded parameters' (master) dtype."""
+        return self.shard.dtype
 
     def alloc_gathered(self) -> None:
         storage = self.gathered.untyped_storage()

@@ -79,6 +79,12 @@ def global_batch(key: str, step: int, world_size: int):
     return example_batch(cfg, batch, seed=step)
 
 
+def global_batch_sized(key: str, step: int, batch: int):
+    """Like :func:`global_batch` with an explicit global batch size (GPT models)."""
+    cfg = {"uneven": UNEVEN, "frozen": UNEVEN, "tied": TIED, "ic": IC}[key]
+    return example_batch(cfg, batch, seed=step)
+
+
 def _alternating(model):
     return {name: ("dp", "zdp")[i % 2] for i, name in enumerate(unit_candidates(model))}
 

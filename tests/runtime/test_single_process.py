@@ -96,11 +96,9 @@ def test_plan_and_modes_are_exclusive():
         osdp.OSDP(gpt(), plan=FakePlan({}), modes={"wte": "dp"})
 
 
-def test_api_auto_plan_is_a_placeholder():
-    from osdp import api
-
-    with pytest.raises(NotImplementedError, match="planner integration pending"):
-        api.auto_plan(gpt(), None)
+def test_auto_mode_needs_example_inputs():
+    with pytest.raises(OSDPError, match="auto mode needs example_inputs"):
+        osdp.OSDP(gpt(), memory_limit="1GiB")
 
 
 # ---- the plan object --------------------------------------------------------------
@@ -247,3 +245,104 @@ def test_weights_updated_between_forwards_are_regathered():
             p.add_(0.05)
         after = model(idx, tgt).item()
     assert before != after
+
+
+# ---- plan checks, mixed precision, accumulation API ------------------------------------
+@dataclass(frozen=True)
+class PlanUnit:
+    name: str
+    kind: str
+    param_bytes: int
+    modes: tuple = ("zdp",)
+
+
+@dataclass(frozen=True)
+class CheckedPlan(FakePlan):
+    units: tuple = ()
+    settings: dict = None
+    batch_size: int = 2
+    model_name: str = "GPT"
+    accumulation_steps: int = 1
+    gradient_sync: str = "last"
+
+
+def _plan_for(model, **kw):
+    from osdp.runtime.config import own_param_counts
+
+    units = tuple(PlanUnit(n, "op", c * 4) for n, c in own_param_counts(model).items())
+    return CheckedPlan({u.name: u.modes for u in units}, units=units, settings=kw.pop("settings", {}), **kw)
+
+
+def test_plan_for_another_model_names_the_first_mismatch():
+    plan = _plan_for(gpt())
+    with pytest.raises(PlanMismatchError, match=r"prices unit 'wte' at 3880 bytes \(970 parameters\), the model's module 'wte' owns 1164"):
+        osdp.OSDP(gpt(hidden=12), plan=plan)
+    other = _plan_for(gpt(num_layers=3))
+    with pytest.raises(PlanMismatchError, match=r"names unit 'blocks.2.ln_1', which is not a module of this model"):
+        osdp.OSDP(gpt(), plan=other)
+    osdp.OSDP(gpt(), plan=plan)  # its own model is fine
+
+
+def test_batch_above_the_plan_raises_smaller_runs():
+    model = osdp.OSDP(gpt(), plan=_plan_for(gpt(), batch_size=2))
+    assert model.batch_size == 2 and model.plan is not None
+    model(*example_batch(CFG, 1)).backward()
+    model(*example_batch(CFG, 2)).backward()
+    with pytest.raises(OSDPError, match=r"batch of 3 samples per device exceeds the plan's batch_size=2"):
+        model(*example_batch(CFG, 3))
+
+
+@pytest.mark.parametrize(
+    "settings,mp,match",
+    [
+        ({"param_dtype_bytes": 2, "reduce_dtype_bytes": 4}, None, r"assumed 2-byte parameters and 4-byte .* 4-byte parameters and 4-byte"),
+        ({}, dict(param_dtype=torch.bfloat16), r"assumed 4-byte parameters and 4-byte .* 2-byte parameters and 2-byte"),
+        ({"param_dtype_bytes": 2, "reduce_dtype_bytes": 2}, dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), r"4-byte reduction"),
+    ],
+)
+def test_plan_dtypes_must_match_mixed_precision(settings, mp, match):
+    from osdp.runtime.mixed_precision import MixedPrecision
+
+    policy = MixedPrecision(**mp) if mp else None
+    with pytest.raises(PlanMismatchError, match=match):
+        osdp.OSDP(gpt(), plan=_plan_for(gpt(), settings=settings), mixed_precision=policy)
+
+
+def test_plan_dtypes_that_match_are_accepted():
+    from osdp.runtime.mixed_precision import MixedPrecision
+
+    plan = _plan_for(gpt(), settings={"param_dtype_bytes": 2, "reduce_dtype_bytes": 4})
+    model = osdp.OSDP(gpt(), plan=plan, mixed_precision=MixedPrecision(torch.bfloat16, torch.float32))
+    loss = model(*example_batch(CFG, 2))
+    assert loss.dtype == torch.bfloat16
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_mixed_precision_and_option_validation():
+    from osdp.runtime.mixed_precision import MixedPrecision
+
+    with pytest.raises(OSDPError, match="param_dtype must be a floating-point torch.dtype"):
+        MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(OSDPError, match="timeout_s must be a number of seconds > 0"):
+        osdp.OSDP(gpt(), timeout_s=0)
+    with pytest.raises(OSDPError, match="coalesce_bytes must be an integer >= 0"):
+        osdp.OSDP(gpt(), coalesce_bytes=-1)
+    with pytest.raises(OSDPError, match="no parameters: there is nothing to shard"):
+        osdp.OSDP(nn.Sequential(nn.ReLU()))
+
+
+def test_micro_batch_index_and_sync_switch():
+    model = osdp.OSDP(gpt(), plan=_plan_for(gpt(), accumulation_steps=2, gradient_sync="last"))
+    assert model.accumulation_steps == 2 and model.gradient_sync == "last"
+    with pytest.raises(OSDPError, match=r"micro-batch index 2 out of range 0..1"):
+        with model.micro_batch(2):
+            pass
+    with model.micro_batch(0):
+        assert model.requires_gradient_sync is False
+    with model.micro_batch(1):
+        assert model.requires_gradient_sync is True
+    with model.no_sync():
+        assert model.requires_gradient_sync is False
+    model.set_requires_gradient_sync(False)
+    assert model.requires_gradient_sync is False
