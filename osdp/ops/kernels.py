@@ -43,7 +43,13 @@ def ref_slice_dx(dy, w_slice, dx, k0):
 
 
 def ref_slice_dw(dy, x, k0, ks, out=None, accumulate=False):
-    dw = torch.mm(dy.t(), x[:, k0 : k0 + ks])
+    xs = x[:, k0 : k0 + ks]
+    if out is not None and out.dtype == dy.dtype == x.dtype:
+        # straight into (or onto) the gradient buffer: no temporary, no copy
+        if accumulate:
+            return out.addmm_(dy.t(), xs)
+        return torch.mm(dy.t(), xs, out=out)
+    dw = torch.mm(dy.t(), xs)
     if out is None:
         return dw
     if accumulate:

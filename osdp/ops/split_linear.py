@@ -60,8 +60,11 @@ class _SplitLinearFn(torch.autograd.Function):
                 grads, accumulate = sched.grad_buffer(unit)
                 kernels.slice_dw(dy2, x2, module.offsets[i], weight.shape[1], out=grads[0], accumulate=accumulate)
                 if i == 0 and module.has_bias:
-                    db = dy2.sum(0)
-                    grads[1].add_(db) if accumulate else grads[1].copy_(db)
+                    if not accumulate and grads[1].dtype == dy2.dtype:
+                        torch.sum(dy2, 0, out=grads[1])
+                    else:
+                        db = dy2.sum(0)
+                        grads[1].add_(db) if accumulate else grads[1].copy_(db)
             sched.post_backward(use, None)
         dx = dx.view_as(x) if need_dx else None
         return (dx, None, None) + (None,) * module.g

@@ -129,6 +129,8 @@ class Scheduler:
         self._in_forward = False
         self._in_backward = False
         self._live: dict[ShardUnit, None] = {}  # units not SHARDED, in gather order
+        self._live_bytes = 0  # their gathered bytes
+        self._kept_bytes = 0  # of those, the kept ones' (see _kept)
         self._awaiting: dict[Use, None] = {}
         self._reduce_scatters: deque = deque()
         self._grad_bytes: dict[ShardUnit, int] = {}  # ledger bytes of gradients in flight
@@ -182,13 +184,13 @@ class Scheduler:
         if pos is not None:
             self._issue(unit, self._fwd_order, pos)
             self._fwd_cursor = pos + 1
-            unit.n_active += 1  # counts as transient while prefetching
+            self._count(unit, active=1)  # counts as transient while prefetching
             self._prefetch(self._fwd_order, pos + 1)
-            unit.n_active -= 1
+            self._count(unit, active=-1)
         else:
             self._issue(unit)
         self._wait(unit)
-        unit.n_active += 1
+        self._count(unit, active=1)
         use = Use(unit)
         if self._recording is not None and self._in_forward:
             use.entry = [unit, False]
@@ -202,14 +204,14 @@ class Scheduler:
             if use.gathered_here:
                 self._maybe_free(unit)
             return
-        unit.n_active -= 1
         if expects_backward:
+            self._count(unit, active=-1, awaiting=1)
             use.state = UseState.AWAIT_BACKWARD
-            unit.n_await += 1
             self._awaiting[use] = None
             if use.entry is not None:
                 use.entry[1] = True
         else:
+            self._count(unit, active=-1)
             use.state = UseState.DONE
         self._maybe_free(unit)
         if self._in_forward and self._fwd_order is not None:
@@ -224,7 +226,7 @@ class Scheduler:
         unit = use.unit
         self._take_await(use)
         use.state = UseState.BACKWARD
-        unit.n_active += 1
+        self._count(unit, active=1)
         if self._bwd_recording is not None:
             self._bwd_recording.append(unit)
         pos = None if self._bwd_order is None else _find(self._bwd_order, unit, self._bwd_cursor)
@@ -257,7 +259,7 @@ class Scheduler:
         unit = use.unit
         self._enter_backward()
         if use.state is UseState.BACKWARD:
-            unit.n_active -= 1
+            self._count(unit, active=-1)
         else:  # backward without pre_backward: a split op that needs no weights
             self._take_await(use)
         use.state = UseState.DONE
@@ -308,6 +310,9 @@ class Scheduler:
         unit.state = GatherState.GATHERING
         unit.gathered_version = unit.shard._version
         self._live[unit] = None
+        self._live_bytes += unit.gathered_bytes
+        if self._kept(unit):
+            self._kept_bytes += unit.gathered_bytes
 
     def _riders(self, unit: ShardUnit, order: list[ShardUnit], pos: int) -> list[ShardUnit]:
         budget = self.coalesce_bytes - unit.gathered_bytes
@@ -337,6 +342,9 @@ class Scheduler:
         unit.free_gathered()
         self.ledger.free(unit.name)
         del self._live[unit]
+        self._live_bytes -= unit.gathered_bytes
+        if self._kept(unit):
+            self._kept_bytes -= unit.gathered_bytes
 
     def _maybe_free(self, unit: ShardUnit) -> None:
         """See [Note: unit lifetime]."""
@@ -349,14 +357,21 @@ class Scheduler:
     def _kept(self, unit: ShardUnit) -> bool:
         return unit.mode is Mode.DP and unit.n_active == 0 and unit.n_await > 0
 
+    def _count(self, unit: ShardUnit, active: int = 0, awaiting: int = 0) -> None:
+        """Change a unit's use counts, keeping the kept-bytes total (see transient_bytes)."""
+        live = unit in self._live
+        if live and self._kept(unit):
+            self._kept_bytes -= unit.gathered_bytes
+        unit.n_active += active
+        unit.n_await += awaiting
+        if live and self._kept(unit):
+            self._kept_bytes += unit.gathered_bytes
+
     def transient_bytes(self) -> int:
-        """Gathered bytes that count against the prefetch window."""
-        total = 0
-        dp = Mode.DP
-        for u in self._live:
-            if not (u.mode is dp and u.n_active == 0 and u.n_await > 0):  # not _kept(u)
-                total += u.gathered_bytes
-        return total
+        """Gathered bytes that count against the prefetch window: every live unit but
+        ``dp`` units that finished forward and wait for backward (kept). O(1): the
+        totals move with every gather, free and use-count change."""
+        return self._live_bytes - self._kept_bytes
 
     def _prefetch(self, order: list[ShardUnit], start: int) -> None:
         """See [Note: prefetch window]."""
@@ -377,7 +392,7 @@ class Scheduler:
     # ---- gradients ----------------------------------------------------------------
     def _take_await(self, use: Use) -> None:
         if use.state is UseState.AWAIT_BACKWARD:
-            use.unit.n_await -= 1
+            self._count(use.unit, awaiting=-1)
             self._awaiting.pop(use, None)
 
     def _reduce_scatter(self, unit: ShardUnit) -> None:
