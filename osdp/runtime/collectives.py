@@ -182,6 +182,9 @@ class CommContext:
         """``output`` (shard numel) <- this rank's chunk of the sum of ``full`` over ranks
         (``output`` may have another dtype: the chunk is cast into it). ``full`` is
         clobbered."""
+        return self._reduce(output, full, what)
+
+    def _reduce(self, output: torch.Tensor, full: torch.Tensor, what: str) -> Pending:
         if full.numel() == 0:
             return DONE
         if self.world_size == 1 and not self.use_streams:
@@ -216,7 +219,7 @@ class CommContext:
         return self._coalesced_reduce(reduced, full, what, copy_out)
 
     def _coalesced_reduce(self, reduced, full, what, copy_out) -> Pending:
-        inner = self.reduce_scatter(reduced, full, what)
+        inner = self._reduce(reduced, full, what)
         if self.use_streams:
             stream = self.reduce_scatter_stream
             with torch.cuda.stream(stream):

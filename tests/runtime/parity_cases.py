@@ -119,6 +119,8 @@ CASES = [
     Case("alternating", "uneven", lambda m: {"modes": _alternating(m)}),
     Case("random", "uneven", lambda m: {"modes": _random(m)}),
     Case("random_no_prefetch", "uneven", lambda m: {"modes": _random(m, seed=11), "prefetch_bytes": 0}),
+    # the same modes as "random", every collective on its own (no coalesced small units)
+    Case("random_no_coalesce", "uneven", lambda m: {"modes": _random(m), "coalesce_bytes": 0}),
     Case("split_mixed", "uneven", _split_kwargs),
     Case("split_mixed_no_prefetch", "uneven", lambda m: _split_kwargs(m, window=0)),
     Case(
@@ -193,6 +195,20 @@ def train_fsdp2(key: str, rank: int, world_size: int):
     return losses, state if rank == 0 else None
 
 
+def _count_collectives(comm) -> dict:
+    """Count the collectives ``comm`` issues, by method (instance attributes shadow them)."""
+    calls: dict[str, int] = {}
+    for name in ("all_gather", "all_gather_coalesced", "reduce_scatter", "reduce_scatter_coalesced"):
+        method = getattr(comm, name)
+
+        def counted(*args, _m=method, _n=name, **kwargs):
+            calls[_n] = calls.get(_n, 0) + 1
+            return _m(*args, **kwargs)
+
+        setattr(comm, name, counted)
+    return calls
+
+
 def train_osdp(case: Case, rank: int, world_size: int):
     import osdp
 
@@ -200,9 +216,11 @@ def train_osdp(case: Case, rank: int, world_size: int):
     wrapped = osdp.OSDP(model, **case.kwargs(model))
     opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=LR, eps=EPS)
     losses, probe = [], {}
+    calls = _count_collectives(wrapped._comm)
     for step in range(STEPS):
         if step == 1:
             wrapped.reset_memory_stats()
+            calls.clear()
         loss = wrapped(*_local(global_batch(case.model, step, world_size), rank))
         if step == 1:
             probe["gathered_after_forward"] = wrapped.gathered_units()
@@ -215,6 +233,7 @@ def train_osdp(case: Case, rank: int, world_size: int):
                 gathered_after_backward=stats["gathered_units"],
                 grad_bytes_after_backward=stats["current_grad_bytes"],
                 has_grad={n: p.grad is not None for n, p in wrapped.named_parameters()},
+                collectives=dict(calls),
             )
         opt.step()
         opt.zero_grad()

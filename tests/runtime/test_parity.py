@@ -18,6 +18,7 @@ from .dist_harness import spawn
 
 W4_CASES = (
     "random",
+    "random_no_coalesce",
     "split_mixed",
     "checkpoint_split",
     "tied_random",
@@ -164,3 +165,21 @@ def test_split_op_peak_is_slice_plus_window(world_size):
 def test_ranks_with_different_configs_raise_not_hang():
     messages = [r["mismatch"] for r in results(2)]
     assert all(m and "different OSDP configurations" in m for m in messages)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_coalescing_cuts_collectives_not_gathers(world_size):
+    """Same modes with and without coalesced small units: every unit is gathered and
+    reduce-scattered as often (the ledger), in fewer collectives."""
+    rank0 = results(world_size)[0]
+    _, _, merged = rank0["osdp"]["random"]
+    _, _, alone = rank0["osdp"]["random_no_coalesce"]
+    assert merged["all_gathers"] == alone["all_gathers"]
+    assert merged["reduce_scatters"] == alone["reduce_scatters"]
+    assert "all_gather_coalesced" not in alone["collectives"] and "reduce_scatter_coalesced" not in alone["collectives"]
+    # without coalescing: one collective per gather / reduce-scatter the ledger counts
+    assert alone["collectives"]["all_gather"] == sum(alone["all_gathers"].values())
+    assert alone["collectives"]["reduce_scatter"] == sum(alone["reduce_scatters"].values())
+    assert merged["collectives"].get("all_gather_coalesced", 0) > 0
+    assert merged["collectives"].get("reduce_scatter_coalesced", 0) > 0
+    assert sum(merged["collectives"].values()) < sum(alone["collectives"].values()) / 2
