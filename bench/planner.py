@@ -4,7 +4,7 @@
     python bench/planner.py --quick         # fewer sizes, fewer repeats
 
 For GPT models of 12 to 192 layers at hidden 12288 (seq 2048, the GPT-3 shape) on the
-8xH100 profile scaled to 64 ranks at 80 GiB, splitting up to 16 and per-block
+8xH100 profile scaled to 256 ranks at 80 GiB (so that 192 layers fit), splitting up to 16 and per-block
 checkpointing, it times the whole plan (template, feasibility probes, batch sweep) with
 each search backend and prints medians and the C++/Python speed ratio. Writes
 bench/results/planner.csv.
@@ -41,7 +41,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--hidden", type=int, default=12288)
-    parser.add_argument("--world-size", type=int, default=64)
+    parser.add_argument("--world-size", type=int, default=256)
     parser.add_argument("--memory-gib", type=float, default=80)
     parser.add_argument("--python-max-layers", type=int, default=96, help="skip the slow reference above this")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "planner.csv"))

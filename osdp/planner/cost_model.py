@@ -86,7 +86,7 @@ class PlannerSettings:
     # exist at the start of a step and appear as backward reduces them
     grads_set_to_none: bool = True
     backward_compute_ratio: float = 2.0
-    memory_tolerance: float = 0.02  # worst-case quantization error / budget
+    memory_tolerance: float = 0.03  # worst-case quantization error / budget
     min_buckets: int = 4096
     max_buckets: int = 65536
 
@@ -325,9 +325,47 @@ def _owner_bytes(desc: ModelDesc, op: OpDesc, settings: PlannerSettings) -> floa
     return gathered_bytes(desc.ops[desc.op_index(op.tied_to)], settings) if op.tied_to else 0.0
 
 
+def _option_rows(desc, op, device, settings, checkpointed, window, after_i, before_i) -> list[tuple]:
+    """(g, k, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
+    split efficiency) for every option of one op (see the Notes at the top)."""
+    n = device.world_size
+    full_grad = reduced_bytes(op, settings)
+    rows = []
+    for g in slice_choices(op, settings):
+        for k in mode_choices(g, settings):
+            if op.tied_to:
+                # [Note: tied weights] a second use gathers the owner's weights again
+                # in forward and backward, as a zdp use would
+                s = _owner_bytes(desc, op, settings)
+                held, comm_f = 0.0, device.all_gather.time_s(s, n)
+                gather_b = comm_f * (2 if checkpointed else 1)
+                grad, reduce_b = 0.0, 0.0
+            else:
+                s = gathered_bytes(op, settings) / g
+                held = (g - k) * s
+                ag = device.all_gather.time_s(s, n)
+                grad = full_grad / g
+                comm_f = g * ag
+                gather_b = k * ag * (2 if checkpointed else 1)
+                reduce_b = g * device.reduce_scatter.time_s(grad, n)
+            # backward gathers only the zdp slices (dp ones are kept, and counted in
+            # held); the window fills with the units ahead
+            own_b = s if (k > 0 or op.tied_to) else 0.0
+            if s > window:
+                gathers_f, gathers_b = s, own_b
+            else:
+                gathers_f = min(window, s + after_i)
+                gathers_b = min(window, own_b + before_i)
+            # the slice's own unsharded gradient is part of the measured backward
+            # transients; one more waits for its reduce-scatter
+            transient = max(gathers_f, gathers_b + grad)
+            rows.append((g, k, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
+                         (g - 1) * device.slice_overhead_s, split_efficiency(g, device)))
+    return rows
+
+
 def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings | None = None) -> ProblemTemplate:
     settings = settings or PlannerSettings()
-    n = device.world_size
     window = prefetch_window(desc, settings)
     static = static_bytes(desc, device, settings)
     budget = device.memory_limit_bytes - sum(static.values())
@@ -339,55 +377,27 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
     quantum = max(budget, 1.0) / buckets
 
-    cols = {k: [] for k in ("op", "variant", "ckpt", "g", "k", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff")}
+    names = ("g", "k", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff")
+    cols = {k: [] for k in ("op", "variant", "ckpt") + names}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
+    cache: dict[tuple, list[tuple]] = {}  # identical layers share their option rows
     for seg in segments:
         for variant, checkpointed in enumerate(seg.variants):
             for i in seg.ops:
                 op = desc.ops[i]
+                key = (op.param_count, op.param_bytes, op.splittable, op.in_features,
+                       _owner_bytes(desc, op, settings), checkpointed, after[i], before[i])
+                rows = cache.get(key)
+                if rows is None:
+                    rows = cache[key] = _option_rows(desc, op, device, settings, checkpointed,
+                                                     window, after[i], before[i])
                 begin[i, variant] = len(cols["op"])
-                full_grad = reduced_bytes(op, settings)
-                for g in slice_choices(op, settings):
-                    for k in mode_choices(g, settings):
-                        if op.tied_to:
-                            # [Note: tied weights] a second use gathers the owner's
-                            # weights again in forward and backward, as a zdp use would
-                            s = _owner_bytes(desc, op, settings)
-                            held, comm_f = 0.0, device.all_gather.time_s(s, n)
-                            gather_b = comm_f * (2 if checkpointed else 1)
-                            grad, reduce_b = 0.0, 0.0
-                        else:
-                            s = gathered_bytes(op, settings) / g
-                            held = (g - k) * s
-                            ag = device.all_gather.time_s(s, n)
-                            grad = full_grad / g
-                            comm_f = g * ag
-                            gather_b = k * ag * (2 if checkpointed else 1)
-                            reduce_b = g * device.reduce_scatter.time_s(grad, n)
-                        # backward gathers only the zdp slices (dp ones are kept, and
-                        # counted in held); the window fills with the units ahead
-                        own_b = s if (k > 0 or op.tied_to) else 0.0
-                        if s > window:
-                            gathers_f, gathers_b = s, own_b
-                        else:
-                            gathers_f = min(window, s + after[i])
-                            gathers_b = min(window, own_b + before[i])
-                        cols["op"].append(i)
-                        cols["variant"].append(variant)
-                        cols["ckpt"].append(checkpointed)
-                        cols["g"].append(g)
-                        cols["k"].append(k)
-                        cols["held"].append(held)
-                        # the slice's own unsharded gradient is part of the measured
-                        # backward transients; one more waits for its reduce-scatter
-                        cols["transient"].append(max(gathers_f, gathers_b + grad))
-                        cols["comm_f"].append(comm_f)
-                        cols["gather_b"].append(gather_b)
-                        cols["reduce_b"].append(reduce_b)
-                        cols["overlap"].append(2 * s <= window)
-                        cols["ovh"].append((g - 1) * device.slice_overhead_s)
-                        cols["eff"].append(split_efficiency(g, device))
+                cols["op"].extend([i] * len(rows))
+                cols["variant"].extend([variant] * len(rows))
+                cols["ckpt"].extend([checkpointed] * len(rows))
+                for name, values in zip(names, zip(*rows)):
+                    cols[name].extend(values)
                 end[i, variant] = len(cols["op"])
 
     fits = [_compute_fit(op, device, settings) for op in desc.ops]

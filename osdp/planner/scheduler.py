@@ -56,31 +56,40 @@ def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto") -> Searc
     return search(t.problem(batch), backend=backend)
 
 
-def least_memory_problem(problem: SearchProblem) -> SearchProblem | None:
-    """The problem with each op reduced to its least-memory option, or None when no
-    option has both the least held and the least local bytes of its op.
+def memory_pareto_options(t: ProblemTemplate) -> np.ndarray:
+    """Indices of each op's memory-Pareto options: those no other option of the same op
+    and variant beats in both kept and transient bytes (time ignored). Batch-independent:
+    the batch adds the same bytes to every option of an op. Cached on the template."""
+    cached = getattr(t, "_memory_pareto", None)
+    if cached is not None:
+        return cached
+    keep = []
+    for i in range(len(t.desc.ops)):
+        for v in range(2):
+            lo, hi = t.opt_begin[i, v], t.opt_end[i, v]
+            held, local = t.opt_held_bytes[lo:hi], t.opt_transient_bytes[lo:hi]
+            best_local = np.inf
+            for j in np.lexsort((local, held)):  # by held, then local: a sweep keeps the frontier
+                if local[j] < best_local:
+                    keep.append(lo + int(j))
+                    best_local = local[j]
+    t._memory_pareto = np.array(sorted(keep), dtype=np.int64)
+    return t._memory_pareto
+
+
+def least_memory_problem(t: ProblemTemplate, problem: SearchProblem) -> SearchProblem:
+    """``problem`` with each op reduced to its memory-Pareto options.
 
     Every memory constraint is monotone in held and local bytes, so any feasible plan
-    stays feasible when each op takes such an option: the reduced problem is feasible
-    exactly when the full one is, and it searches in a fraction of the time."""
-    keep = []
-    for i in range(problem.num_ops):
-        for v in range(2):
-            lo, hi = problem.opt_begin[i, v], problem.opt_end[i, v]
-            if hi <= lo:
-                keep.append((lo, lo))
-                continue
-            held = problem.opt_held_q[lo:hi]
-            local = problem.opt_local_bytes[lo:hi]
-            best = int(np.lexsort((local, held))[0])
-            if local[best] > local.min():
-                return None
-            keep.append((lo + best, lo + best + 1))
-    index = np.array([k for k, _ in keep], dtype=np.int64)
-    sizes = np.array([e - b for b, e in keep], dtype=np.int64)
-    begin = np.concatenate(([0], np.cumsum(sizes)[:-1])).reshape(-1, 2)
-    end = begin + sizes.reshape(-1, 2)
-    chosen = index[sizes == 1]
+    stays feasible when each op takes a memory-Pareto option that dominates its own: the
+    reduced problem is feasible exactly when the full one is, and it searches in a
+    fraction of the time (a few options per op instead of dozens)."""
+    chosen = memory_pareto_options(t)
+    counts = np.zeros(problem.opt_begin.size, dtype=np.int64)  # per (op, variant), row-major
+    slot = t.opt_op[chosen] * 2 + t.opt_variant[chosen]
+    np.add.at(counts, slot, 1)
+    begin = np.concatenate(([0], np.cumsum(counts)[:-1])).reshape(-1, 2)
+    end = begin + counts.reshape(-1, 2)
     return replace(
         problem,
         opt_begin=begin,
@@ -95,9 +104,7 @@ def least_memory_problem(problem: SearchProblem) -> SearchProblem | None:
 
 def fits_at(t: ProblemTemplate, batch: int, backend: str = "auto") -> bool:
     """Whether any plan fits at ``batch`` (exact, through the least-memory problem)."""
-    problem = t.problem(batch)
-    reduced = least_memory_problem(problem)
-    return search(reduced if reduced is not None else problem, backend=backend).feasible
+    return search(least_memory_problem(t, t.problem(batch)), backend=backend).feasible
 
 
 def _finish(t, batch, result, searches, started) -> Scheduled:
@@ -145,8 +152,16 @@ def schedule(
     if not fits(1):
         raise _infeasible(t, 1)
     lo, hi = 1, None  # lo feasible, hi infeasible
+    # start the bracket at the batch where one least-memory plan (an upper bound on the
+    # least memory, grown linearly in the batch) reaches the limit: usually 2 probes
+    guess = _batch_guess(t, max_batch)
+    if guess > 1:
+        if fits(guess):
+            lo = guess
+        else:
+            hi = guess
     while hi is None:
-        nxt = min(lo * 2, max_batch)
+        nxt = min(lo * 2 if lo != guess else lo + 1, max_batch)
         if nxt == lo:
             break
         if fits(nxt):
@@ -171,6 +186,14 @@ def schedule(
         if r.feasible and b / r.time_s > best_rate:
             best_b, best_rate = b, b / r.time_s
     return _finish(t, best_b, results[best_b], searches, started)
+
+
+def _batch_guess(t: ProblemTemplate, max_batch: int) -> int:
+    one, two = min_memory_estimate(t, 1).peak_bytes, min_memory_estimate(t, 2).peak_bytes
+    per_sample = two - one
+    if per_sample <= 0:
+        return 1
+    return int(max(1, min(max_batch, 1 + (t.device.memory_limit_bytes - one) // per_sample)))
 
 
 def _schedule_global(desc, device, settings, global_batch, backend, started) -> Scheduled:
@@ -205,7 +228,8 @@ def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
     lines = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in smallest.breakdown.items())
     return InfeasiblePlanError(
         f"no plan fits in {t.device.memory_limit_bytes / 2**30:.2f} GiB per device at batch {batch}: "
-        f"the smallest plan (all zdp, finest split{', checkpointing' if t.settings.checkpointing != 'none' else ''}) "
+        f"the least-memory plan found (per op the option with the least kept plus transient bytes"
+        f"{', every block checkpointed' if t.settings.checkpointing != 'none' else ''}) "
         f"needs {smallest.peak_bytes / 2**30:.2f} GiB, peaking at {smallest.peak_op} ({lines}); "
         "raise the memory limit, add devices, or allow splitting/checkpointing",
         min_bytes=smallest.peak_bytes,
@@ -214,8 +238,9 @@ def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
 
 
 def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
-    """The least-memory plan: every op all-zdp at its finest split, every block
-    checkpointed when allowed (ties broken by smaller transient bytes)."""
+    """A least-memory plan: per op the option with the least kept plus transient bytes,
+    every block checkpointed when allowed. Its peak is what the error message states: a
+    limit that holds it (plus quantization) fits."""
     option_index = []
     variant = [max(range(len(seg.variants)), key=lambda v: seg.variants[v]) for seg in t.segments]
     seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
