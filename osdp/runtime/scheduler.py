@@ -150,6 +150,10 @@ class Scheduler:
 
     def end_forward(self) -> None:
         self._in_forward = False
+        # prefetched (or coalesced) units this forward did not use: nothing waits for them
+        for unit in list(self._live):
+            if unit.n_active == 0 and unit.n_await == 0:
+                self._free(unit)
         rec, self._recording = self._recording, None
         if rec and any(expects for _, expects in rec):
             self._fwd_order = [unit for unit, _ in rec]
