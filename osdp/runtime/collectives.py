@@ -129,7 +129,11 @@ class CommContext:
             event = torch.cuda.Event()
             event.record(stream)
         torch._C._autograd._unsafe_set_version_counter((output,), (version,))
-        return Pending(lambda: compute.wait_event(event))
+        # the closures hold every temporary the collective reads or writes (a cast
+        # shard, staging buffers): freed only after the compute stream waited on the
+        # event, so the caching allocator cannot hand them out while the comm stream
+        # still uses them
+        return Pending(lambda: _first(compute.wait_event(event), fn, after))
 
     # ---- gathers ------------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all-gather") -> Pending:
@@ -227,7 +231,7 @@ class CommContext:
             event = torch.cuda.Event()
             event.record(stream)
             compute = torch.cuda.current_stream(self.device)
-            return Pending(lambda: compute.wait_event(event))
+            return Pending(lambda: _first(compute.wait_event(event), inner, copy_out))
 
         def wait():
             inner.wait()
@@ -269,3 +273,8 @@ class CommContext:
             torch.cuda.current_stream(self.device).synchronize()
         return every.tolist()
 
+
+
+def _first(value, *keep_alive):
+    """``value``; the other arguments are only referenced (kept alive) until the call."""
+    return value

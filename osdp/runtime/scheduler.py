@@ -416,7 +416,8 @@ class Scheduler:
         out = torch.empty(unit.shard_numel, dtype=unit.shard_dtype, device=flat.device)
         pending = self.comm.reduce_scatter(out, flat, f"reduce-scatter of unit {unit.name!r}")
         self.ledger.reduce_scattered(unit.name)
-        self._reduce_scatters.append(((unit,), (out,), pending))
+        # (units, sharded outputs, unsharded inputs kept alive until done, pending)
+        self._reduce_scatters.append(((unit,), (out,), (flat,), pending))
         while len(self._reduce_scatters) > self.max_inflight_reduce_scatters:
             self._finish_reduce_scatter()
 
@@ -442,12 +443,12 @@ class Scheduler:
                 pending = self.comm.reduce_scatter_coalesced(
                     outs, flats, f"coalesced reduce-scatter of {len(group)} units ({names})"
                 )
-            self._reduce_scatters.append((tuple(group), tuple(outs), pending))
+            self._reduce_scatters.append((tuple(group), tuple(outs), tuple(flats), pending))
             while len(self._reduce_scatters) > self.max_inflight_reduce_scatters:
                 self._finish_reduce_scatter()
 
     def _finish_reduce_scatter(self) -> None:
-        units, outs, pending = self._reduce_scatters.popleft()
+        units, outs, _inputs, pending = self._reduce_scatters.popleft()
         pending.wait()
         for unit, out in zip(units, outs):
             out.div_(self.comm.world_size)  # average over ranks (each rank's loss is a local mean)
