@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 # public name -> module that defines it
 _EXPORTS = {
     "OSDP": "osdp.api",
+    "MixedPrecision": "osdp.runtime.mixed_precision",
     "describe": "osdp.planner.describe",
     "describe_gpt": "osdp.planner.gpt_desc",
     "ModelDesc": "osdp.planner.describe",

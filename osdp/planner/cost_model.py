@@ -160,16 +160,26 @@ def shape_key(op: OpDesc) -> str:
     return f"{op.kind}:{op.param_count}:{op.flops_per_sample:.6g}:{op.act_bytes_per_sample:.6g}"
 
 
-def prefetch_window(desc: ModelDesc, settings: PlannerSettings) -> float:
-    """Default: room for two of the largest slices at the finest split, so every split
-    op can overlap its gathers. Unsplittable giants (a big embedding) do not set it:
-    they run with their gather exposed rather than inflate every op's window."""
+WINDOW_BUDGET_SHARE = 1 / 50
+
+
+def prefetch_window(desc: ModelDesc, settings: PlannerSettings, budget_bytes: float = math.inf) -> float:
+    """Default: room for two slices of the largest op, each op cut only as finely as
+    needed for a slice to stay within 2% of the memory budget (so a model whose units
+    are all small overlaps every gather unsplit, and a giant op still overlaps once
+    split). Unsplittable ops do not set it: they run with their gather exposed rather
+    than inflate every op's window."""
     if settings.prefetch_bytes is not None:
         return float(settings.prefetch_bytes)
-    finest = [gathered_bytes(op, settings) / max(slice_choices(op, settings)) for op in desc.ops if op.splittable]
-    if not finest:
-        finest = [gathered_bytes(op, settings) for op in desc.ops]
-    return 2.0 * max(finest, default=0.0)
+    cap = budget_bytes * WINDOW_BUDGET_SHARE
+    slices = []
+    for op in desc.ops:
+        if op.splittable:
+            sizes = [gathered_bytes(op, settings) / g for g in slice_choices(op, settings)]
+            slices.append(next((size for size in sizes if size <= cap), sizes[-1]))
+    if not slices:
+        slices = [gathered_bytes(op, settings) for op in desc.ops]
+    return 2.0 * max(slices, default=0.0)
 
 
 def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
@@ -366,9 +376,9 @@ def _option_rows(desc, op, device, settings, checkpointed, window, after_i, befo
 
 def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings | None = None) -> ProblemTemplate:
     settings = settings or PlannerSettings()
-    window = prefetch_window(desc, settings)
     static = static_bytes(desc, device, settings)
     budget = device.memory_limit_bytes - sum(static.values())
+    window = prefetch_window(desc, settings, budget)
     segments = _segments(desc, settings)
     after, before = _ahead_bytes(desc, window, settings)
     # [Note: memory quantization] in search_problem.py: enough buckets that rounding

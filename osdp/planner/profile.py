@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import OSDPError
+from ..runtime.collectives import reduces_with_all_reduce
 from .cost_model import shape_key
 from .describe import ModelDesc, describe
 from .device import CollectiveCost, ComputeFit, DeviceInfo, parse_bytes
@@ -89,9 +90,12 @@ def _fit_line(xs, ys) -> tuple[float, float]:
 
 def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, device=None,
                         progress: Progress | None = None) -> tuple[CollectiveCost, CollectiveCost]:
-    """Fit alpha/beta of all-gather and reduce-scatter on ``group`` (all ranks call)."""
+    """Fit alpha/beta of all-gather and of the gradient reduction on ``group`` (all ranks
+    call): the reduction is timed with the collective the runtime uses on this device
+    (reduce-scatter, or all-reduce on gloo; runtime.collectives.reduces_with_all_reduce)."""
     world = dist.get_world_size(group)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    all_reduce = reduces_with_all_reduce(device)
     if world == 1:
         return CollectiveCost(0.0, 0.0), CollectiveCost(0.0, 0.0)
     fits = []
@@ -108,6 +112,8 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
                 start = time.perf_counter()
                 if op == "all_gather":
                     dist.all_gather_into_tensor(full, shard, group=group)
+                elif all_reduce:
+                    dist.all_reduce(full, group=group)
                 else:
                     dist.reduce_scatter_tensor(shard, full, group=group)
                 _sync(device)
@@ -330,7 +336,7 @@ def profile(
 
     path = _cache_path(cache_dir)
     cache = _load_cache(path) if use_cache else _load_cache(Path("/nonexistent"))
-    comm_key = f"{label}|{backend}|world={world}"
+    comm_key = f"{label}|{backend}|world={world}|{'all_reduce' if reduces_with_all_reduce(device) else 'reduce_scatter'}"
     compute_key = f"{label}|{dtype}"
     cached_fits = {k: ComputeFit(**v) for k, v in cache["compute"].get(compute_key, {}).items()} if use_cache else {}
     todo_keys = {shape_key(op) for op in desc.ops} - set(cached_fits)

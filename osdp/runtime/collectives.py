@@ -59,6 +59,12 @@ def _done() -> None:
 DONE = Pending(_done)
 
 
+def reduces_with_all_reduce(device: torch.device) -> bool:
+    """Whether gradients are all-reduced (then sliced) instead of reduce-scattered: on
+    gloo, where all-reduce is the faster of the two; see [Note: gloo reduce-scatter]."""
+    return device.type != "cuda" and os.environ.get("OSDP_GLOO_REDUCE_SCATTER", "0") != "1"
+
+
 class CommContext:
     """Issues the runtime's collectives on ``group``; one instance per OSDP model."""
 
@@ -75,7 +81,7 @@ class CommContext:
             self.all_gather_stream = torch.cuda.Stream(device=device, priority=-1)
             self.reduce_scatter_stream = torch.cuda.Stream(device=device, priority=-1)
         # see [Note: gloo reduce-scatter]
-        self.reduce_with_all_reduce = not self.use_streams and os.environ.get("OSDP_GLOO_REDUCE_SCATTER", "0") != "1"
+        self.reduce_with_all_reduce = reduces_with_all_reduce(device)
 
     # ---- waiting ------------------------------------------------------------------
     def wait_work(self, work, what: str) -> None:
