@@ -294,11 +294,21 @@ def _auto(rank, world_size, cache_dir):
     wrapped = osdp.OSDP(model, memory_limit="64MiB", example_inputs=inputs, auto_kwargs=kwargs)
     out = {"batch_size": wrapped.batch_size, "plan_hash": wrapped.plan.plan_hash(),
            "unit_modes": wrapped.unit_modes(), "plan_units": {u.name: list(u.modes) for u in wrapped.plan.units}}
-    opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    loss = wrapped(*example_batch(config, wrapped.batch_size, seed=rank))
-    loss.backward()
-    opt.step()
-    out["loss"] = loss.item()
+    # auto mode trains exactly as the same plan handed over by hand
+    torch.manual_seed(0)
+    by_hand = osdp.OSDP(GPT(config), plan=wrapped.plan)
+    for name, model_ in (("auto", wrapped), ("by_hand", by_hand)):
+        opt = torch.optim.AdamW(model_.parameters(), lr=1e-3)
+        losses = []
+        for step in range(3):
+            loss = model_(*example_batch(config, wrapped.batch_size, seed=10 * step + rank))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        out[f"losses_{name}"] = losses
+        out[f"params_{name}"] = [p.detach().clone() for p in model_.parameters()]
+    out["loss"] = out["losses_auto"][0]
     try:
         wrapped(*example_batch(config, wrapped.batch_size + 1, seed=rank))
         out["too_big"] = None

@@ -124,6 +124,9 @@ def test_auto_mode_plans_wraps_and_checks():
         else:
             assert [a["unit_modes"][f"{unit}[{i}]"] for i in range(len(modes))] == modes, unit
     assert a["loss"] > 0
+    for r in (a, b):  # bit-identical to training with the same plan given by hand
+        assert r["losses_auto"] == r["losses_by_hand"]
+        assert all(torch.equal(x, y) for x, y in zip(r["params_auto"], r["params_by_hand"]))
     assert "exceeds the plan's batch_size" in a["too_big"]
     assert "made for another model" in a["other_model"] and "'wte'" in a["other_model"]
 

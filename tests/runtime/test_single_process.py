@@ -62,7 +62,7 @@ def gpt(**kw):
         ({"modes": {"blocks.0.mlp.c_fc": ("dp", "zdp", "dp")}, "splits": {"blocks.0.mlp.c_fc": 2}}, r"3 per-slice modes but splits.* = 2"),
         ({"splits": {"blocks.0.mlp.c_fc": 0}}, r"integer >= 1"),
         ({"splits": {"blocks.0.mlp.c_fc": 11}}, r"in_features=10\) into 11 slices: use 1 <= g <= 10"),
-        ({"splits": {"blocks.0.ln_1": 2}}, r"LayerNorm, which has no split op; modules that can be split: Embedding, Linear"),
+        ({"splits": {"blocks.0.ln_1": 2}}, r"LayerNorm, which has no split op; modules that can be split: (Conv1D, )?Embedding, Linear"),
         ({"modes": {"blocks.0.mlp.c_fc[1]": "dp"}}, r"names slice 1 of 'blocks.0.mlp.c_fc', which is not split"),
         ({"modes": {"blocks.0.mlp.c_fc[5]": "dp"}, "splits": {"blocks.0.mlp.c_fc": 2}}, r"has 2 slices \(0..1\)"),
         ({"checkpoint_blocks": ("blocks.9",)}, r"checkpoint block 'blocks.9' is not a module path"),
