@@ -38,8 +38,8 @@ search_problem.py's [Note: the memory constraint]):
     kept weights     (g - k) * P/g                  from its forward to its backward
     in-flight gathers  P/g if P/g > W else min(W, P/g + bytes of the ops around it)
                        (in backward the op's own P/g only if it has zdp slices)
-    gradient buffers   G/g   (one reduce-scatter pending; the gradient being computed
-                       is part of the measured backward transients)
+    gradient buffers   2 * G/g   (the slice being computed + one reduce-scatter pending,
+                       as the runtime's scheduler keeps them)
     activation grads   b * the op's measured backward transients (describe's
                        [Note: backward transients]; its saved bytes when unknown)
 With checkpointing a block keeps only its input; its activations are recomputed and
@@ -366,9 +366,9 @@ def _option_rows(desc, op, device, settings, checkpointed, window, after_i, befo
             else:
                 gathers_f = min(window, s + after_i)
                 gathers_b = min(window, own_b + before_i)
-            # the slice's own unsharded gradient is part of the measured backward
-            # transients; one more waits for its reduce-scatter
-            transient = max(gathers_f, gathers_b + grad)
+            # the runtime keeps at most two unsharded gradients: the slice being
+            # computed and one waiting for its reduce-scatter
+            transient = max(gathers_f, gathers_b + 2 * grad)
             rows.append((g, k, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
                          (g - 1) * device.slice_overhead_s, split_efficiency(g, device)))
     return rows

@@ -105,8 +105,8 @@ def test_peak_is_at_start_of_backward_with_a_breakdown():
     # at the start of backward no sharded gradient exists yet (zero_grad set them to None)
     states = shard * (4 + 8) * 5
     # transient of the last op: its forward gather (P), or in backward nothing to gather
-    # (dp) plus one gradient waiting for its reduce-scatter (P): max = P
-    expect = states + 5 * P + 5 * 4096 * b + P + 4096 * b
+    # (dp) plus its gradient and one waiting for its reduce-scatter (2P): max = 2P
+    expect = states + 5 * P + 5 * 4096 * b + 2 * P + 4096 * b
     assert est.peak_op == "l4"
     assert est.peak_bytes == pytest.approx(expect)
     assert sum(est.breakdown.values()) == pytest.approx(est.peak_bytes)
