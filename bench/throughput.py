@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,11 +86,18 @@ def main(argv=None):
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / "results" / ".profile-cache"))
+    parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--budgets", help=f"comma-separated subset of: {', '.join(BUDGETS)}")
+    parser.add_argument("--out", help="CSV path (default bench/results/throughput_<device>.csv)")
     args = parser.parse_args(argv)
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
     budgets = {"middle": BUDGETS["middle"]} if args.quick else BUDGETS
+    if args.models:
+        models = {k: MODELS[k] for k in args.models.split(",")}
+    if args.budgets:
+        budgets = {k: BUDGETS[k] for k in args.budgets.split(",")}
     table = []
     for name, config in models.items():
         param_bytes = sum(p.numel() for p in GPT_params(config)) * 4
@@ -114,7 +122,7 @@ def main(argv=None):
                 for r in rows), flush=True)
             print(f"    OSDP / best peer: {f'{ratio:.2f}x' if ratio else '-'} ({best_peer['peer'] if best_peer else 'none fits'});"
                   f" OSDP+ckpt / FSDP+ckpt: {f'{ckpt_ratio:.2f}x' if ckpt_ratio else '-'}", flush=True)
-    out = ROOT / "bench" / "results" / f"throughput_{device.replace(' ', '_')}.csv"
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"throughput_{device.replace(' ', '_')}.csv"
     fields = ["model", "budget", "budget_bytes", "peer", "batch", "peak_bytes", "fits", "step_s", "samples_per_s",
               "predicted_samples_per_s", "bench_s", "device"]
     with open(out, "w", newline="") as f:
