@@ -8,7 +8,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import osdp
@@ -17,19 +16,11 @@ from osdp.checkpoint._dcp import flat_index, range_boxes
 from osdp.errors import OSDPError
 from osdp.models import GPT, GPTConfig, example_batch
 from osdp.runtime.state_dict import box_view
-from runtime.dist_harness import free_port
 
 CFG = GPTConfig(vocab_size=97, seq_len=8, num_layers=2, hidden=10, heads=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 def test_range_boxes_cover_exactly_the_range_in_order():

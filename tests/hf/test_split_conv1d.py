@@ -11,26 +11,17 @@ import pytest
 pytest.importorskip("transformers", reason="Hugging Face model tests need `pip install transformers`")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 import torch.nn as nn  # noqa: E402
 from transformers.pytorch_utils import Conv1D  # noqa: E402
 
 import osdp  # noqa: E402
 from osdp.errors import OSDPError  # noqa: E402
 from osdp.ops import get_split_op, registered_split_ops  # noqa: E402
-from runtime.dist_harness import free_port  # noqa: E402
 
 EPS32 = torch.finfo(torch.float32).eps
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 def _conv(nx, nf, seed=0):

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import osdp
@@ -15,19 +14,11 @@ from osdp.models import GPT, GPTConfig, example_batch
 from osdp.ops import SplitModule, get_split_op, register_split_op, split_sizes
 from osdp.ops import kernels
 
-from .dist_harness import free_port
 
 CFG = GPTConfig(vocab_size=97, seq_len=8, num_layers=2, hidden=10, heads=2)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank_group():
-    if dist.is_initialized():
-        yield
-        return
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
 @dataclass(frozen=True)
