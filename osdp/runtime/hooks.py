@@ -77,6 +77,7 @@ class ModuleBinding:
         self.entries: list[tuple[ShardUnit, list[tuple[str, int]]]] = entries
         self.scheduler = scheduler
         self._stack: list[list[Use]] = []
+        scheduler.recover_listeners.append(self._stack.clear)  # a step died mid-forward
         self.handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             module.register_forward_hook(self._post_forward, with_kwargs=True),

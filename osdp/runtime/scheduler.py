@@ -64,6 +64,23 @@ backward runs with sync on adds its gradient and reduce-scatters the sum (in
 ``reduce_dtype``); the result is added into the sharded ``.grad`` like any step. With
 sync on for every micro-batch, each reduce-scatter adds into ``.grad``.
 
+[Note: recovery after an exception]
+An exception inside forward or backward (an out-of-range token id, an OOM, a user
+error) stops the step between a unit's pre- and post-hook: use counts stay raised, so
+that unit would never be freed or reduced again. ``recover()`` puts the scheduler back
+to the state of a fresh step: it waits for every collective already issued (each was
+issued on every rank, so waiting keeps the ranks' collective sequences aligned), frees
+every gathered buffer, drops the failed step's gradients that had not reached
+``.grad`` (unsharded ones, and reduce-scatters still in flight: waited for, their
+result dropped; as in plain PyTorch, a failed backward may have left earlier units'
+gradients in ``.grad``: call ``zero_grad`` after catching it),
+forgets uses in flight and any order it was recording, and keeps orders recorded by
+completed steps. ``OSDP.forward`` calls it when the module raises; a backward that
+raised never runs the autograd final callback, so the next ``begin_forward`` outside
+autograd finds ``_in_backward`` still set (or a use still computing) and recovers
+first. An exception on only some ranks leaves the others inside a collective: they
+fail with ``CollectiveTimeoutError`` after ``timeout_s``; that step cannot be saved.
+
 [Note: activation checkpointing]
 A forward that runs inside backward is a checkpoint recompute. It gathers what it needs
 (a ``zdp`` unit is gathered again), frees only what it gathered itself, and registers
@@ -134,6 +151,7 @@ class Scheduler:
         self._awaiting: dict[Use, None] = {}
         self._reduce_scatters: deque = deque()
         self._grad_bytes: dict[ShardUnit, int] = {}  # ledger bytes of gradients in flight
+        self.recover_listeners: list = []  # called by recover() (module hooks drop their stacks)
 
     def mark_coalescible(self, units) -> None:
         """``units``: the whole-module units that may be coalesced when small."""
@@ -143,6 +161,8 @@ class Scheduler:
 
     # ---- forward order ------------------------------------------------------------
     def begin_forward(self) -> None:
+        if not _in_autograd_engine() and (self._in_backward or any(u.n_active for u in self.units)):
+            self.recover()  # the previous step died inside backward; see [Note: recovery after an exception]
         self._in_forward = True
         self._fwd_cursor = 0
         if self._fwd_order is None and torch.is_grad_enabled():
@@ -447,15 +467,14 @@ class Scheduler:
             while len(self._reduce_scatters) > self.max_inflight_reduce_scatters:
                 self._finish_reduce_scatter()
 
-    def _finish_reduce_scatter(self) -> None:
+    def _finish_reduce_scatter(self, keep: bool = True) -> None:
+        """Wait for the oldest reduce-scatter; ``keep=False`` drops its result."""
         units, outs, _inputs, pending = self._reduce_scatters.popleft()
         pending.wait()
         for unit, out in zip(units, outs):
-            out.div_(self.comm.world_size)  # average over ranks (each rank's loss is a local mean)
-            if unit.shard.grad is None:
-                unit.shard.grad = out
-            else:
-                unit.shard.grad.add_(out)
+            if keep:
+                out.div_(self.comm.world_size)  # average over ranks (each rank's loss is a local mean)
+                unit.accumulate_sharded_grad(out)
             self.ledger.grad_free(unit.name, self._grad_bytes.pop(unit))
 
     # ---- end of backward --------------------------------------------------------------
@@ -483,6 +502,32 @@ class Scheduler:
             self._bwd_order, self._bwd_recording = self._bwd_recording, None
         self._in_backward = False
         self._bwd_cursor = 0
+
+    def recover(self) -> None:
+        """Back to the state of a fresh step; see [Note: recovery after an exception]."""
+        for use in list(self._awaiting):
+            use.state = UseState.DONE
+            use.abandoned = True
+        self._awaiting.clear()
+        for unit in self.units:
+            unit.n_active = unit.n_await = 0
+        self._kept_bytes = 0
+        for unit in list(self._live):
+            self._free(unit)  # waits for its gather first
+        while self._reduce_scatters:  # a failed step's gradients: waited for, dropped
+            self._finish_reduce_scatter(keep=False)
+        self._deferred, self._deferred_bytes = {}, 0
+        for unit in self.units:
+            if unit.grad_flat is not None:
+                flat, unit.grad_flat = unit.grad_flat, None
+                self.ledger.grad_free(unit.name, flat.numel() * flat.element_size())
+        self._recording = None
+        if self._bwd_recording:  # the first backward died: record it again next time
+            self._bwd_recording = []
+        self._in_forward = self._in_backward = False
+        self._fwd_cursor = self._bwd_cursor = 0
+        for listener in self.recover_listeners:
+            listener()
 
     def wait_reduce_scatters(self) -> None:
         self._flush_deferred()
