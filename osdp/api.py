@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .contract import DEFAULT_COALESCE_BYTES, default_prefetch_bytes
 from .errors import OSDPError, PlanMismatchError
 from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
@@ -23,7 +24,6 @@ from .runtime.scheduler import Scheduler
 from .runtime.state_dict import full_state_dict
 
 
-DEFAULT_COALESCE_BYTES = 64 * 1024
 
 
 def _default_device() -> torch.device:
@@ -162,7 +162,7 @@ class OSDP(nn.Module):
         self.module = module.to(self.device)  # buffers; the shards already live there
         window = config.prefetch_bytes
         if window is None:
-            window = 2 * max(u.gathered_bytes for u in self._built.units)
+            window = default_prefetch_bytes(max(u.gathered_bytes for u in self._built.units))
         self._ledger = MemoryLedger(self.device)
         self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, coalesce_bytes)
         split_units = {id(u) for _, units in self._built.splits.values() for u in units}

@@ -42,20 +42,11 @@ class _SplitMatmulFn(torch.autograd.Function):
     def forward(ctx, x, expects_backward: bool, module: "MatmulSplit", *shards):
         sched = module.scheduler
         x2 = x.reshape(-1, module.in_features)
-        cut_in = module.cut == "in"
-        if cut_in:
-            out = torch.zeros(x2.shape[0], module.out_features, dtype=torch.float32, device=x.device)
-        else:
-            out = torch.empty(x2.shape[0], module.out_features, dtype=torch.float32, device=x.device)
+        out = module.new_output(x2)
         uses = []
         for i, unit in enumerate(module.units):
             use = sched.pre_forward(unit)
-            weight, bias = module.slice_weight(unit, i), module.slice_bias(unit, i)
-            if cut_in:
-                kernels.addmm_slice_(out, x2, weight, module.offsets[i], bias)
-            else:
-                block = out.narrow(1, module.offsets[i], module.sizes[i]).zero_()
-                kernels.addmm_slice_(block, x2, weight, 0, bias)
+            module.forward_slice(out, x2, module.slice_weight(unit, i), module.slice_bias(unit, i), i)
             sched.post_forward(use, expects_backward)
             uses.append(use)
         ctx.module, ctx.uses = module, uses
@@ -70,31 +61,15 @@ class _SplitMatmulFn(torch.autograd.Function):
         x2 = x.reshape(-1, module.in_features)
         dy2 = dy.reshape(-1, module.out_features)
         need_dx = ctx.needs_input_grad[0]
-        cut_in = module.cut == "in"
-        dx = None
-        if need_dx:
-            dx = torch.empty_like(x2) if cut_in else torch.zeros(x2.shape, dtype=torch.float32, device=x.device)
+        dx = module.new_input_grad(x2) if need_dx else None
         for i in reversed(range(module.g)):
-            unit, use, k0, ks = module.units[i], uses[i], module.offsets[i], module.sizes[i]
+            unit, use = module.units[i], uses[i]
             sched.pre_backward(use)
-            weight = module.slice_weight(unit, i)
-            if need_dx:
-                if cut_in:
-                    kernels.slice_dx(dy2, weight, dx, k0)
-                else:  # dX += dY[:, n_i] @ W_i
-                    kernels.addmm_slice_(dx, dy2, weight.t(), k0)
-            if unit.requires_grad:
-                grads, accumulate = sched.grad_buffer(unit)
-                dw = module.linear_view(grads[0])  # [N or ns, K or ks], a view
-                if cut_in:  # dW_i = dY^T @ X[:, k_i]
-                    kernels.slice_dw(dy2, x2, k0, ks, out=dw, accumulate=accumulate)
-                else:  # dW_i^T = X^T @ dY[:, n_i]
-                    kernels.slice_dw(x2, dy2, k0, ks, out=dw.t(), accumulate=accumulate)
-                if module.has_bias and (not cut_in or i == 0):
-                    _bias_grad(dy2 if cut_in else dy2.narrow(1, k0, ks), grads[1], accumulate)
+            grads, accumulate = sched.grad_buffer(unit) if unit.requires_grad else (None, False)
+            module.backward_slice(dy2, x2, module.slice_weight(unit, i), dx, grads, accumulate, i)
             sched.post_backward(use, None)
         if need_dx:
-            dx = dx.view_as(x) if cut_in else dx.to(x.dtype).view_as(x)
+            dx = dx.to(x.dtype).view_as(x)  # no copy for the K-split (written in x's dtype)
         return (dx, None, None) + (None,) * module.g
 
 
@@ -141,6 +116,65 @@ class MatmulSplit(SplitModule):
     def axis_length(cls, module: nn.Module) -> int:
         n, k = cls.linear_shape(module)
         return k if cls.cut == "in" else n
+
+    # ---- the math of one slice (the autograd Function and the profiler run these) -----
+    def new_output(self, x2: torch.Tensor) -> torch.Tensor:
+        """The fp32 accumulator of the output."""
+        shape, dev = (x2.shape[0], self.out_features), x2.device
+        return torch.zeros(shape, dtype=torch.float32, device=dev) if self.cut == "in" else torch.empty(
+            shape, dtype=torch.float32, device=dev)
+
+    def forward_slice(self, out, x2, weight, bias, i: int) -> None:
+        """Add slice ``i``'s product into ``out`` (``weight``: Linear layout)."""
+        if self.cut == "in":
+            kernels.addmm_slice_(out, x2, weight, self.offsets[i], bias)
+        else:
+            block = out.narrow(1, self.offsets[i], self.sizes[i]).zero_()
+            kernels.addmm_slice_(block, x2, weight, 0, bias)
+
+    def new_input_grad(self, x2: torch.Tensor) -> torch.Tensor:
+        """dX: written block by block in x's dtype (K-split) or an fp32 accumulator."""
+        return torch.empty_like(x2) if self.cut == "in" else torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
+
+    def backward_slice(self, dy2, x2, weight, dx, grads, accumulate: bool, i: int) -> None:
+        """Slice ``i``'s part of dX (when ``dx`` is given) and its dW (and db) into
+        ``grads`` (its unsharded gradient views; None: frozen)."""
+        k0, ks = self.offsets[i], self.sizes[i]
+        cut_in = self.cut == "in"
+        if dx is not None:
+            if cut_in:
+                kernels.slice_dx(dy2, weight, dx, k0)
+            else:  # dX += dY[:, n_i] @ W_i
+                kernels.addmm_slice_(dx, dy2, weight.t(), k0)
+        if grads is None:
+            return
+        dw = self.linear_view(grads[0])  # [N or ns, K or ks], a view
+        if cut_in:  # dW_i = dY^T @ X[:, k_i]
+            kernels.slice_dw(dy2, x2, k0, ks, out=dw, accumulate=accumulate)
+        else:  # dW_i^T = X^T @ dY[:, n_i]
+            kernels.slice_dw(x2, dy2, k0, ks, out=dw.t(), accumulate=accumulate)
+        if self.has_bias and (not cut_in or i == 0):
+            _bias_grad(dy2 if cut_in else dy2.narrow(1, k0, ks), grads[1], accumulate)
+
+    @classmethod
+    def timed_step(cls, x2: torch.Tensor, weight: torch.Tensor, dy2: torch.Tensor, g: int) -> None:
+        """Forward and backward of the product split in ``g`` slices on plain tensors
+        (``weight`` [N, K], Linear layout): what the profiler times for split efficiency."""
+        op = cls.__new__(cls)
+        nn.Module.__init__(op)
+        op.out_features, op.in_features = weight.shape
+        op.has_bias, op.g = False, g
+        op.sizes = split_sizes(op.in_features if cls.cut == "in" else op.out_features, g)
+        op.offsets = [sum(op.sizes[:i]) for i in range(g)]
+        cut = (lambda w, k0, ks: w.narrow(1, k0, ks)) if cls.cut == "in" else (lambda w, k0, ks: w.narrow(0, k0, ks))
+        out = op.new_output(x2)
+        for i in range(g):
+            op.forward_slice(out, x2, cut(weight, op.offsets[i], op.sizes[i]), None, i)
+        out.to(x2.dtype)
+        dx = op.new_input_grad(x2)
+        for i in reversed(range(g)):
+            w = cut(weight, op.offsets[i], op.sizes[i])
+            op.backward_slice(dy2, x2, w, dx, [torch.empty_like(w)], False, i)
 
     def slice_weight(self, unit, i: int) -> torch.Tensor:
         return self.linear_view(unit.views[0])

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn as nn
 
+from ..contract import split_sizes  # noqa: F401 - part of the ops API
 from ..errors import OSDPError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,13 +34,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 _REGISTRY: dict[str, type["SplitModule"]] = {}  # op name -> op
 _DEFAULTS: dict[type, str] = {}  # module type -> default op name
-
-
-def split_sizes(length: int, g: int) -> list[int]:
-    """Sizes of ``g`` slices of ``length``: as even as possible, the first ``length % g``
-    slices one larger (like ``torch.tensor_split``)."""
-    base, extra = divmod(length, g)
-    return [base + (i < extra) for i in range(g)]
 
 
 class SplitModule(nn.Module):

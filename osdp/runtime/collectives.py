@@ -28,13 +28,13 @@ on the compute stream (no CPU block); NCCL's own watchdog timeout applies there.
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..contract import gradient_collective
 from ..errors import OSDPError
 from .streams import streams_for
 
@@ -72,9 +72,9 @@ DONE = Pending(None, (), _done)
 
 
 def reduces_with_all_reduce(device: torch.device) -> bool:
-    """Whether gradients are all-reduced (then sliced) instead of reduce-scattered: on
-    gloo, where all-reduce is the faster of the two; see [Note: gloo reduce-scatter]."""
-    return device.type != "cuda" and os.environ.get("OSDP_GLOO_REDUCE_SCATTER", "0") != "1"
+    """Whether gradients are all-reduced (then sliced) instead of reduce-scattered
+    (``contract.gradient_collective``); see [Note: gloo reduce-scatter]."""
+    return gradient_collective(device.type) == "all_reduce"
 
 
 class CommContext:
