@@ -278,6 +278,7 @@ def save(model, optimizer, path: str, *, step: int | None = None, extra=None) ->
     tmp = _atomic.partial_path(path)
 
     def prepare():
+        _atomic.recover_backup(path)
         _atomic.check_replaceable(path)
         _atomic.fresh_dir(tmp)
 
@@ -317,7 +318,9 @@ def read_metadata(path: str) -> dict:
     """The ``osdp_meta.pt`` of a sharded checkpoint (no collective)."""
     file = os.path.join(path, META_FILE)
     if not os.path.isfile(file):
-        raise OSDPError(f"{path!r} is not an OSDP sharded checkpoint (no {META_FILE})")
+        raise _atomic.interrupted_save_error(path) or OSDPError(
+            f"{path!r} is not an OSDP sharded checkpoint (no {META_FILE})"
+        )
     meta = torch.load(file, map_location="cpu", weights_only=True)
     if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
         raise PlanMismatchError(
