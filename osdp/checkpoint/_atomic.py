@@ -196,6 +196,15 @@ def agree(comm, error: BaseException | None) -> None:
             raise cls(f"rank {rank}: {name}: {text}")
 
 
+def gather_to_rank0(comm, obj) -> list | None:
+    """Every rank's ``obj`` on group rank 0 (in rank order); None elsewhere."""
+    if comm.world_size == 1:
+        return [obj]
+    out = [None] * comm.world_size if comm.rank == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(comm.group, 0), group=comm.group)
+    return out
+
+
 def broadcast_from_rank0(comm, obj):
     box = [obj]
     if comm.world_size > 1:
