@@ -24,3 +24,12 @@ class InfeasiblePlanError(OSDPError):
 
 class PlanMismatchError(OSDPError):
     """A plan (or checkpoint) made for another model, world size or version."""
+
+
+class CheckpointCorruptedError(OSDPError):
+    """A checkpoint's stored data is not what was saved: a chunk whose checksum differs,
+    a truncated data file, or DCP metadata that does not match the data files."""
+
+
+class UnverifiedCheckpointWarning(UserWarning):
+    """A checkpoint was loaded without verifying its data (written before checksums)."""

@@ -28,28 +28,31 @@ parameters, never units, so nothing in it depends on the plan or the world size:
 - ``osdp_meta.pt`` (``torch.save``, read with ``weights_only=True``): format version,
   the model fingerprint (original parameter names and shapes, tied names, buffers),
   optimizer class, its param-group hyperparameters and which state keys each parameter
-  has, ``step``, ``extra`` (rank 0's; plain containers, numbers, strings, tensors), and
-  for information the world size and unit modes it was saved with.
+  has, ``step``, ``extra`` (rank 0's; plain containers, numbers, strings, tensors),
+  ``checksums`` (where each stored chunk is and its crc32; see
+  [Note: checkpoint integrity] in ``_integrity.py``), and for information the world
+  size and unit modes it was saved with.
 
 Loading validates everything (fingerprint, optimizer class and groups, keys, shapes)
-before changing anything, reads into fresh buffers, and only then copies into the
-shards, the buffers and the optimizer (``optimizer.load_state_dict``, so torch's own
-dtype/device rules for each state apply). A failed load leaves model and optimizer as
-they were. Saving is atomic: see [Note: atomic checkpoints] in ``_atomic.py``.
+before changing anything, reads into fresh buffers (verifying every stored chunk it
+reads against its checksum), and only then copies into the shards, the buffers and the
+optimizer (``optimizer.load_state_dict``, so torch's own dtype/device rules for each
+state apply). A failed load leaves model and optimizer as they were, and its error
+leads with the cause (see [Note: checkpoint errors] in ``_integrity.py``). Saving is
+atomic: see [Note: atomic checkpoints] in ``_atomic.py``.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shutil
+import warnings
 import weakref
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
 
-from ..errors import OSDPError, PlanMismatchError
+from ..errors import OSDPError, PlanMismatchError, UnverifiedCheckpointWarning
 from ..runtime.state_dict import (
     Layout,
     build_layout,
@@ -59,15 +62,16 @@ from ..runtime.state_dict import (
 )
 from ..runtime.state_dict import full_state_dict as _gather_full_state_dict
 from . import _atomic
-from ._atomic import META_FILE, agree, broadcast_from_rank0, on_rank0
+from ._atomic import META_FILE, agree, broadcast_from_rank0, gather_to_rank0, on_rank0
 from ._optim_state import optimizer_units as _optimizer_units
 from ._optim_state import param_states, same_state, unit_state
 from ._dcp import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner, flat_index, range_boxes
+from ._integrity import ALGORITHM, ChecksumWriter, VerifyingReader, dcp_errors
 
 __all__ = ["save", "load", "full_state_dict", "load_full_state_dict", "save_full", "load_full"]
 
 FORMAT = "osdp-sharded"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-chunk checksums; 1 (no checksums) still loads, with a warning
 _LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -265,13 +269,20 @@ def save(model, optimizer, path: str, *, step: int | None = None, extra=None) ->
     tmp = _atomic.partial_path(path)
 
     def prepare():
+        _atomic.recover_backup(path)
         _atomic.check_replaceable(path)
         _atomic.fresh_dir(tmp)
 
     on_rank0(comm, prepare)
     try:
-        with _dcp_errors("saving", path):
-            dcp.save(state, storage_writer=_writer(tmp), planner=ChunkSavePlanner(), process_group=comm.group)
+        writer = _writer(tmp)
+        with dcp_errors("saving", path):
+            dcp.save(state, storage_writer=writer, planner=ChunkSavePlanner(), process_group=comm.group)
+        if getattr(writer, "records", None) is None:
+            raise OSDPError(f"internal: the storage writer {type(writer).__name__} recorded no checksums")
+        chunks = gather_to_rank0(comm, writer.records)
+        if comm.rank == 0:
+            meta["checksums"] = {"algorithm": ALGORITHM, "chunks": [r for rank in chunks for r in rank]}
 
         def finish():
             _atomic.atomic_torch_save(meta, os.path.join(tmp, META_FILE))
@@ -285,32 +296,26 @@ def save(model, optimizer, path: str, *, step: int | None = None, extra=None) ->
         raise
 
 
-@contextlib.contextmanager
-def _dcp_errors(doing: str, path: str):
-    """DCP raises CheckpointException (a BaseException, on every rank when any rank
-    failed): turn it into an OSDPError that ``except Exception`` catches."""
-    try:
-        yield
-    except CheckpointException as exc:
-        raise OSDPError(f"{doing} checkpoint {path!r} failed: {exc}") from exc
-
-
 def _writer(path: str):
     """The DCP storage writer (a function so tests can inject failures)."""
-    return dcp.FileSystemWriter(path, sync_files=True)
+    return ChecksumWriter(path, sync_files=True)
 
 
 def read_metadata(path: str) -> dict:
     """The ``osdp_meta.pt`` of a sharded checkpoint (no collective)."""
     file = os.path.join(path, META_FILE)
     if not os.path.isfile(file):
-        raise OSDPError(f"{path!r} is not an OSDP sharded checkpoint (no {META_FILE})")
+        raise _atomic.interrupted_save_error(path) or OSDPError(
+            f"{path!r} is not an OSDP sharded checkpoint (no {META_FILE})"
+        )
     meta = torch.load(file, map_location="cpu", weights_only=True)
-    if meta.get("format") != FORMAT or meta.get("version") != FORMAT_VERSION:
+    if meta.get("format") != FORMAT or meta.get("version") not in (1, FORMAT_VERSION):
         raise PlanMismatchError(
             f"{path!r} has checkpoint format {meta.get('format')!r} v{meta.get('version')}; "
-            f"this OSDP reads {FORMAT!r} v{FORMAT_VERSION}"
+            f"this OSDP reads {FORMAT!r} v1 to v{FORMAT_VERSION}"
         )
+    if meta["version"] >= 2 and meta.get("checksums", {}).get("algorithm") != ALGORITHM:
+        raise PlanMismatchError(f"{path!r} has checksums of an unknown kind; this OSDP verifies {ALGORITHM}")
     return meta
 
 
@@ -354,13 +359,24 @@ def load(model, optimizer, path: str) -> dict:
         if problem is not None:
             error = PlanMismatchError(f"cannot load checkpoint {path!r} into this optimizer: {problem}")
     agree(comm, error)
+    checksums = meta.get("checksums")
+    if checksums is None and comm.rank == 0:
+        warnings.warn(
+            UnverifiedCheckpointWarning(
+                f"checkpoint {path!r} has no checksums (format v{meta['version']}, written before OSDP checked "
+                "its data): its data is loaded unverified; save it again to add checksums"
+            ),
+            stacklevel=2,
+        )
 
-    # fresh buffers: nothing is touched until DCP has read everything
+    # fresh buffers: nothing is touched until DCP has read (and verified) everything
     new_shards = [torch.zeros_like(u.shard) for u in units]
     state = {f"model.{fqn}": _chunked(model, layout, fqn, new_shards.__getitem__) for fqn in layout.params}
+    names = {f"model.{fqn}": f"parameter {fqn!r}" for fqn in layout.params}  # for errors
     buffers = dict(model.module.named_buffers())
     new_buffers = {name: torch.empty_like(buffers[name], device="cpu") for name in layout.buffers}
     state.update({f"model.{name}": ChunkedTensor.whole(t) for name, t in new_buffers.items()})
+    names.update({f"model.{name}": f"buffer {name!r}" for name in layout.buffers})
     new_optim: dict[int, dict] = {}  # unit -> state
     scalars: dict[tuple[str, str], torch.Tensor] = {}
     if optimizer is not None:
@@ -373,6 +389,7 @@ def load(model, optimizer, path: str) -> dict:
         for fqn, keys in kinds.items():
             info = layout.params[fqn]
             for key, kind in keys.items():
+                names[f"optim.{fqn}.{key}"] = f"optimizer state {key!r} of parameter {fqn!r}"
                 if kind[0] == "elementwise":
                     dtype = getattr(torch, kind[1].split(".")[-1])
                     for p in info.pieces:
@@ -383,8 +400,9 @@ def load(model, optimizer, path: str) -> dict:
                     dtype = getattr(torch, kind[1].split(".")[-1])
                     scalars[(fqn, key)] = torch.empty(kind[2], dtype=dtype)
                     state[f"optim.{fqn}.{key}"] = ChunkedTensor.whole(scalars[(fqn, key)])
-    with _dcp_errors("loading", path):
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(), process_group=comm.group)
+    reader = VerifyingReader(path, None if checksums is None else checksums["chunks"], names)
+    with dcp_errors("loading", path):
+        dcp.load(state, storage_reader=reader, planner=ChunkLoadPlanner(), process_group=comm.group)
 
     # a unit's state: element-wise tensors from the staging buffers; per-parameter ones
     # (AdamW step) from its parameters, which must agree

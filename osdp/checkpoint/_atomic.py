@@ -5,18 +5,32 @@ failure every rank hears about.
 A checkpoint is written under a hidden sibling of its target (``.<name>.osdp-partial``)
 and only renamed onto the target once every rank's data and the metadata are on disk
 (fsynced). A crash or an error before that leaves the target as it was; the partial
-directory is removed on error and replaced by the next save. Replacing an existing
-directory uses ``renameat2(RENAME_EXCHANGE)`` where the kernel and filesystem allow it
-(one atomic swap); otherwise the old checkpoint is first renamed aside to
-``.<name>.osdp-old`` and deleted after the new one is in place (a crash between the two
-renames leaves the old checkpoint intact there, never a half-written one at the target).
+directory is removed on error and replaced by the next save. Whatever is under the
+partial name is never needed again. Replacing an existing directory uses
+``renameat2(RENAME_EXCHANGE)`` where the kernel and filesystem allow it (one atomic
+swap; the partial name then holds the old checkpoint, which is deleted). Otherwise the
+old checkpoint is first renamed aside to the backup ``.<name>.osdp-old``, then the new
+one onto the target. If that second rename fails, the backup is renamed back. After
+success the backup is renamed to the partial name and deleted. So ``.osdp-old`` only
+ever names a complete checkpoint, never a half-deleted one.
+
+A crash between the two renames leaves no target and the backup, the last complete
+checkpoint. The next save to the target renames the backup back before anything
+else (:func:`recover_backup`). A backup beside a complete target (a crash after the
+second rename) is stale, and that save deletes it. Loading a missing target whose backup
+exists raises an error naming the backup and the ``mv`` that restores it. Loading
+does not restore it itself: a load only reads, and a save into the same path
+may be running in another job at that moment.
+
 A single-file checkpoint is a temporary file next to the target and ``os.replace``.
 """
 from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -67,6 +81,39 @@ def check_replaceable(path: str) -> None:
         raise OSDPError(f"{path!r} is a non-empty directory without an OSDP checkpoint; refusing to replace it")
 
 
+def recover_backup(path: str) -> None:
+    """Before a save to ``path``: settle the backup an interrupted save left (see
+    [Note: atomic checkpoints]): put it back if ``path`` is missing, delete it if
+    ``path`` is a complete checkpoint."""
+    old = _old_path(path)
+    if not os.path.lexists(old):
+        return
+    if not os.path.lexists(path):
+        os.rename(old, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
+    elif os.path.isfile(os.path.join(path, META_FILE)):
+        shutil.rmtree(old)
+    else:
+        raise OSDPError(
+            f"{old!r} is the backup an interrupted save left of checkpoint {path!r}, but {path!r} is not a "
+            "checkpoint; move one of them away before saving there"
+        )
+
+
+def interrupted_save_error(path: str) -> OSDPError | None:
+    """For a load of ``path`` that does not exist: the error that points to the backup
+    an interrupted save left, if there is one."""
+    old = _old_path(path)
+    if os.path.lexists(path) or not os.path.isdir(old):
+        return None
+    return OSDPError(
+        f"checkpoint {path!r} does not exist, but its backup {old!r} does: a save to it was interrupted "
+        "between its two renames and the backup is the last complete checkpoint. Restore it with: "
+        f"mv {shlex.quote(old)} {shlex.quote(path)} (the next osdp.checkpoint.save to this path also restores "
+        "it before writing)"
+    )
+
+
 def fresh_dir(path: str) -> None:
     if os.path.lexists(path):
         shutil.rmtree(path)
@@ -79,16 +126,23 @@ def replace_dir(tmp: str, path: str) -> None:
     fsync_dir(tmp)
     if not os.path.lexists(path):
         os.rename(tmp, path)
-    elif exchange_dirs(tmp, path):
-        shutil.rmtree(tmp)  # now holds the old checkpoint
-    else:
+    elif not exchange_dirs(tmp, path):
         old = _old_path(path)
-        if os.path.lexists(old):
+        if os.path.lexists(old):  # stale (recover_backup handles it before a save)
             shutil.rmtree(old)
         os.rename(path, old)
-        os.rename(tmp, path)
-        shutil.rmtree(old)
+        try:
+            os.rename(tmp, path)
+        except OSError:
+            os.rename(old, path)  # the previous checkpoint goes back
+            raise
+        os.rename(old, tmp)  # the backup leaves its name before it is deleted
     fsync_dir(parent)
+    # tmp now holds the previous checkpoint, if there was one: delete it; a failure here
+    # does not fail the save (the new checkpoint is in place), the next save retries
+    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.lexists(tmp):
+        warnings.warn(f"could not delete the previous checkpoint, now at {tmp!r}; the next save to {path!r} does")
 
 
 exchange_dirs = _exchange  # a module attribute so tests can force the fallback
@@ -140,6 +194,15 @@ def agree(comm, error: BaseException | None) -> None:
             name, text = report
             cls = {c.__name__: c for c in (OSDPError, PlanMismatchError)}.get(name, OSDPError)
             raise cls(f"rank {rank}: {name}: {text}")
+
+
+def gather_to_rank0(comm, obj) -> list | None:
+    """Every rank's ``obj`` on group rank 0 (in rank order); None elsewhere."""
+    if comm.world_size == 1:
+        return [obj]
+    out = [None] * comm.world_size if comm.rank == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(comm.group, 0), group=comm.group)
+    return out
 
 
 def broadcast_from_rank0(comm, obj):
