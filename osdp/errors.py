@@ -24,3 +24,9 @@ class InfeasiblePlanError(OSDPError):
 
 class PlanMismatchError(OSDPError):
     """A plan (or checkpoint) made for another model, world size or version."""
+
+
+def a_type(value) -> str:
+    """'a str', 'an int': the type of ``value`` for messages ("got 'x' (a str)")."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
