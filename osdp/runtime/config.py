@@ -3,12 +3,14 @@ errors that say what is wrong and what would be right."""
 from __future__ import annotations
 
 import difflib
+import numbers
 import re
 from dataclasses import dataclass
 
 import torch.nn as nn
 
 from ..errors import OSDPError, PlanMismatchError
+from .args import mapping_arg, names_arg
 from .modes import Mode, parse_mode
 
 _SLICE_NAME = re.compile(r"(.+)\[(\d+)\]")
@@ -63,6 +65,9 @@ def resolve_config(
     world_size: int,
 ) -> RuntimeConfig:
     fingerprint = None
+    modes = mapping_arg(modes, "modes", "of unit name -> 'dp'/'zdp' or one mode per slice, e.g. {'lm_head': 'dp'}")
+    splits = mapping_arg(splits, "splits", "of unit name -> slice count g >= 1, e.g. {'lm_head': 4}")
+    checkpoint_blocks = names_arg(checkpoint_blocks, "checkpoint_blocks")
     if plan is not None:
         if modes or splits:
             raise OSDPError("give either plan= or modes=/splits=, not both: the plan already names every unit's modes")
@@ -76,10 +81,8 @@ def resolve_config(
         if prefetch_bytes is None:
             prefetch_bytes = getattr(plan, "prefetch_bytes", None)
         if not checkpoint_blocks:
-            checkpoint_blocks = tuple(getattr(plan, "checkpoint_blocks", ()) or ())
+            checkpoint_blocks = names_arg(getattr(plan, "checkpoint_blocks", ()), "the plan's checkpoint_blocks")
         fingerprint = getattr(plan, "fingerprint", None)
-    modes = dict(modes or {})
-    splits = dict(splits or {})
     default = parse_mode(default_mode, "default_mode")
     candidates = unit_candidates(model)
     modules = dict(model.named_modules())
@@ -87,9 +90,9 @@ def resolve_config(
     slices: dict[str, int] = {}
     for name, g in splits.items():
         _check_name(name, candidates, modules, "splits")
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1:
             raise OSDPError(f"splits[{name!r}] = {g!r}: the slice count must be an integer >= 1")
-        slices[name] = g
+        slices[name] = int(g)
 
     per_unit: dict[str, tuple[Mode, ...]] = {}
     per_slice: dict[tuple[str, int], Mode] = {}
