@@ -297,13 +297,14 @@ def _unit(raw, i: int, max_slices) -> UnitDecision:
     checkpointed = raw.get("checkpointed", False)
     if not isinstance(checkpointed, bool):
         raise OSDPError(f"plan field {where}.checkpointed must be true or false, got {checkpointed!r}")
-    return UnitDecision(
+    raw.update(  # fields not checked here pass through as they are
         name=name,
         kind=_field(raw, "kind", str, "a string", f"plan field {where}"),
         param_bytes=_count(raw, "param_bytes", 0, f"plan field {where}"),
         modes=tuple(modes),
         checkpointed=checkpointed,
     )
+    return UnitDecision(**raw)
 
 
 def _prediction(raw, where: str) -> Prediction | None:
@@ -313,14 +314,15 @@ def _prediction(raw, where: str) -> Prediction | None:
     if not isinstance(raw, dict):
         raise OSDPError(f"{where} must be an object, got {raw!r} ({a_type(raw)})")
     _check_keys(raw, where, Prediction)
-    return Prediction(
+    return Prediction(**dict(  # fields not checked here pass through as they are
+        raw,
         batch_size=_count(raw, "batch_size", 1, where),
         step_s=_size(raw, "step_s", True, where),
         samples_per_s=_size(raw, "samples_per_s", True, where),
         peak_bytes=_size(raw, "peak_bytes", False, where),
         peak_op=_field(raw, "peak_op", str, "a string", where, default=""),
         breakdown=_field(raw, "breakdown", dict, "an object", where, default={}),
-    )
+    ))
 
 
 def format_plan(plan: Plan, max_rows: int = 60) -> str:

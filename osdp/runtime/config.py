@@ -65,9 +65,6 @@ def resolve_config(
     world_size: int,
 ) -> RuntimeConfig:
     fingerprint = None
-    modes = mapping_arg(modes, "modes", "of unit name -> 'dp'/'zdp' or one mode per slice, e.g. {'lm_head': 'dp'}")
-    splits = mapping_arg(splits, "splits", "of unit name -> slice count g >= 1, e.g. {'lm_head': 4}")
-    checkpoint_blocks = names_arg(checkpoint_blocks, "checkpoint_blocks")
     if plan is not None:
         if modes or splits:
             raise OSDPError("give either plan= or modes=/splits=, not both: the plan already names every unit's modes")
@@ -81,8 +78,10 @@ def resolve_config(
         if prefetch_bytes is None:
             prefetch_bytes = getattr(plan, "prefetch_bytes", None)
         if not checkpoint_blocks:
-            checkpoint_blocks = names_arg(getattr(plan, "checkpoint_blocks", ()), "the plan's checkpoint_blocks")
+            checkpoint_blocks = tuple(getattr(plan, "checkpoint_blocks", ()) or ())
         fingerprint = getattr(plan, "fingerprint", None)
+    modes = mapping_arg(modes, "modes", "of unit name -> 'dp'/'zdp' or one mode per slice, e.g. {'lm_head': 'dp'}")
+    splits = mapping_arg(splits, "splits", "of unit name -> slice count g >= 1, e.g. {'lm_head': 4}")
     default = parse_mode(default_mode, "default_mode")
     candidates = unit_candidates(model)
     modules = dict(model.named_modules())
@@ -129,7 +128,7 @@ def resolve_config(
 
     if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
         raise OSDPError(f"prefetch_bytes must be an integer >= 0 (bytes), got {prefetch_bytes!r}")
-    blocks = tuple(checkpoint_blocks or ())
+    blocks = names_arg(checkpoint_blocks, "checkpoint_blocks")
     for block in blocks:
         if block not in modules:
             close = difflib.get_close_matches(str(block), list(modules), n=3)
