@@ -9,12 +9,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .contract import DEFAULT_COALESCE_BYTES, default_prefetch_bytes
 from .errors import OSDPError, PlanMismatchError
 from .runtime.args import device_arg, plan_arg
 from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
 from .runtime.config import check_plan_matches_model, own_param_counts, resolve_config
+from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
 from .runtime.ledger import MemoryLedger
 from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
@@ -23,7 +25,6 @@ from .runtime.scheduler import Scheduler
 from .runtime.state_dict import full_state_dict
 
 
-DEFAULT_COALESCE_BYTES = 64 * 1024
 
 
 def _default_device() -> torch.device:
@@ -43,16 +44,20 @@ class OSDP(nn.Module):
        size, then checks that every rank resolved the same configuration;
     2. replaces each split unit by its split op (``osdp.ops``; ``nn.Linear`` is cut along
        ``in_features``, ``nn.Embedding`` by rows), its slices named ``f"{name}[{i}]"``;
-    3. flattens each unit's parameters into one buffer sharded evenly across ranks
-       (``model.parameters()`` then yields the local shards, one nn.Parameter per unit,
-       named ``<module path>.flat_shard`` or ``<path>.flat_shards.<i>`` for slices);
+    3. flattens each unit's parameters into one buffer sharded evenly across ranks;
+       ``model.named_parameters()`` then yields the ORIGINAL parameters by their
+       original names, each this rank's piece of it (a view of the shard, keeping the
+       original ndim; a split slice's piece is ``<name>[i]``), so optimizer parameter
+       groups are built by name as with FSDP2; see [Note: original parameters];
     4. moves the shards and the (replicated) buffers to ``device``;
     5. wraps ``checkpoint_blocks`` in non-reentrant activation checkpointing;
     6. hooks every module into the stream scheduler.
 
     ``modes``: unit name -> ``"dp"``/``"zdp"`` or one mode per slice (the length is the
     slice count); slice names ``"name[i]"`` may also be keys. ``splits``: unit name ->
-    slice count. ``prefetch_bytes``: the prefetch window (default: twice the largest
+    slice count. ``split_ops``: unit name -> registered split op name (``osdp.ops``), for a
+    split unit cut another way than its type's default (e.g. ``"linear_out_features"``).
+    ``prefetch_bytes``: the prefetch window (default: twice the largest
     unit's gathered bytes).
 
     Auto mode: with no plan and no ``modes``/``splits``, ``memory_limit`` and
@@ -87,6 +92,7 @@ class OSDP(nn.Module):
         default_mode: str | Mode = "zdp",
         modes: dict | None = None,
         splits: dict | None = None,
+        split_ops: dict | None = None,
         process_group=None,
         device: torch.device | str | None = None,
         prefetch_bytes: int | None = None,
@@ -103,8 +109,7 @@ class OSDP(nn.Module):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise OSDPError("OSDP needs torch.distributed initialized (dist.init_process_group) before wrapping")
-        if isinstance(module, OSDP):
-            raise OSDPError("this module is already wrapped in OSDP")
+        _refuse_wrapped(module)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise OSDPError(f"mixed_precision must be an osdp MixedPrecision, got {type(mixed_precision).__name__}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -131,6 +136,7 @@ class OSDP(nn.Module):
             default_mode=default_mode,
             modes=modes,
             splits=splits,
+            split_ops=split_ops,
             prefetch_bytes=prefetch_bytes,
             checkpoint_blocks=checkpoint_blocks,
             world_size=world_size,
@@ -150,11 +156,15 @@ class OSDP(nn.Module):
                 f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
                 "models with parameters; run a parameter-free module as it is)"
             )
-        self._built = build_units(module, config.unit_modes, rank, world_size, self.device, mixed_precision)
+        self._built = build_units(module, config.unit_modes, rank, world_size, self.device, mixed_precision,
+                                  config.split_ops)
+        for mod in module.modules():
+            mod._osdp_wrapped = True  # see _refuse_wrapped
+        install_torch_clip_guard()  # see [Note: global gradient norm]
         self.module = module.to(self.device)  # buffers; the shards already live there
         window = config.prefetch_bytes
         if window is None:
-            window = 2 * max(u.gathered_bytes for u in self._built.units)
+            window = default_prefetch_bytes(max(u.gathered_bytes for u in self._built.units))
         self._ledger = MemoryLedger(self.device)
         self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, coalesce_bytes)
         split_units = {id(u) for _, units in self._built.splits.values() for u in units}
@@ -178,6 +188,7 @@ class OSDP(nn.Module):
         resolved (per-unit modes and parameter counts, window, blocks, dtypes)."""
         core = {
             "units": {k: [m.value for m in v] for k, v in config.unit_modes.items()},
+            "split_ops": dict(sorted(config.split_ops.items())),
             "prefetch_bytes": config.prefetch_bytes,
             "checkpoint_blocks": list(config.checkpoint_blocks),
             "coalesce_bytes": coalesce_bytes,
@@ -211,8 +222,10 @@ class OSDP(nn.Module):
         self._scheduler.begin_forward()
         try:
             output = self.module(*args, **kwargs)
-        finally:
-            self._scheduler.end_forward()
+        except BaseException:
+            self._scheduler.recover()  # see [Note: recovery after an exception]
+            raise
+        self._scheduler.end_forward()
         return output if policy is None else policy.cast_output(output)
 
     def _check_batch(self, args, kwargs) -> None:
@@ -279,6 +292,89 @@ class OSDP(nn.Module):
         """The per-device (micro-)batch the plan was made for (None without a plan)."""
         return getattr(self.plan, "batch_size", None)
 
+    # ---- original parameters --------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The original parameters by their original names (no ``module.`` prefix):
+        this rank's piece of each; see [Note: original parameters]."""
+        for unit in self._built.units:
+            for name, param in zip(unit.param_names, unit.params):
+                yield (f"{prefix}.{name}" if prefix else name), param
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """This rank's sharded state: ``{original name: local piece}`` for parameters
+        (tied names share one piece) and the full persistent buffers, under the original
+        model's keys. For a full (gathered) state dict use ``osdp.checkpoint``."""
+        if args:
+            raise OSDPError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        out = destination if destination is not None else {}
+        for key, tensor in self._local_state().items():
+            out[prefix + key] = tensor if keep_vars else tensor.detach()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load what :meth:`state_dict` returned on this rank (same plan and world size);
+        a full state dict goes through ``osdp.checkpoint.load_full_state_dict``."""
+        if assign:
+            raise OSDPError("assign=True is not supported: the parameters are views of the flat shards")
+        mine = self._local_state()
+        missing = [k for k in mine if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in mine]
+        if strict and (missing or unexpected):
+            raise OSDPError(
+                f"state dict keys do not match this OSDP model: missing {missing[:6]}, unexpected {unexpected[:6]}"
+            )
+        for key, tensor in mine.items():
+            if key in state_dict and tuple(state_dict[key].shape) != tuple(tensor.shape):
+                full = getattr(tensor, "_osdp_full_shape", None)
+                hint = (
+                    " (that is the full parameter: load full state dicts with osdp.checkpoint.load_full_state_dict)"
+                    if full is not None and tuple(state_dict[key].shape) == tuple(full) else ""
+                )
+                raise OSDPError(
+                    f"state dict entry {key!r} has shape {tuple(state_dict[key].shape)}, this rank's piece has "
+                    f"{tuple(tensor.shape)}{hint}"
+                )
+        with torch.no_grad():
+            for key, tensor in mine.items():
+                if key in state_dict:
+                    tensor.copy_(state_dict[key])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """Original state-dict order; the pieces of a cut parameter (``name[i]``) stand
+        where the parameter stood."""
+        pieces: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for unit in self._built.units:
+            for slot, name, param in zip(unit.slots, unit.param_names, unit.params):
+                for key in slot.fqns or (name,):
+                    pieces.setdefault(key.rsplit("[", 1)[0] if key.endswith("]") else key, []).append((key, param))
+        out = {}
+        for key in self._state_keys:
+            if key in pieces:
+                out.update(pieces[key])
+            else:
+                out[key] = self.module.get_buffer(key)
+        return out
+
+    # ---- gradient clipping -----------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip the gradients of all ranks by their global ``norm_type``-norm (a
+        collective: call on every rank) and return that norm, the same on every rank.
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see only this
+        rank's shards and is refused; see [Note: global gradient norm]."""
+        norm_type = check_norm_args(max_norm, norm_type)
+        self._scheduler.wait_reduce_scatters()
+        params = list(self.parameters())
+        total = global_grad_norm(params, norm_type, self._comm.group, self.device, foreach)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise OSDPError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it "
+                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+            )
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        return total
+
     # ---- inspection ---------------------------------------------------------------
     @property
     def unwrapped(self) -> nn.Module:
@@ -323,6 +419,19 @@ class OSDP(nn.Module):
         """The original model's state dict, gathered (a collective: call on every rank)."""
         self._scheduler.wait_reduce_scatters()
         return full_state_dict(self.module, self._built, self._comm, self._state_keys, rank0_only)
+
+
+def _refuse_wrapped(module: nn.Module) -> None:
+    """Refuse a module that an OSDP wrapper already owns (itself, a part of it, or a
+    model containing one): wrapping again would rebuild its units under the first
+    wrapper and break it. Checked before anything is changed."""
+    for path, sub in module.named_modules():
+        if isinstance(sub, OSDP) or getattr(sub, "_osdp_wrapped", False):
+            where = f"its submodule {path!r}" if path else "it"
+            raise OSDPError(
+                f"cannot wrap this {type(module).__name__}: {where} is already wrapped by osdp.OSDP (each "
+                "module can belong to one OSDP model; wrap the unwrapped model once, or train the existing wrapper)"
+            )
 
 
 def _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision, auto_kwargs):

@@ -84,8 +84,8 @@ def test_split_conv1d_matches_fp64_math(nx, nf, lead, modes):
     assert list(state) == ["0.weight", "0.bias"]
     grads = {}
     offset = 0
-    for unit, shard in zip(model._built.units, model.unwrapped[0].flat_shards):
-        parts = unit.unflatten(shard.grad)
+    for unit in model._built.units:
+        parts = unit.unflatten(unit.sharded_grad())
         grads.setdefault("weight", []).append(parts["weight"])
         if "bias" in parts:
             grads["bias"] = parts["bias"]
@@ -109,8 +109,8 @@ def test_called_twice_accumulates_and_input_without_grad():
     (ref(x1) * ref(x2)).sum().backward()
     w64, b64 = ref.weight.detach().double().requires_grad_(True), ref.bias.detach().double().requires_grad_(True)
     ((x1.double() @ w64 + b64) * (x2.double() @ w64 + b64)).sum().backward()
-    dw = torch.cat([u.unflatten(s.grad)["weight"] for u, s in zip(model._built.units, split.flat_shards)], 0)
-    db = model._built.units[0].unflatten(split.flat_shards[0].grad)["bias"]
+    dw = torch.cat([u.unflatten(u.sharded_grad())["weight"] for u in model._built.units], 0)
+    db = model._built.units[0].unflatten(model._built.units[0].sharded_grad())["bias"]
     _check(dw, w64.grad, ref.weight.grad, "dW (two uses)")
     _check(db, b64.grad, ref.bias.grad, "db (two uses)")
 
@@ -137,12 +137,12 @@ def test_registry_and_errors():
     conv = Conv1D(6, 5)
     op = get_split_op(conv)
     assert op.__name__ == "SplitConv1D" and op.op_name == "conv1d_nx"
-    assert registered_split_ops()[Conv1D] is op
+    assert registered_split_ops()["conv1d_nx"] is op and op.module_type is Conv1D
     assert [s["weight"].shape[0] for s in op.slice_tensors(conv, 3)] == [2, 2, 1]
     assert all(s["weight"].is_contiguous() for s in op.slice_tensors(conv, 3))  # rows: no copies needed
     merged = op.merge(op.slice_tensors(conv, 3))
     assert torch.equal(merged["weight"], conv.weight) and torch.equal(merged["bias"], conv.bias)
-    with pytest.raises(OSDPError, match=r"cannot split '0' \(Conv1D, nx=5\) into 6 slices: use 1 <= g <= 5"):
+    with pytest.raises(OSDPError, match=r"cannot split '0' \(Conv1D, in_features=5\) into 6 slices: use 1 <= g <= 5"):
         osdp.OSDP(nn.Sequential(Conv1D(6, 5)), splits={"0": 6}, device="cpu")
 
 

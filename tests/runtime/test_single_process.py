@@ -11,7 +11,7 @@ import torch.nn as nn
 import osdp
 from osdp.errors import OSDPError, PlanMismatchError
 from osdp.models import GPT, GPTConfig, example_batch
-from osdp.ops import SplitModule, get_split_op, register_split_op, split_sizes
+from osdp.ops import SplitModule, get_split_op, register_split_op, split_sizes, unregister_split_op
 from osdp.ops import kernels
 
 
@@ -139,7 +139,7 @@ def test_split_linear_matches_linear(in_features, g, modes):
     state = model.full_state_dict()
     torch.testing.assert_close(model(x), ref(x_ref), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
-    grads = torch.cat([p.grad for p in model.parameters()])
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert torch.equal(state["0.weight"], ref[0].weight.detach())
     sizes = split_sizes(in_features, g)
     expected, k0 = [], 0
@@ -162,7 +162,7 @@ def test_split_embedding_matches_embedding_with_padding_idx():
     (model(idx) * weights).sum().backward()
     (ref(idx) * weights).sum().backward()
     torch.testing.assert_close(model(idx), ref(idx))
-    grads = torch.cat([p.grad for p in model.parameters()]).view(11, 4)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).view(11, 4)
     torch.testing.assert_close(grads, ref.weight.grad)
     assert model.memory_stats()["all_gathers"] == {"0[0]": 2, "0[1]": 2, "0[2]": 2}  # 2 forwards, no backward gather
 
@@ -190,6 +190,7 @@ def test_registry_extension_point():
     class Bilinear3(SplitModule):  # a made-up op: only registration is exercised
         module_type = nn.Bilinear
         op_name = "bilinear_test"
+        axis = "in_features"
 
     try:
         register_split_op(Bilinear3)
@@ -198,13 +199,26 @@ def test_registry_extension_point():
         class Other(SplitModule):
             module_type = nn.Bilinear
             op_name = "other"
+            axis = "out_features"
 
-        with pytest.raises(OSDPError, match="already has split op 'bilinear_test'"):
+        with pytest.raises(OSDPError, match="already has default split op 'bilinear_test'"):
             register_split_op(Other)
-    finally:
-        from osdp.ops import registry
 
-        registry._REGISTRY.pop(nn.Bilinear, None)
+        class Same(SplitModule):
+            module_type = nn.Bilinear
+            op_name = "bilinear_test"
+
+        with pytest.raises(OSDPError, match="split op named 'bilinear_test' is already registered"):
+            register_split_op(Same)
+        Other.default_for_type = False  # a second op for the type, chosen by name
+        register_split_op(Other)
+        assert get_split_op(nn.Bilinear(2, 2, 2)) is Bilinear3
+        assert get_split_op(nn.Bilinear(2, 2, 2), op_name="other") is Other
+        with pytest.raises(OSDPError, match="splits Bilinear"):
+            get_split_op(nn.Linear(2, 2), "x", op_name="other")
+    finally:
+        unregister_split_op("bilinear_test")
+        unregister_split_op("other")
     with pytest.raises(TypeError):
         register_split_op(nn.Linear)
 
@@ -223,8 +237,16 @@ def test_eval_forward_frees_everything_and_state_is_inspectable():
     assert model.memory_stats()["peak_gathered_bytes"] == 0
     assert model.unwrapped is model.module
     assert "blocks.0.mlp.c_fc[1]" in model.unit_names()
-    # buffers stay as they were; every parameter is a local shard
-    assert all(isinstance(p, nn.Parameter) and p.dim() == 1 for p in model.parameters())
+    # the optimizer sees the original parameters by name: each this rank's piece (world
+    # size 1: all of it), with the original ndim; the split weight's slices are name[i]
+    plain = dict(gpt().named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert [n for n in names if "[" not in n] == [n for n in plain if n != "blocks.0.mlp.c_fc.weight"]
+    assert [n for n in names if "[" in n] == ["blocks.0.mlp.c_fc.weight[0]", "blocks.0.mlp.c_fc.weight[1]"]
+    for name, p in model.named_parameters():
+        full = plain[name.split("[")[0]]
+        assert isinstance(p, nn.Parameter) and p.dim() == full.dim(), name
+        assert p.numel() == (full.numel() // 2 if "[" in name else full.numel()), name
 
 
 def test_weights_updated_between_forwards_are_regathered():
