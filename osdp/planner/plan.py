@@ -242,6 +242,22 @@ class Plan:
         return format_plan(self)
 
 
+def plan_from_arg(plan):
+    """What ``osdp.OSDP(module, plan=...)`` accepts: a plan object as it is (duck typed:
+    anything with ``unit_modes()``), the path (str or os.PathLike) of a plan JSON file
+    (``Plan.load``), a dict in the plan's JSON form, or None."""
+    if plan is None or hasattr(plan, "unit_modes"):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(plan)
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    raise OSDPError(
+        f"plan must be an osdp Plan, the path of a plan JSON file (from `osdp plan --json` or "
+        f"Plan.save), or None; got {plan!r} ({a_type(plan)})"
+    )
+
+
 # ---- checking a plan's JSON ([Note: checked plan files]) -----------------------------
 _MISSING = object()
 

@@ -1,36 +1,18 @@
-"""Checks of ``osdp.OSDP(...)``'s arguments that are not about units or modes: the plan
-(an object, a dict, or the path of a plan file), the device, and the shapes of the
-containers (``splits``/``modes`` are dicts, ``checkpoint_blocks`` a tuple or list).
+"""Checks of ``osdp.OSDP(...)``'s arguments that are not about units or modes: the
+device, and the shapes of the containers (``splits``/``modes`` are dicts,
+``checkpoint_blocks`` a tuple or list). A plan given as a path is loaded by
+``osdp.planner.plan.plan_from_arg`` (the runtime does not import the planner).
 
 Each check raises OSDPError saying what was given and what would be right, before
 anything touches the model.
 """
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 
 import torch
 
 from ..errors import OSDPError, a_type
-
-
-def plan_arg(plan):
-    """A plan object as it is (duck typed: anything with ``unit_modes()``), a path
-    (str or os.PathLike) of a plan JSON file loaded with ``Plan.load``, a dict in the
-    plan's JSON form, or None."""
-    if plan is None or hasattr(plan, "unit_modes"):
-        return plan
-    from ..planner.plan import Plan
-
-    if isinstance(plan, (str, os.PathLike)):
-        return Plan.load(plan)
-    if isinstance(plan, Mapping):
-        return Plan.from_dict(dict(plan))
-    raise OSDPError(
-        f"plan must be an osdp Plan, the path of a plan JSON file (from `osdp plan --json` or "
-        f"Plan.save), or None; got {plan!r} ({a_type(plan)})"
-    )
 
 
 def device_arg(device) -> torch.device:
