@@ -11,6 +11,8 @@ import torch.nn as nn
 
 from .contract import DEFAULT_COALESCE_BYTES, default_prefetch_bytes
 from .errors import OSDPError, PlanMismatchError
+from .planner.plan import plan_from_arg
+from .runtime.args import device_arg
 from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
@@ -119,7 +121,8 @@ class OSDP(nn.Module):
             raise OSDPError(f"coalesce_bytes must be an integer >= 0 (bytes), got {coalesce_bytes!r}")
         group = process_group if process_group is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.device = torch.device(device) if device is not None else _default_device()
+        self.device = device_arg(device) if device is not None else _default_device()
+        plan = plan_from_arg(plan)  # a Plan, or the path of a plan file (loaded), or a dict
         if plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None):
             plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision, auto_kwargs)
         if plan is not None:

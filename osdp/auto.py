@@ -44,8 +44,10 @@ def auto_plan(
     **profile_kwargs,
 ) -> Plan:
     """Measure this cluster, then plan for the most samples per second within
-    ``memory_limit`` per device (all ranks call it). Returns the same ``Plan`` on every
-    rank; its ``batch_size`` is the per-device batch the training loop must use."""
+    ``memory_limit`` per device (all ranks call it): a string with a unit ("8GiB", "16GB")
+    or a number of bytes (an int or float; ``8`` is 8 bytes; see osdp.sizes). Returns the
+    same ``Plan`` on every rank; its ``batch_size`` is the per-device batch the training
+    loop must use."""
     desc, device = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                            cache_dir=cache_dir, progress=progress, **profile_kwargs)
     distributed = dist.is_available() and dist.is_initialized()

@@ -29,7 +29,7 @@ def _model_desc(args):
     fields = dict(base.__dict__)
     fields.update(given)
     if args.block_hidden:
-        fields["block_hidden"] = tuple(int(x) for x in args.block_hidden.split(","))
+        fields["block_hidden"] = _int_list(args.block_hidden, "--block-hidden")
     elif "num_layers" in given or "hidden" in given:
         fields["block_hidden"] = ()
     try:
@@ -40,8 +40,19 @@ def _model_desc(args):
     return describe_gpt(config, dtype_bytes=args.dtype_bytes, name=label)
 
 
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    """'1024,4096' -> (1024, 4096); anything else is one clear error."""
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() and int(p) > 0 for p in parts):
+        bad = next(p for p in parts if not (p.isdigit() and int(p) > 0))
+        raise OSDPError(f"{flag} takes comma-separated positive integers (one width per block, e.g. "
+                        f"1024,4096,1024), got {text!r} ({bad!r} is not one)")
+    return tuple(int(p) for p in parts)
+
+
 def _device(args):
-    from .planner.device import load_cluster, parse_bytes
+    from .planner.device import load_cluster
+    from .sizes import parse_bytes
 
     device = load_cluster(args.cluster)
     changes = {}
@@ -50,7 +61,7 @@ def _device(args):
             raise OSDPError(f"--world-size must be a positive integer, got {args.world_size}")
         changes["world_size"] = args.world_size
     if args.memory is not None:
-        changes["memory_limit_bytes"] = parse_bytes(args.memory)
+        changes["memory_limit_bytes"] = parse_bytes(args.memory, "--memory")
     return device.with_(**changes)
 
 
@@ -72,9 +83,17 @@ DEFAULT_PRESET = "nd-48x1024"
 
 
 def cmd_plan(args) -> int:
-    from .planner.plan import Plan
+    from .planner.plan import Plan, check_writable
     from .planner.planner import make_plan
+    from .sizes import format_bytes
 
+    # refuse an output path before the (possibly long) planning, and before writing anything
+    for flag, path, what in (("--json", args.json, "plan"), ("--plot", args.plot, "plot")):
+        if path:
+            try:
+                check_writable(path, what)
+            except OSDPError as exc:
+                raise OSDPError(f"{flag}: {exc}") from None
     if args.plan:
         plan = Plan.load(args.plan)
     else:
@@ -87,9 +106,10 @@ def cmd_plan(args) -> int:
     print(plan)
     speedup = plan.speedup_over_fsdp
     if speedup is not None:
-        print(f"\npredicted speedup over FSDP (full shard) at {plan.memory_limit_bytes / 2**30:.2f} GiB: {speedup:.2f}x")
+        print(f"\npredicted speedup over FSDP (full shard) at {format_bytes(plan.memory_limit_bytes)}: {speedup:.2f}x")
     elif "fsdp" in plan.baselines:
-        print("\nFSDP (full shard) does not fit at this memory limit; OSDP does")
+        at = f" and batch {args.batch}" if args.batch is not None and not args.plan else ""
+        print(f"\nFSDP (full shard) does not fit at this memory limit{at}; OSDP does")
     print(f"search time: {plan.search_s:.3f} s")
     if args.json:
         plan.save(args.json)
@@ -126,7 +146,8 @@ def _add_cluster_flags(p):
     g = p.add_argument_group("cluster")
     g.add_argument("--cluster", default="titan-rtx-pcie3", help="profile name or JSON file (default titan-rtx-pcie3)")
     g.add_argument("--world-size", type=int, help="data-parallel ranks (default: the profile's)")
-    g.add_argument("--memory", help="memory limit per device, e.g. 8GiB (default: the profile's)")
+    g.add_argument("--memory", help="memory limit per device with a unit, e.g. 8GiB or 16GB; units: B, KB, MB, GB, TB "
+                                    "(powers of 1000), KiB, MiB, GiB, TiB (powers of 1024) (default: the profile's)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a model on a cluster and show the predicted speedup over FSDP")
     _add_model_flags(p)
     _add_cluster_flags(p)
-    p.add_argument("--batch", type=int, help="batch size per device (default: sweep for the most samples/s)")
+    p.add_argument("--batch", type=int, help="batch size per device (default: sweep for the most samples/s); "
+                                             "the FSDP baselines are then evaluated at the same batch")
     p.add_argument("--max-slices", type=int, default=16, help="largest split granularity (1 disables splitting)")
     p.add_argument("--checkpointing", default="none", choices=("none", "auto", "all"),
                    help="activation checkpointing: none, per block chosen by the planner, or every block")
@@ -164,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="plan and train a small GPT on this machine (2 gloo processes)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--memory", default="96MiB", help="memory limit per process")
+    p.add_argument("--memory", default="96MiB", help="memory limit per process with a unit, e.g. 96MiB")
     p.add_argument("--preset", default="small")
     p.set_defaults(func=cmd_demo)
     return parser

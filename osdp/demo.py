@@ -12,6 +12,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .sizes import format_bytes
+
 DEMO_COMM_SIZES = (4096, 65536, 1 << 20, 4 << 20)  # enough for a model of a few MiB
 
 
@@ -79,9 +81,9 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False):
     say("\n-- measured vs predicted (median step time after the first; peak of the last step)")
     say(f"step time     {measured_s * 1e3:9.1f} ms   predicted {p.step_s * 1e3:9.1f} ms")
     say(f"samples/s     {batch * world / measured_s:9.1f}      predicted {p.samples_per_s:9.1f}")
-    say(f"peak memory   {peak / 2**20:9.1f} MiB  predicted {p.peak_bytes / 2**20:9.1f} MiB "
-        f"(limit {plan.memory_limit_bytes / 2**20:.0f} MiB)")
-    say(f"OSDP buffers  {ledger['peak_total_bytes'] / 2**20:9.1f} MiB peak of gathered weights + unsharded grads")
+    say(f"peak memory   {format_bytes(peak):>12}  predicted {format_bytes(p.peak_bytes):>12} "
+        f"(limit {format_bytes(plan.memory_limit_bytes)})")
+    say(f"OSDP buffers  {format_bytes(ledger['peak_total_bytes']):>12} peak of gathered weights + unsharded grads")
     return {"losses": losses, "step_s": measured_s, "peak_bytes": peak, "plan": plan.to_dict()}
 
 
@@ -92,10 +94,10 @@ def _demo_rank(rank, world, preset, memory, steps, cache_dir):
 def run_demo(args) -> int:
     from .errors import OSDPError
     from .models import get_preset
-    from .planner.device import parse_bytes
+    from .sizes import parse_bytes
 
     get_preset(args.preset)  # fail fast, in this process, on a bad name
-    parse_bytes(args.memory)
+    parse_bytes(args.memory, "--memory")
     if args.world_size < 1 or args.steps < 1:
         raise OSDPError("--world-size and --steps must be positive integers")
     from .launch import spawn

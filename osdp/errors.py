@@ -33,3 +33,9 @@ class CheckpointCorruptedError(OSDPError):
 
 class UnverifiedCheckpointWarning(UserWarning):
     """A checkpoint was loaded without verifying its data (written before checksums)."""
+
+
+def a_type(value) -> str:
+    """'a str', 'an int': the type of ``value`` for messages ("got 'x' (a str)")."""
+    name = type(value).__name__
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"

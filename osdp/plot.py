@@ -4,6 +4,7 @@ from __future__ import annotations
 from .errors import OSDPError
 from .planner.cost_model import PlannerSettings, build_template, live_memory
 from .planner.plan import Plan
+from .sizes import byte_unit
 
 
 def plan_assignment(plan: Plan, template):
@@ -71,11 +72,12 @@ def plot_plan(plan: Plan, path, desc=None, device=None) -> None:
         steps = list(range(len(rows))) + list(range(len(rows), 2 * len(rows)))
         curve = fwd + bwd[::-1]
         ax2 = axes[1][0]
-        ax2.plot(steps, [c / 2**30 for c in curve], color="#636363")
-        ax2.axhline(plan.memory_limit_bytes / 2**30, color="r", linestyle="--", label="limit")
+        unit, scale = byte_unit(max(plan.memory_limit_bytes, max(curve, default=0.0)))
+        ax2.plot(steps, [c / scale for c in curve], color="#636363")
+        ax2.axhline(plan.memory_limit_bytes / scale, color="r", linestyle="--", label="limit")
         ax2.axvline(len(rows) - 0.5, color="k", linewidth=0.5)
         ax2.set_xlabel("op (forward, then backward in reverse)")
-        ax2.set_ylabel("predicted live GiB")
+        ax2.set_ylabel(f"predicted live {unit}")
         ax2.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

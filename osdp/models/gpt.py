@@ -31,8 +31,11 @@ class GPTConfig:
     def __post_init__(self):
         for name in ("vocab_size", "seq_len", "num_layers", "hidden", "heads", "mlp_ratio"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"GPTConfig.{name} must be a positive integer, got {value!r}")
+        for i, width in enumerate(self.block_hidden):
+            if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
+                raise ConfigError(f"GPTConfig.block_hidden[{i}] must be a positive integer, got {width!r}")
         if self.block_hidden and len(self.block_hidden) != self.num_layers:
             raise ConfigError(
                 f"GPTConfig.block_hidden has {len(self.block_hidden)} entries; "

@@ -49,6 +49,7 @@ where prefix + transient is largest, normally the start of backward.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -61,6 +62,12 @@ from .search_problem import SearchProblem
 
 POLICIES = ("osdp", "zdp", "dp")
 CHECKPOINTING = ("auto", "none", "all")
+
+
+def _is_number(value, minimum: float) -> bool:
+    """A finite real number (not a bool) >= ``minimum``."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value >= minimum)
 
 
 @dataclass(frozen=True)
@@ -96,16 +103,26 @@ class PlannerSettings:
             raise OSDPError(f"policy {self.policy!r} unknown; use one of {POLICIES}")
         if self.checkpointing not in CHECKPOINTING:
             raise OSDPError(f"checkpointing {self.checkpointing!r} unknown; use one of {CHECKPOINTING}")
-        if not isinstance(self.max_slices, int) or self.max_slices < 1:
-            raise OSDPError(f"max slices must be a positive integer, got {self.max_slices!r}")
-        if self.prefetch_bytes is not None and self.prefetch_bytes < 0:
-            raise OSDPError("prefetch window must be >= 0 bytes")
+        for name in ("max_slices", "accumulation_steps", "min_buckets", "max_buckets"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                what = {"max_slices": "max slices", "accumulation_steps": "accumulation steps"}.get(name, name)
+                raise OSDPError(f"{what} must be a positive integer, got {value!r}")
+        if self.min_buckets > self.max_buckets:
+            raise OSDPError(f"min_buckets ({self.min_buckets}) must not exceed max_buckets ({self.max_buckets})")
+        if self.prefetch_bytes is not None and not _is_number(self.prefetch_bytes, 0):
+            raise OSDPError(f"prefetch window must be a number of bytes >= 0 (or None), got {self.prefetch_bytes!r}")
+        for name in ("optimizer_state_bytes_per_param", "backward_compute_ratio"):
+            if not _is_number(getattr(self, name), 0):
+                raise OSDPError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
+        if not _is_number(self.memory_tolerance, 0) or not 0 < self.memory_tolerance < 1:
+            raise OSDPError(f"memory_tolerance must be a fraction of the budget in (0, 1), got {self.memory_tolerance!r}")
+        if not isinstance(self.grads_set_to_none, bool):
+            raise OSDPError(f"grads_set_to_none must be True or False, got {self.grads_set_to_none!r}")
         for name in ("param_dtype_bytes", "reduce_dtype_bytes"):
             value = getattr(self, name)
-            if value is not None and value not in (1, 2, 4, 8):
+            if value is not None and (isinstance(value, bool) or value not in (1, 2, 4, 8)):
                 raise OSDPError(f"{name} must be 1, 2, 4 or 8 bytes, got {value!r}")
-        if not isinstance(self.accumulation_steps, int) or self.accumulation_steps < 1:
-            raise OSDPError(f"accumulation steps must be a positive integer, got {self.accumulation_steps!r}")
         if self.gradient_sync not in ("every", "last"):
             raise OSDPError(f"gradient_sync must be 'every' or 'last', got {self.gradient_sync!r}")
 

@@ -2,16 +2,56 @@
 
 A ``DeviceInfo`` is loaded from JSON (``load_cluster``: a shipped profile name or a
 file) or measured by the profiler. All values are SI: seconds, bytes, FLOP/s.
+
+Every field is checked when a ``DeviceInfo`` is made: its type, and > 0 (or >= 0 for
+overheads, intercepts and alpha/beta, which may be zero) and finite; an error names the
+field and, for a file, the file. Non-negative intercepts are also what the batch sweep's
+throughput bound relies on (scheduler.py, [Note: exact batch sweep]).
 """
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from ..errors import OSDPError
+from ..errors import OSDPError, a_type
+from ..sizes import parse_bytes  # noqa: F401  (re-exported: osdp.planner.device.parse_bytes)
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
+
+
+def _number(value, name: str, *, positive: bool, integer: bool = False, unit: str = ""):
+    """``value`` if it is a finite number (an int when ``integer``; never a bool) that is
+    > 0 (``positive``) or >= 0; else OSDPError naming ``name``."""
+    kind = "an integer" if integer else "a number"
+    bound = ("> 0" if positive else ">= 0") + (f" ({unit})" if unit else "")
+    is_type = isinstance(value, numbers.Integral if integer else numbers.Real) and not isinstance(value, bool)
+    if not is_type:
+        raise OSDPError(f"{name} must be {kind} {bound}, got {value!r} ({a_type(value)})")
+    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
+        raise OSDPError(f"{name} must be {kind} {bound}, got {value!r}")
+    return value
+
+
+def _mapping(value, name: str) -> dict:
+    if not isinstance(value, dict):
+        raise OSDPError(f"{name} must be an object, got {value!r} ({a_type(value)})")
+    return value
+
+
+def _object(value, name: str, required: tuple, optional: tuple = ()) -> dict:
+    """A JSON object with the ``required`` keys and maybe the ``optional`` ones."""
+    keys = ", ".join(f'"{k}": ...' for k in required)
+    if not isinstance(value, dict):
+        raise OSDPError(f"{name} must be an object {{{keys}}}, got {value!r} ({a_type(value)})")
+    missing = [k for k in required if k not in value]
+    unknown = sorted(set(value) - set(required) - set(optional))
+    if missing or unknown:
+        what = "; ".join(filter(None, (missing and f"lacks {missing}", unknown and f"has unknown keys {unknown}")))
+        raise OSDPError(f"{name} {what}; it takes {list(required) + list(optional)}")
+    return value
 
 
 @dataclass(frozen=True)
@@ -24,6 +64,10 @@ class CollectiveCost:
 
     alpha_s: float
     beta_s_per_byte: float
+
+    def __post_init__(self):
+        _number(self.alpha_s, "alpha_s", positive=False)
+        _number(self.beta_s_per_byte, "beta_s_per_byte", positive=False)
 
     def time_s(self, nbytes: float, world_size: int) -> float:
         if world_size <= 1 or nbytes <= 0:
@@ -40,6 +84,12 @@ class ComputeFit:
     fwd_per_sample_s: float
     bwd_intercept_s: float | None = None
     bwd_per_sample_s: float | None = None
+
+    def __post_init__(self):
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is not None or f.name.startswith("fwd"):
+                _number(value, f.name, positive=False)
 
 
 @dataclass(frozen=True)
@@ -61,18 +111,26 @@ class DeviceInfo:
     source: str = ""
 
     def __post_init__(self):
-        if not isinstance(self.world_size, int) or self.world_size < 1:
-            raise OSDPError(f"world size must be a positive integer, got {self.world_size!r}")
-        if not self.memory_limit_bytes > 0:
-            raise OSDPError(
-                f"memory limit must be positive, got {self.memory_limit_bytes!r} bytes "
-                "(give it like 8GiB or 16000000000)"
-            )
-        if not self.flops_per_s > 0:
-            raise OSDPError(f"flops_per_s must be positive, got {self.flops_per_s!r}")
-        for coll in (self.all_gather, self.reduce_scatter):
-            if coll.alpha_s < 0 or coll.beta_s_per_byte < 0:
-                raise OSDPError("collective alpha/beta must be >= 0")
+        if not isinstance(self.name, str):
+            raise OSDPError(f"name must be a string, got {self.name!r} ({a_type(self.name)})")
+        _number(self.world_size, "world_size", positive=True, integer=True, unit="data-parallel ranks")
+        _number(self.memory_limit_bytes, "memory_limit_bytes", positive=True, unit="bytes per device, e.g. 8589934592 for 8 GiB")
+        for name in ("flops_per_s", "memory_bandwidth_bytes_per_s"):
+            _number(getattr(self, name), name, positive=True)
+        for name in ("op_overhead_s", "slice_overhead_s", "constant_bytes"):
+            _number(getattr(self, name), name, positive=False)
+        for name in ("all_gather", "reduce_scatter"):
+            if not isinstance(getattr(self, name), CollectiveCost):
+                raise OSDPError(f"{name} must be a CollectiveCost(alpha_s, beta_s_per_byte), got {getattr(self, name)!r}")
+        if not all(isinstance(v, ComputeFit) for v in _mapping(self.op_compute, "op_compute").values()):
+            raise OSDPError("op_compute must map op shape keys to ComputeFit entries")
+        _mapping(self.split_efficiency, "split_efficiency")
+        for g, ratio in self.split_efficiency.items():
+            if not (isinstance(g, str) and g.isdigit() and int(g) >= 1):
+                raise OSDPError(f"split_efficiency keys are slice counts like \"4\", got {g!r}")
+            _number(ratio, f"split_efficiency[{g!r}]", positive=True)
+        if not isinstance(self.source, str):
+            raise OSDPError(f"source must be a string, got {self.source!r}")
 
     def with_(self, **changes) -> "DeviceInfo":
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
@@ -83,22 +141,34 @@ class DeviceInfo:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> "DeviceInfo":
+    def from_dict(cls, data: dict, where: str = "device description") -> "DeviceInfo":
+        """A DeviceInfo from its JSON form; every error names ``where`` (e.g. the file)
+        and the field."""
+        if not isinstance(data, dict):
+            raise OSDPError(f"{where} must be a JSON object describing a device, got {a_type(data)}")
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known - {"_comment", "sources"}
         if unknown:
-            raise OSDPError(f"unknown device fields {sorted(unknown)}; known: {sorted(known)}")
+            raise OSDPError(f"{where}: unknown device fields {sorted(unknown)}; known: {sorted(known)}")
         missing = {"name", "world_size", "memory_limit_bytes", "all_gather", "reduce_scatter", "flops_per_s"} - set(data)
         if missing:
-            raise OSDPError(f"device description lacks {sorted(missing)}")
+            raise OSDPError(f"{where} lacks {sorted(missing)}")
         values = {k: v for k, v in data.items() if k in known}
         try:
-            values["all_gather"] = CollectiveCost(**data["all_gather"])
-            values["reduce_scatter"] = CollectiveCost(**data["reduce_scatter"])
-            values["op_compute"] = {k: ComputeFit(**v) for k, v in data.get("op_compute", {}).items()}
-        except TypeError as exc:
-            raise OSDPError(f"malformed collective or compute entry: {exc}") from None
-        return cls(**values)
+            for name in ("all_gather", "reduce_scatter"):
+                entry = _object(data[name], name, ("alpha_s", "beta_s_per_byte"))
+                values[name] = CollectiveCost(**{k: _number(v, f"{name}.{k}", positive=False) for k, v in entry.items()})
+            values["op_compute"] = {}
+            for key, entry in _mapping(data.get("op_compute", {}), "op_compute").items():
+                entry = _object(entry, f"op_compute[{key!r}]", ("fwd_intercept_s", "fwd_per_sample_s"),
+                                ("bwd_intercept_s", "bwd_per_sample_s"))
+                checked = {k: v if v is None and k.startswith("bwd") else _number(v, f"op_compute[{key!r}].{k}", positive=False)
+                           for k, v in entry.items()}
+                values["op_compute"][key] = ComputeFit(**checked)
+            _mapping(data.get("split_efficiency", {}), "split_efficiency")
+            return cls(**values)
+        except OSDPError as exc:
+            raise OSDPError(f"{where}: {exc}") from None
 
     def save(self, path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
@@ -118,33 +188,12 @@ def load_cluster(name_or_path: str) -> DeviceInfo:
             f"unknown cluster {name_or_path!r}: not a file, and not one of the shipped "
             f"profiles ({', '.join(available_clusters())})"
         )
+    if path.is_dir():
+        raise OSDPError(f"cluster {name_or_path!r} is a directory; give a cluster JSON file or a profile name")
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise OSDPError(f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    if not isinstance(data, dict):
-        raise OSDPError(f"{path} must hold a JSON object describing a device")
-    return DeviceInfo.from_dict(data)
-
-
-_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-          "t": 1e12, "tb": 1e12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(text) -> float:
-    """'8GiB', '16GB', '512MiB', '1e9' -> bytes."""
-    if isinstance(text, (int, float)):
-        value = float(text)
-    else:
-        raw = str(text).strip().lower().replace(" ", "")
-        number = raw.rstrip("abcdefghijklmnopqrstuvwxyz")
-        unit = raw[len(number):]
-        if unit not in _UNITS or not number:
-            raise OSDPError(f"cannot read memory size {text!r}; write it like 8GiB, 16GB or 512MiB")
-        try:
-            value = float(number) * _UNITS[unit]
-        except ValueError:
-            raise OSDPError(f"cannot read memory size {text!r}; write it like 8GiB, 16GB or 512MiB") from None
-    if not value > 0:
-        raise OSDPError(f"memory size must be positive, got {text!r}")
-    return value
+        raise OSDPError(f"cluster file {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OSDPError(f"cannot read cluster file {path}: {exc}") from None
+    return DeviceInfo.from_dict(data, where=f"cluster file {path}")

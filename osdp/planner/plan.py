@@ -5,18 +5,27 @@ the blocks to checkpoint, the batch size and prefetch window, and the prediction
 time, samples/s, peak memory with its breakdown) beside those of FSDP full shard
 (all ``zdp``) and shard-grad-op (all ``dp``) at the same memory limit. Saved as
 versioned JSON with the model's fingerprint, so a plan is only used with its model.
+
+[Note: checked plan files]
+A plan file may be edited by hand; ``from_dict`` checks every field it reads and names
+the one that is wrong (``units[3].modes``, ``batch_size``). Each unit is stored with its
+``slices`` beside its per-slice ``modes``: an edit that changes one without the other is
+refused, as is a slice count above the plan's ``settings.max_slices``.
 """
 from __future__ import annotations
 
 import hashlib
 import json
+import math
+import numbers
 import os
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 from ..contract import MODES, RuntimeConfig
-from ..errors import OSDPError, PlanMismatchError
+from ..errors import OSDPError, PlanMismatchError, a_type
+from ..sizes import format_bytes
 
 PLAN_VERSION = 1
 
@@ -75,6 +84,7 @@ class Plan:
     settings: dict = field(default_factory=dict)
     accumulation_steps: int = 1  # micro-batches of batch_size per optimizer step
     gradient_sync: str = "last"  # reduce-scatter after "every" micro-batch or the "last"
+    notes: tuple[str, ...] = ()  # what the planner wants the reader to know (e.g. a capped batch)
     version: int = PLAN_VERSION
 
     # ---- what the runtime reads -------------------------------------------------
@@ -137,43 +147,65 @@ class Plan:
     # ---- storage -------------------------------------------------------------------
     def to_dict(self) -> dict:
         data = asdict(self)
-        data["units"] = [dict(asdict(u), modes=list(u.modes)) for u in self.units]
+        data["units"] = [dict(asdict(u), modes=list(u.modes), slices=u.slices) for u in self.units]
+        data["notes"] = list(self.notes)
         return data
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
+        """A plan from its JSON form, every field checked ([Note: checked plan files])."""
         if not isinstance(data, dict) or "version" not in data:
             raise OSDPError("not an OSDP plan: the JSON has no 'version' field")
         if data["version"] != PLAN_VERSION:
             raise OSDPError(
-                f"plan version {data['version']} is not supported by this OSDP (reads version {PLAN_VERSION})"
+                f"plan version {data['version']!r} is not supported by this OSDP (reads version {PLAN_VERSION})"
             )
-        try:
-            units = tuple(UnitDecision(**dict(u, modes=tuple(u["modes"]))) for u in data["units"])
-            for u in units:
-                bad = [m for m in u.modes if m not in MODES]
-                if bad or not u.modes:
-                    raise OSDPError(f"unit {u.name!r} has modes {list(u.modes)}; each slice must be 'dp' or 'zdp'")
-
-            def pred(p):
-                return None if p is None else Prediction(**p)
-
-            fields_ = dict(data)
-            fields_.update(
-                units=units,
-                checkpoint_blocks=tuple(data["checkpoint_blocks"]),
-                predicted=pred(data["predicted"]),
-                baselines={k: pred(v) for k, v in data.get("baselines", {}).items()},
-            )
-            return cls(**fields_)
-        except (KeyError, TypeError) as exc:
-            raise OSDPError(f"malformed plan: {exc}") from None
+        _check_keys(data, "plan", cls)
+        settings = _field(data, "settings", dict, "an object", default={})
+        max_slices = settings.get("max_slices")
+        units = tuple(_unit(u, i, max_slices) for i, u in enumerate(_field(data, "units", (list, tuple), "a list")))
+        blocks = _field(data, "checkpoint_blocks", (list, tuple), "a list of module paths")
+        if not all(isinstance(b, str) for b in blocks):
+            raise OSDPError(f"plan field 'checkpoint_blocks' must list module paths (strings), got {blocks!r}")
+        notes = _field(data, "notes", (list, tuple), "a list of strings", default=[])
+        baselines = _field(data, "baselines", dict, "an object", default={})
+        fields_ = dict(data)
+        fields_.update(
+            model_name=_field(data, "model_name", str, "a string"),
+            fingerprint=_field(data, "fingerprint", str, "a string"),
+            world_size=_count(data, "world_size", minimum=1),
+            memory_limit_bytes=_size(data, "memory_limit_bytes", positive=True),
+            batch_size=_count(data, "batch_size", minimum=1),
+            prefetch_bytes=_count(data, "prefetch_bytes", minimum=0),
+            accumulation_steps=_count(data, "accumulation_steps", minimum=1, default=1),
+            units=units,
+            checkpoint_blocks=tuple(blocks),
+            notes=tuple(str(n) for n in notes),
+            predicted=_prediction(data.get("predicted"), "predicted"),
+            baselines={k: None if v is None else _prediction(v, f"baselines[{k!r}]") for k, v in baselines.items()},
+            settings=settings,
+            device_name=_field(data, "device_name", str, "a string", default=""),
+            search_s=_size(data, "search_s", False) if "search_s" in data else 0.0,
+            searches=_count(data, "searches", minimum=0, default=0),
+            quantum_bytes=_size(data, "quantum_bytes", False) if "quantum_bytes" in data else 0.0,
+            rounding_bound_bytes=_size(data, "rounding_bound_bytes", False) if "rounding_bound_bytes" in data else 0.0,
+        )
+        if fields_.get("gradient_sync", "last") not in ("every", "last"):
+            raise OSDPError(f"plan field 'gradient_sync' must be 'every' or 'last', got {data['gradient_sync']!r}")
+        if fields_["predicted"] is None:
+            raise OSDPError("plan field 'predicted' is missing")
+        return cls(**fields_)
 
     def save(self, path) -> None:
         """Atomic write: a crash leaves the old file or the new one, never half."""
         path = Path(path)
+        check_writable(path, "plan")
         text = json.dumps(self.to_dict(), indent=2) + "\n"
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        except OSError as exc:
+            raise OSDPError(f"cannot write the plan to {path}: directory {path.parent} is not writable "
+                            f"({exc.strerror})") from None
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(text)
@@ -187,11 +219,20 @@ class Plan:
         path = Path(path)
         if not path.exists():
             raise OSDPError(f"plan file {path} does not exist")
+        if path.is_dir():
+            raise OSDPError(f"plan file {path} is a directory; give the plan's JSON file")
         try:
             data = json.loads(path.read_text())
         except json.JSONDecodeError as exc:
             raise OSDPError(f"plan file {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-        plan = cls.from_dict(data)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise OSDPError(f"cannot read plan file {path}: {exc}") from None
+        try:
+            plan = cls.from_dict(data)
+        except PlanMismatchError:
+            raise
+        except OSDPError as exc:
+            raise OSDPError(f"plan file {path}: {exc}") from None
         if fingerprint is not None:
             plan.check_model(fingerprint)
         return plan
@@ -201,24 +242,142 @@ class Plan:
         return format_plan(self)
 
 
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
+def plan_from_arg(plan):
+    """What ``osdp.OSDP(module, plan=...)`` accepts: a plan object as it is (duck typed:
+    anything with ``unit_modes()``), the path (str or os.PathLike) of a plan JSON file
+    (``Plan.load``), a dict in the plan's JSON form, or None."""
+    if plan is None or hasattr(plan, "unit_modes"):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(plan)
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    raise OSDPError(
+        f"plan must be an osdp Plan, the path of a plan JSON file (from `osdp plan --json` or "
+        f"Plan.save), or None; got {plan!r} ({a_type(plan)})"
+    )
+
+
+# ---- checking a plan's JSON ([Note: checked plan files]) -----------------------------
+_MISSING = object()
+
+
+def check_writable(path: Path, what: str) -> None:
+    """Refuse, before any work, a path whose directory does not exist or that is a
+    directory itself: the error names the directory, not a temporary file."""
+    path = Path(path)
+    parent = path.parent
+    if path.is_dir():
+        raise OSDPError(f"cannot write the {what} to {path}: it is a directory; give a file name in it")
+    if not parent.is_dir():
+        raise OSDPError(f"cannot write the {what} to {path}: directory {parent} does not exist (create it first)")
+
+
+def _check_keys(data: dict, where: str, cls) -> None:
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise OSDPError(f"{where} has unknown fields {unknown}; known: {sorted(known)}")
+
+
+def _field(data: dict, name: str, kind, what: str, where: str = "plan field", default=_MISSING):
+    if name not in data:
+        if default is not _MISSING:
+            return default
+        raise OSDPError(f"{where} {name!r} is missing")
+    value = data[name]
+    if not isinstance(value, kind):
+        raise OSDPError(f"{where} {name!r} must be {what}, got {value!r} ({a_type(value)})")
+    return value
+
+
+def _count(data: dict, name: str, minimum: int, where: str = "plan field", default=_MISSING) -> int:
+    value = data.get(name, default)
+    if value is _MISSING:
+        raise OSDPError(f"{where} {name!r} is missing")
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise OSDPError(f"{where} {name!r} must be an integer >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def _size(data: dict, name: str, positive: bool, where: str = "plan field") -> float:
+    if name not in data:
+        raise OSDPError(f"{where} {name!r} is missing")
+    value = data[name]
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or (value <= 0 if positive else value < 0):
+        raise OSDPError(f"{where} {name!r} must be a number {'> 0' if positive else '>= 0'}, got {value!r}")
+    return float(value)
+
+
+def _unit(raw, i: int, max_slices) -> UnitDecision:
+    where = f"units[{i}]"
+    if not isinstance(raw, dict):
+        raise OSDPError(f"plan field {where} must be an object, got {raw!r} ({a_type(raw)})")
+    raw = dict(raw)
+    slices = raw.pop("slices", None)
+    _check_keys(raw, f"plan field {where}", UnitDecision)
+    name = _field(raw, "name", str, "a string", f"plan field {where}")
+    where = f"{where} ({name})"
+    modes = _field(raw, "modes", (list, tuple), "a list of 'dp'/'zdp', one per slice", f"plan field {where}")
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise OSDPError(f"plan field {where}.modes is {list(modes)}; each slice must be 'dp' or 'zdp' (at least one)")
+    if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int) or slices != len(modes)):
+        raise OSDPError(
+            f"plan field {where}.modes lists {len(modes)} slice modes but {where}.slices is {slices!r}: "
+            "a unit's slice count is the length of its modes; change both (or make a new plan)"
+        )
+    if isinstance(max_slices, int) and len(modes) > max(max_slices, 1):
+        raise OSDPError(
+            f"plan field {where}.modes lists {len(modes)} slices, more than the plan's settings.max_slices = "
+            f"{max_slices}; make a new plan with a higher max_slices"
+        )
+    checkpointed = raw.get("checkpointed", False)
+    if not isinstance(checkpointed, bool):
+        raise OSDPError(f"plan field {where}.checkpointed must be true or false, got {checkpointed!r}")
+    raw.update(  # fields not checked here pass through as they are
+        name=name,
+        kind=_field(raw, "kind", str, "a string", f"plan field {where}"),
+        param_bytes=_count(raw, "param_bytes", 0, f"plan field {where}"),
+        modes=tuple(modes),
+        checkpointed=checkpointed,
+    )
+    return UnitDecision(**raw)
+
+
+def _prediction(raw, where: str) -> Prediction | None:
+    if raw is None:
+        return None
+    where = f"plan field {where}"
+    if not isinstance(raw, dict):
+        raise OSDPError(f"{where} must be an object, got {raw!r} ({a_type(raw)})")
+    _check_keys(raw, where, Prediction)
+    return Prediction(**dict(  # fields not checked here pass through as they are
+        raw,
+        batch_size=_count(raw, "batch_size", 1, where),
+        step_s=_size(raw, "step_s", True, where),
+        samples_per_s=_size(raw, "samples_per_s", True, where),
+        peak_bytes=_size(raw, "peak_bytes", False, where),
+        peak_op=_field(raw, "peak_op", str, "a string", where, default=""),
+        breakdown=_field(raw, "breakdown", dict, "an object", where, default={}),
+    ))
 
 
 def format_plan(plan: Plan, max_rows: int = 60) -> str:
     p = plan.predicted
     lines = [
         f"OSDP plan for {plan.model_name} (fingerprint {plan.fingerprint}) on {plan.device_name or '?'}",
-        f"  world size {plan.world_size}, memory limit {_gib(plan.memory_limit_bytes)}, "
+        f"  world size {plan.world_size}, memory limit {format_bytes(plan.memory_limit_bytes)}, "
         f"batch {plan.batch_size}/device"
         + (f" x {plan.accumulation_steps} micro-batches (grads reduced after {plan.gradient_sync})"
            if plan.accumulation_steps > 1 else "")
-        + f", prefetch window {plan.prefetch_bytes / 2**20:.1f} MiB",
+        + f", prefetch window {format_bytes(plan.prefetch_bytes)}",
         f"  predicted: step {p.step_s * 1e3:.2f} ms, {p.samples_per_s:.2f} samples/s, "
-        f"peak {_gib(p.peak_bytes)} at {p.peak_op}",
+        f"peak {format_bytes(p.peak_bytes)} at {p.peak_op}",
     ]
     if p.breakdown:
-        lines.append("  peak breakdown: " + ", ".join(f"{k} {_gib(v)}" for k, v in p.breakdown.items()))
+        lines.append("  peak breakdown: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in p.breakdown.items()))
     for key, label in (("fsdp", "FSDP full shard (all zdp)"), ("shard_grad_op", "shard-grad-op (all dp)"),
                        ("fsdp_ckpt", "FSDP + checkpointing")):
         if key not in plan.baselines:
@@ -228,19 +387,20 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
             lines.append(f"  {label}: does not fit")
         else:
             lines.append(
-                f"  {label}: batch {b.batch_size}, {b.samples_per_s:.2f} samples/s, peak {_gib(b.peak_bytes)}"
+                f"  {label}: batch {b.batch_size}, {b.samples_per_s:.2f} samples/s, peak {format_bytes(b.peak_bytes)}"
                 f" -> OSDP is {p.samples_per_s / b.samples_per_s:.2f}x"
             )
     lines.append(f"  search: {plan.search_s * 1e3:.1f} ms over {plan.searches} exact searches, "
-                 f"memory quantum {plan.quantum_bytes / 2**20:.2f} MiB "
-                 f"(worst-case rounding {_gib(plan.rounding_bound_bytes)})")
+                 f"memory quantum {format_bytes(plan.quantum_bytes)} "
+                 f"(worst-case rounding {format_bytes(plan.rounding_bound_bytes)})")
+    lines.extend(f"  note: {note}" for note in plan.notes)
     lines.append("")
-    lines.append(f"  {'unit':<34} {'kind':<10} {'MiB':>9}  decision")
+    lines.append(f"  {'unit':<34} {'kind':<10} {'weights':>11}  decision")
     rows = _collapse(plan.units)
     for name, unit, count in rows[:max_rows]:
         ckpt = "  [ckpt]" if unit.checkpointed else ""
         label = name if count == 1 else f"{name} (x{count})"
-        lines.append(f"  {label:<34} {unit.kind:<10} {unit.param_bytes / 2**20:9.2f}  {unit.label}{ckpt}")
+        lines.append(f"  {label:<34} {unit.kind:<10} {format_bytes(unit.param_bytes):>11}  {unit.label}{ckpt}")
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more rows")
     return "\n".join(lines)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict
 
-from ..errors import InfeasiblePlanError
+from ..errors import InfeasiblePlanError, OSDPError
+from ..sizes import format_bytes
 from .cost_model import PlannerSettings
 from .describe import ModelDesc
 from .device import DeviceInfo
@@ -29,7 +30,7 @@ def _prediction(s: Scheduled) -> Prediction:
     )
 
 
-def plan_from_schedule(s: Scheduled, baselines: dict | None = None) -> Plan:
+def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple[str, ...] = ()) -> Plan:
     t = s.template
     desc = t.desc
     checkpointed = {
@@ -67,7 +68,16 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None) -> Plan:
         settings=asdict(t.settings),
         accumulation_steps=t.settings.accumulation_steps,
         gradient_sync=t.settings.gradient_sync,
+        notes=tuple(notes) + _capped_note(s),
     )
+
+
+def _capped_note(s: Scheduled) -> tuple[str, ...]:
+    if not s.batch_capped:
+        return ()
+    return (f"the batch sweep stops at {s.batch} samples per device (MAX_BATCH): that batch fits in "
+            f"{format_bytes(s.template.device.memory_limit_bytes)} and larger ones may too; is the memory "
+            "limit right? Give a batch size (--batch, make_plan(batch=...)) to plan for another",)
 
 
 def make_plan(
@@ -80,12 +90,18 @@ def make_plan(
     global_batch: int | None = None,
 ) -> Plan:
     """The plan with the most samples/s (or the fastest at ``batch``), plus the
-    predictions of FSDP full shard and shard-grad-op at the same memory limit, each at
-    its own best batch (and FSDP with checkpointing when checkpointing is allowed)."""
+    predictions of FSDP full shard and shard-grad-op at the same memory limit (and FSDP
+    with checkpointing when checkpointing is allowed). Without ``batch`` each baseline is
+    at its own best batch; with ``batch`` every baseline is evaluated at that same batch
+    (no sweep; ``None`` where it does not fit), and the plan's notes say so."""
     settings = settings or PlannerSettings()
     batch = check_batch(batch)
+    if batch is not None and global_batch is not None:
+        raise OSDPError("give batch (per device) or global_batch (per optimizer step), not both")
     best = schedule(desc, device, settings, batch=batch, backend=backend, global_batch=global_batch)
-    found = {}
+    found, notes = {}, ()
+    if baselines and batch is not None:
+        notes = (f"the FSDP baselines are evaluated at the same batch {batch}/device (a given batch is not swept)",)
     if baselines:
         wanted = dict(BASELINES)
         if settings.checkpointing != "none":
@@ -93,9 +109,9 @@ def make_plan(
         for name, overrides in wanted.items():
             try:
                 found[name] = _prediction(
-                    schedule(desc, device, settings.with_(**overrides), batch=None, backend=backend,
+                    schedule(desc, device, settings.with_(**overrides), batch=batch, backend=backend,
                              global_batch=global_batch)
                 )
             except InfeasiblePlanError:
                 found[name] = None
-    return plan_from_schedule(best, found)
+    return plan_from_schedule(best, found, notes)

@@ -39,9 +39,11 @@ import torch.nn as nn
 
 from ..errors import OSDPError
 from ..contract import gradient_collective
+from ..sizes import format_bytes, parse_bytes
+from ..torch_names import all_gather_flat, reduce_scatter_flat
 from .cost_model import shape_key
 from .describe import ModelDesc, describe
-from .device import CollectiveCost, ComputeFit, DeviceInfo, parse_bytes
+from .device import CollectiveCost, ComputeFit, DeviceInfo
 
 log = logging.getLogger("osdp.profile")
 CACHE_VERSION = 2
@@ -111,11 +113,11 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
                 _sync(device)
                 start = time.perf_counter()
                 if op == "all_gather":
-                    dist.all_gather_into_tensor(full, shard, group=group)
+                    all_gather_flat(full, shard, group=group)
                 elif all_reduce:
                     dist.all_reduce(full, group=group)
                 else:
-                    dist.reduce_scatter_tensor(shard, full, group=group)
+                    reduce_scatter_flat(shard, full, group=group)
                 _sync(device)
                 if rep:  # the first run warms up buffers and connections
                     samples.append(time.perf_counter() - start)
@@ -125,7 +127,7 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
             xs.append(elems * 4)
             ys.append(float(t))
             if progress:
-                progress.step(f"{op} {elems * 4 / 2**20:.2f} MiB")
+                progress.step(f"{op} {format_bytes(elems * 4)}")
         intercept, slope = _fit_line(xs, ys)
         fits.append(CollectiveCost(alpha_s=intercept / (world - 1), beta_s_per_byte=slope * world / (world - 1)))
     return fits[0], fits[1]
@@ -310,8 +312,9 @@ def profile(
     progress: bool = True,
 ) -> tuple[ModelDesc, DeviceInfo]:
     """Describe ``model`` and measure this cluster. Every rank of ``process_group`` calls
-    it (collectively); all get rank 0's numbers. ``memory_limit``: per device (bytes or
-    '8GiB'); default the GPU's total memory, required on CPU."""
+    it (collectively); all get rank 0's numbers. ``memory_limit``: per device, a number
+    of bytes (int or float) or a string with a unit ('8GiB', '16GB'; see osdp.sizes);
+    default the GPU's total memory, required on CPU."""
     inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(process_group) if distributed else 1
@@ -321,7 +324,7 @@ def profile(
         if device.type != "cuda":
             raise OSDPError("profile needs memory_limit on CPU (e.g. memory_limit='8GiB')")
         memory_limit = torch.cuda.get_device_properties(device).total_memory
-    limit = parse_bytes(memory_limit)
+    limit = parse_bytes(memory_limit, "memory_limit")
     desc = describe(model, inputs)
     dtype = str(next(model.parameters()).dtype)
     label = _device_label(device)

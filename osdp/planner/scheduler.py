@@ -2,21 +2,28 @@
 
 [Note: exact batch sweep]
 Memory grows with the batch for every plan, so feasibility is monotone in b: the largest
-feasible batch is found by doubling then bisection, each probe an exact feasibility
-search over the least-memory options only (``least_memory_problem``). The
-batches below it are then searched from the largest down, skipping any batch whose
-throughput bound b / (least possible step time at b, memory ignored) cannot beat the
-best plan found so far. The result is the exact maximum of samples/s over all batch
-sizes, at a few searches instead of one per batch.
+feasible batch is found by doubling then bisection (from a first guess read off the
+least-memory plan's bytes per sample), each probe an exact feasibility search over the
+least-memory options only (``least_memory_problem``); at most ~2 log2(MAX_BATCH) probes.
+The batches below it are then searched from the largest down while their throughput
+bound b / (least possible step time at b, memory ignored) can beat the best plan found
+so far. That bound never decreases with b: every option's time is a sum of terms
+max(intercept + slope * b, comm) and constants, with intercepts and comm >= 0
+(device.py checks them), so time / b never increases. Hence the walk stops at the first
+batch whose bound cannot win: the result is the exact maximum of samples/s over all
+batch sizes, at a few searches instead of one per batch. When even MAX_BATCH fits
+(a huge memory limit), the sweep stops there and says so (``Scheduled.batch_capped``).
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from ..errors import InfeasiblePlanError, OSDPError
+from ..sizes import format_bytes
 from .cost_model import Estimate, PlannerSettings, ProblemTemplate, build_template, evaluate, _option_times
 from .describe import ModelDesc
 from .device import DeviceInfo
@@ -34,6 +41,7 @@ class Scheduled:
     estimate: Estimate  # exact bytes of the chosen plan
     searches: int  # exact searches run (feasibility probes included)
     search_s: float  # wall time of the whole sweep
+    batch_capped: bool = False  # the sweep stopped at max_batch, which fits: larger batches may too
 
     @property
     def accumulation_steps(self) -> int:
@@ -107,9 +115,9 @@ def fits_at(t: ProblemTemplate, batch: int, backend: str = "auto") -> bool:
     return search(least_memory_problem(t, t.problem(batch)), backend=backend).feasible
 
 
-def _finish(t, batch, result, searches, started) -> Scheduled:
+def _finish(t, batch, result, searches, started, batch_capped=False) -> Scheduled:
     estimate = evaluate(t, batch, result.option_index, result.variant)
-    return Scheduled(t, batch, result, estimate, searches, time.perf_counter() - started)
+    return Scheduled(t, batch, result, estimate, searches, time.perf_counter() - started, batch_capped)
 
 
 def schedule(
@@ -181,11 +189,11 @@ def schedule(
     for b in range(lo, 0, -1):
         bound = b / (_time_lower_bound(t, b) + constant_s)
         if bound <= best_rate:
-            continue
+            break  # the bound never grows as b falls: no smaller batch can win
         r = probe(b)
         if r.feasible and b / r.time_s > best_rate:
             best_b, best_rate = b, b / r.time_s
-    return _finish(t, best_b, results[best_b], searches, started)
+    return _finish(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch)
 
 
 def _batch_guess(t: ProblemTemplate, max_batch: int) -> int:
@@ -200,13 +208,14 @@ def _schedule_global(desc, device, settings, global_batch, backend, started) -> 
     """Every micro-batch size m that divides the per-device share of ``global_batch``
     (a = share / m micro-batches per step) is tried; the fastest step wins."""
     world = device.world_size
-    if not isinstance(global_batch, (int, np.integer)) or global_batch < 1 or global_batch % world:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, (int, np.integer)) or global_batch < 1 \
+            or global_batch % world:
         raise OSDPError(
             f"global batch {global_batch!r} must be a positive multiple of the world size {world}"
         )
     share = global_batch // world
     best, searches, smallest = None, 0, None
-    for micro in sorted((m for m in range(1, share + 1) if share % m == 0), reverse=True):
+    for micro in _divisors(share)[::-1]:
         t = build_template(desc, device, settings.with_(accumulation_steps=share // micro))
         smallest = (t, micro)
         searches += 1
@@ -222,16 +231,35 @@ def _schedule_global(desc, device, settings, global_batch, backend, started) -> 
     return _finish(t, micro, result, searches, started)
 
 
+def _divisors(n: int) -> list[int]:
+    """Divisors of n in increasing order (sqrt(n) steps: a huge global batch stays fast)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
-    """The error for 'nothing fits', with the smallest plan's exact memory."""
+    """The error for 'nothing fits', with the smallest plan's exact memory and what to
+    change: when gradient accumulators kept across micro-batches are part of the peak,
+    first of all reducing after every micro-batch (which frees them)."""
     smallest = min_memory_estimate(t, batch)
-    lines = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in smallest.breakdown.items())
+    limit = t.device.memory_limit_bytes
+    lines = ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest.breakdown.items())
+    advice = "raise the memory limit, add devices, or allow splitting/checkpointing"
+    accumulators = smallest.breakdown.get("grad_accumulators", 0.0)
+    if accumulators > 0:
+        every = min_memory_estimate(build_template(t.desc, t.device, t.settings.with_(gradient_sync="every")), batch)
+        switch = (f"reduce gradients after every micro-batch (--gradient-sync every; in the API "
+                  f"PlannerSettings(gradient_sync='every')), which frees the {format_bytes(accumulators)} of unsharded "
+                  f"gradient accumulators that gradient_sync='last' keeps across the "
+                  f"{t.settings.accumulation_steps} micro-batches; with that the least-memory plan needs "
+                  f"{format_bytes(every.peak_bytes)}")
+        advice = switch + (f", within the {format_bytes(limit)} limit" if every.peak_bytes <= limit
+                           else f", still over the {format_bytes(limit)} limit: also {advice}")
     return InfeasiblePlanError(
-        f"no plan fits in {t.device.memory_limit_bytes / 2**30:.2f} GiB per device at batch {batch}: "
+        f"no plan fits in {format_bytes(limit)} per device at batch {batch}: "
         f"the least-memory plan found (per op the option with the least kept plus transient bytes"
         f"{', every block checkpointed' if t.settings.checkpointing != 'none' else ''}) "
-        f"needs {smallest.peak_bytes / 2**30:.2f} GiB, peaking at {smallest.peak_op} ({lines}); "
-        "raise the memory limit, add devices, or allow splitting/checkpointing",
+        f"needs {format_bytes(smallest.peak_bytes)}, peaking at {smallest.peak_op} ({lines}); {advice}",
         min_bytes=smallest.peak_bytes,
         breakdown=smallest.breakdown,
     )
@@ -254,9 +282,9 @@ def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
     return evaluate(t, batch, option_index, variant)
 
 
-def check_batch(batch) -> int:
+def check_batch(batch, name: str = "batch size") -> int | None:
     if batch is None:
         return None
     if not isinstance(batch, (int, np.integer)) or isinstance(batch, bool) or batch < 1:
-        raise OSDPError(f"batch size must be a positive integer, got {batch!r}")
+        raise OSDPError(f"{name} must be a positive integer, got {batch!r}")
     return int(batch)

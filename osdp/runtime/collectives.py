@@ -36,11 +36,8 @@ import torch.distributed as dist
 
 from ..contract import gradient_collective
 from ..errors import OSDPError
+from ..torch_names import all_gather_flat, reduce_scatter_flat  # the current torch names
 from .streams import streams_for
-
-# torch >= 2.13 names them *_single and deprecates the *_into_tensor / *_tensor names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 DEFAULT_TIMEOUT_S = 300.0
 
@@ -173,7 +170,7 @@ class CommContext:
             shard = shard.to(output.dtype)
 
         def fn(async_op):
-            return _all_gather(output, shard, group=self.group, async_op=async_op)
+            return all_gather_flat(output, shard, group=self.group, async_op=async_op)
 
         return self._issue(self.all_gather_stream if self.use_streams else None, fn, output, what)
 
@@ -199,7 +196,7 @@ class CommContext:
                     out.view(self.world_size, -1).copy_(part)
 
         def fn(async_op):
-            return _all_gather(flat_out, flat_in, group=self.group, async_op=async_op)
+            return all_gather_flat(flat_out, flat_in, group=self.group, async_op=async_op)
 
         return self._issue(self.all_gather_stream if self.use_streams else None, fn, flat_out, what, after=copy_out)
 
@@ -221,7 +218,7 @@ class CommContext:
         target = output if output.dtype == full.dtype else torch.empty(output.shape, dtype=full.dtype, device=full.device)
 
         def fn(async_op):
-            return _reduce_scatter(target, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            return reduce_scatter_flat(target, full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
 
         after = None if target is output else (lambda: output.copy_(target))
         return self._issue(self.reduce_scatter_stream if self.use_streams else None, fn, target, what, after=after)

@@ -3,12 +3,14 @@ errors that say what is wrong and what would be right."""
 from __future__ import annotations
 
 import difflib
+import numbers
 import re
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
 from ..errors import OSDPError, PlanMismatchError
+from .args import mapping_arg, names_arg
 from .modes import Mode, parse_mode
 
 _SLICE_NAME = re.compile(r"(.+)\[(\d+)\]")
@@ -65,7 +67,7 @@ def resolve_config(
     split_ops: dict | None = None,
 ) -> RuntimeConfig:
     fingerprint = None
-    split_ops = dict(split_ops or {})
+    split_ops = mapping_arg(split_ops, "split_ops", "of split unit name -> registered split op name")
     if plan is not None:
         if modes or splits:
             raise OSDPError("give either plan= or modes=/splits=, not both: the plan already names every unit's modes")
@@ -84,8 +86,8 @@ def resolve_config(
         if not checkpoint_blocks:
             checkpoint_blocks = tuple(getattr(plan, "checkpoint_blocks", ()) or ())
         fingerprint = getattr(plan, "fingerprint", None)
-    modes = dict(modes or {})
-    splits = dict(splits or {})
+    modes = mapping_arg(modes, "modes", "of unit name -> 'dp'/'zdp' or one mode per slice, e.g. {'lm_head': 'dp'}")
+    splits = mapping_arg(splits, "splits", "of unit name -> slice count g >= 1, e.g. {'lm_head': 4}")
     default = parse_mode(default_mode, "default_mode")
     candidates = unit_candidates(model)
     modules = dict(model.named_modules())
@@ -93,9 +95,9 @@ def resolve_config(
     slices: dict[str, int] = {}
     for name, g in splits.items():
         _check_name(name, candidates, modules, "splits")
-        if isinstance(g, bool) or not isinstance(g, int) or g < 1:
+        if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1:
             raise OSDPError(f"splits[{name!r}] = {g!r}: the slice count must be an integer >= 1")
-        slices[name] = g
+        slices[name] = int(g)
 
     per_unit: dict[str, tuple[Mode, ...]] = {}
     per_slice: dict[tuple[str, int], Mode] = {}
@@ -132,7 +134,7 @@ def resolve_config(
 
     if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
         raise OSDPError(f"prefetch_bytes must be an integer >= 0 (bytes), got {prefetch_bytes!r}")
-    blocks = tuple(checkpoint_blocks or ())
+    blocks = names_arg(checkpoint_blocks, "checkpoint_blocks")
     for block in blocks:
         if block not in modules:
             close = difflib.get_close_matches(str(block), list(modules), n=3)

@@ -158,9 +158,9 @@ def test_bad_settings_and_sizes_are_rejected():
         PlannerSettings(policy="zero3")
     with pytest.raises(OSDPError, match="max slices"):
         PlannerSettings(max_slices=0)
-    with pytest.raises(OSDPError, match="world size"):
+    with pytest.raises(OSDPError, match="world_size must be an integer > 0"):
         device(world=0)
-    with pytest.raises(OSDPError, match="memory limit"):
+    with pytest.raises(OSDPError, match="memory_limit_bytes must be a number > 0"):
         device(limit=-1)
     with pytest.raises(OSDPError, match="batch size"):
         build_template(linear_model(), device()).problem(0)
