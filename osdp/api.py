@@ -14,6 +14,7 @@ from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
 from .runtime.config import check_plan_matches_model, own_param_counts, resolve_config
+from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
 from .runtime.ledger import MemoryLedger
 from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
@@ -42,9 +43,11 @@ class OSDP(nn.Module):
        size, then checks that every rank resolved the same configuration;
     2. replaces each split unit by its split op (``osdp.ops``; ``nn.Linear`` is cut along
        ``in_features``, ``nn.Embedding`` by rows), its slices named ``f"{name}[{i}]"``;
-    3. flattens each unit's parameters into one buffer sharded evenly across ranks
-       (``model.parameters()`` then yields the local shards, one nn.Parameter per unit,
-       named ``<module path>.flat_shard`` or ``<path>.flat_shards.<i>`` for slices);
+    3. flattens each unit's parameters into one buffer sharded evenly across ranks;
+       ``model.named_parameters()`` then yields the ORIGINAL parameters by their
+       original names, each this rank's piece of it (a view of the shard, keeping the
+       original ndim; a split slice's piece is ``<name>[i]``), so optimizer parameter
+       groups are built by name as with FSDP2; see [Note: original parameters];
     4. moves the shards and the (replicated) buffers to ``device``;
     5. wraps ``checkpoint_blocks`` in non-reentrant activation checkpointing;
     6. hooks every module into the stream scheduler.
@@ -110,8 +113,7 @@ class OSDP(nn.Module):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise OSDPError("OSDP needs torch.distributed initialized (dist.init_process_group) before wrapping")
-        if isinstance(module, OSDP):
-            raise OSDPError("this module is already wrapped in OSDP")
+        _refuse_wrapped(module)
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise OSDPError(f"mixed_precision must be an osdp MixedPrecision, got {type(mixed_precision).__name__}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
@@ -158,6 +160,9 @@ class OSDP(nn.Module):
                 "models with parameters; run a parameter-free module as it is)"
             )
         self._built = build_units(module, config.unit_modes, rank, world_size, self.device, mixed_precision)
+        for mod in module.modules():
+            mod._osdp_wrapped = True  # see _refuse_wrapped
+        install_torch_clip_guard()  # see [Note: global gradient norm]
         self.module = module.to(self.device)  # buffers; the shards already live there
         window = config.prefetch_bytes
         if window is None:
@@ -218,8 +223,10 @@ class OSDP(nn.Module):
         self._scheduler.begin_forward()
         try:
             output = self.module(*args, **kwargs)
-        finally:
-            self._scheduler.end_forward()
+        except BaseException:
+            self._scheduler.recover()  # see [Note: recovery after an exception]
+            raise
+        self._scheduler.end_forward()
         return output if policy is None else policy.cast_output(output)
 
     def _check_batch(self, args, kwargs) -> None:
@@ -286,6 +293,89 @@ class OSDP(nn.Module):
         """The per-device (micro-)batch the plan was made for (None without a plan)."""
         return getattr(self.plan, "batch_size", None)
 
+    # ---- original parameters --------------------------------------------------------
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        """The original parameters by their original names (no ``module.`` prefix):
+        this rank's piece of each; see [Note: original parameters]."""
+        for unit in self._built.units:
+            for name, param in zip(unit.param_names, unit.params):
+                yield (f"{prefix}.{name}" if prefix else name), param
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        """This rank's sharded state: ``{original name: local piece}`` for parameters
+        (tied names share one piece) and the full persistent buffers, under the original
+        model's keys. For a full (gathered) state dict use ``osdp.checkpoint``."""
+        if args:
+            raise OSDPError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        out = destination if destination is not None else {}
+        for key, tensor in self._local_state().items():
+            out[prefix + key] = tensor if keep_vars else tensor.detach()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load what :meth:`state_dict` returned on this rank (same plan and world size);
+        a full state dict goes through ``osdp.checkpoint.load_full_state_dict``."""
+        if assign:
+            raise OSDPError("assign=True is not supported: the parameters are views of the flat shards")
+        mine = self._local_state()
+        missing = [k for k in mine if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in mine]
+        if strict and (missing or unexpected):
+            raise OSDPError(
+                f"state dict keys do not match this OSDP model: missing {missing[:6]}, unexpected {unexpected[:6]}"
+            )
+        for key, tensor in mine.items():
+            if key in state_dict and tuple(state_dict[key].shape) != tuple(tensor.shape):
+                full = getattr(tensor, "_osdp_full_shape", None)
+                hint = (
+                    " (that is the full parameter: load full state dicts with osdp.checkpoint.load_full_state_dict)"
+                    if full is not None and tuple(state_dict[key].shape) == tuple(full) else ""
+                )
+                raise OSDPError(
+                    f"state dict entry {key!r} has shape {tuple(state_dict[key].shape)}, this rank's piece has "
+                    f"{tuple(tensor.shape)}{hint}"
+                )
+        with torch.no_grad():
+            for key, tensor in mine.items():
+                if key in state_dict:
+                    tensor.copy_(state_dict[key])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """Original state-dict order; the pieces of a cut parameter (``name[i]``) stand
+        where the parameter stood."""
+        pieces: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for unit in self._built.units:
+            for slot, name, param in zip(unit.slots, unit.param_names, unit.params):
+                for key in slot.fqns or (name,):
+                    pieces.setdefault(key.rsplit("[", 1)[0] if key.endswith("]") else key, []).append((key, param))
+        out = {}
+        for key in self._state_keys:
+            if key in pieces:
+                out.update(pieces[key])
+            else:
+                out[key] = self.module.get_buffer(key)
+        return out
+
+    # ---- gradient clipping -----------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: bool | None = None) -> torch.Tensor:
+        """Clip the gradients of all ranks by their global ``norm_type``-norm (a
+        collective: call on every rank) and return that norm, the same on every rank.
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` would see only this
+        rank's shards and is refused; see [Note: global gradient norm]."""
+        norm_type = check_norm_args(max_norm, norm_type)
+        self._scheduler.wait_reduce_scatters()
+        params = list(self.parameters())
+        total = global_grad_norm(params, norm_type, self._comm.group, self.device, foreach)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise OSDPError(
+                f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it "
+                "cannot be clipped; pass error_if_nonfinite=False to clip anyway"
+            )
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        return total
+
     # ---- inspection ---------------------------------------------------------------
     @property
     def unwrapped(self) -> nn.Module:
@@ -330,6 +420,19 @@ class OSDP(nn.Module):
         """The original model's state dict, gathered (a collective: call on every rank)."""
         self._scheduler.wait_reduce_scatters()
         return full_state_dict(self.module, self._built, self._comm, self._state_keys, rank0_only)
+
+
+def _refuse_wrapped(module: nn.Module) -> None:
+    """Refuse a module that an OSDP wrapper already owns (itself, a part of it, or a
+    model containing one): wrapping again would rebuild its units under the first
+    wrapper and break it. Checked before anything is changed."""
+    for path, sub in module.named_modules():
+        if isinstance(sub, OSDP) or getattr(sub, "_osdp_wrapped", False):
+            where = f"its submodule {path!r}" if path else "it"
+            raise OSDPError(
+                f"cannot wrap this {type(module).__name__}: {where} is already wrapped by osdp.OSDP (each "
+                "module can belong to one OSDP model; wrap the unwrapped model once, or train the existing wrapper)"
+            )
 
 
 def _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision, auto_kwargs):

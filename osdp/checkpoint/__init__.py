@@ -60,6 +60,8 @@ from ..runtime.state_dict import (
 from ..runtime.state_dict import full_state_dict as _gather_full_state_dict
 from . import _atomic
 from ._atomic import META_FILE, agree, broadcast_from_rank0, on_rank0
+from ._optim_state import optimizer_units as _optimizer_units
+from ._optim_state import param_states, same_state, unit_state
 from ._dcp import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner, flat_index, range_boxes
 
 __all__ = ["save", "load", "full_state_dict", "load_full_state_dict", "save_full", "load_full"]
@@ -103,21 +105,6 @@ def _chunked(model, layout: Layout, fqn: str, flat_of) -> ChunkedTensor:
             view = flat.narrow(0, start, math.prod(sizes)).view(sizes)
             chunks.append((tuple(o + p for o, p in zip(offsets, piece.box_offsets)), view))
     return ChunkedTensor(torch.Size(info.shape), info.dtype, chunks)
-
-
-def _optimizer_units(model, optimizer) -> dict[int, int]:
-    """id(shard parameter) -> unit index, for the parameters the optimizer holds."""
-    index = {id(u.shard): i for i, u in enumerate(model._built.units)}
-    found = {}
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if id(p) not in index:
-                raise OSDPError(
-                    "the optimizer holds a parameter that is not one of this OSDP model's shards "
-                    "(build the optimizer from model.parameters() after wrapping)"
-                )
-            found[id(p)] = index[id(p)]
-    return found
 
 
 def _optimizer_class(optimizer) -> str:
@@ -226,10 +213,10 @@ def _sharded_state(model, optimizer, layout: Layout) -> tuple[dict, dict | None]
     if optimizer is None:
         return state, None
     in_optim = _optimizer_units(model, optimizer)
-    unit_state = {i: optimizer.state.get(units[i].shard) or None for i in in_optim.values()}
+    unit_states = {i: unit_state(units[i], optimizer) for i in set(in_optim.values())}
     kinds: dict[str, dict] = {}
     for fqn, info in layout.params.items():
-        states = [unit_state.get(p.unit) for p in info.pieces]
+        states = [unit_states.get(p.unit) for p in info.pieces]
         if all(s is None for s in states):
             continue
         if any(s is None for s in states) or len({tuple(sorted(s)) for s in states}) != 1:
@@ -402,19 +389,19 @@ def load(model, optimizer, path: str) -> dict:
     # a unit's state: element-wise tensors from the staging buffers; per-parameter ones
     # (AdamW step) from its parameters, which must agree
     error = None
-    for i, unit_state in new_optim.items():
+    for i, flat_state in new_optim.items():
         for fqn in sorted({p.fqn for p in layout.unit_pieces[i]}):
             for key, kind in meta["optimizer"]["state"][fqn].items():
                 if kind[0] == "elementwise":
-                    unit_state[key] = elementwise[(i, key)]
+                    flat_state[key] = elementwise[(i, key)]
                     continue
                 value = scalars[(fqn, key)] if kind[0] == "tensor" else kind[1]
-                if key in unit_state and not _same(unit_state[key], value):
+                if key in flat_state and not same_state(flat_state[key], value):
                     error = PlanMismatchError(
                         f"cannot load checkpoint {path!r}: unit {units[i].name!r} takes parameters whose "
                         f"optimizer state {key!r} differs"
                     )
-                unit_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+                flat_state[key] = value.clone() if isinstance(value, torch.Tensor) else value
     agree(comm, error)
 
     # everything read and checked: now change the model and the optimizer
@@ -424,17 +411,12 @@ def load(model, optimizer, path: str) -> dict:
         for name, value in new_buffers.items():
             buffers[name].copy_(value)
     if optimizer is not None:
-        _load_optimizer(model, optimizer, meta["optimizer"], new_optim)
+        elementwise_keys = {i: {k for k in st if (i, k) in elementwise} for i, st in new_optim.items()}
+        _load_optimizer(model, optimizer, meta["optimizer"], new_optim, elementwise_keys)
     return {"step": meta["step"], "extra": meta["extra"]}
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
-    return a == b
-
-
-def _load_optimizer(model, optimizer, saved: dict, new_state: dict[int, dict]) -> None:
+def _load_optimizer(model, optimizer, saved: dict, new_state: dict[int, dict], elementwise: dict[int, set]) -> None:
     """Through ``optimizer.load_state_dict`` (torch's per-state dtype/device rules)."""
     units = model._built.units
     index: dict[int, int] = {}
@@ -448,5 +430,10 @@ def _load_optimizer(model, optimizer, saved: dict, new_state: dict[int, dict]) -
         if "param_names" in group:
             new_group["param_names"] = list(group["param_names"])
         groups.append(new_group)
-    state = {index[id(units[i].shard)]: st for i, st in new_state.items()}
+    state = {}
+    for i, flat in new_state.items():
+        unit = units[i]
+        for p, st in zip(unit.params, param_states(unit, flat, elementwise[i])):
+            if id(p) in index:
+                state[index[id(p)]] = st
     optimizer.load_state_dict({"state": state, "param_groups": groups})

@@ -54,7 +54,10 @@ class SplitModule(nn.Module):
         """Called by the runtime once the slice units exist."""
         self.scheduler = scheduler
         self.units = list(units)
-        self.flat_shards = nn.ParameterList([u.shard for u in units])
+        # the slices' flat shards, inputs of the op's autograd Function (so its backward
+        # runs even when x needs no grad); not registered: the optimizer sees the
+        # original parameters (see [Note: original parameters] in shard_unit.py)
+        self.flat_shards = [u.shard for u in units]
 
     @classmethod
     def check(cls, module: nn.Module, g: int, name: str) -> None:

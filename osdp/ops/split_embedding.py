@@ -14,11 +14,26 @@ from ..errors import OSDPError
 from .registry import SplitModule, register_split_op, split_sizes
 
 
+def _check_indices(flat_idx: torch.Tensor, num_embeddings: int) -> None:
+    """nn.Embedding's contract: an index outside ``[0, num_embeddings)`` is an error (a
+    row no slice owns would otherwise be left unwritten). On CUDA the check runs on the
+    device, like torch's own kernel, so it costs no host sync."""
+    if flat_idx.numel() == 0:
+        return
+    in_range = (flat_idx.min() >= 0) & (flat_idx.max() < num_embeddings)
+    if flat_idx.is_cuda:
+        torch._assert_async(in_range, "index out of range in SplitEmbedding")
+    elif not bool(in_range):
+        bad = flat_idx[(flat_idx < 0) | (flat_idx >= num_embeddings)][0].item()
+        raise IndexError(f"index {bad} is out of range for an embedding of {num_embeddings} rows (0..{num_embeddings - 1})")
+
+
 class _SplitEmbeddingFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, idx, expects_backward: bool, module: "SplitEmbedding", *shards):
         sched = module.scheduler
         flat_idx = idx.reshape(-1)
+        _check_indices(flat_idx, module.num_embeddings)
         # the gathered (compute) dtype: param_dtype under mixed precision
         weight_dtype = module.units[0].views[0].dtype
         out = torch.empty(flat_idx.numel(), module.embedding_dim, dtype=weight_dtype, device=shards[0].device)

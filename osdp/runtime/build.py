@@ -4,8 +4,10 @@ parameters, and leave each module computing with views of its unit's gathered bu
 The order of what is applied: (1) split modules are replaced by their split op
 (``osdp.ops``), (2) each module that owns parameters becomes a unit (a module whose
 parameters are all owned by an earlier unit, a tied head, reuses that unit), its
-parameters are removed and its flat shard registered as ``flat_shard``, (3) buffers are
-left in place (replicated).
+parameters are removed (the module computes with views of the gathered buffer, set by
+the hooks; the flat shard is kept by the unit, registered nowhere: the optimizer sees
+the original parameters, see [Note: original parameters] in shard_unit.py), (3) buffers
+are left in place (replicated).
 """
 from __future__ import annotations
 
@@ -77,15 +79,19 @@ def build_units(
             op.check(module, len(modes), path)
             _, requires_grad = _consistent(path, [p for _, p in params])
             slice_units = []
+            whole = dict(params)
             for i, tensors in enumerate(op.slice_tensors(module, len(modes))):
-                slots, offset = [], 0
+                slots, names, offset = [], [], 0
                 for attr, t in tensors.items():
                     slots.append(ParamSlot(attr, (), t.shape, offset, t.numel()))
                     offset += t.numel()
+                    # an uncut parameter (a bias kept by one slice) keeps its name
+                    fqn = fqns[id(whole[attr])][0]
+                    names.append(fqn if t.shape == whole[attr].shape else f"{fqn}[{i}]")
                 slice_units.append(
                     ShardUnit(
                         f"{path}[{i}]", slots, list(tensors.values()), modes[i], rank, world_size, device,
-                        requires_grad, param_dtype, reduce_dtype,
+                        requires_grad, param_dtype, reduce_dtype, param_names=names,
                     )
                 )
             new = op(module, len(modes))
@@ -105,7 +111,7 @@ def build_units(
                 offset += p.numel()
             unit = ShardUnit(
                 path, slots, [p.detach() for _, p in own], modes[0], rank, world_size, device, requires_grad,
-                param_dtype, reduce_dtype,
+                param_dtype, reduce_dtype, param_names=[fqns[id(p)][0] for _, p in own],
             )
             built.units.append(unit)
             for i, (attr, p) in enumerate(own):
@@ -117,8 +123,6 @@ def build_units(
                 built.tied.setdefault(path, u.name)
         for attr, _ in params:
             del module._parameters[attr]
-        if unit is not None:
-            module.register_parameter("flat_shard", unit.shard)
         built.bindings.append((module, path, list(entries.items())))
     del keep_alive
     return built

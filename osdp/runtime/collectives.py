@@ -47,16 +47,25 @@ class CollectiveTimeoutError(OSDPError):
 
 
 class Pending(NamedTuple):
-    """A collective in flight; ``wait()`` orders the caller's compute after it."""
+    """A collective in flight; ``wait()`` orders the caller's compute after it: blocks
+    on the gloo Work (bounded by the timeout) or makes the compute stream wait on the
+    CUDA event. ``keep_alive`` holds every temporary the collective reads or writes (a
+    cast shard, staging buffers) until then, so the caching allocator cannot hand them
+    out while a comm stream still uses them."""
 
-    wait: Callable[[], None]
+    handle: object  # gloo Work, CUDA Event, an inner Pending, or None (done at issue)
+    keep_alive: tuple
+    finish: Callable[[], None]
+
+    def wait(self) -> None:
+        self.finish()
 
 
 def _done() -> None:
     return None
 
 
-DONE = Pending(_done)
+DONE = Pending(None, (), _done)
 
 
 def reduces_with_all_reduce(device: torch.device) -> bool:
@@ -124,7 +133,7 @@ class CommContext:
                     after()
                 torch._C._autograd._unsafe_set_version_counter((output,), (version,))
 
-            return Pending(wait)
+            return Pending(work, (output,), wait)
         version = output._version
         compute = torch.cuda.current_stream(self.device)
         stream.wait_stream(compute)
@@ -139,7 +148,7 @@ class CommContext:
         # shard, staging buffers): freed only after the compute stream waited on the
         # event, so the caching allocator cannot hand them out while the comm stream
         # still uses them
-        return Pending(lambda: _first(compute.wait_event(event), fn, after))
+        return Pending(event, (output, fn, after), lambda: compute.wait_event(event))
 
     # ---- gathers ------------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all-gather") -> Pending:
@@ -237,13 +246,13 @@ class CommContext:
             event = torch.cuda.Event()
             event.record(stream)
             compute = torch.cuda.current_stream(self.device)
-            return Pending(lambda: _first(compute.wait_event(event), inner, copy_out))
+            return Pending(event, (inner, copy_out), lambda: compute.wait_event(event))
 
         def wait():
             inner.wait()
             copy_out()
 
-        return Pending(wait)
+        return Pending(inner, (reduced, full), wait)
 
     def _reduce_by_all_reduce(self, output: torch.Tensor, full: torch.Tensor, what: str) -> Pending:
         """[Note: gloo reduce-scatter]
@@ -259,7 +268,7 @@ class CommContext:
             self.wait_work(work, what)
             output.copy_(chunk)
 
-        return Pending(wait)
+        return Pending(work, (full,), wait)
 
     # ---- blocking helpers (not the training path) --------------------------------------
     def all_gather_sync(self, shard: torch.Tensor) -> torch.Tensor:
@@ -278,9 +287,3 @@ class CommContext:
         if self.use_streams:
             torch.cuda.current_stream(self.device).synchronize()
         return every.tolist()
-
-
-
-def _first(value, *keep_alive):
-    """``value``; the other arguments are only referenced (kept alive) until the call."""
-    return value

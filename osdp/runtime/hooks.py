@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .modes import UseState
 from .scheduler import Scheduler, Use
 from .shard_unit import ShardUnit
 
@@ -31,7 +32,7 @@ class _GatherFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         # a recompute's node is never run by autograd; guard anyway
-        if not ctx.use.recompute:
+        if ctx.use.state is not UseState.RECOMPUTE:
             ctx.scheduler.post_backward(ctx.use, grads)
         return None, None, None
 
@@ -77,6 +78,7 @@ class ModuleBinding:
         self.entries: list[tuple[ShardUnit, list[tuple[str, int]]]] = entries
         self.scheduler = scheduler
         self._stack: list[list[Use]] = []
+        scheduler.recover_listeners.append(self._stack.clear)  # a step died mid-forward
         self.handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             module.register_forward_hook(self._post_forward, with_kwargs=True),
@@ -92,7 +94,7 @@ class ModuleBinding:
         sched = self.scheduler
         grad_enabled = torch.is_grad_enabled()
         # a checkpoint recompute that stopped early never ran our post-forward hook
-        while self._stack and self._stack[-1][0].recompute:
+        while self._stack and self._stack[-1][0].state is UseState.RECOMPUTE:
             self._stack.pop()
         uses = []
         for unit, attrs in self.entries:
@@ -106,7 +108,7 @@ class ModuleBinding:
                 tensors = [v.view_as(v) for v in unit.views]
             for attr, i in attrs:
                 setattr(module, attr, tensors[i])
-        frozen = [u for u in uses if not u.unit.requires_grad and not u.recompute]
+        frozen = [u for u in uses if not u.unit.requires_grad and u.state is not UseState.RECOMPUTE]
         if frozen and grad_enabled:
             args, kwargs = _hook_inputs(sched, frozen, args, kwargs)
         self._stack.append(uses)
@@ -115,7 +117,7 @@ class ModuleBinding:
     def _post_forward(self, module, args, kwargs, output):
         uses = self._stack.pop()
         needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        recompute = uses[0].recompute
+        recompute = uses[0].state is UseState.RECOMPUTE
         expects_backward = torch.is_grad_enabled() and bool(needs_grad) and not recompute
         for use in uses:
             self.scheduler.post_forward(use, expects_backward)

@@ -44,7 +44,15 @@ class UseState(enum.Enum):
     """Backward of this use has started (weights must be gathered) and not finished."""
 
     DONE = "done"
-    """Finished, or no backward will come (no grad needed, or end of the backward pass)."""
+    """Finished, or no backward will come (no grad needed)."""
+
+    ABANDONED = "abandoned"
+    """Its backward had not come by the end of a backward pass (outputs not in that
+    loss): dropped then; a later backward through it still works (gathers again)."""
+
+    RECOMPUTE = "recompute"
+    """A checkpoint recompute inside backward: it only gathers what the recomputed
+    forward reads; the original forward's use does the backward."""
 
 
 def parse_mode(value, where: str) -> Mode:

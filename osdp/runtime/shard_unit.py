@@ -27,6 +27,30 @@ import torch.nn as nn
 
 from .modes import GatherState, Mode
 
+# [Note: original parameters]
+# What the optimizer and the user see are the ORIGINAL parameters, by their original
+# names (``named_parameters()``), as FSDP2 users expect: each is an ``nn.Parameter`` that
+# is a view of this rank's part of the unit's flat shard, so an optimizer step on them
+# updates the shard in place (no copy, one version counter), and the padding of the
+# flat shard belongs to no parameter (it stays zero). The rank's part of a parameter is
+# the contiguous range of its flattened elements that falls into the rank's shard, so it
+# has ``n`` elements (0..numel, possibly 0 on some ranks). It is shaped ``(n, 1, ..., 1)``
+# with the original ``ndim``: rules that pick weight decay by ``p.dim() >= 2`` keep
+# working (a 0-d parameter is ``(1,)`` where held, ``(0,)`` elsewhere: a 0-d piece
+# could not be told apart from a per-parameter optimizer state such as AdamW's
+# ``step`` in checkpoints). The full shape is
+# ``p._osdp_full_shape``. A slice of a split op holds a box of its original parameter;
+# that piece is named ``<name>[i]`` (slice ``i``), an uncut parameter keeps its name.
+# Gradients: the reduce-scattered shard gradient is handed out as views too (``p.grad``),
+# added onto ``p.grad`` when it exists (no ``zero_grad``), so gradients accumulate across
+# backward passes as in plain PyTorch.
+
+
+def local_piece_shape(n: int, ndim: int) -> tuple[int, ...]:
+    """Shape of a rank's ``n``-element piece of a parameter with ``ndim`` dims, see
+    [Note: original parameters]."""
+    return (n,) + (1,) * (ndim - 1)
+
 
 @dataclass(frozen=True)
 class ParamSlot:
@@ -54,6 +78,7 @@ class ShardUnit:
         requires_grad: bool,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
+        param_names: list[str] | None = None,
     ):
         self.name = name
         self.slots = tuple(slots)
@@ -69,8 +94,21 @@ class ShardUnit:
             for slot, tensor in zip(slots, tensors):
                 flat[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
             local = flat[rank * self.shard_numel : (rank + 1) * self.shard_numel].to(device).clone()
+        # the flat shard is the storage; autograd sees it as the input of the gather
+        # (hooks.py), the optimizer sees the original-parameter views below
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
         self.shard._osdp_unit_name = name  # so a parameter can be traced back to its unit
+        names = list(param_names) if param_names is not None else [s.attr for s in slots]
+        self.local_ranges = [self._local_range(s, rank) for s in slots]
+        self.params: list[nn.Parameter] = []
+        for slot, pname, (start, n) in zip(slots, names, self.local_ranges):
+            piece = self.shard.detach().narrow(0, start, n).view(local_piece_shape(n, len(slot.shape)))
+            param = nn.Parameter(piece, requires_grad=requires_grad)
+            param._osdp_unit_name = name
+            param._osdp_name = pname
+            param._osdp_full_shape = slot.shape
+            self.params.append(param)
+        self.param_names = names
         # mixed precision (see [Note: mixed precision] in mixed_precision.py): the shard
         # keeps the parameters' dtype (the master copy the optimizer steps); the gathered
         # buffer, and so compute, is in param_dtype; gradients are reduced in reduce_dtype
@@ -117,6 +155,45 @@ class ShardUnit:
     def free_gathered(self) -> None:
         self._free_storage()
         self.state = GatherState.SHARDED
+
+    def _local_range(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
+        """(start in the shard, element count) of ``slot``'s elements held by ``rank``."""
+        lo = max(slot.offset, rank * self.shard_numel)
+        hi = min(slot.offset + slot.numel, (rank + 1) * self.shard_numel)
+        if hi <= lo:
+            return 0, 0
+        return lo - rank * self.shard_numel, hi - lo
+
+    def accumulate_sharded_grad(self, flat: torch.Tensor) -> None:
+        """Hand this rank's reduced gradient (``shard_numel`` elements) to the original
+        parameters: views of ``flat`` where they have none, added otherwise."""
+        for param, piece in zip(self.params, self.split_local(flat)):
+            if param.grad is None:
+                param.grad = piece
+            else:
+                param.grad.add_(piece)
+            param.grad._osdp_sharded = True  # see [Note: global gradient norm] in api.py
+
+    def flatten_local(self, pieces: list[torch.Tensor | None]) -> torch.Tensor:
+        """One tensor per original parameter (shaped like ``self.params``) -> one flat
+        shard (a copy; padding and missing pieces zero), in the pieces' dtype."""
+        dtype = next((t.dtype for t in pieces if t is not None), self.shard_dtype)
+        flat = torch.zeros(self.shard_numel, dtype=dtype, device=self.shard.device)
+        for piece, (start, n) in zip(pieces, self.local_ranges):
+            if piece is not None:
+                flat.narrow(0, start, n).copy_(piece.reshape(-1))
+        return flat
+
+    def split_local(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The inverse of :meth:`flatten_local`: views of ``flat`` shaped like the params."""
+        return [flat.narrow(0, start, n).view(p.shape) for p, (start, n) in zip(self.params, self.local_ranges)]
+
+    def sharded_grad(self) -> torch.Tensor | None:
+        """This rank's gradient as one flat shard (padding zero; a copy), or None when
+        no parameter has a gradient."""
+        if all(p.grad is None for p in self.params):
+            return None
+        return self.flatten_local([p.grad for p in self.params])
 
     def grad_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.slots]

@@ -79,7 +79,7 @@ def train(model, opt, steps, cfg=CFG):
 def unit_state(model, opt):
     """Per unit: (local shard, {optimizer state}) clones: comparable within one plan."""
     return [
-        (u.shard.detach().clone(), {k: v.clone() for k, v in opt.state.get(u.shard, {}).items()})
+        (u.shard.detach().clone(), [{k: v.clone() for k, v in opt.state.get(p, {}).items()} for p in u.params])
         for u in model._built.units
     ]
 
@@ -91,7 +91,8 @@ def optim_reference(model, opt):
     split_units = {id(u) for _, units in built.splits.values() for u in units}
 
     def full(unit, key):
-        return comm.all_gather_sync(opt.state[unit.shard][key])[: unit.numel]
+        flat = unit.flatten_local([opt.state[p][key] for p in unit.params])  # this rank's pieces, shard layout
+        return comm.all_gather_sync(flat)[: unit.numel]
 
     for key in ("exp_avg", "exp_avg_sq"):
         for unit in built.units:

@@ -47,11 +47,13 @@ def assert_close_states(a, b, what):
 
 def assert_equal_units(a, b, what):
     assert len(a) == len(b)
-    for i, ((shard_a, state_a), (shard_b, state_b)) in enumerate(zip(a, b)):
+    for i, ((shard_a, states_a), (shard_b, states_b)) in enumerate(zip(a, b)):
         assert torch.equal(shard_a, shard_b), f"{what}: unit {i} shard"
-        assert sorted(state_a) == sorted(state_b), f"{what}: unit {i} state keys"
-        for key in state_a:
-            assert torch.equal(state_a[key], state_b[key]), f"{what}: unit {i} {key}"
+        assert len(states_a) == len(states_b), f"{what}: unit {i} parameter count"
+        for j, (state_a, state_b) in enumerate(zip(states_a, states_b)):
+            assert sorted(state_a) == sorted(state_b), f"{what}: unit {i} parameter {j} state keys"
+            for key in state_a:
+                assert torch.equal(state_a[key], state_b[key]), f"{what}: unit {i} parameter {j} {key}"
 
 
 # ---- full state dicts ----------------------------------------------------------------

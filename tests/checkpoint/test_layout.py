@@ -128,7 +128,7 @@ def test_errors_name_the_problem(tmp_path):
     with pytest.raises(OSDPError, match="not an OSDP sharded checkpoint"):
         ck.load(model, None, str(tmp_path))
     foreign = torch.optim.AdamW(GPT(CFG).parameters())
-    with pytest.raises(OSDPError, match="not one of this OSDP model's shards"):
+    with pytest.raises(OSDPError, match="not one of this OSDP model's parameters"):
         ck.save(model, foreign, str(tmp_path / "y"))
     assert not os.path.exists(tmp_path / "y")
 

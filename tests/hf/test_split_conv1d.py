@@ -84,8 +84,8 @@ def test_split_conv1d_matches_fp64_math(nx, nf, lead, modes):
     assert list(state) == ["0.weight", "0.bias"]
     grads = {}
     offset = 0
-    for unit, shard in zip(model._built.units, model.unwrapped[0].flat_shards):
-        parts = unit.unflatten(shard.grad)
+    for unit in model._built.units:
+        parts = unit.unflatten(unit.sharded_grad())
         grads.setdefault("weight", []).append(parts["weight"])
         if "bias" in parts:
             grads["bias"] = parts["bias"]
@@ -109,8 +109,8 @@ def test_called_twice_accumulates_and_input_without_grad():
     (ref(x1) * ref(x2)).sum().backward()
     w64, b64 = ref.weight.detach().double().requires_grad_(True), ref.bias.detach().double().requires_grad_(True)
     ((x1.double() @ w64 + b64) * (x2.double() @ w64 + b64)).sum().backward()
-    dw = torch.cat([u.unflatten(s.grad)["weight"] for u, s in zip(model._built.units, split.flat_shards)], 0)
-    db = model._built.units[0].unflatten(split.flat_shards[0].grad)["bias"]
+    dw = torch.cat([u.unflatten(u.sharded_grad())["weight"] for u in model._built.units], 0)
+    db = model._built.units[0].unflatten(model._built.units[0].sharded_grad())["bias"]
     _check(dw, w64.grad, ref.weight.grad, "dW (two uses)")
     _check(db, b64.grad, ref.bias.grad, "db (two uses)")
 

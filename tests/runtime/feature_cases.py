@@ -123,7 +123,7 @@ def wrapped_grads(wrapped):
     """The full gradient of every original parameter (gathers the sharded .grad)."""
     grads, full = {}, {}
     for unit in wrapped._built.units:
-        full[unit.name] = wrapped._comm.all_gather_sync(unit.shard.grad.detach())[: unit.numel]
+        full[unit.name] = wrapped._comm.all_gather_sync(unit.sharded_grad())[: unit.numel]
         for slot in unit.slots:
             for fqn in slot.fqns:
                 grads[fqn] = full[unit.name][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()

@@ -232,7 +232,7 @@ def train_osdp(case: Case, rank: int, world_size: int):
                 reduce_scatters=stats["reduce_scatters"],
                 gathered_after_backward=stats["gathered_units"],
                 grad_bytes_after_backward=stats["current_grad_bytes"],
-                has_grad={n: p.grad is not None for n, p in wrapped.named_parameters()},
+                has_grad={n: (p._osdp_unit_name, p.grad is not None) for n, p in wrapped.named_parameters()},
                 collectives=dict(calls),
             )
         opt.step()
@@ -243,7 +243,8 @@ def train_osdp(case: Case, rank: int, world_size: int):
     probe["tied"] = wrapped.tied_modules()
     probe["forward_order"] = wrapped.forward_order()
     probe["param_names"] = [n for n, _ in wrapped.named_parameters()]
-    probe["shard_numels"] = {n: p.numel() for n, p in wrapped.named_parameters()}
+    probe["param_numels"] = {n: p.numel() for n, p in wrapped.named_parameters()}
+    probe["shard_numels"] = {u.name: u.shard_numel for u in wrapped._built.units}
     return losses, (state if rank == 0 else None), probe
 
 

@@ -126,9 +126,8 @@ def test_ledger_proves_modes(world_size, name):
         no_grad = frozen | ({"unused", "dead"} if case.model == "twice" else set())
         for unit in modes:
             assert probe["reduce_scatters"].get(unit, 0) == (0 if unit in no_grad else 1), unit
-        for pname, has in probe["has_grad"].items():
-            unit_path = pname[len("module."):].rsplit(".flat_shard", 1)[0]
-            assert has == (unit_path not in no_grad), pname
+        for pname, (unit, has) in probe["has_grad"].items():
+            assert has == (unit not in no_grad), pname
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -138,11 +137,18 @@ def test_shards_are_even_and_named(world_size):
     probes = [r["osdp"][name][2] for r in res]
     assert all(p["shard_numels"] == probes[0]["shard_numels"] for p in probes), "every rank holds an equal shard"
     names = probes[0]["param_names"]
-    assert "module.blocks.0.attn.c_attn.flat_shard" in names
-    assert "module.blocks.0.mlp.c_fc.flat_shards.0" in names
+    # the original names; a split weight's slices are name[i], its uncut bias keeps its name
+    assert "blocks.0.attn.c_attn.weight" in names and "blocks.0.attn.c_attn.bias" in names
+    assert [n for n in names if n.startswith("blocks.0.mlp.c_fc.")] == [
+        "blocks.0.mlp.c_fc.weight[0]", "blocks.0.mlp.c_fc.bias", "blocks.0.mlp.c_fc.weight[1]",
+        "blocks.0.mlp.c_fc.weight[2]", "blocks.0.mlp.c_fc.weight[3]",
+    ]
+    # every rank's pieces of a parameter add up to the whole parameter
+    numel = 10 * 30  # blocks.0.attn.c_attn.weight
+    assert sum(p["param_numels"]["blocks.0.attn.c_attn.weight"] for p in probes) == numel
     # uneven units are padded: shard numel = ceil(numel / world)
     numel = 10 * 30 + 30  # blocks.0.attn.c_attn
-    assert probes[0]["shard_numels"]["module.blocks.0.attn.c_attn.flat_shard"] == math.ceil(numel / world_size)
+    assert probes[0]["shard_numels"]["blocks.0.attn.c_attn"] == math.ceil(numel / world_size)
     order = probes[0]["forward_order"]
     assert order[:4] == ["wte[0]", "wte[1]", "wte[2]", "wpe"]
     assert order.index("blocks.0.mlp.c_fc[3]") == order.index("blocks.0.mlp.c_fc[0]") + 3

@@ -139,7 +139,7 @@ def test_split_linear_matches_linear(in_features, g, modes):
     state = model.full_state_dict()
     torch.testing.assert_close(model(x), ref(x_ref), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
-    grads = torch.cat([p.grad for p in model.parameters()])
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
     assert torch.equal(state["0.weight"], ref[0].weight.detach())
     sizes = split_sizes(in_features, g)
     expected, k0 = [], 0
@@ -162,7 +162,7 @@ def test_split_embedding_matches_embedding_with_padding_idx():
     (model(idx) * weights).sum().backward()
     (ref(idx) * weights).sum().backward()
     torch.testing.assert_close(model(idx), ref(idx))
-    grads = torch.cat([p.grad for p in model.parameters()]).view(11, 4)
+    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).view(11, 4)
     torch.testing.assert_close(grads, ref.weight.grad)
     assert model.memory_stats()["all_gathers"] == {"0[0]": 2, "0[1]": 2, "0[2]": 2}  # 2 forwards, no backward gather
 
@@ -223,8 +223,16 @@ def test_eval_forward_frees_everything_and_state_is_inspectable():
     assert model.memory_stats()["peak_gathered_bytes"] == 0
     assert model.unwrapped is model.module
     assert "blocks.0.mlp.c_fc[1]" in model.unit_names()
-    # buffers stay as they were; every parameter is a local shard
-    assert all(isinstance(p, nn.Parameter) and p.dim() == 1 for p in model.parameters())
+    # the optimizer sees the original parameters by name: each this rank's piece (world
+    # size 1: all of it), with the original ndim; the split weight's slices are name[i]
+    plain = dict(gpt().named_parameters())
+    names = [n for n, _ in model.named_parameters()]
+    assert [n for n in names if "[" not in n] == [n for n in plain if n != "blocks.0.mlp.c_fc.weight"]
+    assert [n for n in names if "[" in n] == ["blocks.0.mlp.c_fc.weight[0]", "blocks.0.mlp.c_fc.weight[1]"]
+    for name, p in model.named_parameters():
+        full = plain[name.split("[")[0]]
+        assert isinstance(p, nn.Parameter) and p.dim() == full.dim(), name
+        assert p.numel() == (full.numel() // 2 if "[" in name else full.numel()), name
 
 
 def test_weights_updated_between_forwards_are_regathered():

@@ -1,0 +1,165 @@
+"""PrefetchPolicy: the recorded use order, the prefetch window, and which small units
+ride along in one collective. It decides *what* to gather *when*; the gathering itself
+is :class:`~osdp.runtime.lifecycle.UnitLifecycle`'s.
+
+[Note: prefetch window]
+The order of unit uses is recorded in the first forward with grad enabled and assumed
+to stay; backward prefetches in reverse order (the first backward uses the reversed
+forward order, later ones the order the first backward actually took, which leaves out
+uses whose backward never comes). Before computing a unit its gather is issued
+(always), then gathers of the next units in that order (reversed, for backward) while
+the transient gathered bytes (see [Note: transient bytes] in lifecycle.py) plus the next
+unit's bytes stay <= ``window_bytes``. Prefetch stops at the first unit that does not
+fit, so gathers are issued in use order on every rank.
+
+[Note: coalesced small units]
+Every collective has a fixed cost (on gloo/CPU about 0.3-0.5 ms of latency and CPU per
+call, whatever its size), and OSDP's units are per leaf module, so a model has many
+tiny units (LayerNorms: 2 x hidden parameters) next to its big ones. A unit is *small*
+when it is a whole module (not a split slice: those are cut to bound the peak) and its
+gathered bytes are <= ``coalesce_bytes // 4``. When a small unit is gathered while the
+order of the phase is known (forward or backward, from the second step on), the next
+small units of that order that are still sharded ride along in ONE collective, up to
+``coalesce_bytes`` in total and only while the transient gathered bytes stay within the
+window (they are prefetches: they count as transient until used). Their unsharded
+gradients are reduced together too (see [Note: coalesced reductions] in reduce.py).
+Memory model: the window bound is unchanged; the coalesced collective's staging
+buffers are at most 2 x ``coalesce_bytes``. ``coalesce_bytes=0`` turns it off. Big
+units are never coalesced: that would need a copy out of a rank-major staging buffer,
+i.e. twice their bytes.
+"""
+from __future__ import annotations
+
+from .lifecycle import UnitLifecycle
+from .modes import GatherState
+from .shard_unit import ShardUnit
+
+
+class PrefetchPolicy:
+    def __init__(self, lifecycle: UnitLifecycle, window_bytes: int, coalesce_bytes: int):
+        self.lifecycle = lifecycle
+        self.window_bytes = int(window_bytes)
+        self.coalesce_bytes = int(coalesce_bytes)
+        self.forward_order: list[ShardUnit] | None = None
+        self.backward_order: list[ShardUnit] | None = None
+        self._recording: list[list] | None = None  # [unit, expects_backward] per use
+        self._backward_recording: list[ShardUnit] | None = None  # first backward's real order
+        self._forward_cursor = 0
+        self._backward_cursor = 0
+
+    def mark_coalescible(self, units) -> None:
+        """``units``: the whole-module units that may ride along when small."""
+        limit = self.coalesce_bytes // 4
+        for unit in units:
+            unit.coalescible = self.coalesce_bytes > 0 and unit.gathered_bytes <= limit
+
+    # ---- recording the order ------------------------------------------------------------
+    def begin_forward(self, grad_enabled: bool) -> None:
+        self._forward_cursor = 0
+        if self.forward_order is None and grad_enabled:
+            self._recording = []
+
+    def record_forward_use(self, unit: ShardUnit) -> list | None:
+        """The recording slot of this use (its ``expects_backward`` is set later)."""
+        if self._recording is None:
+            return None
+        entry = [unit, False]
+        self._recording.append(entry)
+        return entry
+
+    def end_forward(self) -> None:
+        rec, self._recording = self._recording, None
+        if rec and any(expects for _, expects in rec):
+            self.forward_order = [unit for unit, _ in rec]
+            # until the first backward shows the real order: reversed forward order
+            self.backward_order = [u for u, expects in reversed(rec) if expects and u.backward_needs_weights]
+            self._backward_recording = []
+
+    def record_backward_use(self, unit: ShardUnit) -> None:
+        if self._backward_recording is not None:
+            self._backward_recording.append(unit)
+
+    def end_backward(self) -> None:
+        if self._backward_recording is not None:
+            # uses whose backward never came (outputs not in the loss) drop out
+            self.backward_order, self._backward_recording = self._backward_recording, None
+        self._backward_cursor = 0
+
+    def forget_partial(self) -> None:
+        """A step died: drop what it was recording, keep orders of completed steps."""
+        self._recording = None
+        if self._backward_recording:
+            self._backward_recording = []
+        self._forward_cursor = self._backward_cursor = 0
+
+    # ---- gathering in order ----------------------------------------------------------------
+    def gather_for_forward(self, unit: ShardUnit, in_forward: bool) -> None:
+        """Issue ``unit``'s gather (with riders) and prefetch what follows it."""
+        pos = None
+        if in_forward and self.forward_order is not None:
+            pos = _find(self.forward_order, unit, self._forward_cursor)
+        if pos is None:
+            self._issue(unit)
+            return
+        self._issue(unit, self.forward_order, pos)
+        self._forward_cursor = pos + 1
+        self._prefetch(self.forward_order, pos + 1, counting=unit)
+
+    def gather_for_backward(self, unit: ShardUnit) -> None:
+        pos = None if self.backward_order is None else _find(self.backward_order, unit, self._backward_cursor)
+        if pos is None:
+            self._issue(unit)
+            return
+        self._issue(unit, self.backward_order, pos)
+        self._backward_cursor = pos + 1
+        self._prefetch(self.backward_order, pos + 1)
+
+    def prefetch_forward(self) -> None:
+        if self.forward_order is not None:
+            self._prefetch(self.forward_order, self._forward_cursor)
+
+    def prefetch_backward(self) -> None:
+        if self.backward_order is not None:
+            self._prefetch(self.backward_order, self._backward_cursor)
+
+    def _prefetch(self, order: list[ShardUnit], start: int, counting: ShardUnit | None = None) -> None:
+        """See [Note: prefetch window]."""
+        if self.window_bytes <= 0:
+            return
+        for pos in range(start, len(order)):
+            unit = order[pos]
+            if unit.state is not GatherState.SHARDED:
+                continue
+            if self.lifecycle.transient_bytes(counting) + unit.gathered_bytes > self.window_bytes:
+                return
+            self._issue(unit, order, pos, counting)
+
+    def _issue(self, unit: ShardUnit, order: list[ShardUnit] | None = None, pos: int = 0,
+               counting: ShardUnit | None = None) -> None:
+        if unit.state is not GatherState.SHARDED:
+            return
+        riders = self._riders(unit, order, pos, counting) if unit.coalescible and order is not None else []
+        self.lifecycle.unshard([unit] + riders)
+
+    def _riders(self, unit: ShardUnit, order: list[ShardUnit], pos: int, counting: ShardUnit | None) -> list[ShardUnit]:
+        """See [Note: coalesced small units]."""
+        budget = self.coalesce_bytes - unit.gathered_bytes
+        room = self.window_bytes - self.lifecycle.transient_bytes(counting) - unit.gathered_bytes
+        riders, seen = [], {unit}
+        for other in order[pos + 1 :]:
+            if not other.coalescible or other.state is not GatherState.SHARDED or other in seen:
+                continue
+            if other.dtype != unit.dtype or other.gathered_bytes > min(budget, room):
+                break
+            riders.append(other)
+            seen.add(other)
+            budget -= other.gathered_bytes
+            room -= other.gathered_bytes
+        return riders
+
+
+def _find(order: list[ShardUnit], unit: ShardUnit, start: int) -> int | None:
+    for i in range(start, len(order)):
+        if order[i] is unit:
+            return i
+    return None

@@ -1,0 +1,152 @@
+"""GradReducer: unsharded gradient buffers, the reduce-scatter queue, coalesced
+reductions of small units, and accumulation across micro-batches.
+
+[Note: unsharded gradients]
+A unit's unsharded gradient buffer lives from its first backward use until its
+reduce-scatter is waited on. At most ``max_inflight`` (1) reduce-scatters are in
+flight: issuing one more waits for the oldest, so at most two units' unsharded
+gradients are live at once (the one being computed and the one being reduced), plus
+partial gradients of units used more than once whose last use is still to come. A
+finished reduce-scatter is averaged over ranks and handed to the original parameters
+(``ShardUnit.accumulate_sharded_grad``).
+
+[Note: coalesced reductions]
+Small units (see [Note: coalesced small units] in prefetch.py) do not reduce alone:
+their unsharded gradients wait, up to ``coalesce_bytes`` in total, and are reduced in
+one collective, at the latest at the end of the backward pass. The unsharded-gradient
+peak may grow by at most ``coalesce_bytes`` (a constant; default 64 KiB).
+
+[Note: gradient accumulation]
+With ``sync_gradients`` off (``OSDP.no_sync()`` / ``set_requires_gradient_sync(False)``)
+a unit's unsharded gradient is not reduce-scattered after its last use: it stays, in
+fp32 (the shards' dtype), and the next micro-batches add into it. The micro-batch whose
+backward runs with sync on adds its gradient and reduce-scatters the sum (in
+``reduce_dtype``); the result is added into ``.grad`` like any step. With sync on for
+every micro-batch, each reduce-scatter adds into ``.grad``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+
+from .collectives import CommContext, Pending
+from .ledger import MemoryLedger
+from .shard_unit import ShardUnit
+
+
+class InflightReduce(NamedTuple):
+    """One reduce-scatter in flight: what it reduces into and what it keeps alive."""
+
+    units: tuple[ShardUnit, ...]
+    outputs: tuple[torch.Tensor, ...]  # sharded results, one per unit
+    inputs: tuple[torch.Tensor, ...]  # unsharded gradients: alive until waited
+    pending: Pending
+
+
+class GradReducer:
+    def __init__(self, comm: CommContext, ledger: MemoryLedger, coalesce_bytes: int):
+        self.comm = comm
+        self.ledger = ledger
+        self.coalesce_bytes = int(coalesce_bytes)
+        self.sync_gradients = True  # see [Note: gradient accumulation]
+        self.max_inflight = 1  # see [Note: unsharded gradients]
+        self._inflight: deque[InflightReduce] = deque()
+        self._deferred: dict[ShardUnit, None] = {}  # small units whose reduction waits
+        self._deferred_bytes = 0
+        self._grad_bytes: dict[ShardUnit, int] = {}  # ledger bytes of gradients in flight
+
+    # ---- unsharded gradients -------------------------------------------------------------
+    def grad_buffer(self, unit: ShardUnit) -> tuple[list[torch.Tensor], bool]:
+        """Views of ``unit``'s unsharded gradient (one per slot) and whether they already
+        hold a gradient to add to (``False``: overwrite every view)."""
+        if unit.grad_flat is not None:
+            return unit.grad_views(unit.grad_flat), True
+        # reduce_dtype, or fp32 (the shards' dtype) while accumulating micro-batches
+        dtype = unit.reduce_dtype if self.sync_gradients else unit.shard_dtype
+        flat = torch.empty(unit.padded_numel, dtype=dtype, device=unit.gathered.device)
+        flat[unit.numel :].zero_()  # padding: see [Note: flat shard layout]
+        unit.grad_flat = flat
+        self.ledger.grad_alloc(unit.name, flat.numel() * flat.element_size())
+        return unit.grad_views(flat), False
+
+    def add_grads(self, unit: ShardUnit, grads) -> None:
+        """Write (or add) one gradient per slot (None: no gradient for that slot)."""
+        views, accumulate = self.grad_buffer(unit)
+        for view, grad in zip(views, grads):
+            if grad is None:
+                if not accumulate:
+                    view.zero_()
+            elif accumulate:
+                view.add_(grad)
+            else:
+                view.copy_(grad)
+
+    # ---- reduce-scatters -----------------------------------------------------------------
+    def reduce(self, unit: ShardUnit) -> None:
+        """Reduce ``unit``'s unsharded gradient (its last use finished backward)."""
+        if unit.coalescible and self.coalesce_bytes > 0:
+            if unit in self._deferred:
+                return
+            self._deferred[unit] = None
+            self._deferred_bytes += unit.grad_flat.numel() * unit.grad_flat.element_size()
+            if self._deferred_bytes >= self.coalesce_bytes:
+                self.flush()
+            return
+        self._issue([unit], unit.reduce_dtype)
+
+    def flush(self) -> None:
+        """Reduce the waiting small units' gradients (one collective per dtype)."""
+        units, self._deferred, self._deferred_bytes = list(self._deferred), {}, 0
+        by_dtype: dict[torch.dtype, list[ShardUnit]] = {}
+        for unit in units:
+            by_dtype.setdefault(unit.reduce_dtype, []).append(unit)
+        for dtype, group in by_dtype.items():
+            self._issue(group, dtype)
+
+    def _issue(self, units: list[ShardUnit], dtype: torch.dtype) -> None:
+        flats, outs = [], []
+        for unit in units:
+            flat, unit.grad_flat = unit.grad_flat, None
+            self._grad_bytes[unit] = flat.numel() * flat.element_size()
+            flats.append(flat if flat.dtype == dtype else flat.to(dtype))  # fp32 accumulators
+            outs.append(torch.empty(unit.shard_numel, dtype=unit.shard_dtype, device=flat.device))
+            self.ledger.reduce_scattered(unit.name)
+        if len(units) == 1:
+            pending = self.comm.reduce_scatter(outs[0], flats[0], f"reduce-scatter of unit {units[0].name!r}")
+        else:
+            names = ", ".join(repr(u.name) for u in units[:4]) + (", ..." if len(units) > 4 else "")
+            pending = self.comm.reduce_scatter_coalesced(
+                outs, flats, f"coalesced reduce-scatter of {len(units)} units ({names})"
+            )
+        self._inflight.append(InflightReduce(tuple(units), tuple(outs), tuple(flats), pending))
+        while len(self._inflight) > self.max_inflight:
+            self._finish_oldest()
+
+    def _finish_oldest(self, keep: bool = True) -> None:
+        """Wait for the oldest reduce-scatter; ``keep=False`` drops its result."""
+        done = self._inflight.popleft()
+        done.pending.wait()
+        for unit, out in zip(done.units, done.outputs):
+            if keep:
+                out.div_(self.comm.world_size)  # average over ranks (each rank's loss is a local mean)
+                unit.accumulate_sharded_grad(out)
+            self.ledger.grad_free(unit.name, self._grad_bytes.pop(unit))
+
+    def finish(self) -> None:
+        """Reduce what waits and wait for every reduce-scatter in flight."""
+        self.flush()
+        while self._inflight:
+            self._finish_oldest()
+
+    def drop(self, units: list[ShardUnit]) -> None:
+        """A failed step: wait for what was issued (every rank issued it), drop every
+        result and every unsharded gradient."""
+        while self._inflight:
+            self._finish_oldest(keep=False)
+        self._deferred, self._deferred_bytes = {}, 0
+        for unit in units:
+            if unit.grad_flat is not None:
+                flat, unit.grad_flat = unit.grad_flat, None
+                self.ledger.grad_free(unit.name, flat.numel() * flat.element_size())
