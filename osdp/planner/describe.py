@@ -213,7 +213,8 @@ def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
 def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dict[str, int],
                       loss) -> dict[str, float]:
     """Per unit, bytes alive at the peak of its backward beyond parameters, gradients and
-    the saved activations of the units up to it (see [Note: backward transients])."""
+    the saved activations of the units up to it (see [Note: backward transients]).
+    ``loss``: the model's output -> the scalar whose backward runs."""
     from ..memtrack import IntervalPeakTracker
 
     params = list(model.parameters())
