@@ -110,9 +110,15 @@ def median_step_s(model, optim, config, batch: int, steps: int) -> float:
 
 
 def largest_fitting_batch(peer, config, budget_bytes, max_batch=256, checkpoint=False):
+    """The largest batch whose measured peak fits ``budget_bytes`` for a peer (see
+    :func:`largest_fitting_batch_of`)."""
+    model = wrap_peer(peer, config, checkpoint=checkpoint)
+    return largest_fitting_batch_of(model, config, budget_bytes, max_batch)
+
+
+def largest_fitting_batch_of(model, config, budget_bytes, max_batch=256):
     """The largest batch whose measured peak fits ``budget_bytes`` (doubling, then
     bisection; one measured step per probe), with its peak; (0, peak at 1) if none."""
-    model = wrap_peer(peer, config, checkpoint=checkpoint)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     peaks = {}
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .contract import DEFAULT_COALESCE_BYTES, default_prefetch_bytes
 from .errors import OSDPError, PlanMismatchError
 from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
@@ -23,7 +24,6 @@ from .runtime.scheduler import Scheduler
 from .runtime.state_dict import full_state_dict
 
 
-DEFAULT_COALESCE_BYTES = 64 * 1024
 
 
 def _default_device() -> torch.device:
@@ -54,7 +54,9 @@ class OSDP(nn.Module):
 
     ``modes``: unit name -> ``"dp"``/``"zdp"`` or one mode per slice (the length is the
     slice count); slice names ``"name[i]"`` may also be keys. ``splits``: unit name ->
-    slice count. ``prefetch_bytes``: the prefetch window (default: twice the largest
+    slice count. ``split_ops``: unit name -> registered split op name (``osdp.ops``), for a
+    split unit cut another way than its type's default (e.g. ``"linear_out_features"``).
+    ``prefetch_bytes``: the prefetch window (default: twice the largest
     unit's gathered bytes).
 
     Auto mode: with no plan and no ``modes``/``splits``, ``memory_limit`` and
@@ -96,6 +98,7 @@ class OSDP(nn.Module):
         default_mode: str | Mode = "zdp",
         modes: dict | None = None,
         splits: dict | None = None,
+        split_ops: dict | None = None,
         process_group=None,
         device: torch.device | str | None = None,
         prefetch_bytes: int | None = None,
@@ -140,6 +143,7 @@ class OSDP(nn.Module):
             default_mode=default_mode,
             modes=modes,
             splits=splits,
+            split_ops=split_ops,
             prefetch_bytes=prefetch_bytes,
             checkpoint_blocks=checkpoint_blocks,
             world_size=world_size,
@@ -159,14 +163,15 @@ class OSDP(nn.Module):
                 f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
                 "models with parameters; run a parameter-free module as it is)"
             )
-        self._built = build_units(module, config.unit_modes, rank, world_size, self.device, mixed_precision)
+        self._built = build_units(module, config.unit_modes, rank, world_size, self.device, mixed_precision,
+                                  config.split_ops)
         for mod in module.modules():
             mod._osdp_wrapped = True  # see _refuse_wrapped
         install_torch_clip_guard()  # see [Note: global gradient norm]
         self.module = module.to(self.device)  # buffers; the shards already live there
         window = config.prefetch_bytes
         if window is None:
-            window = 2 * max(u.gathered_bytes for u in self._built.units)
+            window = default_prefetch_bytes(max(u.gathered_bytes for u in self._built.units))
         self._ledger = MemoryLedger(self.device)
         self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, coalesce_bytes)
         split_units = {id(u) for _, units in self._built.splits.values() for u in units}
@@ -190,6 +195,7 @@ class OSDP(nn.Module):
         resolved (per-unit modes and parameter counts, window, blocks, dtypes)."""
         core = {
             "units": {k: [m.value for m in v] for k, v in config.unit_modes.items()},
+            "split_ops": dict(sorted(config.split_ops.items())),
             "prefetch_bytes": config.prefetch_bytes,
             "checkpoint_blocks": list(config.checkpoint_blocks),
             "coalesce_bytes": coalesce_bytes,

@@ -2,15 +2,25 @@
 
 A split op replaces one module by a module whose parameters are cut into ``g`` slices;
 each slice is its own shard unit with its own mode. Registering a split op is one new
-file that subclasses :class:`SplitModule` and decorates it with
-:func:`register_split_op` (see ``split_linear.py``, ``split_embedding.py``).
+file that subclasses :class:`SplitModule` (or :class:`MatmulSplit` for a matmul) and
+decorates it with :func:`register_split_op`; see [Note: split op declaration] in
+``registry.py`` and ``split_linear_out.py`` (a whole op in a dozen lines).
 """
 from . import registry as _registry
-from .registry import SplitModule, register_split_op, split_sizes
+from .registry import (
+    SplitModule,
+    default_split_op,
+    default_split_op_for_kind,
+    register_split_op,
+    split_sizes,
+    unregister_split_op,
+)
 
 # importing the built-in ops registers them
 from . import split_embedding as _split_embedding  # noqa: F401,E402
 from . import split_linear as _split_linear  # noqa: F401,E402
+from . import split_linear_out as _split_linear_out  # noqa: F401,E402
+from .matmul_split import MatmulSplit  # noqa: E402
 
 # [Note: lazily registered ops]
 # Hugging Face's Conv1D lives in `transformers`, which osdp does not import (it is an
@@ -25,9 +35,9 @@ def _register_lazy_ops() -> None:
         from . import split_conv1d  # noqa: F401
 
 
-def get_split_op(module, name: str = ""):
+def get_split_op(module, name: str = "", op_name: str | None = None):
     _register_lazy_ops()
-    return _registry.get_split_op(module, name)
+    return _registry.get_split_op(module, name, op_name)
 
 
 def registered_split_ops():
@@ -39,4 +49,13 @@ get_split_op.__doc__ = _registry.get_split_op.__doc__
 registered_split_ops.__doc__ = _registry.registered_split_ops.__doc__
 _register_lazy_ops()
 
-__all__ = ["SplitModule", "get_split_op", "register_split_op", "registered_split_ops", "split_sizes"]
+def split_op_of(module):
+    """The default split op for ``module`` (None: it does not split), lazy ops included."""
+    _register_lazy_ops()
+    return default_split_op(module)
+
+
+__all__ = [
+    "MatmulSplit", "SplitModule", "default_split_op_for_kind", "get_split_op", "register_split_op",
+    "registered_split_ops", "split_op_of", "split_sizes", "unregister_split_op",
+]

@@ -1,4 +1,23 @@
-"""Registry of split ops, keyed by the module type they replace."""
+"""Registry of split ops, keyed by op name: each op is declared once, with the module
+type it replaces, the axis it cuts and that axis's length, and the kernels it runs.
+``describe``, the analytic descriptions, the cost model, the profiler and the runtime
+all read this registry (no other place knows which modules split, or along what).
+
+[Note: split op declaration]
+A split op is a :class:`SplitModule` subclass with the class attributes
+
+- ``op_name``: its key (recorded in descriptions and plans, per unit);
+- ``module_type``: the exact module type it replaces;
+- ``axis``: ``"in_features"``, ``"out_features"`` or ``"rows"``: what it cuts;
+- ``kernels``: the names of the ``osdp.ops.kernels`` functions it computes with;
+- ``default_for_type``: the op a ``splits={name: g}`` of that module type gets when no
+  op is named (one per type; others are chosen by name, e.g. ``split_ops=``);
+- ``planned``: whether the planner may choose it (the cost model prices matmul
+  splits; an op it cannot price yet is run only when asked for);
+
+and the classmethod ``axis_length(module)``. Registering is decorating it with
+:func:`register_split_op`; adding a split op is one file and its test.
+"""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
@@ -6,20 +25,15 @@ from typing import TYPE_CHECKING, ClassVar
 import torch
 import torch.nn as nn
 
+from ..contract import split_sizes  # noqa: F401 - part of the ops API
 from ..errors import OSDPError
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..runtime.scheduler import Scheduler
     from ..runtime.shard_unit import ShardUnit
 
-_REGISTRY: dict[type, type["SplitModule"]] = {}
-
-
-def split_sizes(length: int, g: int) -> list[int]:
-    """Sizes of ``g`` slices of ``length``: as even as possible, the first ``length % g``
-    slices one larger (like ``torch.tensor_split``)."""
-    base, extra = divmod(length, g)
-    return [base + (i < extra) for i in range(g)]
+_REGISTRY: dict[str, type["SplitModule"]] = {}  # op name -> op
+_DEFAULTS: dict[type, str] = {}  # module type -> default op name
 
 
 class SplitModule(nn.Module):
@@ -40,6 +54,12 @@ class SplitModule(nn.Module):
 
     module_type: ClassVar[type]
     op_name: ClassVar[str]
+    axis: ClassVar[str]  # "in_features", "out_features" or "rows"
+    kernels: ClassVar[tuple[str, ...]] = ()
+    default_for_type: ClassVar[bool] = True
+    # the cost model can price it (a matmul split); False: the runtime runs it when
+    # asked (splits=), the planner does not choose it
+    planned: ClassVar[bool] = True
     # False when backward reads no weights (then the scheduler never gathers the
     # slices for backward and frees them after forward in either mode)
     needs_weights_in_backward: ClassVar[bool] = True
@@ -60,6 +80,11 @@ class SplitModule(nn.Module):
         self.flat_shards = [u.shard for u in units]
 
     @classmethod
+    def axis_length(cls, module: nn.Module) -> int:
+        """Length of the axis the op cuts (the most slices it can make)."""
+        raise NotImplementedError
+
+    @classmethod
     def check(cls, module: nn.Module, g: int, name: str) -> None:
         raise NotImplementedError
 
@@ -73,30 +98,68 @@ class SplitModule(nn.Module):
 
 
 def register_split_op(cls: type[SplitModule]) -> type[SplitModule]:
-    """Class decorator: ``cls`` becomes the split op for ``cls.module_type``."""
+    """Class decorator: register ``cls`` under ``cls.op_name`` (see [Note: split op
+    declaration])."""
     if not (isinstance(cls, type) and issubclass(cls, SplitModule)):
         raise TypeError(f"{cls!r} is not a SplitModule subclass")
-    existing = _REGISTRY.get(cls.module_type)
+    existing = _REGISTRY.get(cls.op_name)
     if existing is not None and existing is not cls:
+        raise OSDPError(f"a split op named {cls.op_name!r} is already registered ({existing.__name__})")
+    default = _DEFAULTS.get(cls.module_type)
+    if cls.default_for_type and default is not None and default != cls.op_name:
         raise OSDPError(
-            f"{cls.module_type.__name__} already has split op {existing.op_name!r}; "
-            f"cannot also register {cls.op_name!r}"
+            f"{cls.module_type.__name__} already has default split op {default!r}; register {cls.op_name!r} "
+            "with default_for_type = False (it is then chosen by name)"
         )
-    _REGISTRY[cls.module_type] = cls
+    _REGISTRY[cls.op_name] = cls
+    if cls.default_for_type:
+        _DEFAULTS[cls.module_type] = cls.op_name
     return cls
 
 
-def get_split_op(module: nn.Module, name: str = "") -> type[SplitModule]:
-    """The split op for ``module``'s exact type, or an OSDPError naming the known ones."""
-    op = _REGISTRY.get(type(module))
-    if op is None:
-        known = ", ".join(sorted(t.__name__ for t in _REGISTRY)) or "none"
+def unregister_split_op(op_name: str) -> None:
+    """Remove a registered op (tests, experiments)."""
+    cls = _REGISTRY.pop(op_name, None)
+    if cls is not None and _DEFAULTS.get(cls.module_type) == op_name:
+        del _DEFAULTS[cls.module_type]
+
+
+def get_split_op(module: nn.Module, name: str = "", op_name: str | None = None) -> type[SplitModule]:
+    """The split op named ``op_name`` (it must replace ``module``'s type), or the default
+    op for ``module``'s exact type; an OSDPError naming the known ones otherwise."""
+    if op_name is not None:
+        op = _REGISTRY.get(op_name)
+        if op is None:
+            raise OSDPError(f"unit {name!r}: no split op named {op_name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+        if type(module) is not op.module_type:
+            raise OSDPError(
+                f"unit {name!r} is a {type(module).__name__}; split op {op_name!r} splits {op.module_type.__name__}"
+            )
+        return op
+    default = _DEFAULTS.get(type(module))
+    if default is None:
+        known = ", ".join(sorted(t.__name__ for t in _DEFAULTS)) or "none"
         raise OSDPError(
             f"unit {name!r} is a {type(module).__name__}, which has no split op; "
             f"modules that can be split: {known}"
         )
-    return op
+    return _REGISTRY[default]
 
 
-def registered_split_ops() -> dict[type, type[SplitModule]]:
+def default_split_op(module: nn.Module) -> type[SplitModule] | None:
+    """The default op for ``module``'s exact type, or None."""
+    name = _DEFAULTS.get(type(module))
+    return None if name is None else _REGISTRY[name]
+
+
+def default_split_op_for_kind(kind: str) -> type[SplitModule] | None:
+    """The default op for a module kind (lower-case class name, as descriptions have it)."""
+    for module_type, name in _DEFAULTS.items():
+        if module_type.__name__.lower() == kind:
+            return _REGISTRY[name]
+    return None
+
+
+def registered_split_ops() -> dict[str, type[SplitModule]]:
+    """Op name -> op, every registered split op."""
     return dict(_REGISTRY)

@@ -3,7 +3,6 @@
 forward writes the rows of the output whose index falls in its range, and its backward
 scatter-adds the matching rows of dY into its weight gradient.
 
-This file is the second split op: it exists to show that a new split op is one file.
 """
 from __future__ import annotations
 
@@ -78,7 +77,14 @@ class SplitEmbedding(SplitModule):
 
     module_type = nn.Embedding
     op_name = "embedding_rows"
+    axis = "rows"
+    kernels = ()  # index_select / index_add_ in torch
+    planned = False  # the cost model has no price for a row split yet
     needs_weights_in_backward = False
+
+    @classmethod
+    def axis_length(cls, module: nn.Embedding) -> int:
+        return module.num_embeddings
 
     def __init__(self, module: nn.Embedding, g: int):
         super().__init__(g)

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from ..contract import UNSHARDED_GRADS_LIVE
 from ..errors import OSDPError
 from .describe import ModelDesc, OpDesc
 from .device import DeviceInfo
@@ -366,9 +367,9 @@ def _option_rows(desc, op, device, settings, checkpointed, window, after_i, befo
             else:
                 gathers_f = min(window, s + after_i)
                 gathers_b = min(window, own_b + before_i)
-            # the runtime keeps at most two unsharded gradients: the slice being
-            # computed and one waiting for its reduce-scatter
-            transient = max(gathers_f, gathers_b + 2 * grad)
+            # the runtime keeps at most UNSHARDED_GRADS_LIVE (2) unsharded gradients:
+            # the slice being computed and one waiting for its reduce-scatter
+            transient = max(gathers_f, gathers_b + UNSHARDED_GRADS_LIVE * grad)
             rows.append((g, k, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
                          (g - 1) * device.slice_overhead_s, split_efficiency(g, device)))
     return rows

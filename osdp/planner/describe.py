@@ -31,9 +31,8 @@ import torch
 import torch.nn as nn
 
 from ..errors import OSDPError
+from ..ops import split_op_of
 from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
-
-_SPLITTABLE_KINDS = ("linear", "conv1d")
 
 
 @dataclass(frozen=True)
@@ -46,13 +45,14 @@ class OpDesc:
     param_bytes: int  # bytes of those parameters in the dtype they are gathered in
     act_bytes_per_sample: float  # activation bytes saved for backward, per sample
     flops_per_sample: float  # forward FLOPs per sample
-    splittable: bool  # can be split along its input features
-    in_features: int = 0  # split axis length (0 if not splittable)
+    splittable: bool  # the planner may split it (with ``split_op``)
+    in_features: int = 0  # length of the axis ``split_op`` cuts (0 if not splittable)
     block: str | None = None  # checkpointable block this unit belongs to
     tied_to: str | None = None  # owner unit when this op reuses another unit's weights
     # transient bytes of its backward beyond the saved activations (gradients of
     # activations in flight), per sample; see [Note: backward transients]
     act_grad_bytes_per_sample: float = 0.0
+    split_op: str = ""  # the registered split op (osdp.ops) it would be split with
 
     @property
     def max_slices(self) -> int:
@@ -132,14 +132,14 @@ def module_kind(module: nn.Module) -> str:
     return type(module).__name__.lower()
 
 
-def _split_axis(module: nn.Module) -> int:
-    """Length of the input-feature axis a split cuts, 0 if the module is not splittable."""
-    kind = module_kind(module)
-    if kind == "linear":
-        return module.in_features
-    if kind == "conv1d" and hasattr(module, "nx"):  # Hugging Face GPT-2 Conv1D
-        return module.weight.shape[0]
-    return 0
+def _split_axis(module: nn.Module) -> tuple[str, int]:
+    """The split op the planner may use for ``module`` and the length of the axis it
+    cuts, from the registry (``osdp.ops``); ("", 0) if none. Ops the cost model cannot
+    price yet (``planned = False``) are left out."""
+    op = split_op_of(module)
+    if op is None or not op.planned:
+        return "", 0
+    return op.op_name, op.axis_length(module)
 
 
 def _default_blocks(model: nn.Module) -> list[str]:
@@ -381,7 +381,8 @@ def describe(
     for path in order:
         module = by_path[path]
         own = [p for p in module.parameters(recurse=False) if owner_of[id(p)] == path]
-        axis = _split_axis(module)
+        split_op, axis = _split_axis(module)
+        splittable = axis >= 2 and path not in tied
         ops.append(
             OpDesc(
                 name=path,
@@ -390,11 +391,12 @@ def describe(
                 param_bytes=sum(p.numel() * p.element_size() for p in own),
                 act_bytes_per_sample=per_sample.get(path, 0.0),
                 flops_per_sample=unit_flops.get(path, 0.0) / batch_size,
-                splittable=module_kind(module) in _SPLITTABLE_KINDS and axis >= 2 and path not in tied,
+                splittable=splittable,
                 in_features=axis if path not in tied else 0,
                 block=_enclosing_block(path, block_names),
                 tied_to=tied.get(path),
                 act_grad_bytes_per_sample=grad_per_sample.get(path, 0.0),
+                split_op=split_op if splittable else "",
             )
         )
     block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})

@@ -26,6 +26,7 @@ the qkv backward with the shape):
 from __future__ import annotations
 
 from ..models.gpt import GPTConfig
+from ..ops import default_split_op_for_kind
 from .describe import BlockDesc, ModelDesc, OpDesc
 
 
@@ -37,11 +38,14 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
 
     ids = s * 8  # int64 token ids, saved by the embedding (and the targets, by the loss)
 
+    split = default_split_op_for_kind("linear")  # the registry says along which axis
+
     def linear(path, fan_in, fan_out, act, grad, extra_flops=0.0, bias=True, block=None):
         count = fan_in * fan_out + (fan_out if bias else 0)
+        axis = {"in_features": fan_in, "out_features": fan_out}[split.axis] if split.planned else 0
         ops.append(OpDesc(path, "linear", count, count * e, act, 2.0 * s * fan_in * fan_out + extra_flops,
-                          splittable=fan_in >= 2, in_features=fan_in if fan_in >= 2 else 0, block=block,
-                          act_grad_bytes_per_sample=grad + ids))
+                          splittable=axis >= 2, in_features=axis if axis >= 2 else 0, block=block,
+                          act_grad_bytes_per_sample=grad + ids, split_op=split.op_name if axis >= 2 else ""))
 
     def layernorm(path, h, grad_widths, block=None):
         ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block,

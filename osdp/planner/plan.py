@@ -15,10 +15,10 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..contract import MODES, RuntimeConfig
 from ..errors import OSDPError, PlanMismatchError
 
 PLAN_VERSION = 1
-MODES = ("dp", "zdp")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,7 @@ class UnitDecision:
     param_bytes: int
     modes: tuple[str, ...]  # one per slice; len = slice count
     checkpointed: bool = False
+    split_op: str = ""  # the registered split op (osdp.ops) cutting it, when split
 
     @property
     def slices(self) -> int:
@@ -81,6 +82,28 @@ class Plan:
         """Module path -> per-slice modes (the tuple's length is the slice count)."""
         return {u.name: u.modes for u in self.units}
 
+    def unit_split_ops(self) -> dict[str, str]:
+        """Split unit -> the split op the plan priced it with."""
+        return {u.name: u.split_op for u in self.units if u.slices > 1 and u.split_op}
+
+    def runtime_config(self) -> RuntimeConfig:
+        """What the runtime executes (see ``osdp.contract``)."""
+        return RuntimeConfig(
+            unit_modes=self.unit_modes(),
+            split_ops=self.unit_split_ops(),
+            prefetch_bytes=self.prefetch_bytes,
+            checkpoint_blocks=tuple(self.checkpoint_blocks),
+            world_size=self.world_size,
+            batch_size=self.batch_size,
+            accumulation_steps=self.accumulation_steps,
+            gradient_sync=self.gradient_sync,
+            fingerprint=self.fingerprint,
+            model_name=self.model_name,
+            unit_param_bytes={u.name: u.param_bytes for u in self.units},
+            param_dtype_bytes=self.settings.get("param_dtype_bytes"),
+            reduce_dtype_bytes=self.settings.get("reduce_dtype_bytes"),
+        )
+
     @property
     def speedup_over_fsdp(self) -> float | None:
         base = self.baselines.get("fsdp")
@@ -93,7 +116,7 @@ class Plan:
             "world_size": self.world_size,
             "batch_size": self.batch_size,
             "prefetch_bytes": self.prefetch_bytes,
-            "units": [(u.name, u.modes) for u in self.units],
+            "units": [(u.name, u.modes) + ((u.split_op,) if u.slices > 1 and u.split_op else ()) for u in self.units],
             "checkpoint_blocks": list(self.checkpoint_blocks),
             "accumulation": [self.accumulation_steps, self.gradient_sync],
         }

@@ -45,7 +45,7 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None) -> Plan:
         o = s.result.option_index[i]
         g, k = int(t.opt_slices[o]), int(t.opt_zdp[o])
         units.append(UnitDecision(op.name, op.kind, op.param_bytes, ("zdp",) * k + ("dp",) * (g - k),
-                                  op.name in checkpointed))
+                                  op.name in checkpointed, op.split_op if g > 1 else ""))
     blocks = tuple(seg.name for seg, v in zip(t.segments, s.result.variant) if seg.variants[v])
     rounded_terms = sum(1 for i in range(len(desc.ops)) if t.opt_held_bytes[s.result.option_index[i]] > 0)
     return Plan(

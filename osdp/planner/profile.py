@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import OSDPError
-from ..runtime.collectives import reduces_with_all_reduce
+from ..contract import gradient_collective
 from .cost_model import shape_key
 from .describe import ModelDesc, describe
 from .inputs import as_example_inputs, batch_loss
@@ -93,10 +93,10 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
                         progress: Progress | None = None) -> tuple[CollectiveCost, CollectiveCost]:
     """Fit alpha/beta of all-gather and of the gradient reduction on ``group`` (all ranks
     call): the reduction is timed with the collective the runtime uses on this device
-    (reduce-scatter, or all-reduce on gloo; runtime.collectives.reduces_with_all_reduce)."""
+    (reduce-scatter, or all-reduce on gloo: contract.gradient_collective)."""
     world = dist.get_world_size(group)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    all_reduce = reduces_with_all_reduce(device)
+    all_reduce = gradient_collective(torch.device(device).type) == "all_reduce"
     if world == 1:
         return CollectiveCost(0.0, 0.0), CollectiveCost(0.0, 0.0)
     fits = []
@@ -223,15 +223,19 @@ def profile_compute(model, example_inputs, desc: ModelDesc, batches, loss_fn=Non
 
 
 def profile_split_efficiency(in_features: int, out_features: int, tokens: int, slices=(2, 4, 8, 16),
-                             device=None, dtype=torch.float32, repeats: int = 5) -> dict[str, float]:
-    """Forward + backward time of a split linear (the runtime's slice ops: fp32
-    accumulate, X slices as views) relative to the unsplit one, per slice count."""
-    from ..ops.kernels import addmm_slice_, slice_dw, slice_dx
+                             device=None, dtype=torch.float32, repeats: int = 5,
+                             split_op: str = "linear_in_features") -> dict[str, float]:
+    """Forward + backward time of a matmul split by ``split_op`` (a registered
+    ``osdp.ops`` op; its own slice math and kernels: fp32 accumulate, slices as views)
+    relative to the unsplit one, per slice count."""
+    from ..ops import registered_split_ops
 
+    op = registered_split_ops()[split_op or "linear_in_features"]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     x = torch.randn(tokens, in_features, device=device, dtype=dtype)
     w = torch.randn(out_features, in_features, device=device, dtype=dtype)
     dy = torch.randn(tokens, out_features, device=device, dtype=dtype)
+    axis = in_features if op.cut == "in" else out_features
 
     def unsplit():
         torch.nn.functional.linear(x, w)
@@ -239,15 +243,7 @@ def profile_split_efficiency(in_features: int, out_features: int, tokens: int, s
         torch.mm(dy.t(), x)
 
     def split(g):
-        out = torch.zeros(tokens, out_features, device=device, dtype=torch.float32)
-        dx = torch.empty_like(x)
-        bounds = [round(i * in_features / g) for i in range(g + 1)]
-        for k0, k1 in zip(bounds, bounds[1:]):
-            addmm_slice_(out, x, w[:, k0:k1], k0)
-        out.to(dtype)
-        for k0, k1 in zip(bounds, bounds[1:]):
-            slice_dx(dy, w[:, k0:k1], dx, k0)
-            slice_dw(dy, x, k0, k1 - k0)
+        op.timed_step(x, w, dy, g)
 
     def timed(fn):
         samples = []
@@ -261,7 +257,7 @@ def profile_split_efficiency(in_features: int, out_features: int, tokens: int, s
         return statistics.median(samples)
 
     base = timed(unsplit)
-    return {str(g): timed(lambda g=g: split(g)) / base for g in slices if g <= in_features}
+    return {str(g): timed(lambda g=g: split(g)) / base for g in slices if g <= axis}
 
 
 # ---- cache and driver -----------------------------------------------------------------
@@ -340,7 +336,7 @@ def profile(
 
     path = _cache_path(cache_dir)
     cache = _load_cache(path) if use_cache else _load_cache(Path("/nonexistent"))
-    comm_key = f"{label}|{backend}|world={world}|{'all_reduce' if reduces_with_all_reduce(device) else 'reduce_scatter'}"
+    comm_key = f"{label}|{backend}|world={world}|{gradient_collective(torch.device(device).type)}"
     compute_key = f"{label}|{dtype}"
     cached_fits = {k: ComputeFit(**v) for k, v in cache["compute"].get(compute_key, {}).items()} if use_cache else {}
     todo_keys = {shape_key(op) for op in desc.ops} - set(cached_fits)
@@ -360,11 +356,15 @@ def profile(
     splittable = [op for op in desc.ops if op.splittable]
     widest = max(splittable, key=lambda op: op.param_count, default=None)
     tokens = example_batch * max(1, round(widest.flops_per_sample / (2 * widest.param_count))) if widest else 0
-    split_key = f"{compute_key}|{widest.in_features}x{widest.param_count // widest.in_features}x{tokens}" if widest else ""
+    if widest:  # OpDesc.in_features is the length of the axis its split op cuts
+        from ..ops import registered_split_ops
+
+        axis, other = widest.in_features, widest.param_count // widest.in_features
+        k, n = (axis, other) if registered_split_ops()[widest.split_op or "linear_in_features"].cut == "in" else (other, axis)
+    split_key = f"{compute_key}|{widest.split_op}|{k}x{n}x{tokens}" if widest else ""
     split = cache["split"].get(split_key) if widest else {}
     if split is None:
-        split = profile_split_efficiency(widest.in_features, widest.param_count // widest.in_features, tokens,
-                                         device=device)
+        split = profile_split_efficiency(k, n, tokens, device=device, split_op=widest.split_op)
     bar.step("split efficiency")
 
     total_flops = sum(op.flops_per_sample for op in desc.ops)

@@ -57,6 +57,7 @@ def build_units(
     world_size: int,
     device: torch.device,
     mixed_precision=None,
+    split_ops: dict[str, str] | None = None,
 ) -> BuiltModel:
     param_dtype = getattr(mixed_precision, "param_dtype", None)
     reduce_dtype = getattr(mixed_precision, "effective_reduce_dtype", None)
@@ -75,7 +76,7 @@ def build_units(
         if len(modes) > 1:
             if any(id(p) in owner or len(fqns[id(p)]) > 1 for _, p in params):
                 raise OSDPError(f"cannot split {path!r}: its parameters are shared with another module (tied)")
-            op = get_split_op(module, path)
+            op = get_split_op(module, path, (split_ops or {}).get(path))
             op.check(module, len(modes), path)
             _, requires_grad = _consistent(path, [p for _, p in params])
             slice_units = []

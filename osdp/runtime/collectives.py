@@ -9,7 +9,9 @@ calls ``wait()`` right before it reads the result:
   gradients produced on the compute stream are ready); ``wait()`` makes the compute
   stream wait on an event recorded after the collective. Buffers are allocated and
   freed on the compute stream, and freed only after the compute stream waited on the
-  event, so no ``record_stream`` is needed.
+  event, so no ``record_stream`` is needed. Streams and events are behind the small
+  interface of ``streams.py``, whose CPU simulation runs this same path on gloo
+  (see [Note: simulated streams]).
 - CPU (gloo): the collective is issued with ``async_op=True``; ``wait()`` waits on
   the Work, at most ``timeout_s`` (see [Note: collective timeouts]).
 
@@ -26,14 +28,15 @@ on the compute stream (no CPU block); NCCL's own watchdog timeout applies there.
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..contract import gradient_collective
 from ..errors import OSDPError
+from .streams import streams_for
 
 # torch >= 2.13 names them *_single and deprecates the *_into_tensor / *_tensor names
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -69,26 +72,26 @@ DONE = Pending(None, (), _done)
 
 
 def reduces_with_all_reduce(device: torch.device) -> bool:
-    """Whether gradients are all-reduced (then sliced) instead of reduce-scattered: on
-    gloo, where all-reduce is the faster of the two; see [Note: gloo reduce-scatter]."""
-    return device.type != "cuda" and os.environ.get("OSDP_GLOO_REDUCE_SCATTER", "0") != "1"
+    """Whether gradients are all-reduced (then sliced) instead of reduce-scattered
+    (``contract.gradient_collective``); see [Note: gloo reduce-scatter]."""
+    return gradient_collective(device.type) == "all_reduce"
 
 
 class CommContext:
     """Issues the runtime's collectives on ``group``; one instance per OSDP model."""
 
-    def __init__(self, group, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S):
+    def __init__(self, group, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, streams=None):
         self.group = group
         self.device = device
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.use_streams = device.type == "cuda"
         self.timeout_s = float(timeout_s)
         self._timeout = timedelta(seconds=self.timeout_s)
+        self.streams = streams if streams is not None else streams_for(device, self.timeout_s)
+        self.use_streams = self.streams is not None
         if self.use_streams:
-            # own streams, high priority so comm kernels are not queued behind compute
-            self.all_gather_stream = torch.cuda.Stream(device=device, priority=-1)
-            self.reduce_scatter_stream = torch.cuda.Stream(device=device, priority=-1)
+            self.all_gather_stream = self.streams.new_stream("all-gather")
+            self.reduce_scatter_stream = self.streams.new_stream("reduce-scatter")
         # see [Note: gloo reduce-scatter]
         self.reduce_with_all_reduce = reduces_with_all_reduce(device)
 
@@ -135,20 +138,24 @@ class CommContext:
 
             return Pending(work, (output,), wait)
         version = output._version
-        compute = torch.cuda.current_stream(self.device)
-        stream.wait_stream(compute)
-        with torch.cuda.stream(stream):
-            fn(async_op=False)
+
+        def work():
+            try:
+                fn(async_op=False)
+            except Exception as exc:  # noqa: BLE001 - a peer gone, a freed buffer, ...
+                raise self._error(what, exc) from exc
             if after is not None:
                 after()
-            event = torch.cuda.Event()
-            event.record(stream)
+            torch._C._autograd._unsafe_set_version_counter((output,), (version,))
+
+        self.streams.wait_for_compute(stream)
+        event = self.streams.run(stream, work)
         torch._C._autograd._unsafe_set_version_counter((output,), (version,))
-        # the closures hold every temporary the collective reads or writes (a cast
+        # keep_alive holds every temporary the collective reads or writes (a cast
         # shard, staging buffers): freed only after the compute stream waited on the
         # event, so the caching allocator cannot hand them out while the comm stream
         # still uses them
-        return Pending(event, (output, fn, after), lambda: compute.wait_event(event))
+        return Pending(event, (output, fn, after), lambda: self.streams.wait(event))
 
     # ---- gathers ------------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all-gather") -> Pending:
@@ -240,13 +247,9 @@ class CommContext:
     def _coalesced_reduce(self, reduced, full, what, copy_out) -> Pending:
         inner = self._reduce(reduced, full, what)
         if self.use_streams:
-            stream = self.reduce_scatter_stream
-            with torch.cuda.stream(stream):
-                copy_out()  # ordered after the collective on the same stream
-            event = torch.cuda.Event()
-            event.record(stream)
-            compute = torch.cuda.current_stream(self.device)
-            return Pending(event, (inner, copy_out), lambda: compute.wait_event(event))
+            # ordered after the collective on the same stream
+            event = self.streams.run(self.reduce_scatter_stream, copy_out)
+            return Pending(event, (inner, copy_out), lambda: self.streams.wait(event))
 
         def wait():
             inner.wait()
@@ -261,8 +264,14 @@ class CommContext:
         ms, 200K floats 2.2 vs 1.2 ms), so on gloo the unsharded gradient is all-reduced
         in place and this rank's chunk copied out. The memory is the same: the full
         buffer is live until the collective is done either way."""
-        work = self._start(lambda async_op: dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op), what)
         chunk = full.narrow(0, self.rank * output.numel(), output.numel())
+
+        def fn(async_op):
+            return dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+
+        if self.use_streams:
+            return self._issue(self.reduce_scatter_stream, fn, full, what, after=lambda: output.copy_(chunk))
+        work = self._start(fn, what)
 
         def wait():
             self.wait_work(work, what)
@@ -276,7 +285,7 @@ class CommContext:
         output = torch.empty(shard.numel() * self.world_size, dtype=shard.dtype, device=shard.device)
         self.all_gather(output, shard, "all-gather (state dict)").wait()
         if self.use_streams:
-            torch.cuda.current_stream(self.device).synchronize()
+            self.streams.synchronize()
         return output
 
     def all_gather_object_hash(self, value: int, what: str) -> list[int]:
@@ -285,5 +294,5 @@ class CommContext:
         every = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
         self.all_gather(every, mine, what).wait()
         if self.use_streams:
-            torch.cuda.current_stream(self.device).synchronize()
+            self.streams.synchronize()
         return every.tolist()

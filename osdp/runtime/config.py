@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.nn as nn
 
@@ -22,6 +22,7 @@ class RuntimeConfig:
     prefetch_bytes: int | None  # None: the runtime picks a default
     checkpoint_blocks: tuple[str, ...]
     fingerprint: str | None = None
+    split_ops: dict[str, str] = field(default_factory=dict)  # split unit -> op name (default: the type's)
 
 
 def unit_candidates(model: nn.Module) -> list[str]:
@@ -61,8 +62,10 @@ def resolve_config(
     prefetch_bytes,
     checkpoint_blocks,
     world_size: int,
+    split_ops: dict | None = None,
 ) -> RuntimeConfig:
     fingerprint = None
+    split_ops = dict(split_ops or {})
     if plan is not None:
         if modes or splits:
             raise OSDPError("give either plan= or modes=/splits=, not both: the plan already names every unit's modes")
@@ -73,6 +76,9 @@ def resolve_config(
                 f"{world_size} ranks: plan again for {world_size}"
             )
         modes = dict(plan.unit_modes())
+        if split_ops:
+            raise OSDPError("give either plan= or split_ops=, not both: the plan names every split unit's op")
+        split_ops = dict(getattr(plan, "unit_split_ops", dict)())
         if prefetch_bytes is None:
             prefetch_bytes = getattr(plan, "prefetch_bytes", None)
         if not checkpoint_blocks:
@@ -134,7 +140,13 @@ def resolve_config(
                 f"checkpoint block {block!r} is not a module path of the model"
                 + (f"; did you mean {', '.join(map(repr, close))}?" if close else "")
             )
-    return RuntimeConfig(unit_modes, prefetch_bytes, blocks, fingerprint)
+    for name, op_name in split_ops.items():
+        _check_name(name, candidates, modules, "split_ops")
+        if not isinstance(op_name, str):
+            raise OSDPError(f"split_ops[{name!r}] = {op_name!r}: give a registered split op name (osdp.ops.registered_split_ops())")
+        if len(unit_modes[name]) == 1:
+            raise OSDPError(f"split_ops[{name!r}] names an op but {name!r} is not split: add splits={{{name!r}: g}}")
+    return RuntimeConfig(unit_modes, prefetch_bytes, blocks, fingerprint, split_ops)
 
 
 def own_param_counts(model: nn.Module) -> dict[str, int]:

@@ -30,6 +30,7 @@ i.e. twice their bytes.
 """
 from __future__ import annotations
 
+from ..contract import is_small_unit
 from .lifecycle import UnitLifecycle
 from .modes import GatherState
 from .shard_unit import ShardUnit
@@ -49,9 +50,8 @@ class PrefetchPolicy:
 
     def mark_coalescible(self, units) -> None:
         """``units``: the whole-module units that may ride along when small."""
-        limit = self.coalesce_bytes // 4
         for unit in units:
-            unit.coalescible = self.coalesce_bytes > 0 and unit.gathered_bytes <= limit
+            unit.coalescible = is_small_unit(unit.gathered_bytes, self.coalesce_bytes, is_slice=False)
 
     # ---- recording the order ------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:

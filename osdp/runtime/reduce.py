@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..contract import MAX_INFLIGHT_REDUCE_SCATTERS
 from .collectives import CommContext, Pending
 from .ledger import MemoryLedger
 from .shard_unit import ShardUnit
@@ -51,7 +52,7 @@ class GradReducer:
         self.ledger = ledger
         self.coalesce_bytes = int(coalesce_bytes)
         self.sync_gradients = True  # see [Note: gradient accumulation]
-        self.max_inflight = 1  # see [Note: unsharded gradients]
+        self.max_inflight = MAX_INFLIGHT_REDUCE_SCATTERS  # see [Note: unsharded gradients]
         self._inflight: deque[InflightReduce] = deque()
         self._deferred: dict[ShardUnit, None] = {}  # small units whose reduction waits
         self._deferred_bytes = 0

@@ -137,12 +137,12 @@ def test_registry_and_errors():
     conv = Conv1D(6, 5)
     op = get_split_op(conv)
     assert op.__name__ == "SplitConv1D" and op.op_name == "conv1d_nx"
-    assert registered_split_ops()[Conv1D] is op
+    assert registered_split_ops()["conv1d_nx"] is op and op.module_type is Conv1D
     assert [s["weight"].shape[0] for s in op.slice_tensors(conv, 3)] == [2, 2, 1]
     assert all(s["weight"].is_contiguous() for s in op.slice_tensors(conv, 3))  # rows: no copies needed
     merged = op.merge(op.slice_tensors(conv, 3))
     assert torch.equal(merged["weight"], conv.weight) and torch.equal(merged["bias"], conv.bias)
-    with pytest.raises(OSDPError, match=r"cannot split '0' \(Conv1D, nx=5\) into 6 slices: use 1 <= g <= 5"):
+    with pytest.raises(OSDPError, match=r"cannot split '0' \(Conv1D, in_features=5\) into 6 slices: use 1 <= g <= 5"):
         osdp.OSDP(nn.Sequential(Conv1D(6, 5)), splits={"0": 6}, device="cpu")
 
 

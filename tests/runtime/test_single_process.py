@@ -11,7 +11,7 @@ import torch.nn as nn
 import osdp
 from osdp.errors import OSDPError, PlanMismatchError
 from osdp.models import GPT, GPTConfig, example_batch
-from osdp.ops import SplitModule, get_split_op, register_split_op, split_sizes
+from osdp.ops import SplitModule, get_split_op, register_split_op, split_sizes, unregister_split_op
 from osdp.ops import kernels
 
 
@@ -190,6 +190,7 @@ def test_registry_extension_point():
     class Bilinear3(SplitModule):  # a made-up op: only registration is exercised
         module_type = nn.Bilinear
         op_name = "bilinear_test"
+        axis = "in_features"
 
     try:
         register_split_op(Bilinear3)
@@ -198,13 +199,26 @@ def test_registry_extension_point():
         class Other(SplitModule):
             module_type = nn.Bilinear
             op_name = "other"
+            axis = "out_features"
 
-        with pytest.raises(OSDPError, match="already has split op 'bilinear_test'"):
+        with pytest.raises(OSDPError, match="already has default split op 'bilinear_test'"):
             register_split_op(Other)
-    finally:
-        from osdp.ops import registry
 
-        registry._REGISTRY.pop(nn.Bilinear, None)
+        class Same(SplitModule):
+            module_type = nn.Bilinear
+            op_name = "bilinear_test"
+
+        with pytest.raises(OSDPError, match="split op named 'bilinear_test' is already registered"):
+            register_split_op(Same)
+        Other.default_for_type = False  # a second op for the type, chosen by name
+        register_split_op(Other)
+        assert get_split_op(nn.Bilinear(2, 2, 2)) is Bilinear3
+        assert get_split_op(nn.Bilinear(2, 2, 2), op_name="other") is Other
+        with pytest.raises(OSDPError, match="splits Bilinear"):
+            get_split_op(nn.Linear(2, 2), "x", op_name="other")
+    finally:
+        unregister_split_op("bilinear_test")
+        unregister_split_op("other")
     with pytest.raises(TypeError):
         register_split_op(nn.Linear)
 

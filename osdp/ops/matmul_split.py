@@ -1,0 +1,228 @@
+"""The shared base of split matmuls: ``Y = X @ W^T + b`` with ``W`` cut into ``g``
+slices along one axis, each slice its own shard unit.
+
+A subclass says only how its module stores the weight (the *layout adapter*) and which
+axis it cuts:
+
+- ``cut = "in"``: along the input features K: ``Y = sum_i X[:, k_i] @ W[:, k_i]^T + b``;
+  slice 0 also owns the bias (added once);
+- ``cut = "out"``: along the output features N: ``Y[:, n_i] = X @ W[n_i, :]^T + b[n_i]``;
+  each slice owns its rows of ``W`` and its part of ``b``;
+- ``transposed``: the module stores ``W^T`` ([K, N], Hugging Face ``Conv1D``), so the
+  Linear-layout view of a slice is a transpose (a stride swap, never a copy).
+
+[Note: split matmul schedule]
+Forward, slice by slice in order 0..g-1: acquire the slice (all-gathered, ahead of use
+within the prefetch window), add its product into ONE fp32 buffer (``cut="in"``: the
+whole output accumulates; ``cut="out"``: the slice's column block of it), release it (a
+zdp slice is freed right away, a dp slice is kept for backward). The output is cast to
+the input's dtype once, at the end. Only X is saved for backward; a slice of X (or of
+dY) is a strided view, never a copy.
+Backward walks the slices in reverse (the order the scheduler prefetches in): acquire
+(gather again if zdp), the slice's part of dX (``cut="in"``: its column block;
+``cut="out"``: added into an fp32 dX accumulator, cast once), dW written straight into
+the unit's unsharded gradient buffer (through a transposed view where the layout needs
+it), release (reduce-scatter issued asynchronously, weights freed). All products go
+through ``osdp.ops.kernels`` (Triton on CUDA, torch references otherwise).
+"""
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+import torch.nn as nn
+
+from ..errors import OSDPError
+from . import kernels
+from .registry import SplitModule, split_sizes
+
+
+class _SplitMatmulFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, expects_backward: bool, module: "MatmulSplit", *shards):
+        sched = module.scheduler
+        x2 = x.reshape(-1, module.in_features)
+        out = module.new_output(x2)
+        uses = []
+        for i, unit in enumerate(module.units):
+            use = sched.pre_forward(unit)
+            module.forward_slice(out, x2, module.slice_weight(unit, i), module.slice_bias(unit, i), i)
+            sched.post_forward(use, expects_backward)
+            uses.append(use)
+        ctx.module, ctx.uses = module, uses
+        ctx.save_for_backward(x)
+        return out.to(x.dtype).view(*x.shape[:-1], module.out_features)
+
+    @staticmethod
+    def backward(ctx, dy):
+        module, uses = ctx.module, ctx.uses
+        sched = module.scheduler
+        (x,) = ctx.saved_tensors
+        x2 = x.reshape(-1, module.in_features)
+        dy2 = dy.reshape(-1, module.out_features)
+        need_dx = ctx.needs_input_grad[0]
+        dx = module.new_input_grad(x2) if need_dx else None
+        for i in reversed(range(module.g)):
+            unit, use = module.units[i], uses[i]
+            sched.pre_backward(use)
+            grads, accumulate = sched.grad_buffer(unit) if unit.requires_grad else (None, False)
+            module.backward_slice(dy2, x2, module.slice_weight(unit, i), dx, grads, accumulate, i)
+            sched.post_backward(use, None)
+        if need_dx:
+            dx = dx.to(x.dtype).view_as(x)  # no copy for the K-split (written in x's dtype)
+        return (dx, None, None) + (None,) * module.g
+
+
+def _bias_grad(dy_cols: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
+    if not accumulate and out.dtype == dy_cols.dtype:
+        torch.sum(dy_cols, 0, out=out)  # straight into the gradient buffer
+        return
+    db = dy_cols.sum(0)
+    out.add_(db) if accumulate else out.copy_(db)
+
+
+class MatmulSplit(SplitModule):
+    """Base of split matmuls; subclasses set the class attributes below."""
+
+    cut: ClassVar[str]  # "in" or "out": the axis of the Linear-layout weight [N, K] cut
+    transposed: ClassVar[bool] = False  # the module stores W^T ([K, N])
+    kernels = ("addmm_slice_", "slice_dx", "slice_dw")
+
+    def __init__(self, module: nn.Module, g: int):
+        super().__init__(g)
+        self.out_features, self.in_features = self.linear_shape(module)
+        self.has_bias = getattr(module, "bias", None) is not None
+        self.sizes = split_sizes(self.axis_length(module), g)
+        self.offsets = [sum(self.sizes[:i]) for i in range(g)]
+
+    # ---- the layout adapter ---------------------------------------------------------------
+    @classmethod
+    def linear_view(cls, weight: torch.Tensor) -> torch.Tensor:
+        """The stored weight (or a slice, or its gradient) in Linear layout [N, K]."""
+        return weight.t() if cls.transposed else weight
+
+    @classmethod
+    def linear_shape(cls, module: nn.Module) -> tuple[int, int]:
+        """(N, K): output and input features."""
+        return tuple(cls.linear_view(module.weight).shape)
+
+    @classmethod
+    def stored_dim(cls) -> int:
+        """The dim of the STORED weight that the cut runs along."""
+        linear_dim = 1 if cls.cut == "in" else 0
+        return 1 - linear_dim if cls.transposed else linear_dim
+
+    @classmethod
+    def axis_length(cls, module: nn.Module) -> int:
+        n, k = cls.linear_shape(module)
+        return k if cls.cut == "in" else n
+
+    # ---- the math of one slice (the autograd Function and the profiler run these) -----
+    def new_output(self, x2: torch.Tensor) -> torch.Tensor:
+        """The fp32 accumulator of the output."""
+        shape, dev = (x2.shape[0], self.out_features), x2.device
+        return torch.zeros(shape, dtype=torch.float32, device=dev) if self.cut == "in" else torch.empty(
+            shape, dtype=torch.float32, device=dev)
+
+    def forward_slice(self, out, x2, weight, bias, i: int) -> None:
+        """Add slice ``i``'s product into ``out`` (``weight``: Linear layout)."""
+        if self.cut == "in":
+            kernels.addmm_slice_(out, x2, weight, self.offsets[i], bias)
+        else:
+            block = out.narrow(1, self.offsets[i], self.sizes[i]).zero_()
+            kernels.addmm_slice_(block, x2, weight, 0, bias)
+
+    def new_input_grad(self, x2: torch.Tensor) -> torch.Tensor:
+        """dX: written block by block in x's dtype (K-split) or an fp32 accumulator."""
+        return torch.empty_like(x2) if self.cut == "in" else torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
+
+    def backward_slice(self, dy2, x2, weight, dx, grads, accumulate: bool, i: int) -> None:
+        """Slice ``i``'s part of dX (when ``dx`` is given) and its dW (and db) into
+        ``grads`` (its unsharded gradient views; None: frozen)."""
+        k0, ks = self.offsets[i], self.sizes[i]
+        cut_in = self.cut == "in"
+        if dx is not None:
+            if cut_in:
+                kernels.slice_dx(dy2, weight, dx, k0)
+            else:  # dX += dY[:, n_i] @ W_i
+                kernels.addmm_slice_(dx, dy2, weight.t(), k0)
+        if grads is None:
+            return
+        dw = self.linear_view(grads[0])  # [N or ns, K or ks], a view
+        if cut_in:  # dW_i = dY^T @ X[:, k_i]
+            kernels.slice_dw(dy2, x2, k0, ks, out=dw, accumulate=accumulate)
+        else:  # dW_i^T = X^T @ dY[:, n_i]
+            kernels.slice_dw(x2, dy2, k0, ks, out=dw.t(), accumulate=accumulate)
+        if self.has_bias and (not cut_in or i == 0):
+            _bias_grad(dy2 if cut_in else dy2.narrow(1, k0, ks), grads[1], accumulate)
+
+    @classmethod
+    def timed_step(cls, x2: torch.Tensor, weight: torch.Tensor, dy2: torch.Tensor, g: int) -> None:
+        """Forward and backward of the product split in ``g`` slices on plain tensors
+        (``weight`` [N, K], Linear layout): what the profiler times for split efficiency."""
+        op = cls.__new__(cls)
+        nn.Module.__init__(op)
+        op.out_features, op.in_features = weight.shape
+        op.has_bias, op.g = False, g
+        op.sizes = split_sizes(op.in_features if cls.cut == "in" else op.out_features, g)
+        op.offsets = [sum(op.sizes[:i]) for i in range(g)]
+        cut = (lambda w, k0, ks: w.narrow(1, k0, ks)) if cls.cut == "in" else (lambda w, k0, ks: w.narrow(0, k0, ks))
+        out = op.new_output(x2)
+        for i in range(g):
+            op.forward_slice(out, x2, cut(weight, op.offsets[i], op.sizes[i]), None, i)
+        out.to(x2.dtype)
+        dx = op.new_input_grad(x2)
+        for i in reversed(range(g)):
+            w = cut(weight, op.offsets[i], op.sizes[i])
+            op.backward_slice(dy2, x2, w, dx, [torch.empty_like(w)], False, i)
+
+    def slice_weight(self, unit, i: int) -> torch.Tensor:
+        return self.linear_view(unit.views[0])
+
+    def slice_bias(self, unit, i: int) -> torch.Tensor | None:
+        if not self.has_bias or (self.cut == "in" and i != 0):
+            return None
+        return unit.views[1]
+
+    # ---- SplitModule ------------------------------------------------------------------------
+    @classmethod
+    def check(cls, module: nn.Module, g: int, name: str) -> None:
+        length = cls.axis_length(module)
+        if not 1 <= g <= length:
+            raise OSDPError(
+                f"cannot split {name!r} ({type(module).__name__}, {cls.axis}={length}) into {g} slices: "
+                f"use 1 <= g <= {length}"
+            )
+
+    @classmethod
+    def slice_tensors(cls, module: nn.Module, g: int) -> list[dict[str, torch.Tensor]]:
+        weight, dim = module.weight.detach(), cls.stored_dim()
+        bias = module.bias.detach() if getattr(module, "bias", None) is not None else None
+        result, k0 = [], 0
+        for i, ks in enumerate(split_sizes(cls.axis_length(module), g)):
+            tensors = {"weight": weight.narrow(dim, k0, ks)}
+            if bias is not None and cls.cut == "out":
+                tensors["bias"] = bias.narrow(0, k0, ks)
+            elif bias is not None and i == 0:
+                tensors["bias"] = bias
+            result.append(tensors)
+            k0 += ks
+        return result
+
+    @classmethod
+    def merge(cls, slices: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        merged = {"weight": torch.cat([s["weight"] for s in slices], dim=cls.stored_dim())}
+        if "bias" in slices[0]:
+            merged["bias"] = torch.cat([s["bias"] for s in slices]) if cls.cut == "out" else slices[0]["bias"]
+        return merged
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # decided here: inside Function.forward grad mode is always off
+        expects_backward = torch.is_grad_enabled() and (x.requires_grad or any(s.requires_grad for s in self.flat_shards))
+        return _SplitMatmulFn.apply(x, expects_backward, self, *self.flat_shards)
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, g={self.g} along {self.axis}, "
+            f"bias={self.has_bias}"
+        )

@@ -1,0 +1,27 @@
+"""nn.Linear split along ``out_features``: ``Y[:, n_i] = X @ W[n_i, :]^T + b[n_i]``.
+
+Slice ``i`` owns the rows ``W[n_i:n_i+ns_i, :]`` (contiguous) and its part of the bias,
+so each slice computes its own block of output columns and no slice's product is
+summed with another's. Suited to fused projections (a GPT QKV ``c_attn``: out = 3 x
+in) and wide heads, where the K-split's fp32 accumulator would be the whole output.
+Not the default for nn.Linear: chosen by name (``split_ops={name:
+"linear_out_features"}``). Schedule: [Note: split matmul schedule] in
+``matmul_split.py``.
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .matmul_split import MatmulSplit
+from .registry import register_split_op
+
+
+@register_split_op
+class SplitLinearOut(MatmulSplit):
+    """nn.Linear cut into ``g`` slices along ``out_features``."""
+
+    module_type = nn.Linear
+    op_name = "linear_out_features"
+    axis = "out_features"
+    cut = "out"
+    default_for_type = False
