@@ -33,6 +33,7 @@ _EXPORTS = {
     "make_plan": "osdp.planner.planner",
     "auto_plan": "osdp.auto",
     "profile": "osdp.planner.profile",
+    "ExampleInputs": "osdp.planner.inputs",
     "InfeasiblePlanError": "osdp.errors",
     "PlanMismatchError": "osdp.errors",
     "OSDPError": "osdp.errors",

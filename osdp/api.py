@@ -62,10 +62,17 @@ class OSDP(nn.Module):
     unit's gathered bytes).
 
     Auto mode: with no plan and no ``modes``/``splits``, ``memory_limit`` and
-    ``example_inputs`` (a tuple of forward arguments) make OSDP call
-    :func:`osdp.auto.auto_plan` first (every rank: it profiles, plans on rank 0 and
-    broadcasts; ``settings`` and ``auto_kwargs`` are passed on). ``model.plan`` is the
-    plan and ``model.batch_size`` the per-device batch the training loop must use.
+    ``example_inputs`` make OSDP call :func:`osdp.auto.auto_plan` first (every rank: it
+    profiles, plans on rank 0 and broadcasts; ``settings``, ``loss_fn`` and
+    ``auto_kwargs`` such as ``batch``/``global_batch`` are passed on). ``model.plan`` is
+    the plan and ``model.batch_size`` the per-device batch the training loop must use.
+    ``example_inputs`` is one forward's arguments: a tuple (positional), a dict (keyword:
+    a stock Hugging Face model takes ``{"input_ids": x, "labels": y}``) or
+    ``osdp.ExampleInputs(args, kwargs)``; the batch is dim 0 of the first tensor. The
+    profiler runs backward on ``loss_fn(output)`` when given (a scalar tensor, for any
+    batch), else on ``output.loss`` (a ``ModelOutput`` given labels) or on the output
+    tensor (summed if not a scalar); tuple outputs need ``loss_fn``. See
+    [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
 
     Plan checks: every unit the plan names must be a module of ``module`` owning the
     parameter count the plan priced, the plan's dtypes must match ``mixed_precision``
@@ -106,6 +113,7 @@ class OSDP(nn.Module):
         example_inputs=None,
         settings=None,
         auto_kwargs: dict | None = None,
+        loss_fn=None,
     ):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
@@ -124,7 +132,8 @@ class OSDP(nn.Module):
         self.device = device_arg(device) if device is not None else _default_device()
         plan = plan_from_arg(plan)  # a Plan, or the path of a plan file (loaded), or a dict
         if plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None):
-            plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision, auto_kwargs)
+            plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision,
+                              {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {})})
         if plan is not None:
             check_plan_matches_model(module, plan)
             param_bytes = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
@@ -438,7 +447,8 @@ def _refuse_wrapped(module: nn.Module) -> None:
 def _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision, auto_kwargs):
     """``osdp.auto.auto_plan`` with the runtime's mixed-precision dtypes in the settings."""
     if example_inputs is None:
-        raise OSDPError("auto mode needs example_inputs=(args of one forward) beside memory_limit=")
+        raise OSDPError("auto mode needs example_inputs= (one forward's arguments: a tuple, or a dict of "
+                        "keyword arguments) beside memory_limit=")
     from .auto import auto_plan
     from .planner.cost_model import PlannerSettings
 
@@ -449,7 +459,5 @@ def _auto_plan(module, example_inputs, memory_limit, process_group, settings, mi
         r_bytes = torch.empty((), dtype=r_dtype).element_size()
         if settings.param_dtype_bytes is None and settings.reduce_dtype_bytes is None:
             settings = settings.with_(param_dtype_bytes=p_bytes, reduce_dtype_bytes=r_bytes)
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
     return auto_plan(module, example_inputs, memory_limit, process_group=process_group, settings=settings,
                      **dict(auto_kwargs or {}))

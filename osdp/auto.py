@@ -38,6 +38,8 @@ def auto_plan(
     process_group=None,
     settings: PlannerSettings | None = None,
     batch: int | None = None,
+    global_batch: int | None = None,
+    loss_fn=None,
     backend: str = "auto",
     cache_dir=None,
     progress: bool = True,
@@ -47,15 +49,42 @@ def auto_plan(
     ``memory_limit`` per device (all ranks call it): a string with a unit ("8GiB", "16GB")
     or a number of bytes (an int or float; ``8`` is 8 bytes; see osdp.sizes). Returns the
     same ``Plan`` on every rank; its ``batch_size`` is the per-device batch the training
-    loop must use."""
+    loop must use.
+
+    ``example_inputs``: one forward's arguments, the same on every rank:
+
+    - a tuple of positional arguments: ``model(*example_inputs)``;
+    - a dict of keyword arguments: ``model(**example_inputs)``; for a stock Hugging Face
+      model, ``{"input_ids": x, "labels": y}`` (its second positional argument is
+      ``past_key_values``, not the labels);
+    - ``osdp.ExampleInputs(args, kwargs)`` for both.
+
+    The batch is dim 0 of the first tensor. The profiler runs backward on, in order:
+    ``loss_fn(output)`` (a scalar tensor; it must work for any batch: the profiler also
+    runs halved and repeated batches), ``output.loss`` (a Hugging Face ``ModelOutput``
+    given ``labels``, or a dict's ``"loss"``), the output tensor itself (its sum if it is
+    not a scalar). A tuple output, or one without a loss, needs ``loss_fn``. See
+    [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
+
+    ``batch``: plan at this per-device batch instead of sweeping for the fastest;
+    ``global_batch``: samples per optimizer step over all ranks (the plan picks the
+    micro-batch and ``accumulation_steps``). Other keyword arguments go to
+    :func:`osdp.profile` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
+    """
+    if batch is not None and global_batch is not None:
+        raise OSDPError(
+            f"auto_plan got batch={batch} and global_batch={global_batch}: give the per-device "
+            "batch or the samples per optimizer step over all ranks, not both"
+        )
     desc, device = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
-                           cache_dir=cache_dir, progress=progress, **profile_kwargs)
+                           cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     outcome = None
     if rank == 0:
         try:
-            outcome = make_plan(desc, device, settings, batch=batch, backend=backend).to_dict()
+            outcome = make_plan(desc, device, settings, batch=batch, backend=backend,
+                                global_batch=global_batch).to_dict()
         except OSDPError as exc:  # every rank raises the same error instead of hanging
             outcome = {"error": type(exc).__name__, "message": str(exc),
                        "min_bytes": getattr(exc, "min_bytes", None), "breakdown": getattr(exc, "breakdown", None)}

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from ..errors import OSDPError
 from ..ops import split_op_of
+from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
 
 
 @dataclass(frozen=True)
@@ -181,7 +182,7 @@ class _Recorder:
         return tensor
 
 
-def _measure_forward(model, inputs, units, param_ptrs, blocks):
+def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
     """One forward pass: unit order, saved bytes per unit, block input bytes, FLOPs."""
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -199,7 +200,7 @@ def _measure_forward(model, inputs, units, param_ptrs, blocks):
     try:
         with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             with FlopCounterMode(display=False) as counter:
-                model(*inputs)
+                inputs.call(model)
     finally:
         for h in handles:
             h.remove()
@@ -209,13 +210,11 @@ def _measure_forward(model, inputs, units, param_ptrs, blocks):
     return rec.order, rec.saved, block_inputs, counter.get_flop_counts()
 
 
-def _loss_of(output) -> torch.Tensor:
-    return output if output.dim() == 0 else output.float().sum()
-
-
-def _measure_backward(model, inputs, order: list[str], saved: dict[str, int]) -> dict[str, float]:
+def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dict[str, int],
+                      loss) -> dict[str, float]:
     """Per unit, bytes alive at the peak of its backward beyond parameters, gradients and
-    the saved activations of the units up to it (see [Note: backward transients])."""
+    the saved activations of the units up to it (see [Note: backward transients]).
+    ``loss``: the model's output -> the scalar whose backward runs."""
     from ..memtrack import IntervalPeakTracker
 
     params = list(model.parameters())
@@ -248,9 +247,9 @@ def _measure_backward(model, inputs, order: list[str], saved: dict[str, int]) ->
         handles.append(own[0].register_post_accumulate_grad_hook(hook))
     try:
         with tracker:
-            loss = _loss_of(model(*inputs))
+            value = loss(inputs.call(model))
             tracker.interval = order[-1]
-            loss.backward()
+            value.backward()
     finally:
         for h in handles:
             h.remove()
@@ -296,21 +295,24 @@ def describe(
     blocks: list[str] | None = None,
     batch_size: int | None = None,
     measure_backward: bool = True,
+    loss_fn: LossFn | None = None,
 ) -> ModelDesc:
-    """Describe ``model`` by running ``model(*example_inputs)`` once (twice when the
+    """Describe ``model`` by running one forward of ``example_inputs`` (twice when the
     batch can be halved, to separate per-sample bytes from constant ones).
 
+    ``example_inputs``: a tuple of positional arguments, a dict of keyword arguments
+    (Hugging Face: ``{"input_ids": x, "labels": y}``), ``ExampleInputs(args, kwargs)`` or
+    one tensor; see [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
     ``blocks``: module paths that may be checkpointed (default: children of every
     ModuleList). ``batch_size``: the batch of ``example_inputs`` (default: dim 0 of the
-    first tensor). ``measure_backward``: also run a backward (the output, or its sum, is
-    the loss) to measure each unit's backward transients.
+    first tensor). ``measure_backward``: also run a backward to measure each unit's
+    backward transients; its loss is ``loss_fn(output)`` when given, else
+    ``output.loss`` (a ``ModelOutput``) or the output tensor (its sum if not a scalar).
     """
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    tensors = [t for t in inputs if isinstance(t, torch.Tensor)]
+    inputs = as_example_inputs(example_inputs)
+    tensors = inputs.tensors()
     if batch_size is None:
-        if not tensors or tensors[0].dim() == 0:
-            raise OSDPError("describe needs example inputs with a batch dimension (dim 0)")
-        batch_size = int(tensors[0].shape[0])
+        batch_size = inputs.batch_size()
     if batch_size <= 0:
         raise OSDPError(f"example batch size must be positive, got {batch_size}")
 
@@ -343,15 +345,17 @@ def describe(
         half = batch_size // 2
         if half >= 1 and all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors):
             # clones: a view would share (and count) the full batch's storage
-            small = tuple(t[:half].clone() if isinstance(t, torch.Tensor) else t for t in inputs)
+            small = inputs.map_batched(lambda t: t[:half].clone())
             _, saved_half, _, _ = _measure_forward(model, small, units, param_ptrs, [])
         else:
             half, small, saved_half = 0, None, {}
         grads_full = grads_half = {}
         if measure_backward:
-            grads_full = _measure_backward(model, inputs, order, saved)
+            grads_full = _measure_backward(model, inputs, order, saved,
+                                           lambda out: batch_loss(out, loss_fn, batch_size, batch_size))
             if half:
-                grads_half = _measure_backward(model, small, order, saved_half)
+                grads_half = _measure_backward(model, small, order, saved_half,
+                                               lambda out: batch_loss(out, loss_fn, half, batch_size))
     finally:
         model.train(was_training)
 

@@ -43,6 +43,7 @@ from ..sizes import format_bytes, parse_bytes
 from ..torch_names import all_gather_flat, reduce_scatter_flat
 from .cost_model import shape_key
 from .describe import ModelDesc, describe
+from .inputs import as_example_inputs, batch_loss
 from .device import CollectiveCost, ComputeFit, DeviceInfo
 
 log = logging.getLogger("osdp.profile")
@@ -135,23 +136,18 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
 
 # ---- compute -----------------------------------------------------------------------
 
-def _batch_of(inputs, batch: int):
-    out = []
-    for t in inputs:
-        if isinstance(t, torch.Tensor) and t.dim() > 0:
-            reps = -(-batch // t.shape[0])
-            t = t.repeat(reps, *([1] * (t.dim() - 1)))[:batch] if reps > 1 else t[:batch]
-        out.append(t)
-    return tuple(out)
-
-
 def _unit_modules(model: nn.Module, desc: ModelDesc) -> list[tuple[str, nn.Module]]:
     modules = dict(model.named_modules())
     return [(op.name, modules[op.name]) for op in desc.ops]
 
 
-def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3) -> dict[str, tuple[float, float]]:
-    """Median (forward_s, backward_s) per unit for one forward + backward of ``inputs``."""
+def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3,
+               example_batch: int | None = None) -> dict[str, tuple[float, float]]:
+    """Median (forward_s, backward_s) per unit for one forward + backward of ``inputs``
+    (example inputs, see [Note: example inputs and the loss]; the loss as describe's).
+    ``example_batch``: the batch ``loss_fn`` was written for (for its error message)."""
+    inputs = as_example_inputs(inputs)
+    batch = inputs.batch_size()
     units = _unit_modules(model, desc)
     device = next(model.parameters()).device
     stamps_f: dict[str, float] = {}
@@ -168,14 +164,13 @@ def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3) -
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if params:
             handles.append(params[0].register_post_accumulate_grad_hook(stamp(stamps_b, name)))
-    loss_fn = loss_fn or (lambda out: out if out.dim() == 0 else out.float().sum())
     samples = {name: ([], []) for name, _ in units}
     try:
         for rep in range(repeats + 1):
             stamps_f.clear()
             stamps_b.clear()
             model.zero_grad(set_to_none=True)
-            loss = loss_fn(model(*inputs))
+            loss = batch_loss(inputs.call(model), loss_fn, batch, example_batch or batch)
             _sync(device)
             fwd_end = time.perf_counter()
             loss.backward()
@@ -203,9 +198,12 @@ def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3) -
 def profile_compute(model, example_inputs, desc: ModelDesc, batches, loss_fn=None, repeats=3,
                     skip_keys=(), progress: Progress | None = None) -> dict[str, ComputeFit]:
     """Fits per shape key (units of equal shape pooled) for keys not in ``skip_keys``."""
+    example_inputs = as_example_inputs(example_inputs)
+    example_batch = example_inputs.batch_size()
     per_batch = {}
     for b in batches:
-        per_batch[b] = time_units(model, _batch_of(example_inputs, b), desc, loss_fn, repeats)
+        inputs = example_inputs if b == example_batch else example_inputs.with_batch(b)
+        per_batch[b] = time_units(model, inputs, desc, loss_fn, repeats, example_batch)
         if progress:
             progress.step(f"compute at batch {b}")
     by_key: dict[str, list[str]] = {}
@@ -314,8 +312,14 @@ def profile(
     """Describe ``model`` and measure this cluster. Every rank of ``process_group`` calls
     it (collectively); all get rank 0's numbers. ``memory_limit``: per device, a number
     of bytes (int or float) or a string with a unit ('8GiB', '16GB'; see osdp.sizes);
-    default the GPU's total memory, required on CPU."""
-    inputs = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    default the GPU's total memory, required on CPU.
+
+    ``example_inputs``: positional arguments (tuple), keyword arguments (dict, e.g.
+    ``{"input_ids": x, "labels": y}`` for a Hugging Face model) or
+    ``ExampleInputs(args, kwargs)``; ``loss_fn(output) -> scalar`` when the output is
+    neither a tensor nor has a ``.loss``. describe and the compute timing run backward on
+    the same loss; see [Note: example inputs and the loss] in ``osdp/planner/inputs.py``."""
+    inputs = as_example_inputs(example_inputs)
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
@@ -325,11 +329,11 @@ def profile(
             raise OSDPError("profile needs memory_limit on CPU (e.g. memory_limit='8GiB')")
         memory_limit = torch.cuda.get_device_properties(device).total_memory
     limit = parse_bytes(memory_limit, "memory_limit")
-    desc = describe(model, inputs)
+    desc = describe(model, inputs, loss_fn=loss_fn)
     dtype = str(next(model.parameters()).dtype)
     label = _device_label(device)
     backend = dist.get_backend(process_group) if distributed else "none"
-    example_batch = int(next(t for t in inputs if isinstance(t, torch.Tensor)).shape[0])
+    example_batch = inputs.batch_size()
     batches = tuple(batches or sorted({max(1, example_batch // 4), max(1, example_batch // 2), example_batch}))
     comm_sizes = tuple(comm_sizes or (FULL_COMM_SIZES if device.type == "cuda" else DEFAULT_COMM_SIZES))
 

@@ -1,0 +1,167 @@
+"""Example inputs of one forward and the loss of its output: what describe, the profiler
+and auto mode run (``osdp.describe``, ``osdp.profile``, ``osdp.auto_plan``,
+``osdp.OSDP(model, memory_limit=..., example_inputs=...)``).
+
+[Note: example inputs and the loss]
+``example_inputs`` is one of
+
+- a tuple (or list) of positional arguments: ``model(*example_inputs)``;
+- a dict of keyword arguments: ``model(**example_inputs)``; the way to drive a
+  Hugging Face model (``{"input_ids": x, "labels": y}``: a second positional argument
+  of ``GPT2LMHeadModel.forward`` is ``past_key_values``, not the labels);
+- ``ExampleInputs(args, kwargs)`` when a forward needs both;
+- a single tensor: ``model(tensor)``.
+
+The batch is dim 0 of the first tensor (positional arguments first, then keyword
+arguments in their order). describe halves the batch and the profiler repeats or cuts
+it: every tensor whose dim 0 equals the batch is cut or repeated along dim 0; other
+values (flags such as ``use_cache=False``, tensors of another leading size) are passed
+as they are.
+
+The loss whose backward describe and the profiler run (and measure) is, in order:
+
+1. ``loss_fn(output)`` when given; it must return a scalar tensor and must work for any
+   batch (it sees the outputs of the halved and repeated batches too): take the targets
+   from the output (Hugging Face: ``labels=`` in the inputs, then ``.loss``), not from
+   a closure over the example batch;
+2. ``output.loss`` (a Hugging Face ``ModelOutput``) or ``output["loss"]`` (a dict) when
+   it is a tensor;
+3. a tensor output: itself when it is a scalar, else ``output.float().sum()`` (a
+   stand-in loss with the same backward cost).
+
+A tuple, or a dict / ``ModelOutput`` without a loss, needs ``loss_fn``: the error says so.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+from ..errors import OSDPError
+
+LossFn = Callable[[Any], torch.Tensor]
+
+
+class ExampleInputs(NamedTuple):
+    """Positional and keyword arguments of one forward: ``model(*args, **kwargs)``."""
+
+    args: tuple = ()
+    kwargs: dict = {}
+
+    def call(self, model):
+        return model(*self.args, **self.kwargs)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Tensor arguments, positional first, then keyword ones in their order."""
+        values = list(self.args) + list(self.kwargs.values())
+        return [v for v in values if isinstance(v, torch.Tensor)]
+
+    def batch_size(self) -> int:
+        """Dim 0 of the first tensor argument."""
+        first = next(iter(self.tensors()), None)
+        if first is None or first.dim() == 0:
+            raise OSDPError(
+                "example inputs need a tensor with a batch dimension (dim 0 of the first tensor "
+                f"argument is the batch); got {describe_inputs(self)}"
+            )
+        return int(first.shape[0])
+
+    def map_batched(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExampleInputs":
+        """The same call with ``fn`` applied to every tensor whose dim 0 is the batch."""
+        batch = self.batch_size()
+
+        def one(v):
+            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
+                return fn(v)
+            return v
+
+        return ExampleInputs(tuple(one(v) for v in self.args), {k: one(v) for k, v in self.kwargs.items()})
+
+    def with_batch(self, batch: int) -> "ExampleInputs":
+        """The inputs cut to (or repeated up to) ``batch`` samples; fresh storage, so a
+        smaller batch never counts the larger one's bytes."""
+
+        def resize(t: torch.Tensor) -> torch.Tensor:
+            reps = -(-batch // t.shape[0])
+            if reps > 1:
+                return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].clone()
+            return t[:batch].clone()
+
+        return self.map_batched(resize)
+
+
+def as_example_inputs(example_inputs) -> ExampleInputs:
+    """Normalize ``example_inputs`` (see [Note: example inputs and the loss])."""
+    if isinstance(example_inputs, ExampleInputs):
+        args, kwargs = example_inputs
+        return ExampleInputs(tuple(args), dict(kwargs))
+    if isinstance(example_inputs, Mapping):
+        bad = [k for k in example_inputs if not isinstance(k, str)]
+        if bad:
+            raise OSDPError(
+                f"example_inputs as a dict are keyword arguments: keys must be parameter names "
+                f"(str), got {bad!r}"
+            )
+        return ExampleInputs((), dict(example_inputs))
+    if isinstance(example_inputs, (tuple, list)):
+        return ExampleInputs(tuple(example_inputs), {})
+    if isinstance(example_inputs, torch.Tensor):
+        return ExampleInputs((example_inputs,), {})
+    raise OSDPError(
+        f"example_inputs must be a tuple of positional arguments, a dict of keyword arguments "
+        f"(e.g. {{'input_ids': x, 'labels': y}}), osdp.ExampleInputs(args, kwargs) or one "
+        f"tensor; got {type(example_inputs).__name__}"
+    )
+
+
+def describe_inputs(inputs: ExampleInputs) -> str:
+    def one(v):
+        return f"tensor{tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+
+    parts = [one(v) for v in inputs.args] + [f"{k}={one(v)}" for k, v in inputs.kwargs.items()]
+    return f"({', '.join(parts)})"
+
+
+def loss_of(output, loss_fn: LossFn | None = None) -> torch.Tensor:
+    """The scalar whose backward describe and the profiler run (see
+    [Note: example inputs and the loss])."""
+    kind = type(output).__name__
+    if loss_fn is not None:
+        loss = loss_fn(output)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise OSDPError(f"loss_fn(output) must return a scalar tensor, got {got}")
+        return loss
+    if isinstance(output, torch.Tensor):
+        return output if output.dim() == 0 else output.float().sum()
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.dim() == 0:
+        return loss
+    if isinstance(output, Mapping) or hasattr(output, "loss"):
+        raise OSDPError(
+            f"the model's output ({kind}) has no loss: put the targets in example_inputs "
+            "(Hugging Face: {'input_ids': x, 'labels': y}) or pass loss_fn=lambda output: <scalar tensor>"
+        )
+    raise OSDPError(
+        f"the model returned a {kind}, not a tensor or an output with a .loss: pass "
+        "loss_fn=lambda output: <scalar tensor> (e.g. lambda out: out[0].float().sum())"
+    )
+
+
+def batch_loss(output, loss_fn: LossFn | None, batch: int, example_batch: int) -> torch.Tensor:
+    """``loss_of`` for a forward of ``batch`` samples; a ``loss_fn`` that fails on a batch
+    other than the example's is told why (it closed over the example's targets)."""
+    if loss_fn is None or batch == example_batch:
+        return loss_of(output, loss_fn)
+    try:
+        return loss_of(output, loss_fn)
+    except OSDPError:
+        raise
+    except Exception as exc:
+        raise OSDPError(
+            f"loss_fn failed on the output of a forward of {batch} samples ({type(exc).__name__}: "
+            f"{exc}); describe and the profiler also run batches other than example_inputs' "
+            f"{example_batch}: loss_fn(output) must work for any batch (take the targets from the "
+            "output, e.g. labels= in the inputs and output.loss)"
+        ) from exc

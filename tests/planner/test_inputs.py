@@ -1,0 +1,118 @@
+"""Example inputs and the profiling loss ([Note: example inputs and the loss] in
+osdp/planner/inputs.py): normalization, batch resizing, loss extraction, and describe
+running a stock Hugging Face model through its keyword forward (one process)."""
+from collections import OrderedDict
+
+import pytest
+import torch
+import torch.nn as nn
+
+from osdp.errors import OSDPError
+from osdp.planner.describe import describe
+from osdp.planner.inputs import ExampleInputs, as_example_inputs, loss_of
+from osdp.planner.profile import time_units
+
+
+def test_forms_of_example_inputs():
+    x, y = torch.zeros(4, 3), torch.ones(4)
+    assert as_example_inputs((x, y)) == ExampleInputs((x, y), {})
+    assert as_example_inputs([x]).args == (x,)
+    assert as_example_inputs(x).args == (x,)
+    kw = as_example_inputs({"input_ids": x, "labels": y})
+    assert kw.args == () and list(kw.kwargs) == ["input_ids", "labels"]
+    both = as_example_inputs(ExampleInputs((x,), {"labels": y}))
+    assert both.args == (x,) and both.kwargs["labels"] is y
+    with pytest.raises(OSDPError, match="keyword arguments.*keys must be parameter names"):
+        as_example_inputs({0: x})
+    with pytest.raises(OSDPError, match="tuple of positional arguments, a dict of keyword arguments"):
+        as_example_inputs(3)
+
+
+def test_batch_is_dim0_of_the_first_tensor_and_resizing_keeps_flags():
+    inputs = as_example_inputs({"use_cache": False, "input_ids": torch.arange(8).view(4, 2),
+                                "mask": torch.ones(2, 2), "labels": torch.arange(4)})
+    assert inputs.batch_size() == 4
+    small = inputs.with_batch(2)
+    assert small.kwargs["use_cache"] is False
+    assert small.kwargs["input_ids"].tolist() == [[0, 1], [2, 3]]
+    assert small.kwargs["mask"].shape == (2, 2), "a tensor of another leading size is not a batch"
+    assert small.kwargs["input_ids"].untyped_storage().data_ptr() != inputs.kwargs["input_ids"].untyped_storage().data_ptr()
+    big = inputs.with_batch(6)
+    assert big.kwargs["labels"].tolist() == [0, 1, 2, 3, 0, 1]
+    with pytest.raises(OSDPError, match="batch dimension"):
+        as_example_inputs({"use_cache": False}).batch_size()
+
+
+class _Output(OrderedDict):
+    """A dict with attribute access, like transformers' ModelOutput."""
+
+    def __getattr__(self, name):
+        return self.get(name)
+
+
+def test_loss_of_each_output_kind():
+    scalar, logits = torch.tensor(2.0), torch.ones(2, 3)
+    assert loss_of(scalar) is scalar
+    assert loss_of(logits).item() == 6.0
+    assert loss_of(_Output(loss=scalar, logits=logits)) is scalar
+    assert loss_of({"loss": scalar}) is scalar
+    assert loss_of((logits,), loss_fn=lambda out: out[0].sum()).item() == 6.0
+    with pytest.raises(OSDPError, match=r"_Output\) has no loss: put the targets in example_inputs.*labels"):
+        loss_of(_Output(logits=logits))
+    with pytest.raises(OSDPError, match="returned a tuple.*pass loss_fn="):
+        loss_of((logits,))
+    with pytest.raises(OSDPError, match=r"must return a scalar tensor, got a tensor of shape \(2, 3\)"):
+        loss_of((logits,), loss_fn=lambda out: out[0])
+
+
+class _TupleNet(nn.Module):
+    """Keyword-only targets and a tuple output: needs example_inputs as a dict + loss_fn."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, *, x, scale=1.0):
+        h = self.fc1(x)
+        return (self.fc2(torch.relu(h)) * scale, h)
+
+
+def test_describe_and_timing_run_backward_on_loss_fn_for_every_batch():
+    seen = []
+
+    def loss_fn(out):
+        seen.append(out[0].shape[0])
+        return out[0].square().mean()
+
+    model = _TupleNet()
+    inputs = {"x": torch.randn(4, 8), "scale": 0.5}
+    desc = describe(model, inputs, loss_fn=loss_fn)
+    assert [op.name for op in desc.ops] == ["fc1", "fc2"]
+    assert seen == [4, 2], "backward measured at the example batch and at its half"
+    assert all(p.grad is None for p in model.parameters()), "describe leaves no gradients behind"
+    seen.clear()
+    times = time_units(model, as_example_inputs(inputs).with_batch(3), desc, loss_fn, repeats=1)
+    assert set(times) == {"fc1", "fc2"} and seen == [3, 3]
+    with pytest.raises(OSDPError, match="returned a tuple.*pass loss_fn="):
+        describe(model, inputs)
+
+
+def test_a_loss_fn_bound_to_the_example_batch_is_told_why_it_fails():
+    targets = torch.randn(4, 8)
+    with pytest.raises(OSDPError, match="forward of 2 samples.*must work for any batch"):
+        describe(_TupleNet(), {"x": torch.randn(4, 8)}, loss_fn=lambda out: (out[0] - targets).square().mean())
+
+
+def test_describe_a_stock_hugging_face_model_with_keyword_inputs():
+    transformers = pytest.importorskip("transformers")
+    from osdp.models.hf import GPT2_DEFAULTS
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2_DEFAULTS))
+    x = torch.randint(0, 97, (4, 8))
+    desc = describe(model, {"input_ids": x, "labels": x})  # backward on output.loss
+    assert desc.ops[0].name == "transformer.wte" and desc.op_index("transformer.h.1.mlp.c_proj") > 0
+    assert any(op.act_grad_bytes_per_sample > 0 for op in desc.ops), "the backward was measured"
+    with pytest.raises(OSDPError, match="has no loss: put the targets in example_inputs"):
+        describe(model, {"input_ids": x})
