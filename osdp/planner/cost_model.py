@@ -23,7 +23,8 @@ next unit can both be in flight inside the window (2 P/g <= W), and compute + co
 they cannot (the gather then waits for the previous buffer to be freed). Taking the
 max per op rather than over the whole step is what keeps the objective additive, and
 so the search exact; it is pessimistic where a comm-bound op could borrow idle comm
-time from a compute-bound neighbour.
+time from a compute-bound neighbour. step_sim.py prices a finished plan as the runtime
+schedules it (from these same per-op numbers); make_plan re-ranks a few plans by it.
 
 [Note: memory model]
 Static (paid by every plan): the 1/N shards of parameters and optimizer state (in the

@@ -1,7 +1,7 @@
 """make_plan: describe + device + settings -> Plan, with the FSDP baselines beside it."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ..errors import InfeasiblePlanError
 from .cost_model import PlannerSettings
@@ -81,21 +81,50 @@ def make_plan(
 ) -> Plan:
     """The plan with the most samples/s (or the fastest at ``batch``), plus the
     predictions of FSDP full shard and shard-grad-op at the same memory limit, each at
-    its own best batch (and FSDP with checkpointing when checkpointing is allowed)."""
+    its own best batch (and FSDP with checkpointing when checkpointing is allowed).
+
+    With ``settings.rerank`` (the default) the search's best plan and a few alternatives
+    are priced by the step simulation and the one with the most simulated samples/s
+    that fits is returned (see rerank.py's [Note: re-ranking]); ``predicted`` then
+    carries ``simulated_step_s`` and ``plan.rerank`` the candidates."""
     settings = settings or PlannerSettings()
     batch = check_batch(batch)
     best = schedule(desc, device, settings, batch=batch, backend=backend, global_batch=global_batch)
-    found = {}
+    found, scheduled = {}, {}
     if baselines:
         wanted = dict(BASELINES)
         if settings.checkpointing != "none":
             wanted.update(CKPT_BASELINES)
         for name, overrides in wanted.items():
             try:
-                found[name] = _prediction(
-                    schedule(desc, device, settings.with_(**overrides), batch=None, backend=backend,
-                             global_batch=global_batch)
-                )
+                scheduled[name] = schedule(desc, device, settings.with_(**overrides), batch=None, backend=backend,
+                                           global_batch=global_batch)
+                found[name] = _prediction(scheduled[name])
             except InfeasiblePlanError:
                 found[name] = None
-    return plan_from_schedule(best, found)
+    if not settings.rerank:
+        return plan_from_schedule(best, found)
+    return _reranked_plan(desc, device, settings, best, found, scheduled, batch, global_batch, backend)
+
+
+def _reranked_plan(desc, device, settings, best, found, scheduled, batch, global_batch, backend) -> Plan:
+    from .rerank import rerank, with_simulation
+    from .step_sim import simulate_scheduled
+
+    # the baselines above were swept at their own best batch: reusable as candidates
+    # only when this plan's batch is swept too
+    ranked = rerank(desc, device, settings, best, batch=batch, global_batch=global_batch, backend=backend,
+                    known=scheduled if batch is None else None)
+    sims = {id(c.scheduled): c.sim for c in ranked.candidates}
+    for name, s in scheduled.items():
+        sim = sims.get(id(s)) or simulate_scheduled(s)
+        found[name] = with_simulation(found[name], sim, s)
+    picked = ranked.picked
+    plan = plan_from_schedule(picked.scheduled, found)
+    return replace(
+        plan,
+        predicted=with_simulation(plan.predicted, picked.sim, picked.scheduled),
+        search_s=best.search_s,  # the sweep's; the re-ranking's own time is in plan.rerank
+        searches=best.searches,
+        rerank=ranked.report(),
+    )

@@ -72,6 +72,8 @@ from bisect import bisect_left, bisect_right, insort
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from .cost_model import ProblemTemplate, gathered_bytes, option_compute_s, optimizer_step_s, reduced_bytes
 
 # the runtime's defaults (osdp.api.DEFAULT_COALESCE_BYTES, Scheduler.max_inflight_reduce_scatters);
@@ -149,13 +151,15 @@ class _Step:
 def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_bytes: int):
     desc, dev, settings = t.desc, t.device, t.settings
     n = dev.world_size
+    chosen = np.asarray(option_index, dtype=np.int64)
     comp_f, comp_b = option_compute_s(t, batch)
+    comp_f, comp_b = comp_f[chosen].tolist(), comp_b[chosen].tolist()
+    slices, zdp = t.opt_slices[chosen].tolist(), t.opt_zdp[chosen].tolist()
     units_of: dict[int, list[_Unit]] = {}
     for i, op in enumerate(desc.ops):
         if op.tied_to or not op.param_count:
             continue
-        o = int(option_index[i])
-        g, k = int(t.opt_slices[o]), int(t.opt_zdp[o])
+        g, k = slices[i], zdp[i]
         s = gathered_bytes(op, settings) / g
         grad = reduced_bytes(op, settings) / g
         ag = dev.all_gather.time_s(s, n)
@@ -163,8 +167,7 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
         units_of[i] = [_Unit(op.name if g == 1 else f"{op.name}[{j}]", s, grad, j >= k, small, ag) for j in range(g)]
     steps_of: dict[int, list[_Step]] = {}
     for i, op in enumerate(desc.ops):
-        o = int(option_index[i])
-        f, b = float(comp_f[o]), float(comp_b[o])
+        f, b = comp_f[i], comp_b[i]
         if op.tied_to:
             steps_of[i] = [_Step(op.name, tuple(units_of.get(desc.op_index(op.tied_to), ())), f, b)]
         elif i not in units_of:
@@ -482,7 +485,10 @@ def simulate_step(
         sim.backward(sync=settings.gradient_sync == "every" or mb == micro - 1)
     sim.phase = "optimizer"
     start = sim.compute_t
-    sim.compute("optimizer", "optimizer step", optimizer_step_s(t.desc, t.device, settings))
+    optimizer_s = getattr(t, "_optimizer_step_s", None)  # cached: one template, many candidates
+    if optimizer_s is None:
+        optimizer_s = t._optimizer_step_s = optimizer_step_s(t.desc, t.device, settings)
+    sim.compute("optimizer", "optimizer step", optimizer_s)
     sim.duration["optimizer"] += sim.compute_t - start
     phases = {
         p: PhaseTime(sim.duration[p], sim.busy[p], sim.comm[p], sim.duration[p] - sim.busy[p]) for p in PHASES
