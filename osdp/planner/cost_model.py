@@ -23,7 +23,8 @@ next unit can both be in flight inside the window (2 P/g <= W), and compute + co
 they cannot (the gather then waits for the previous buffer to be freed). Taking the
 max per op rather than over the whole step is what keeps the objective additive, and
 so the search exact; it is pessimistic where a comm-bound op could borrow idle comm
-time from a compute-bound neighbour.
+time from a compute-bound neighbour. step_sim.py prices a finished plan as the runtime
+schedules it (from these same per-op numbers); make_plan re-ranks a few plans by it.
 
 [Note: memory model]
 Static (paid by every plan): the 1/N shards of parameters and optimizer state (in the
@@ -97,6 +98,11 @@ class PlannerSettings:
     memory_tolerance: float = 0.03  # worst-case quantization error / budget
     min_buckets: int = 4096
     max_buckets: int = 65536
+    # make_plan re-ranks the search's best plans at its top batch sizes and the baseline
+    # configurations by a simulated step (step_sim.py, rerank.py); rerank_batches: how
+    # many batch sizes (by the cost model's samples/s) contribute their best plan
+    rerank: bool = True
+    rerank_batches: int = 3
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -125,6 +131,8 @@ class PlannerSettings:
                 raise OSDPError(f"{name} must be 1, 2, 4 or 8 bytes, got {value!r}")
         if self.gradient_sync not in ("every", "last"):
             raise OSDPError(f"gradient_sync must be 'every' or 'last', got {self.gradient_sync!r}")
+        if isinstance(self.rerank_batches, bool) or not isinstance(self.rerank_batches, int) or self.rerank_batches < 1:
+            raise OSDPError(f"rerank_batches must be a positive integer, got {self.rerank_batches!r}")
 
     def with_(self, **changes) -> "PlannerSettings":
         return replace(self, **changes)
@@ -464,12 +472,19 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     )
 
 
-def _phase_times(t: ProblemTemplate, batch: int, reduce: bool) -> np.ndarray:
-    """Forward + backward time of one micro-batch per option, with or without the
-    reduce-scatter of its gradients."""
+def option_compute_s(t: ProblemTemplate, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Forward and backward compute seconds of one micro-batch per option, all slices
+    of the op together (the backward without a checkpoint's recompute)."""
     op = t.opt_op
     comp_f = (t.fwd_intercept_s[op] + t.fwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
     comp_b = (t.bwd_intercept_s[op] + t.bwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
+    return comp_f, comp_b
+
+
+def _phase_times(t: ProblemTemplate, batch: int, reduce: bool) -> np.ndarray:
+    """Forward + backward time of one micro-batch per option, with or without the
+    reduce-scatter of its gradients."""
+    comp_f, comp_b = option_compute_s(t, batch)
     comp_b = comp_b + comp_f * t.opt_checkpointed  # recompute of a checkpointed block
     comm_b = t.opt_gather_b_s + (t.opt_reduce_b_s if reduce else 0.0)
     overlapped = np.maximum(comp_f, t.opt_comm_f_s) + np.maximum(comp_b, comm_b)

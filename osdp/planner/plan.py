@@ -62,6 +62,9 @@ class Prediction:
     peak_bytes: float
     peak_op: str = ""
     breakdown: dict = field(default_factory=dict)
+    # the step as the runtime schedules it (planner/step_sim.py); None: not simulated
+    simulated_step_s: float | None = None
+    simulated_samples_per_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class Plan:
     gradient_sync: str = "last"  # reduce-scatter after "every" micro-batch or the "last"
     notes: tuple[str, ...] = ()  # what the planner wants the reader to know (e.g. a capped batch)
     version: int = PLAN_VERSION
+    # candidates priced by the step simulation and the one picked (planner/rerank.py)
+    rerank: dict = field(default_factory=dict)
 
     # ---- what the runtime reads -------------------------------------------------
     def unit_modes(self) -> dict[str, tuple[str, ...]]:
@@ -378,6 +383,12 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
     ]
     if p.breakdown:
         lines.append("  peak breakdown: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in p.breakdown.items()))
+    if p.simulated_step_s is not None:
+        picked = plan.rerank.get("picked")
+        lines.append(f"  simulated as the runtime schedules it: step {p.simulated_step_s * 1e3:.2f} ms, "
+                     f"{p.simulated_samples_per_s:.2f} samples/s"
+                     + (f" (re-ranked: {picked!r} picked among {len(plan.rerank.get('candidates', []))} candidates)"
+                        if picked else ""))
     for key, label in (("fsdp", "FSDP full shard (all zdp)"), ("shard_grad_op", "shard-grad-op (all dp)"),
                        ("fsdp_ckpt", "FSDP + checkpointing")):
         if key not in plan.baselines:

@@ -1,7 +1,7 @@
 """make_plan: describe + device + settings -> Plan, with the FSDP baselines beside it."""
 from __future__ import annotations
 
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
@@ -93,13 +93,18 @@ def make_plan(
     predictions of FSDP full shard and shard-grad-op at the same memory limit (and FSDP
     with checkpointing when checkpointing is allowed). Without ``batch`` each baseline is
     at its own best batch; with ``batch`` every baseline is evaluated at that same batch
-    (no sweep; ``None`` where it does not fit), and the plan's notes say so."""
+    (no sweep; ``None`` where it does not fit), and the plan's notes say so.
+
+    With ``settings.rerank`` (the default) the search's best plan and a few alternatives
+    are priced by the step simulation and the one with the most simulated samples/s
+    that fits is returned (see rerank.py's [Note: re-ranking]); ``predicted`` then
+    carries ``simulated_step_s`` and ``plan.rerank`` the candidates."""
     settings = settings or PlannerSettings()
     batch = check_batch(batch)
     if batch is not None and global_batch is not None:
         raise OSDPError("give batch (per device) or global_batch (per optimizer step), not both")
     best = schedule(desc, device, settings, batch=batch, backend=backend, global_batch=global_batch)
-    found, notes = {}, ()
+    found, scheduled, notes = {}, {}, ()
     if baselines and batch is not None:
         notes = (f"the FSDP baselines are evaluated at the same batch {batch}/device (a given batch is not swept)",)
     if baselines:
@@ -108,10 +113,37 @@ def make_plan(
             wanted.update(CKPT_BASELINES)
         for name, overrides in wanted.items():
             try:
-                found[name] = _prediction(
-                    schedule(desc, device, settings.with_(**overrides), batch=batch, backend=backend,
-                             global_batch=global_batch)
-                )
+                scheduled[name] = schedule(desc, device, settings.with_(**overrides), batch=batch, backend=backend,
+                                           global_batch=global_batch)
+                found[name] = _prediction(scheduled[name])
             except InfeasiblePlanError:
                 found[name] = None
-    return plan_from_schedule(best, found, notes)
+    if not settings.rerank:
+        return plan_from_schedule(best, found, notes)
+    return _reranked_plan(desc, device, settings, best, found, scheduled, batch, global_batch, backend, notes)
+
+
+def _reranked_plan(desc, device, settings, best, found, scheduled, batch, global_batch, backend, notes) -> Plan:
+    from .rerank import rerank, with_simulation
+    from .step_sim import simulate_scheduled
+
+    # the baselines above were swept at their own best batch: reusable as candidates
+    # only when this plan's batch is swept too
+    ranked = rerank(desc, device, settings, best, batch=batch, global_batch=global_batch, backend=backend,
+                    known=scheduled if batch is None else None)
+    sims = {id(c.scheduled): c.sim for c in ranked.candidates}
+    for name, s in scheduled.items():
+        sim = sims.get(id(s)) or simulate_scheduled(s)
+        found[name] = with_simulation(found[name], sim, s)
+    picked = ranked.picked
+    # the sweep's cap is a fact about the sweep (the search's best), whichever plan wins
+    if picked.scheduled is not best and not picked.scheduled.batch_capped:
+        notes = tuple(notes) + _capped_note(best)
+    plan = plan_from_schedule(picked.scheduled, found, notes)
+    return replace(
+        plan,
+        predicted=with_simulation(plan.predicted, picked.sim, picked.scheduled),
+        search_s=best.search_s,  # the sweep's; the re-ranking's own time is in plan.rerank
+        searches=best.searches,
+        rerank=ranked.report(),
+    )

@@ -1,0 +1,210 @@
+"""Re-rank a few of the planner's plans by their simulated step (``step_sim``).
+
+[Note: re-ranking]
+The exact search optimizes the additive cost model (one max(compute, comm) per op, see
+cost_model.py's [Note: time model]); the runtime overlaps across ops, serializes
+collectives on one stream, coalesces small units, stalls on the reduction queue and
+regathers for checkpoint recomputes. So the search's optimum is re-checked against a
+few strong alternatives, each priced by ``simulate_step``:
+
+- the search's best plan (``scheduler.schedule``), and the best plan at each of the next
+  ``rerank_batches - 1`` batch sizes by the cost model's samples/s among probes near
+  the optimum b (b+1, b+2 while feasible, b-1, b-2, 3b/4, b/2; one exact search each;
+  only when the batch is swept, not given);
+- the baseline configurations that lie inside the user's settings: all ``zdp`` (FSDP
+  full shard) and all ``dp`` (shard-grad-op) when the policy is "osdp", FSDP with every
+  block checkpointed when checkpointing is "auto" or "all" (and without it when it is
+  "auto" or "none"), each at its own best batch (or the given batch / global batch);
+  and the search without splitting (max_slices=1) when splitting is allowed, at the
+  search's batch and accumulation (a sweep of its own would cost as much as the main
+  one: its option space is as large but for the slices).
+
+The one with the most simulated samples/s whose exact peak memory fits (the cost
+model's ``evaluate``) is picked; ties keep the earlier candidate, the search's best
+first. Identical plans are simulated once. Nothing outside the settings is ever picked:
+a user who said checkpointing="none" gets no checkpointed plan.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+from ..errors import InfeasiblePlanError
+from .cost_model import PlannerSettings, evaluate
+from .describe import ModelDesc
+from .device import DeviceInfo
+from .scheduler import Scheduled, schedule, search_batch
+from .step_sim import StepSim, simulate_scheduled
+
+# name -> settings overrides of a baseline configuration (names as in make_plan's baselines)
+CONFIGS = {
+    "fsdp": dict(policy="zdp", checkpointing="none"),
+    "shard_grad_op": dict(policy="dp", checkpointing="none"),
+    "fsdp_ckpt": dict(policy="zdp", checkpointing="all"),
+    "osdp_unsplit": dict(max_slices=1),
+}
+AT_SEARCH_BATCH = {"osdp_unsplit"}  # searched at the search's batch, not swept
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    scheduled: Scheduled
+    sim: StepSim
+
+    @property
+    def fits(self) -> bool:
+        return bool(self.scheduled.estimate.fits)
+
+    @property
+    def predicted_samples_per_s(self) -> float:
+        return self.scheduled.samples_per_s
+
+    @property
+    def simulated_samples_per_s(self) -> float:
+        s = self.scheduled
+        return s.batch * s.accumulation_steps * s.template.device.world_size / self.sim.step_s
+
+    def row(self) -> dict:
+        s = self.scheduled
+        return {
+            "name": self.name,
+            "batch_size": int(s.batch),
+            "accumulation_steps": int(s.accumulation_steps),
+            "predicted_step_s": float(s.result.time_s),
+            "simulated_step_s": float(self.sim.step_s),
+            "exposed_comm_s": float(self.sim.exposed_comm_s),
+            "predicted_samples_per_s": float(self.predicted_samples_per_s),
+            "simulated_samples_per_s": float(self.simulated_samples_per_s),
+            "peak_bytes": float(s.estimate.peak_bytes),
+            "fits": self.fits,
+        }
+
+
+@dataclass(frozen=True)
+class Reranked:
+    picked: Candidate
+    candidates: tuple[Candidate, ...]
+    searches: int  # exact searches run for the candidates (baseline sweeps included)
+    rerank_s: float  # wall time of finding and simulating them
+
+    def report(self) -> dict:
+        """What a Plan stores (JSON-friendly: lists and dicts only)."""
+        return {
+            "picked": self.picked.name,
+            "candidates": [c.row() for c in self.candidates],
+            "searches": self.searches,
+            "rerank_s": self.rerank_s,
+        }
+
+
+def within(settings: PlannerSettings, overrides: dict) -> bool:
+    """Whether a configuration restricts the user's search space (never widens it)."""
+    policy = overrides.get("policy", settings.policy)
+    if settings.policy != "osdp" and policy != settings.policy:
+        return False
+    ckpt = overrides.get("checkpointing", settings.checkpointing)
+    if settings.checkpointing != "auto" and ckpt != settings.checkpointing:
+        return False
+    return overrides.get("max_slices", settings.max_slices) <= settings.max_slices
+
+
+def _key(s: Scheduled) -> tuple:
+    """Identity of what the runtime would run."""
+    t = s.template
+    options = tuple((int(t.opt_slices[o]), int(t.opt_zdp[o])) for o in s.result.option_index)
+    ckpt = tuple(i for seg, v in zip(t.segments, s.result.variant) if seg.variants[v] for i in seg.ops)
+    return (s.batch, s.accumulation_steps, int(t.window_bytes), options, ckpt)
+
+
+def _nearby_batches(best: Scheduled, count: int, backend: str) -> tuple[list[Scheduled], int]:
+    """The best plan at each of the ``count`` batch sizes, among probes near the sweep's
+    optimum, with the most predicted samples/s (exact search at each probe)."""
+    if count <= 0:
+        return [], 0
+    t, b = best.template, best.batch
+    down = sorted({b - 1, b - 2, (3 * b + 3) // 4, (b + 1) // 2} - {b}, reverse=True)
+    found = []
+
+    def probe(p: int) -> bool:
+        started = time.perf_counter()
+        r = search_batch(t, p, backend)
+        if r.feasible:
+            estimate = evaluate(t, p, r.option_index, r.variant)
+            found.append(Scheduled(t, p, r, estimate, 1, time.perf_counter() - started))
+        return r.feasible
+
+    searches = 1
+    if probe(b + 1):  # memory grows with the batch: b + 2 fits only if b + 1 does
+        searches += 1
+        probe(b + 2)
+    for p in down:
+        if p >= 1:
+            searches += 1
+            probe(p)
+    found.sort(key=lambda s: -s.samples_per_s)
+    return found[:count], searches
+
+
+def rerank(
+    desc: ModelDesc,
+    device: DeviceInfo,
+    settings: PlannerSettings,
+    best: Scheduled,
+    *,
+    batch: int | None = None,
+    global_batch: int | None = None,
+    backend: str = "auto",
+    known: dict[str, Scheduled] | None = None,
+    **sim_kwargs,
+) -> Reranked:
+    """Candidates around ``best`` (see [Note: re-ranking]), each simulated; the one
+    with the most simulated samples/s that fits. ``known``: baseline configurations
+    already scheduled under the same batch arguments, by ``CONFIGS`` name (reused)."""
+    started = time.perf_counter()
+    known = known or {}
+    named: list[tuple[str, Scheduled]] = [("search", best)]
+    searches = 0
+    if batch is None and global_batch is None:
+        nearby, probes = _nearby_batches(best, settings.rerank_batches - 1, backend)
+        searches += probes
+        named += [(f"search@batch={s.batch}", s) for s in nearby]
+    for name, overrides in CONFIGS.items():
+        if not within(settings, overrides) or settings.with_(**overrides) == settings:
+            continue
+        if name in AT_SEARCH_BATCH and settings.policy != "osdp":
+            continue  # zdp / dp policies never split: the search's plan already is unsplit
+        s = known.get(name)
+        if s is None:
+            try:
+                if name in AT_SEARCH_BATCH:
+                    config = settings.with_(**overrides, accumulation_steps=best.accumulation_steps)
+                    s = schedule(desc, device, config, batch=best.batch, backend=backend)
+                else:
+                    s = schedule(desc, device, settings.with_(**overrides), batch=batch, backend=backend,
+                                 global_batch=global_batch)
+            except InfeasiblePlanError:
+                continue
+            searches += s.searches
+        named.append((name, s))
+    seen: dict[tuple, StepSim] = {}
+    candidates = []
+    for name, s in named:
+        key = _key(s)
+        if key in seen:
+            continue
+        seen[key] = simulate_scheduled(s, **sim_kwargs)
+        candidates.append(Candidate(name, s, seen[key]))
+    fitting = [c for c in candidates if c.fits] or candidates[:1]
+    picked = fitting[0]
+    for c in fitting[1:]:
+        if c.simulated_samples_per_s > picked.simulated_samples_per_s:
+            picked = c
+    return Reranked(picked, tuple(candidates), searches, time.perf_counter() - started)
+
+
+def with_simulation(prediction, sim: StepSim, scheduled: Scheduled):
+    """A plan ``Prediction`` with the simulated step beside the cost model's."""
+    s = scheduled
+    rate = s.batch * s.accumulation_steps * s.template.device.world_size / sim.step_s
+    return replace(prediction, simulated_step_s=float(sim.step_s), simulated_samples_per_s=float(rate))

@@ -1,0 +1,512 @@
+"""Price a plan as it will run: an event-driven simulation of one training step.
+
+``simulate_step(template, batch, option_index, variant)`` plays one optimizer step of a
+plan (every micro-batch, then the optimizer) on two resources, the compute stream and
+the comm stream, following the rules of the runtime's stream scheduler
+(``osdp/runtime/scheduler.py``), and says how long it takes, how busy each stream was
+and how much communication compute had to wait for. The exact search keeps its additive
+model (cost_model.py's [Note: time model]); ``rerank.py`` uses this simulation to choose
+among a few of the search's plans.
+
+[Note: step simulation]
+Every number comes from the cost model: per-op forward/backward compute from
+``option_compute_s`` (a split op's compute divided evenly over its slices), gathered and
+gradient bytes from ``gathered_bytes`` / ``reduced_bytes``, collective times from the
+device's ``CollectiveCost.time_s``, the optimizer from ``optimizer_step_s``. What is
+simulated is the runtime's ORDER of things, from the second step on (the use order is
+recorded; small units are coalesced):
+
+- units: an unsplit op is one unit, a split op's g slices are g units (slices 0..k-1
+  ``zdp``, the rest ``dp``, as ``plan_from_schedule`` writes them), a tied second use
+  uses its owner's unit(s). Forward uses run in op order, backward in reverse.
+- the hook protocol, step by step as the runtime calls it: pre_forward (issue the unit's
+  gather, prefetch, wait), compute, post_forward (a ``zdp`` unit is freed, a ``dp`` unit
+  kept, prefetch); pre_backward (gather again if freed, prefetch, wait), compute,
+  post_backward (gradient reduction when the unit's last use is done, free, prefetch).
+- prefetch window in bytes ([Note: prefetch window]): walk the order from the next use,
+  skip units already gathered, issue while transient bytes + the unit's bytes <= window,
+  stop at the first that does not fit. Transient = every gathered unit except ``dp``
+  units waiting for their backward (kept). The window is ``template.window_bytes``
+  truncated to an integer, as ``Plan.prefetch_bytes`` hands it to the runtime.
+- coalesced small units ([Note: coalesced small units]): a whole-module unit (not a
+  slice) with gathered bytes <= coalesce_bytes // 4, issued with a known order, takes
+  the next small still-sharded units of the order along (skipping big ones) up to
+  coalesce_bytes in total and while the window has room: ONE all-gather of their summed
+  bytes, one latency. Small units' gradients wait until coalesce_bytes of them are
+  pending, or the end of backward, and are reduced in one collective.
+- gradient reduction: at most one in flight (``max_inflight_reduce_scatters``); issuing
+  one more waits for the oldest, and that wait blocks the compute stream. The end of
+  backward waits for all. With ``all_reduce=True`` the gradient collective is an
+  all-reduce priced as reduce-scatter + all-gather of the full buffer (the ring
+  decomposition); leave it False when the device's ``reduce_scatter`` entry already
+  measures the runtime's collective (``osdp.profile`` times the all-reduce on gloo:
+  ``reduces_with_all_reduce``).
+- activation checkpointing ([Note: activation checkpointing]): a checkpointed block's
+  forward runs again in backward when its last op's backward starts (after that op's
+  pre_backward for a hooked module, before it for a split op, whose autograd Function
+  unpacks its input first). The recompute gathers units that are not gathered (a
+  ``zdp`` unit not yet prefetched; no prefetch, no coalescing), waits, and frees what
+  it gathered itself; a ``zdp`` unit the backward prefetch already gathered is reused.
+- streams: compute runs its ops in program order; collectives run on ONE comm stream in
+  issue order, one at a time. A collective starts no earlier than the compute issued
+  before it (CUDA: the comm stream waits for the compute stream; gloo: the CPU issues
+  it after the preceding compute ran). Compute waits for the gathers it reads and for
+  the reductions it is made to wait for.
+- gradient accumulation: ``accumulation_steps`` micro-batches; with gradient_sync
+  "last" only the last one reduces (the others keep unsharded gradients), with "every"
+  each does. Every micro-batch starts with every unit sharded (the end of backward
+  frees all). Then the optimizer step runs on the compute stream.
+
+Not modelled: the first step (order not yet recorded: no coalescing), host-side launch
+or Python overhead and CPU contention between compute and gloo's threads, NCCL's two
+comm streams (all-gather and reduce-scatter can overlap on CUDA; here they share one),
+bandwidth sharing between concurrent collectives, unit padding to a multiple of the
+world size, uneven split slices, checkpoint early stop (the whole block is recomputed),
+frozen units, dtype groups in coalescing (all units gather in one dtype), and memory:
+whether a plan fits is the cost model's ``evaluate``.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left, bisect_right, insort
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+
+from ..contract import DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, is_small_unit
+from .cost_model import ProblemTemplate, gathered_bytes, option_compute_s, optimizer_step_s, reduced_bytes
+
+# the runtime's rules, from the contract both sides import
+RUNTIME_COALESCE_BYTES = DEFAULT_COALESCE_BYTES
+RUNTIME_MAX_INFLIGHT_REDUCTIONS = MAX_INFLIGHT_REDUCE_SCATTERS
+
+PHASES = ("forward", "backward", "optimizer")
+_F, _B = 0, 1  # the two use orders
+
+
+class Event(NamedTuple):
+    """One interval on a stream: compute (forward, backward, recompute, optimizer, wait)
+    or comm (all_gather, reduce_scatter, all_reduce)."""
+
+    resource: str
+    kind: str
+    what: str
+    start_s: float
+    end_s: float
+    phase: str
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    duration_s: float  # wall time of the phase on the compute stream
+    compute_s: float  # compute-busy seconds inside it
+    comm_s: float  # comm-busy seconds of the collectives issued in it
+    exposed_s: float  # duration - compute: compute waiting for communication
+
+
+@dataclass(frozen=True)
+class StepSim:
+    step_s: float
+    compute_busy_s: float
+    comm_busy_s: float
+    exposed_comm_s: float  # step - compute busy: the compute stream waiting on comm
+    phases: dict  # "forward" / "backward" / "optimizer" -> PhaseTime (summed over micro-batches)
+    all_gathers: int  # all-gather collectives issued (a coalesced group counts once)
+    reductions: int  # gradient collectives issued
+    timeline: tuple | None = None  # Events in issue order, when asked for
+
+    def samples_per_s(self, batch: int, world_size: int, accumulation_steps: int = 1) -> float:
+        return batch * accumulation_steps * world_size / self.step_s
+
+
+class _Unit:
+    __slots__ = ("name", "nbytes", "grad_bytes", "dp", "small", "gather_s", "sharded", "ready_s",
+                 "n_active", "n_await", "has_grad", "deferred", "fpos", "bpos")
+
+    def __init__(self, name, nbytes, grad_bytes, dp, small, gather_s):
+        self.name, self.nbytes, self.grad_bytes = name, nbytes, grad_bytes
+        self.dp, self.small, self.gather_s = dp, small, gather_s
+        self.sharded, self.ready_s = True, 0.0
+        self.n_active = self.n_await = 0
+        self.has_grad = self.deferred = False
+        self.fpos: list[int] = []
+        self.bpos: list[int] = []
+
+
+class _Step:
+    """One compute of the program: the units it reads, its forward / backward seconds."""
+
+    __slots__ = ("name", "uses", "fwd_s", "bwd_s", "fpos", "bpos", "recompute", "recompute_first")
+
+    def __init__(self, name, uses, fwd_s, bwd_s):
+        self.name, self.uses, self.fwd_s, self.bwd_s = name, uses, fwd_s, bwd_s
+        self.fpos: list[int] = []
+        self.bpos: list[int] = []
+        self.recompute: list[_Step] | None = None  # a checkpointed block's forward, replayed here
+        self.recompute_first = False  # before this step's pre_backward (split op) or after
+
+
+def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_bytes: int):
+    desc, dev, settings = t.desc, t.device, t.settings
+    n = dev.world_size
+    chosen = np.asarray(option_index, dtype=np.int64)
+    comp_f, comp_b = option_compute_s(t, batch)
+    comp_f, comp_b = comp_f[chosen].tolist(), comp_b[chosen].tolist()
+    slices, zdp = t.opt_slices[chosen].tolist(), t.opt_zdp[chosen].tolist()
+    units_of: dict[int, list[_Unit]] = {}
+    for i, op in enumerate(desc.ops):
+        if op.tied_to or not op.param_count:
+            continue
+        g, k = slices[i], zdp[i]
+        s = gathered_bytes(op, settings) / g
+        grad = reduced_bytes(op, settings) / g
+        ag = dev.all_gather.time_s(s, n)
+        small = is_small_unit(s, coalesce_bytes, is_slice=g > 1)
+        units_of[i] = [_Unit(op.name if g == 1 else f"{op.name}[{j}]", s, grad, j >= k, small, ag) for j in range(g)]
+    steps_of: dict[int, list[_Step]] = {}
+    for i, op in enumerate(desc.ops):
+        f, b = comp_f[i], comp_b[i]
+        if op.tied_to:
+            steps_of[i] = [_Step(op.name, tuple(units_of.get(desc.op_index(op.tied_to), ())), f, b)]
+        elif i not in units_of:
+            steps_of[i] = [_Step(op.name, (), f, b)]
+        else:
+            us = units_of[i]
+            steps_of[i] = [_Step(u.name, (u,), f / len(us), b / len(us)) for u in us]
+    steps = [st for i in range(len(desc.ops)) for st in steps_of[i]]
+    order: list[_Unit] = []
+    for st in steps:
+        for u in st.uses:
+            st.fpos.append(len(order))
+            u.fpos.append(len(order))
+            order.append(u)
+    last = len(order) - 1
+    for st in steps:
+        st.bpos = [last - p for p in st.fpos]
+    for u in {id(u): u for u in order}.values():
+        u.bpos = sorted(last - p for p in u.fpos)
+    for s, seg in enumerate(t.segments):
+        if seg.variants[int(variant[s])]:
+            trigger = steps_of[seg.ops[-1]]
+            trigger[-1].recompute = [st for i in seg.ops for st in steps_of[i]]
+            trigger[-1].recompute_first = len(trigger) > 1 or not trigger[-1].uses
+    return steps, order
+
+
+class _Sim:
+    """The runtime scheduler's bookkeeping (see runtime/scheduler.py) with two clocks."""
+
+    def __init__(self, t: ProblemTemplate, steps, order, coalesce_bytes, all_reduce, timeline):
+        dev = t.device
+        self.n = dev.world_size
+        self.dev = dev
+        self.steps, self.order = steps, order
+        self.units = list({id(u): u for u in order}.values())
+        self.window = t.window_bytes if math.isinf(t.window_bytes) else float(int(t.window_bytes))
+        self.coalesce = coalesce_bytes
+        self.all_reduce = all_reduce
+        self.events = [] if timeline else None
+        self.compute_t = self.comm_t = 0.0
+        self.live: dict[_Unit, None] = {}
+        self.live_bytes = self.kept_bytes = 0.0
+        self.reductions: list[float] = []  # end times of reductions in flight, oldest first
+        self.deferred: list[_Unit] = []
+        self.deferred_bytes = 0.0
+        m = len(order)
+        self.orders = (order, order[::-1])
+        self.sharded = (list(range(m)), list(range(m)))
+        small = [p for p in range(m) if order[p].small]
+        self.small_sharded = (small, sorted(m - 1 - p for p in small))
+        self.phase, self.mb = "forward", 0
+        self.busy = dict.fromkeys(PHASES, 0.0)
+        self.comm = dict.fromkeys(PHASES, 0.0)
+        self.duration = dict.fromkeys(PHASES, 0.0)
+        self.n_gathers = self.n_reductions = 0
+
+    # ---- clocks ------------------------------------------------------------------------
+    def compute(self, kind: str, what: str, seconds: float) -> None:
+        start = self.compute_t
+        self.compute_t = start + seconds
+        self.busy[self.phase] += seconds
+        if self.events is not None:
+            self.events.append(Event("compute", kind, what, start, self.compute_t, self.phase, self.mb))
+
+    def stall(self, until: float, what: str) -> None:
+        if until > self.compute_t:
+            if self.events is not None:
+                self.events.append(Event("compute", "wait", what, self.compute_t, until, self.phase, self.mb))
+            self.compute_t = until
+
+    def collective(self, kind: str, what: str, seconds: float) -> float:
+        start = max(self.comm_t, self.compute_t)
+        self.comm_t = start + seconds
+        self.comm[self.phase] += seconds
+        if self.events is not None:
+            self.events.append(Event("comm", kind, what, start, self.comm_t, self.phase, self.mb))
+        return self.comm_t
+
+    # ---- unit state ----------------------------------------------------------------------
+    @staticmethod
+    def _kept(u: _Unit) -> bool:
+        return u.dp and u.n_active == 0 and u.n_await > 0
+
+    def count(self, u: _Unit, active: int = 0, awaiting: int = 0) -> None:
+        """Change a unit's use counts, keeping the kept-bytes total."""
+        if u.sharded or not u.dp:
+            u.n_active += active
+            u.n_await += awaiting
+            return
+        was = u.n_active == 0 and u.n_await > 0
+        u.n_active += active
+        u.n_await += awaiting
+        now = u.n_active == 0 and u.n_await > 0
+        if was != now:
+            self.kept_bytes += u.nbytes if now else -u.nbytes
+
+    def _positions(self, u: _Unit, add: bool) -> None:
+        """Keep the sorted positions of still-sharded units of both orders."""
+        lists = ((self.sharded[_F], u.fpos), (self.sharded[_B], u.bpos))
+        if u.small:
+            lists += ((self.small_sharded[_F], u.fpos), (self.small_sharded[_B], u.bpos))
+        for lst, positions in lists:
+            for p in positions:
+                if add:
+                    insort(lst, p)
+                else:
+                    del lst[bisect_left(lst, p)]
+
+    def start_gather(self, u: _Unit, ready_s: float) -> None:
+        u.sharded = False
+        u.ready_s = ready_s
+        self.live[u] = None
+        self.live_bytes += u.nbytes
+        if self._kept(u):
+            self.kept_bytes += u.nbytes
+        self._positions(u, add=False)
+
+    def wait(self, u: _Unit) -> None:
+        if not u.sharded and u.ready_s > self.compute_t:
+            self.stall(u.ready_s, f"all-gather of {u.name}")
+
+    def free(self, u: _Unit) -> None:
+        if u.sharded:
+            return
+        self.wait(u)  # never release memory a collective still writes
+        if self._kept(u):
+            self.kept_bytes -= u.nbytes
+        u.sharded = True
+        del self.live[u]
+        self.live_bytes -= u.nbytes
+        self._positions(u, add=True)
+
+    def maybe_free(self, u: _Unit) -> None:
+        if u.sharded or u.n_active > 0 or (u.dp and u.n_await > 0):
+            return
+        self.free(u)
+
+    # ---- gathers -------------------------------------------------------------------------
+    def issue(self, u: _Unit, k: int | None = None, pos: int = 0) -> None:
+        if not u.sharded:
+            return
+        group = [u]
+        if u.small and k is not None:
+            budget = self.coalesce - u.nbytes
+            room = self.window - (self.live_bytes - self.kept_bytes) - u.nbytes
+            order, lst = self.orders[k], self.small_sharded[k]
+            seen = {u}
+            for p in lst[bisect_right(lst, pos):]:
+                other = order[p]
+                if other in seen:
+                    continue
+                if other.nbytes > min(budget, room):
+                    break
+                group.append(other)
+                seen.add(other)
+                budget -= other.nbytes
+                room -= other.nbytes
+        if len(group) == 1:
+            seconds = u.gather_s
+        else:
+            seconds = self.dev.all_gather.time_s(sum(g.nbytes for g in group), self.n)
+        what = ", ".join(g.name for g in group) if self.events is not None else ""
+        ready = self.collective("all_gather", what, seconds)
+        self.n_gathers += 1
+        for g in group:
+            self.start_gather(g, ready)
+
+    def prefetch(self, k: int, start: int) -> None:
+        if self.window <= 0:
+            return
+        order, lst = self.orders[k], self.sharded[k]
+        while True:
+            i = bisect_left(lst, start)
+            if i == len(lst):
+                return
+            p = lst[i]
+            u = order[p]
+            if self.live_bytes - self.kept_bytes + u.nbytes > self.window:
+                return
+            self.issue(u, k, p)
+            start = p + 1
+
+    # ---- gradients -----------------------------------------------------------------------
+    def reduce(self, u: _Unit) -> None:
+        if u.small:
+            if u.deferred:
+                return
+            u.deferred = True
+            self.deferred.append(u)
+            self.deferred_bytes += u.grad_bytes
+            if self.deferred_bytes >= self.coalesce:
+                self.flush()
+            return
+        u.has_grad = False
+        self._reduce_group([u])
+
+    def flush(self) -> None:
+        group, self.deferred, self.deferred_bytes = self.deferred, [], 0.0
+        if group:
+            for u in group:
+                u.has_grad = u.deferred = False
+            self._reduce_group(group)
+
+    def _reduce_group(self, group: list[_Unit]) -> None:
+        nbytes = sum(u.grad_bytes for u in group)
+        seconds = self.dev.reduce_scatter.time_s(nbytes, self.n)
+        if self.all_reduce:
+            seconds += self.dev.all_gather.time_s(nbytes, self.n)
+        kind = "all_reduce" if self.all_reduce else "reduce_scatter"
+        what = ", ".join(u.name for u in group) if self.events is not None else ""
+        self.reductions.append(self.collective(kind, what, seconds))
+        self.n_reductions += 1
+        while len(self.reductions) > RUNTIME_MAX_INFLIGHT_REDUCTIONS:
+            self.stall(self.reductions.pop(0), "oldest gradient reduction")
+
+    # ---- one micro-batch -------------------------------------------------------------------
+    def forward(self) -> None:
+        self.phase = "forward"
+        start = self.compute_t
+        cursor = 0
+        for st in self.steps:
+            for u, p in zip(st.uses, st.fpos):
+                self.issue(u, _F, p)
+                cursor = p + 1
+                self.count(u, active=1)  # counts as transient while prefetching
+                self.prefetch(_F, cursor)
+                self.count(u, active=-1)
+                self.wait(u)
+                self.count(u, active=1)
+            self.compute("forward", st.name, st.fwd_s)
+            for u in st.uses:
+                self.count(u, active=-1, awaiting=1)
+                self.maybe_free(u)
+                self.prefetch(_F, cursor)
+        for u in list(self.live):  # prefetched and never used
+            if u.n_active == 0 and u.n_await == 0:
+                self.free(u)
+        self.duration["forward"] += self.compute_t - start
+
+    def _recompute(self, steps) -> None:
+        for st in steps:
+            here = []
+            for u in st.uses:
+                was_gathered = not u.sharded
+                self.issue(u)  # no order: neither prefetch nor coalescing
+                self.wait(u)
+                here.append(not was_gathered)
+            self.compute("recompute", st.name, st.fwd_s)
+            for u, gathered_here in zip(st.uses, here):
+                if gathered_here:
+                    self.maybe_free(u)
+
+    def backward(self, sync: bool) -> None:
+        self.phase = "backward"
+        start = self.compute_t
+        cursor = 0
+        for st in reversed(self.steps):
+            if st.recompute is not None and st.recompute_first:
+                self._recompute(st.recompute)
+            for u, p in zip(st.uses, st.bpos):
+                self.count(u, awaiting=-1)
+                self.count(u, active=1)
+                self.issue(u, _B, p)
+                cursor = p + 1
+                self.prefetch(_B, cursor)
+                self.wait(u)
+            if st.recompute is not None and not st.recompute_first:
+                self._recompute(st.recompute)
+            self.compute("backward", st.name, st.bwd_s)
+            for u in st.uses:
+                self.count(u, active=-1)
+                u.has_grad = True
+                if sync and u.n_await == 0 and u.n_active == 0:
+                    self.reduce(u)
+                self.maybe_free(u)
+                self.prefetch(_B, cursor)
+        # end of the backward pass: remaining gradients, wait for every reduction, free all
+        if sync:
+            for u in self.units:
+                if u.has_grad and u.n_active == 0:
+                    self.reduce(u)
+        self.flush()
+        while self.reductions:
+            self.stall(self.reductions.pop(0), "gradient reductions at the end of backward")
+        for u in list(self.live):
+            if u.n_active == 0:
+                self.free(u)
+        self.duration["backward"] += self.compute_t - start
+
+
+def simulate_step(
+    template: ProblemTemplate,
+    batch: int,
+    option_index,
+    variant,
+    *,
+    coalesce_bytes: int = RUNTIME_COALESCE_BYTES,
+    all_reduce: bool = False,
+    timeline: bool = False,
+) -> StepSim:
+    """Simulate one optimizer step of the plan given as option indices (per op) and
+    variants (per segment) of ``template`` at ``batch``; see [Note: step simulation].
+    ``coalesce_bytes``: the runtime's (``OSDP(coalesce_bytes=...)``; 0: off).
+    ``timeline``: keep every interval (``StepSim.timeline``) for debugging and plots."""
+    t = template
+    coalesce = int(coalesce_bytes) if t.device.world_size > 1 else 0
+    steps, order = _program(t, batch, option_index, variant, coalesce)
+    sim = _Sim(t, steps, order, coalesce, all_reduce, timeline)
+    settings = t.settings
+    micro = settings.accumulation_steps
+    for mb in range(micro):
+        sim.mb = mb
+        sim.forward()
+        sim.backward(sync=settings.gradient_sync == "every" or mb == micro - 1)
+    sim.phase = "optimizer"
+    start = sim.compute_t
+    optimizer_s = getattr(t, "_optimizer_step_s", None)  # cached: one template, many candidates
+    if optimizer_s is None:
+        optimizer_s = t._optimizer_step_s = optimizer_step_s(t.desc, t.device, settings)
+    sim.compute("optimizer", "optimizer step", optimizer_s)
+    sim.duration["optimizer"] += sim.compute_t - start
+    phases = {
+        p: PhaseTime(sim.duration[p], sim.busy[p], sim.comm[p], sim.duration[p] - sim.busy[p]) for p in PHASES
+    }
+    busy = sum(sim.busy.values())
+    return StepSim(
+        step_s=sim.compute_t,
+        compute_busy_s=busy,
+        comm_busy_s=sum(sim.comm.values()),
+        exposed_comm_s=sim.compute_t - busy,
+        phases=phases,
+        all_gathers=sim.n_gathers,
+        reductions=sim.n_reductions,
+        timeline=tuple(sim.events) if timeline else None,
+    )
+
+
+def simulate_scheduled(scheduled, **kwargs) -> StepSim:
+    """``simulate_step`` of a ``scheduler.Scheduled`` plan."""
+    s = scheduled
+    return simulate_step(s.template, s.batch, s.result.option_index, s.result.variant, **kwargs)

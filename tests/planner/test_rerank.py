@@ -1,0 +1,135 @@
+"""Re-ranking the planner's candidates by their simulated step, and its Plan fields."""
+import json
+from dataclasses import replace
+
+import pytest
+
+from osdp.models import GPTConfig
+from osdp.planner.cost_model import PlannerSettings, build_template, evaluate
+from osdp.planner.describe import ModelDesc, OpDesc
+from osdp.planner.device import CollectiveCost, DeviceInfo, load_cluster
+from osdp.planner.gpt_desc import describe_gpt
+from osdp.planner.plan import Plan
+from osdp.planner.planner import make_plan
+from osdp.planner.rerank import rerank, within
+from osdp.planner.scheduler import Scheduled, schedule
+from osdp.planner.search_problem import SearchResult
+from osdp.planner.step_sim import simulate_scheduled
+
+ms = 1e-3
+MB = 1e6
+TINY = GPTConfig(vocab_size=256, seq_len=32, num_layers=3, hidden=64, heads=4)
+# as in test_step_sim: three 1 MB units (gather = reduction = 1 ms at world size 2),
+# forward 1 ms, backward 2 ms, optimizer 1 ms
+THREE = ModelDesc("three", tuple(OpDesc(f"l{i}", "linear", 250_000, 10**6, 0.0, 1e9, False) for i in range(3)))
+THREE_DEVICE = DeviceInfo(
+    name="hand", world_size=2, memory_limit_bytes=1e12,
+    all_gather=CollectiveCost(0.0, 2e-9), reduce_scatter=CollectiveCost(0.0, 2e-9),
+    flops_per_s=1e12, op_overhead_s=0.0, slice_overhead_s=0.0,
+    memory_bandwidth_bytes_per_s=1.8e10, constant_bytes=0,
+)
+
+
+def option(t, i, g, k):
+    return next(o for o in range(t.opt_begin[i, 0], t.opt_end[i, 0]) if t.opt_slices[o] == g and t.opt_zdp[o] == k)
+
+
+def test_configurations_never_widen_the_users_settings():
+    osdp_none = PlannerSettings()
+    assert within(osdp_none, dict(policy="zdp", checkpointing="none"))
+    assert within(osdp_none, dict(policy="dp", checkpointing="none"))
+    assert not within(osdp_none, dict(policy="zdp", checkpointing="all"))  # the user said no checkpointing
+    assert within(osdp_none, dict(max_slices=1))
+    auto = PlannerSettings(checkpointing="auto")
+    assert within(auto, dict(policy="zdp", checkpointing="all"))
+    assert within(auto, dict(policy="zdp", checkpointing="none"))
+    zdp = PlannerSettings(policy="zdp", checkpointing="all")
+    assert not within(zdp, dict(policy="dp", checkpointing="all"))
+    assert not within(zdp, dict(policy="zdp", checkpointing="none"))
+    assert not within(PlannerSettings(max_slices=1), dict(max_slices=2))
+
+
+def _all_dp_in_a_two_unit_window(settings, dev, fits):
+    """All dp on THREE with a 2 MB window (the search's template has 1 MB), as if a
+    baseline sweep had found it, with its memory verdict forced to ``fits``."""
+    t = build_template(THREE, dev, settings.with_(prefetch_bytes=2 * MB))
+    choice = [option(t, i, 1, 0) for i in range(3)]
+    estimate = replace(evaluate(t, 1, choice, [0] * 3), fits=fits)
+    result = SearchResult(True, estimate.step_s, estimate.peak_bytes, estimate.peak_op, tuple(choice), (0, 0, 0))
+    return Scheduled(t, 1, result, estimate, 1, 0.0)
+
+
+@pytest.mark.parametrize("fits", [False, True])
+def test_the_fastest_simulated_candidate_that_fits_is_picked(fits):
+    """THREE (1 MB units, gather = reduction = 1 ms, F 1, B 2, optimizer 1), batch 1,
+    window 1 MB. Cost model: two copies never fit the window, so every op is serial:
+    dp 1+1+2+1 = 5 per op, zdp 6: the search picks all dp (cost model 16 ms).
+    Simulated (test_step_sim): all dp 14 ms, all zdp ("fsdp") 19 ms. A candidate all-dp
+    plan with a 2 MB window simulates at 12 ms: forward AG l0 [0,1], AG l1 [1,2], F l0
+    [1,2], AG l2 [2,3], F l1 [2,3], F l2 [3,4]; backward B l2 [4,6], RS [6,7], B l1
+    [6,8], RS [8,9], B l0 [8,10], RS [10,11]; optimizer [11,12]. It is picked only when
+    it fits; otherwise the search's plan (14) beats fsdp (19)."""
+    dev = THREE_DEVICE
+    settings = PlannerSettings(prefetch_bytes=MB)
+    best = schedule(THREE, dev, settings, batch=1, backend="python")
+    assert [best.template.opt_zdp[o] for o in best.result.option_index] == [0, 0, 0]
+    assert best.result.time_s == pytest.approx(16 * ms)
+    wide = _all_dp_in_a_two_unit_window(settings, dev, fits)
+    ranked = rerank(THREE, dev, settings, best, batch=1, backend="python", known={"shard_grad_op": wide})
+    sims = {c.name: round(c.sim.step_s / ms, 9) for c in ranked.candidates}
+    # osdp_unsplit (max_slices=1) finds the same all-dp plan as the search: simulated once
+    assert sims == {"search": 14, "fsdp": 19, "shard_grad_op": 12}
+    assert ranked.picked.name == ("shard_grad_op" if fits else "search")
+    report = ranked.report()
+    assert report["picked"] == ranked.picked.name
+    assert [c["name"] for c in report["candidates"]] == ["search", "fsdp", "shard_grad_op"]
+
+
+def test_make_plan_reports_the_simulated_step_and_picks_the_fastest_fitting():
+    desc = describe_gpt(TINY)
+    dev = load_cluster("titan-rtx-pcie3").with_(memory_limit_bytes=24 * 2**20, world_size=4, constant_bytes=0)
+    settings = PlannerSettings(max_slices=4, checkpointing="auto")
+    plan = make_plan(desc, dev, settings, backend="python")
+    rows = plan.rerank["candidates"]
+    names = [r["name"] for r in rows]
+    assert names[0] == "search" and len(names) == len(set(names)) >= 2
+    fitting = [r for r in rows if r["fits"]]
+    top = max(r["simulated_samples_per_s"] for r in fitting)
+    picked = next(r for r in rows if r["name"] == plan.rerank["picked"])
+    assert picked["fits"] and picked["simulated_samples_per_s"] == top
+    assert plan.batch_size == picked["batch_size"]
+    assert plan.predicted.simulated_step_s == pytest.approx(picked["simulated_step_s"], rel=1e-12)
+    assert plan.predicted.simulated_samples_per_s == pytest.approx(
+        plan.batch_size * dev.world_size / plan.predicted.simulated_step_s, rel=1e-12)
+    assert plan.predicted.peak_bytes <= dev.memory_limit_bytes
+    # the baselines carry their simulated steps too
+    assert all(b is None or b.simulated_step_s > 0 for b in plan.baselines.values())
+    assert "simulated as the runtime schedules it" in str(plan)
+    # without re-ranking: the search's own plan, nothing simulated
+    plain = make_plan(desc, dev, settings.with_(rerank=False), backend="python")
+    best = schedule(desc, dev, settings, backend="python")
+    assert plain.batch_size == best.batch and plain.predicted.simulated_step_s is None and plain.rerank == {}
+    search_row = rows[0]
+    assert search_row["batch_size"] == best.batch
+    assert search_row["simulated_step_s"] == pytest.approx(simulate_scheduled(best).step_s, rel=1e-12)
+
+
+def test_plans_with_and_without_simulation_round_trip_and_old_files_load(tmp_path):
+    desc = describe_gpt(TINY)
+    dev = load_cluster("titan-rtx-pcie3").with_(memory_limit_bytes=48 * 2**20, world_size=4, constant_bytes=0)
+    plan = make_plan(desc, dev, PlannerSettings(max_slices=4), backend="python")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    # a plan file written before re-ranking existed: no simulated fields, no rerank
+    data = json.loads(path.read_text())
+    del data["rerank"]
+    for p in [data["predicted"], *[b for b in data["baselines"].values() if b]]:
+        del p["simulated_step_s"], p["simulated_samples_per_s"]
+    for key in ("rerank", "rerank_batches"):
+        del data["settings"][key]
+    path.write_text(json.dumps(data))
+    old = Plan.load(path, fingerprint=desc.fingerprint())
+    assert old.predicted.simulated_step_s is None and old.rerank == {}
+    assert old.plan_hash() == plan.plan_hash()
+    assert "simulated" not in str(old)
