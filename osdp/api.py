@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .contract import DEFAULT_COALESCE_BYTES, default_prefetch_bytes
+from .contract import DEFAULT_COALESCE_BYTES, RuntimeConfig, default_prefetch_bytes
 from .errors import OSDPError, PlanMismatchError
 from .planner.plan import plan_from_arg
 from .runtime.args import device_arg
@@ -134,15 +134,17 @@ class OSDP(nn.Module):
         if plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None):
             plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision,
                               {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {})})
-        if plan is not None:
-            check_plan_matches_model(module, plan)
+        run = _runtime_config(plan)
+        if run is not None:
+            check_plan_matches_model(module, run)
             param_bytes = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
-            check_plan_dtypes(plan, mixed_precision, param_bytes)
-        self.plan = plan
+            check_plan_dtypes(run, mixed_precision, param_bytes)
+        self.plan = plan  # what the user gave (or auto mode made); the runtime reads self._run
+        self._run = run
         self.mixed_precision = mixed_precision
         config = resolve_config(
             module,
-            plan=plan,
+            plan=run,
             default_mode=default_mode,
             modes=modes,
             splits=splits,
@@ -239,7 +241,7 @@ class OSDP(nn.Module):
         return output if policy is None else policy.cast_output(output)
 
     def _check_batch(self, args, kwargs) -> None:
-        limit = getattr(self.plan, "batch_size", None)
+        limit = self.batch_size
         if not limit:
             return
         first = next((t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)), None)
@@ -276,12 +278,12 @@ class OSDP(nn.Module):
     @property
     def accumulation_steps(self) -> int:
         """Micro-batches per optimizer step (the plan's; 1 without a plan)."""
-        return int(getattr(self.plan, "accumulation_steps", 1) or 1)
+        return 1 if self._run is None else int(self._run.accumulation_steps)
 
     @property
     def gradient_sync(self) -> str:
         """``"last"``: reduce-scatter only in the last micro-batch; ``"every"``: each."""
-        return str(getattr(self.plan, "gradient_sync", "last") or "last")
+        return "last" if self._run is None else self._run.gradient_sync
 
     @contextlib.contextmanager
     def micro_batch(self, index: int):
@@ -300,7 +302,7 @@ class OSDP(nn.Module):
     @property
     def batch_size(self) -> int | None:
         """The per-device (micro-)batch the plan was made for (None without a plan)."""
-        return getattr(self.plan, "batch_size", None)
+        return None if self._run is None else self._run.batch_size
 
     # ---- original parameters --------------------------------------------------------
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
@@ -429,6 +431,20 @@ class OSDP(nn.Module):
         """The original model's state dict, gathered (a collective: call on every rank)."""
         self._scheduler.wait_reduce_scatters()
         return full_state_dict(self.module, self._built, self._comm, self._state_keys, rank0_only)
+
+
+def _runtime_config(plan) -> RuntimeConfig | None:
+    """The typed config the runtime executes: an ``osdp.contract.RuntimeConfig`` as it
+    is, or a plan's ``runtime_config()``."""
+    if plan is None or isinstance(plan, RuntimeConfig):
+        return plan
+    to_config = getattr(plan, "runtime_config", None)
+    if not callable(to_config):
+        raise OSDPError(
+            f"plan must be an osdp Plan, an osdp.contract.RuntimeConfig, the path of a plan JSON file or None; "
+            f"got a {type(plan).__name__}"
+        )
+    return to_config()
 
 
 def _refuse_wrapped(module: nn.Module) -> None:

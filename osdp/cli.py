@@ -6,7 +6,6 @@ no traceback.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 from .errors import OSDPError

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
+from ..contract import RuntimeConfig
 from ..errors import OSDPError, PlanMismatchError
 from .args import mapping_arg, names_arg
 from .modes import Mode, parse_mode
@@ -17,8 +18,9 @@ _SLICE_NAME = re.compile(r"(.+)\[(\d+)\]")
 
 
 @dataclass(frozen=True)
-class RuntimeConfig:
-    """What the runtime executes: per-unit modes (one per slice; len = slice count)."""
+class ResolvedConfig:
+    """What the runtime executes, resolved against the model: per-unit modes (one per
+    slice; len = slice count), split ops, window, checkpointed blocks."""
 
     unit_modes: dict[str, tuple[Mode, ...]]
     prefetch_bytes: int | None  # None: the runtime picks a default
@@ -65,27 +67,29 @@ def resolve_config(
     checkpoint_blocks,
     world_size: int,
     split_ops: dict | None = None,
-) -> RuntimeConfig:
+) -> ResolvedConfig:
+    """``plan``: an ``osdp.contract.RuntimeConfig`` (a Plan's ``runtime_config()``) or
+    None; the keyword arguments are the by-hand alternative."""
     fingerprint = None
     split_ops = mapping_arg(split_ops, "split_ops", "of split unit name -> registered split op name")
     if plan is not None:
         if modes or splits:
             raise OSDPError("give either plan= or modes=/splits=, not both: the plan already names every unit's modes")
-        plan_world = getattr(plan, "world_size", None)
+        plan_world = plan.world_size
         if plan_world is not None and plan_world != world_size:
             raise PlanMismatchError(
                 f"this plan was made for world size {plan_world}, the process group has "
                 f"{world_size} ranks: plan again for {world_size}"
             )
-        modes = dict(plan.unit_modes())
+        modes = dict(plan.unit_modes)
         if split_ops:
             raise OSDPError("give either plan= or split_ops=, not both: the plan names every split unit's op")
-        split_ops = dict(getattr(plan, "unit_split_ops", dict)())
+        split_ops = dict(plan.split_ops)
         if prefetch_bytes is None:
-            prefetch_bytes = getattr(plan, "prefetch_bytes", None)
+            prefetch_bytes = plan.prefetch_bytes
         if not checkpoint_blocks:
-            checkpoint_blocks = tuple(getattr(plan, "checkpoint_blocks", ()) or ())
-        fingerprint = getattr(plan, "fingerprint", None)
+            checkpoint_blocks = tuple(plan.checkpoint_blocks)
+        fingerprint = plan.fingerprint
     modes = mapping_arg(modes, "modes", "of unit name -> 'dp'/'zdp' or one mode per slice, e.g. {'lm_head': 'dp'}")
     splits = mapping_arg(splits, "splits", "of unit name -> slice count g >= 1, e.g. {'lm_head': 4}")
     default = parse_mode(default_mode, "default_mode")
@@ -148,7 +152,7 @@ def resolve_config(
             raise OSDPError(f"split_ops[{name!r}] = {op_name!r}: give a registered split op name (osdp.ops.registered_split_ops())")
         if len(unit_modes[name]) == 1:
             raise OSDPError(f"split_ops[{name!r}] names an op but {name!r} is not split: add splits={{{name!r}: g}}")
-    return RuntimeConfig(unit_modes, prefetch_bytes, blocks, fingerprint, split_ops)
+    return ResolvedConfig(unit_modes, prefetch_bytes, blocks, fingerprint, split_ops)
 
 
 def own_param_counts(model: nn.Module) -> dict[str, int]:
@@ -166,23 +170,20 @@ def own_param_counts(model: nn.Module) -> dict[str, int]:
     return counts
 
 
-def check_plan_matches_model(model: nn.Module, plan) -> None:
+def check_plan_matches_model(model: nn.Module, plan: RuntimeConfig) -> None:
     """Every unit a plan names must be a module of ``model`` that owns the parameter
     count the plan priced (``param_bytes`` / element size); a plan made for another
-    model fails here, naming the first unit that differs. Plans without ``units`` (duck
-    typed plans) are not checked."""
-    units = getattr(plan, "units", None)
-    if not units:
+    model fails here, naming the first unit that differs. A RuntimeConfig without
+    ``unit_param_bytes`` (made by hand) is not checked."""
+    if not plan.unit_param_bytes:
         return
     counts = own_param_counts(model)
     modules = dict(model.named_modules())
     elements = {p.element_size() for p in model.parameters()}
-    planned_bytes = (getattr(plan, "settings", None) or {}).get("param_dtype_bytes")
-    if planned_bytes:
-        elements.add(int(planned_bytes))
-    model_name = getattr(plan, "model_name", "?")
-    for unit in units:
-        name = unit.name
+    if plan.param_dtype_bytes:
+        elements.add(int(plan.param_dtype_bytes))
+    model_name = plan.model_name
+    for name, param_bytes in plan.unit_param_bytes.items():
         if name not in counts:
             what = "owns no parameters" if name in modules else "is not a module of this model"
             raise PlanMismatchError(
@@ -190,10 +191,10 @@ def check_plan_matches_model(model: nn.Module, plan) -> None:
                 "made for another model; make a plan for this one"
             )
         have = counts[name]
-        if not any(have * e == unit.param_bytes for e in elements):
-            each = ", ".join(f"{unit.param_bytes / e:g}" for e in sorted(elements))
+        if not any(have * e == param_bytes for e in elements):
+            each = ", ".join(f"{param_bytes / e:g}" for e in sorted(elements))
             raise PlanMismatchError(
-                f"the plan (for model {model_name!r}) prices unit {name!r} at {unit.param_bytes} bytes "
+                f"the plan (for model {model_name!r}) prices unit {name!r} at {param_bytes} bytes "
                 f"({each} parameters), the model's module {name!r} owns {have} parameters: this plan was "
                 "made for another model (or another size of it); make a plan for this one"
             )

@@ -82,13 +82,11 @@ def _bytes(dtype: torch.dtype | None, default: int) -> int:
 
 
 def check_plan_dtypes(plan, policy: MixedPrecision | None, param_bytes: int) -> None:
-    """The plan priced parameters / gradients at ``settings["param_dtype_bytes"]`` /
-    ``["reduce_dtype_bytes"]`` bytes per element (``None``: the model's own dtype,
+    """The plan (an ``osdp.contract.RuntimeConfig``) priced parameters / gradients at
+    ``param_dtype_bytes`` / ``reduce_dtype_bytes`` bytes per element (``None``: the model's own dtype,
     ``param_bytes``); the runtime's policy must give the same, or the memory and time
     predictions do not hold."""
-    settings = getattr(plan, "settings", None) or {}
-    planned_p = settings.get("param_dtype_bytes")
-    planned_r = settings.get("reduce_dtype_bytes")
+    planned_p, planned_r = plan.param_dtype_bytes, plan.reduce_dtype_bytes
     planned_p = param_bytes if planned_p is None else int(planned_p)
     planned_r = planned_p if planned_r is None else int(planned_r)
     policy = policy or MixedPrecision()

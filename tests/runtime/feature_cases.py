@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
+from osdp.contract import RuntimeConfig
 from osdp.errors import OSDPError, PlanMismatchError
 from osdp.models import GPT, GPTConfig, example_batch
 
@@ -22,32 +21,10 @@ ACC_STEPS = 3  # optimizer steps
 MICRO = 3  # micro-batches per optimizer step
 
 
-@dataclass(frozen=True)
-class Unit:
-    name: str
-    kind: str
-    param_bytes: int
-    modes: tuple = ("zdp",)
-
-
-@dataclass(frozen=True)
-class FakePlan:
-    """What the runtime reads of osdp.planner.plan.Plan."""
-
-    modes: dict
-    world_size: int
-    batch_size: int = 1000
-    prefetch_bytes: int | None = None
-    checkpoint_blocks: tuple = ()
-    fingerprint: str = "fake"
-    accumulation_steps: int = 1
-    gradient_sync: str = "last"
-    settings: dict = field(default_factory=dict)
-    units: tuple = ()
-    model_name: str = "fake"
-
-    def unit_modes(self):
-        return dict(self.modes)
+def FakePlan(modes, world_size, batch_size=1000, **kw):
+    """A plan made by hand: the typed RuntimeConfig the runtime executes."""
+    return RuntimeConfig(unit_modes=dict(modes), world_size=world_size, batch_size=batch_size,
+                         fingerprint="fake", model_name="fake", **kw)
 
 
 def _local(batch, rank, local):

@@ -2,13 +2,13 @@
 the modules they replace, the registry, eval mode and the plan object."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.nn as nn
 
 import osdp
+from osdp.contract import RuntimeConfig
 from osdp.errors import OSDPError, PlanMismatchError
 from osdp.models import GPT, GPTConfig, example_batch
 from osdp.ops import SplitModule, get_split_op, register_split_op, split_sizes, unregister_split_op
@@ -21,18 +21,11 @@ CFG = GPTConfig(vocab_size=97, seq_len=8, num_layers=2, hidden=10, heads=2)
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
 
 
-@dataclass(frozen=True)
-class FakePlan:
-    """Stands in for osdp.planner.plan.Plan: only what the runtime reads."""
-
-    modes: dict
-    world_size: int = 1
-    prefetch_bytes: int = 4096
-    checkpoint_blocks: tuple = ()
-    fingerprint: str = "fake"
-
-    def unit_modes(self):
-        return dict(self.modes)
+def FakePlan(modes, world_size=1, prefetch_bytes=4096, checkpoint_blocks=(), fingerprint="fake", **kw):
+    """A plan made by hand: the typed RuntimeConfig the runtime executes (a Plan's
+    ``runtime_config()``), with only what a test needs."""
+    return RuntimeConfig(unit_modes=dict(modes), world_size=world_size, prefetch_bytes=prefetch_bytes,
+                         checkpoint_blocks=tuple(checkpoint_blocks), fingerprint=fingerprint, **kw)
 
 
 def gpt(**kw):
@@ -93,7 +86,7 @@ def test_auto_mode_needs_example_inputs():
 
 
 # ---- the plan object --------------------------------------------------------------
-def test_plan_is_read_duck_typed():
+def test_a_runtime_config_made_by_hand_is_a_plan():
     plan = FakePlan(
         {"wte": ("zdp",), "blocks.0.mlp.c_fc": ("dp", "zdp", "dp"), "lm_head": ("dp",), "blocks.1.mlp.c_fc": ("zdp",)},
         prefetch_bytes=1234,
@@ -261,29 +254,15 @@ def test_weights_updated_between_forwards_are_regathered():
 
 
 # ---- plan checks, mixed precision, accumulation API ------------------------------------
-@dataclass(frozen=True)
-class PlanUnit:
-    name: str
-    kind: str
-    param_bytes: int
-    modes: tuple = ("zdp",)
-
-
-@dataclass(frozen=True)
-class CheckedPlan(FakePlan):
-    units: tuple = ()
-    settings: dict = None
-    batch_size: int = 2
-    model_name: str = "GPT"
-    accumulation_steps: int = 1
-    gradient_sync: str = "last"
-
-
-def _plan_for(model, **kw):
+def _plan_for(model, settings=None, batch_size=2, **kw):
+    """A config that priced every unit of ``model`` at 4-byte parameters."""
     from osdp.runtime.config import own_param_counts
 
-    units = tuple(PlanUnit(n, "op", c * 4) for n, c in own_param_counts(model).items())
-    return CheckedPlan({u.name: u.modes for u in units}, units=units, settings=kw.pop("settings", {}), **kw)
+    priced = {n: c * 4 for n, c in own_param_counts(model).items()}
+    settings = settings or {}
+    return FakePlan({n: ("zdp",) for n in priced}, unit_param_bytes=priced, batch_size=batch_size, model_name="GPT",
+                    param_dtype_bytes=settings.get("param_dtype_bytes"),
+                    reduce_dtype_bytes=settings.get("reduce_dtype_bytes"), **kw)
 
 
 def test_plan_for_another_model_names_the_first_mismatch():
