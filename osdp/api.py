@@ -23,7 +23,8 @@ from .runtime.ledger import MemoryLedger
 from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
 from .runtime.modes import Mode
 from .runtime.scheduler import Scheduler
-from .runtime.state_dict import full_state_dict
+from .runtime.state_dict import build_layout
+from .runtime.view import ShardedView
 
 
 
@@ -155,6 +156,7 @@ class OSDP(nn.Module):
         )
         self.plan_fingerprint = config.fingerprint
         self._state_keys = list(module.state_dict().keys())
+        self._view: ShardedView | None = None  # built on first use, see _sharded_view
         self._comm = CommContext(group, self.device, timeout_s)
         self.timeout_s = float(timeout_s)
         self._check_same_config(config, own_param_counts(module), mixed_precision, coalesce_bytes)
@@ -428,9 +430,20 @@ class OSDP(nn.Module):
         self._ledger.reset()
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
-        """The original model's state dict, gathered (a collective: call on every rank)."""
+        """The original model's state dict, gathered (a collective: call on every rank);
+        the same as ``osdp.checkpoint.full_state_dict(model)``."""
+        from .checkpoint import full_state_dict
+
+        return full_state_dict(self, rank0_only)
+
+    def _sharded_view(self) -> ShardedView:
+        """The model as ``osdp.checkpoint`` reads it, pending gradient reductions finished
+        (their results are part of the state)."""
         self._scheduler.wait_reduce_scatters()
-        return full_state_dict(self.module, self._built, self._comm, self._state_keys, rank0_only)
+        if self._view is None:
+            layout = build_layout(self.module, self._built, list(self._state_keys))
+            self._view = ShardedView(self.module, self._built, self._comm, tuple(self._state_keys), layout)
+        return self._view
 
 
 def _runtime_config(plan) -> RuntimeConfig | None:

@@ -47,15 +47,14 @@ import math
 import os
 import shutil
 import warnings
-import weakref
 
 import torch
 import torch.distributed.checkpoint as dcp
 
 from ..errors import OSDPError, PlanMismatchError, UnverifiedCheckpointWarning
+from ..runtime.view import ShardedView
 from ..runtime.state_dict import (
     Layout,
-    build_layout,
     check_full_state_dict,
     local_range,
     local_shards_from_full,
@@ -72,32 +71,25 @@ __all__ = ["save", "load", "full_state_dict", "load_full_state_dict", "save_full
 
 FORMAT = "osdp-sharded"
 FORMAT_VERSION = 2  # 2: per-chunk checksums; 1 (no checksums) still loads, with a warning
-_LAYOUTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 # ---- helpers --------------------------------------------------------------------------
-def _prepare(model) -> Layout:
-    """Check ``model`` is OSDP-wrapped, finish pending gradient reductions, return its
-    (cached) layout."""
-    built = getattr(model, "_built", None)
-    if built is None or not hasattr(model, "_comm"):
+def _prepare(model) -> ShardedView:
+    """The wrapped model's sharded view (units, comm, layout), its pending gradient
+    reductions finished; OSDPError for anything but an osdp.OSDP model."""
+    view_of = getattr(model, "_sharded_view", None)
+    if view_of is None:
         raise OSDPError(f"expected an osdp.OSDP-wrapped model, got {type(model).__name__}")
-    model._scheduler.wait_reduce_scatters()
-    cached = _LAYOUTS.get(model)
-    if cached is None or cached[0]() is not built:
-        # a weak reference: the cache must not keep the model's units alive
-        cached = (weakref.ref(built), build_layout(model.module, built, list(model._state_keys)))
-        _LAYOUTS[model] = cached
-    return cached[1]
+    return view_of()
 
 
-def _chunked(model, layout: Layout, fqn: str, flat_of) -> ChunkedTensor:
+def _chunked(view: ShardedView, layout: Layout, fqn: str, flat_of) -> ChunkedTensor:
     """This rank's boxes of original tensor ``fqn``; ``flat_of(unit index)`` is the
     rank's flat local tensor of that unit (the shard or an element-wise state)."""
     info = layout.params[fqn]
-    rank, chunks = model._comm.rank, []
+    rank, chunks = view.comm.rank, []
     for piece in info.pieces:
-        unit = model._built.units[piece.unit]
+        unit = view.built.units[piece.unit]
         part = local_range(piece, rank, unit.shard_numel)
         if part is None:
             continue
@@ -106,8 +98,8 @@ def _chunked(model, layout: Layout, fqn: str, flat_of) -> ChunkedTensor:
         flat = flat_of(piece.unit)
         for offsets, sizes in range_boxes(a, b, piece.box_sizes):
             start = base + flat_index(offsets, piece.box_sizes)
-            view = flat.narrow(0, start, math.prod(sizes)).view(sizes)
-            chunks.append((tuple(o + p for o, p in zip(offsets, piece.box_offsets)), view))
+            box = flat.narrow(0, start, math.prod(sizes)).view(sizes)
+            chunks.append((tuple(o + p for o, p in zip(offsets, piece.box_offsets)), box))
     return ChunkedTensor(torch.Size(info.shape), info.dtype, chunks)
 
 
@@ -141,9 +133,10 @@ def full_state_dict(model, rank0_only: bool = True) -> dict[str, torch.Tensor]:
 
     On rank 0 (every rank if ``rank0_only=False``); other ranks get ``{}``. Loadable into
     the unwrapped model with ``load_state_dict(strict=True)``."""
-    layout = _prepare(model)
+    view = _prepare(model)
+    layout = view.layout
     return _gather_full_state_dict(
-        model.module, model._built, model._comm, list(model._state_keys), rank0_only, layout=layout
+        view.module, view.built, view.comm, list(view.state_keys), rank0_only, layout=layout
     )
 
 
@@ -152,8 +145,9 @@ def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> N
     shard. Either every rank passes the state dict (each reads it, no communication), or
     only rank 0 does (others pass None) and each tensor is broadcast from rank 0.
     Strict: keys and shapes must match the original model; nothing changes on error."""
-    layout = _prepare(model)
-    comm, built = model._comm, model._built
+    view = _prepare(model)
+    layout = view.layout
+    comm, built = view.comm, view.built
     device = comm.device  # collectives run there (NCCL needs device tensors)
     src = torch.distributed.get_global_rank(comm.group, 0) if comm.world_size > 1 else 0
     have = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64, device=device)
@@ -183,7 +177,7 @@ def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> N
     for fqn, info in layout.params.items():
         tensor = value_of(fqn, torch.empty(info.shape, dtype=info.dtype, device="meta"))
         local_shards_from_full(layout, built, comm.rank, fqn, tensor, new)
-    buffers = dict(model.module.named_buffers())
+    buffers = dict(view.module.named_buffers())
     new_buffers = {name: value_of(name, buffers[name]) for name in layout.buffers}
     with torch.no_grad():
         for unit, shard in zip(built.units, new):
@@ -196,27 +190,28 @@ def save_full(model, path: str) -> None:
     """Gather the full state dict and write it on rank 0 as one ``torch.save`` file,
     atomically (temporary file + ``os.replace``)."""
     state = full_state_dict(model, rank0_only=True)
-    on_rank0(model._comm, lambda: _atomic.atomic_torch_save(state, path))
+    on_rank0(_prepare(model).comm, lambda: _atomic.atomic_torch_save(state, path))
 
 
 def load_full(model, path: str) -> None:
     """Rank 0 reads a full state dict file (``weights_only``) and every rank takes its
     shard (:func:`load_full_state_dict`)."""
-    state = on_rank0(model._comm, lambda: torch.load(path, map_location="cpu", weights_only=True))
-    load_full_state_dict(model, state if model._comm.rank == 0 else None)
+    view = _prepare(model)
+    state = on_rank0(view.comm, lambda: torch.load(path, map_location="cpu", weights_only=True))
+    load_full_state_dict(model, state if view.comm.rank == 0 else None)
 
 
 # ---- sharded checkpoints ----------------------------------------------------------------
-def _sharded_state(model, optimizer, layout: Layout) -> tuple[dict, dict | None]:
+def _sharded_state(view: ShardedView, optimizer, layout: Layout) -> tuple[dict, dict | None]:
     """DCP state dict (key -> ChunkedTensor) and the optimizer part of the metadata."""
-    units, rank0 = model._built.units, model._comm.rank == 0
-    state = {f"model.{fqn}": _chunked(model, layout, fqn, lambda i: units[i].shard.detach()) for fqn in layout.params}
-    buffers = dict(model.module.named_buffers())
+    units, rank0 = view.built.units, view.comm.rank == 0
+    state = {f"model.{fqn}": _chunked(view, layout, fqn, lambda i: units[i].shard.detach()) for fqn in layout.params}
+    buffers = dict(view.module.named_buffers())
     for name in layout.buffers:
         state[f"model.{name}"] = ChunkedTensor.whole(buffers[name].detach().cpu(), present=rank0)
     if optimizer is None:
         return state, None
-    in_optim = _optimizer_units(model, optimizer)
+    in_optim = _optimizer_units(view, optimizer)
     unit_states = {i: unit_state(units[i], optimizer) for i in set(in_optim.values())}
     kinds: dict[str, dict] = {}
     for fqn, info in layout.params.items():
@@ -231,7 +226,7 @@ def _sharded_state(model, optimizer, layout: Layout) -> tuple[dict, dict | None]
             shards = [units[p.unit].shard for p in info.pieces]
             if all(isinstance(v, torch.Tensor) and v.shape == sh.shape for v, sh in zip(values, shards)):
                 by_unit = {p.unit: s[key].detach() for p, s in zip(info.pieces, states)}
-                state[f"optim.{fqn}.{key}"] = _chunked(model, layout, fqn, by_unit.__getitem__)
+                state[f"optim.{fqn}.{key}"] = _chunked(view, layout, fqn, by_unit.__getitem__)
                 kinds[fqn][key] = ("elementwise", str(values[0].dtype))
             elif all(isinstance(v, torch.Tensor) for v in values):
                 if not all(v.shape == values[0].shape and torch.equal(v.cpu(), values[0].cpu()) for v in values):
@@ -252,10 +247,11 @@ def save(model, optimizer, path: str, *, step: int | None = None, extra=None) ->
     shards, under original parameter names (see [Note: sharded checkpoint
     representation]). Atomic: ``path`` holds the previous checkpoint until the new one
     is complete. ``step`` and ``extra`` (rank 0's) come back from :func:`load`."""
-    layout = _prepare(model)
-    comm = model._comm
+    view = _prepare(model)
+    layout = view.layout
+    comm = view.comm
     path = os.path.abspath(path)
-    state, optim_meta = _sharded_state(model, optimizer, layout)
+    state, optim_meta = _sharded_state(view, optimizer, layout)
     meta = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -264,7 +260,7 @@ def save(model, optimizer, path: str, *, step: int | None = None, extra=None) ->
         "step": step,
         "extra": extra,
         "world_size": comm.world_size,
-        "unit_modes": {u.name: u.mode.value for u in model._built.units},
+        "unit_modes": {u.name: u.mode.value for u in view.built.units},
     }
     tmp = _atomic.partial_path(path)
 
@@ -319,7 +315,7 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
-def _check_optimizer(model, optimizer, layout: Layout, saved: dict | None) -> str | None:
+def _check_optimizer(view: ShardedView, optimizer, layout: Layout, saved: dict | None) -> str | None:
     if saved is None:
         return "the checkpoint has no optimizer state (it was saved with optimizer=None); pass optimizer=None"
     if saved["class"] != _optimizer_class(optimizer):
@@ -329,11 +325,11 @@ def _check_optimizer(model, optimizer, layout: Layout, saved: dict | None) -> st
             f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, "
             f"this optimizer has {len(optimizer.param_groups)}"
         )
-    for i in _optimizer_units(model, optimizer).values():
+    for i in _optimizer_units(view, optimizer).values():
         fqns = sorted({p.fqn for p in layout.unit_pieces[i]})
         keys = {tuple(sorted(saved["state"][f])) if f in saved["state"] else None for f in fqns}
         if len(keys) > 1:
-            return f"unit {model._built.units[i].name!r} takes parameters {fqns} whose saved optimizer states differ"
+            return f"unit {view.built.units[i].name!r} takes parameters {fqns} whose saved optimizer states differ"
     return None
 
 
@@ -345,8 +341,9 @@ def load(model, optimizer, path: str) -> dict:
     differs when the checkpoint is from another model; nothing changes on any error.
     Like ``Optimizer.load_state_dict``, the param groups' hyperparameters (lr, betas,
     ...) are the checkpoint's afterwards; set new ones after loading. Returns ``{"step": ..., "extra": ...}`` as given to :func:`save`."""
-    layout = _prepare(model)
-    comm, units = model._comm, model._built.units
+    view = _prepare(model)
+    layout = view.layout
+    comm, units = view.comm, view.built.units
     path = os.path.abspath(path)
     meta = on_rank0(comm, lambda: read_metadata(path))
     meta = broadcast_from_rank0(comm, meta)
@@ -355,7 +352,7 @@ def load(model, optimizer, path: str) -> dict:
     if problem is not None:
         error = PlanMismatchError(f"checkpoint {path!r} is from another model: {problem}")
     elif optimizer is not None:
-        problem = _check_optimizer(model, optimizer, layout, meta["optimizer"])
+        problem = _check_optimizer(view, optimizer, layout, meta["optimizer"])
         if problem is not None:
             error = PlanMismatchError(f"cannot load checkpoint {path!r} into this optimizer: {problem}")
     agree(comm, error)
@@ -371,9 +368,9 @@ def load(model, optimizer, path: str) -> dict:
 
     # fresh buffers: nothing is touched until DCP has read (and verified) everything
     new_shards = [torch.zeros_like(u.shard) for u in units]
-    state = {f"model.{fqn}": _chunked(model, layout, fqn, new_shards.__getitem__) for fqn in layout.params}
+    state = {f"model.{fqn}": _chunked(view, layout, fqn, new_shards.__getitem__) for fqn in layout.params}
     names = {f"model.{fqn}": f"parameter {fqn!r}" for fqn in layout.params}  # for errors
-    buffers = dict(model.module.named_buffers())
+    buffers = dict(view.module.named_buffers())
     new_buffers = {name: torch.empty_like(buffers[name], device="cpu") for name in layout.buffers}
     state.update({f"model.{name}": ChunkedTensor.whole(t) for name, t in new_buffers.items()})
     names.update({f"model.{name}": f"buffer {name!r}" for name in layout.buffers})
@@ -382,7 +379,7 @@ def load(model, optimizer, path: str) -> dict:
     if optimizer is not None:
         kinds = meta["optimizer"]["state"]
         elementwise: dict[tuple[int, str], torch.Tensor] = {}
-        for i in _optimizer_units(model, optimizer).values():
+        for i in _optimizer_units(view, optimizer).values():
             fqns = [p.fqn for p in layout.unit_pieces[i]]
             if fqns and fqns[0] in kinds:
                 new_optim[i] = {}
@@ -395,7 +392,7 @@ def load(model, optimizer, path: str) -> dict:
                     for p in info.pieces:
                         if (p.unit, key) not in elementwise:
                             elementwise[(p.unit, key)] = torch.zeros(units[p.unit].shard_numel, dtype=dtype)
-                    state[f"optim.{fqn}.{key}"] = _chunked(model, layout, fqn, lambda u, k=key: elementwise[(u, k)])
+                    state[f"optim.{fqn}.{key}"] = _chunked(view, layout, fqn, lambda u, k=key: elementwise[(u, k)])
                 elif kind[0] == "tensor":
                     dtype = getattr(torch, kind[1].split(".")[-1])
                     scalars[(fqn, key)] = torch.empty(kind[2], dtype=dtype)
@@ -430,13 +427,13 @@ def load(model, optimizer, path: str) -> dict:
             buffers[name].copy_(value)
     if optimizer is not None:
         elementwise_keys = {i: {k for k in st if (i, k) in elementwise} for i, st in new_optim.items()}
-        _load_optimizer(model, optimizer, meta["optimizer"], new_optim, elementwise_keys)
+        _load_optimizer(view, optimizer, meta["optimizer"], new_optim, elementwise_keys)
     return {"step": meta["step"], "extra": meta["extra"]}
 
 
-def _load_optimizer(model, optimizer, saved: dict, new_state: dict[int, dict], elementwise: dict[int, set]) -> None:
+def _load_optimizer(view: ShardedView, optimizer, saved: dict, new_state: dict[int, dict], elementwise: dict[int, set]) -> None:
     """Through ``optimizer.load_state_dict`` (torch's per-state dtype/device rules)."""
-    units = model._built.units
+    units = view.built.units
     index: dict[int, int] = {}
     for group in optimizer.param_groups:
         for p in group["params"]:

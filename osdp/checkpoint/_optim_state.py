@@ -14,9 +14,10 @@ import torch
 from ..errors import OSDPError
 
 
-def optimizer_units(model, optimizer) -> dict[int, int]:
-    """id(parameter) -> unit index, for every parameter the optimizer holds."""
-    index = {id(p): i for i, u in enumerate(model._built.units) for p in u.params}
+def optimizer_units(view, optimizer) -> dict[int, int]:
+    """id(parameter) -> unit index, for every parameter the optimizer holds (``view``:
+    the model's ``ShardedView``)."""
+    index = {id(p): i for i, u in enumerate(view.built.units) for p in u.params}
     found = {}
     for group in optimizer.param_groups:
         for p in group["params"]:

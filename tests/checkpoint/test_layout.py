@@ -50,7 +50,7 @@ def test_split_pieces_are_the_slices_boxes():
     original = GPT(CFG)
     torch.manual_seed(0)
     model = osdp.OSDP(GPT(CFG), splits={"blocks.0.mlp.c_fc": 4, "wte": 3})
-    layout = ck._prepare(model)
+    layout = ck._prepare(model).layout
     fc = layout.params["blocks.0.mlp.c_fc.weight"]
     assert [(p.box_offsets, p.box_sizes) for p in fc.pieces] == [
         ((0, 0), (40, 3)),
