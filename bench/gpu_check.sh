@@ -43,10 +43,10 @@ JOBS="$(nproc 2>/dev/null || echo 4)"; JOBS=$(( JOBS > 8 ? 8 : JOBS ))
 define_steps() {
   local world=$1
   STEPS=(
-    "build|120|OSDP_SKIP_CUDA=0 $PYTHON -m pip install -e '.[test]' || { echo '--- offline retry: no build isolation, no dependency resolution'; OSDP_SKIP_CUDA=0 $PYTHON -m pip install --no-build-isolation --no-deps -e .; }"
+    "build|150|OSDP_SKIP_CUDA=0 $PYTHON -m pip install -e '.[test]' || { echo '--- offline retry: no build isolation, no dependency resolution'; OSDP_SKIP_CUDA=0 $PYTHON -m pip install --no-build-isolation --no-deps -e .; }"
     "cuda_visible|20|$PYTHON -c \"import torch, osdp_kernels as K; ok = torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if ok else None, 'osdp_kernels._cuda built:', K.cuda_available()); raise SystemExit(0 if ok else 'torch sees no CUDA device (CPU-only torch build?): the gpu tests would all skip')\""
-    "gpu_tests|150|$PYTHON -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml='$OUT_DIR/gpu_tests.xml'"
-    "kernels|110|$PYTHON bench/kernels.py --quick --budget-s 60 --repeats 10 --out-dir '$OUT_DIR'"
+    "gpu_tests|140|$PYTHON -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml='$OUT_DIR/gpu_tests.xml'"
+    "kernels|100|$PYTHON bench/kernels.py --quick --budget-s 55 --repeats 10 --out-dir '$OUT_DIR'"
     "fidelity|60|$PYTHON bench/fidelity.py --quick --world-size $world --budget-s 20 --out-dir '$OUT_DIR'"
     "aot|70|env -u TRITON_INTERPRET $PYTHON -m osdp_kernels.aot --arch sm_80,sm_90 --jobs $JOBS --cache-dir '$AOT_CACHE' --json '$OUT_DIR/aot.json'"
   )
