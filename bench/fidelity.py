@@ -8,12 +8,15 @@ each model and plan kind the planner predicts step time and peak memory at a fix
 OSDP trains with exactly that plan, and the measurement is set beside the prediction:
 median step time over timed steps; peak memory from the allocator on CUDA, from live
 tensors on CPU (osdp.memtrack), max over ranks. Targets: step time within 10%, peak
-memory within 5% and never above the limit. Writes bench/results/fidelity_<device>.csv.
+memory within 5% and never above the limit. Writes fidelity_<device>.csv into --out-dir
+(default bench/results); its peak_source column says which peak was measured.
 """
 from __future__ import annotations
 
 import argparse
 import csv
+import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -93,28 +96,40 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--limit-mib", type=float, default=512)
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / "results" / ".profile-cache"))
+    parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
+    parser.add_argument("--budget-s", type=float, default=None, help="start no new model after this many seconds")
     args = parser.parse_args(argv)
+    # measured_peak_bytes (common.py): the allocator's peak on CUDA, live tensors on CPU
+    peak_source = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "live_tensors"
+    t_start = time.time()
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     models = dict(list(MODELS.items())[:1]) if args.quick else MODELS
     table = []
     print(f"{'model':<16} {'plan':<13} {'step ms pred':>12} {'meas':>8} {'err':>7}   "
           f"{'peak MiB pred':>13} {'meas':>8} {'err':>7}")
     for name in models:
+        if args.budget_s is not None and time.time() - t_start > args.budget_s:
+            print(f"budget of {args.budget_s:.0f} s reached; stopping before {name}")
+            break
         rows = spawn(_run, args.world_size, name, int(args.limit_mib * 2**20), args.steps, args.cache_dir)[0]
         for r in rows:
-            r.update(model=name, device=device,
+            r.update(model=name, device=device, peak_source=peak_source,
                      step_err=r["predicted_step_s"] / r["measured_step_s"] - 1,
                      peak_err=r["predicted_peak_bytes"] / r["measured_peak_bytes"] - 1)
             table.append(r)
             print(f"{name:<16} {r['kind']:<13} {r['predicted_step_s'] * 1e3:12.1f} {r['measured_step_s'] * 1e3:8.1f} "
                   f"{r['step_err']:+7.1%}   {r['predicted_peak_bytes'] / 2**20:13.1f} "
                   f"{r['measured_peak_bytes'] / 2**20:8.1f} {r['peak_err']:+7.1%}", flush=True)
+    if not table:
+        print("no model measured within the budget; nothing written")
+        return
     step_errs = [abs(r["step_err"]) for r in table]
     peak_errs = [abs(r["peak_err"]) for r in table]
     print(f"median |error|: step time {np.median(step_errs):.1%}, peak memory {np.median(peak_errs):.1%}; "
           f"within target: step {sum(e <= 0.10 for e in step_errs)}/{len(table)}, "
           f"peak {sum(e <= 0.05 for e in peak_errs)}/{len(table)}")
-    out = ROOT / "bench" / "results" / f"fidelity_{device.replace(' ', '_')}.csv"
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    out = args.out_dir / f"fidelity_{device.replace(' ', '_')}.csv"
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(table[0]))
         writer.writeheader()

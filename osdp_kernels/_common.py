@@ -21,20 +21,6 @@ BACKENDS = ("triton", "cuda", "torch")
 INTERPRET_CONFIG = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=4)
 
 
-def autotune_configs() -> list[triton.Config]:
-    """Portable (Ampere/Hopper) GEMM tiles; configs that do not fit in shared memory
-    for a dtype are skipped by the autotuner (OutOfResources)."""
-    tiles = [  # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
-        (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 128, 64, 4, 8),
-        (128, 128, 32, 4, 4), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4),
-        (64, 64, 64, 4, 4), (64, 64, 32, 5, 2),
-    ]
-    return [
-        triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), num_stages=s, num_warps=w)
-        for bm, bn, bk, s, w in tiles
-    ]
-
-
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """`None` picks Triton for CUDA tensors, and for CPU tensors the Triton interpreter
     when TRITON_INTERPRET=1 was set before import, else the torch reference."""

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from . import _configs
 
 
 @triton.jit
@@ -37,8 +38,11 @@ def _addmm_slice_kernel(
 
 
 # `out` is read-modify-written: every tuning run must start from the caller's values.
+# The list is pruned per GPU architecture and dtype at launch (see _configs.py);
+# epilogue_tiles=1: the fp32 `out` tile is read back in the epilogue.
 _addmm_slice_tuned = triton.autotune(
-    configs=C.autotune_configs(), key=["M", "N", "K"], restore_value=["out_ptr"],
+    configs=_configs.autotune_configs(), key=["M", "N", "K"], restore_value=["out_ptr"],
+    prune_configs_by={"early_config_prune": _configs.ArchPruner("x_ptr", epilogue_tiles=1)},
 )(_addmm_slice_kernel)
 
 
@@ -53,7 +57,9 @@ def reference(out, x, w_slice, k0, bias=None, cast_out=None):
     return out
 
 
-def _launch_triton(out, xs, w_slice, bias, cast_out):
+def _triton_args(out, xs, w_slice, bias, cast_out):
+    """(positional args, constexpr flags) of one kernel launch; `osdp_kernels.aot`
+    compiles from the same tuple, so what it checks is what runs."""
     M, N = out.shape
     K = xs.shape[1]
     args = (out, xs, w_slice, bias if bias is not None else out, cast_out if cast_out is not None else out,
@@ -63,6 +69,12 @@ def _launch_triton(out, xs, w_slice, bias, cast_out):
     flags = dict(HAS_BIAS=bias is not None, HAS_CAST=cast_out is not None,
                  RTNE_FIX=cast_out is not None and C.needs_rtne_fix(cast_out.dtype),
                  UPCAST=C.needs_upcast(xs.dtype), PRECISION=C.dot_precision(xs.dtype))
+    return args, flags
+
+
+def _launch_triton(out, xs, w_slice, bias, cast_out):
+    M, N = out.shape
+    args, flags = _triton_args(out, xs, w_slice, bias, cast_out)
     if C.INTERPRET:
         cfg = C.INTERPRET_CONFIG
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from . import _configs
 
 
 @triton.jit
@@ -31,8 +32,11 @@ def _slice_dw_kernel(
 
 
 # With ACCUMULATE the output is read-modify-written: restore it between tuning runs.
+# The list is pruned per GPU architecture and dtype at launch (see _configs.py);
+# epilogue_tiles=1: with ACCUMULATE the fp32 main-grad tile is read back (counted always).
 _slice_dw_tuned = triton.autotune(
-    configs=C.autotune_configs(), key=["M", "N", "K"], restore_value=["out_ptr"],
+    configs=_configs.autotune_configs(), key=["M", "N", "K"], restore_value=["out_ptr"],
+    prune_configs_by={"early_config_prune": _configs.ArchPruner("dy_ptr", epilogue_tiles=1)},
 )(_slice_dw_kernel)
 
 
@@ -46,13 +50,20 @@ def reference(dy, x, k0, ks, out, accumulate):
     return out
 
 
-def _launch_triton(out, dy, xs, accumulate):
+def _triton_args(out, dy, xs, accumulate):
+    """(positional args, constexpr flags) of one kernel launch (also what `aot` compiles)."""
     M, N = out.shape
     K = dy.shape[0]
     # strides of A = dy.T and B = xs
     args = (out, dy, xs, M, N, K, *out.stride(), dy.stride(1), dy.stride(0), *xs.stride())
     flags = dict(ACCUMULATE=accumulate, RTNE_FIX=C.needs_rtne_fix(out.dtype),
                  UPCAST=C.needs_upcast(dy.dtype), PRECISION=C.dot_precision(dy.dtype))
+    return args, flags
+
+
+def _launch_triton(out, dy, xs, accumulate):
+    M, N = out.shape
+    args, flags = _triton_args(out, dy, xs, accumulate)
     if C.INTERPRET:
         cfg = C.INTERPRET_CONFIG
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)

@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from . import _common as C
+from . import _configs
 
 
 @triton.jit
@@ -30,8 +31,12 @@ def _slice_dx_kernel(
     tl.store(dx_ptrs, C.cast_to(acc, dx_ptr, RTNE_FIX), mask=mask)
 
 
-# dx is write-only here, so tuning runs need no restore.
-_slice_dx_tuned = triton.autotune(configs=C.autotune_configs(), key=["M", "N", "K"])(_slice_dx_kernel)
+# dx is write-only here, so tuning runs need no restore. The list is pruned per GPU
+# architecture and dtype at launch (see _configs.py); epilogue_tiles=0: the epilogue reads nothing back.
+_slice_dx_tuned = triton.autotune(
+    configs=_configs.autotune_configs(), key=["M", "N", "K"],
+    prune_configs_by={"early_config_prune": _configs.ArchPruner("dy_ptr", epilogue_tiles=0)},
+)(_slice_dx_kernel)
 
 
 def reference(dy, w_slice, dx, k0):
@@ -41,12 +46,19 @@ def reference(dy, w_slice, dx, k0):
     return dx
 
 
-def _launch_triton(dxs, dy, w_slice):
+def _triton_args(dxs, dy, w_slice):
+    """(positional args, constexpr flags) of one kernel launch (also what `aot` compiles)."""
     M, N = dxs.shape
     K = dy.shape[1]
     args = (dxs, dy, w_slice, M, N, K, *dxs.stride(), *dy.stride(), *w_slice.stride())
     flags = dict(RTNE_FIX=C.needs_rtne_fix(dxs.dtype), UPCAST=C.needs_upcast(dy.dtype),
                  PRECISION=C.dot_precision(dy.dtype))
+    return args, flags
+
+
+def _launch_triton(dxs, dy, w_slice):
+    M, N = dxs.shape
+    args, flags = _triton_args(dxs, dy, w_slice)
     if C.INTERPRET:
         cfg = C.INTERPRET_CONFIG
         grid = (triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)

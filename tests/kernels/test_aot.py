@@ -1,0 +1,228 @@
+"""`python -m osdp_kernels.aot`: every kernel compiled for sm_80 and sm_90 without a GPU.
+
+The report is checked against facts this file derives on its own: tile arithmetic and
+the register file size, the A100/H100 shared-memory limits written out here, the PTX of
+the same compile, a second disassembler (nvdisasm) on the cubin, the template
+instantiations in csrc/cuda/split_matmul.cu. All of it is compile-time evidence.
+
+The default run compiles a representative subset (one config per kernel x dtype x arch,
+one shipped config too big for A100, one too-big and one spilling extra config); the
+exhaustive run is opt-in (`pytest -m slow tests/kernels/test_aot.py`, or OSDP_AOT_FULL=1).
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+A100_SMEM, H100_SMEM = 163 * 1024, 227 * 1024  # cudaDevAttrMaxSharedMemoryPerBlockOptin
+LIMIT = {"sm_80": A100_SMEM, "sm_90": H100_SMEM}
+TC_OPCODE = {"sm_80": "HMMA", "sm_90": "HGMMA"}
+TC_PTX = {"sm_80": "mma.sync.aligned", "sm_90": "wgmma.mma_async"}
+ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
+KERNELS = {"addmm_slice", "slice_dx", "slice_dw"}
+TOO_BIG = (64, 64, 256, 8, 4)    # one stage of A+B bf16 tiles is 64 KiB: 7 buffers > 227 KiB
+SPILLS = (128, 256, 32, 2, 4)    # 128*256 fp32 accumulators over 128 threads = 256 > 255 registers
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)  # the root conftest sets it; aot needs real compiles
+    return env
+
+
+def run_aot(tmp, *args, cache=None):
+    out = Path(tmp) / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "osdp_kernels.aot", "--cache-dir", str(cache or Path(tmp) / "cache"),
+                           "--json", str(out), *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+                          timeout=900)
+    report = json.loads(out.read_text()) if out.exists() else None
+    return proc, report
+
+
+def _tool(name):
+    import triton
+
+    return getattr(triton.knobs.nvidia, name).path
+
+
+def _parse(label):
+    tile, stages, warps = label.split()
+    bm, bn, bk = map(int, tile.split("x"))
+    return bm, bn, bk, int(stages[1:]), int(warps[1:])
+
+
+@pytest.fixture(scope="module")
+def subset(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("aot_subset")
+    proc, report = run_aot(tmp, "--arch", "sm_80,sm_90", "--configs", "64x64x64s4w4")
+    assert report is not None, proc.stderr[-3000:]
+    return proc, report
+
+
+@pytest.fixture(scope="module")
+def extras(tmp_path_factory):
+    """The too-big and the spilling config, once with the launch filter, once without."""
+    tmp = tmp_path_factory.mktemp("aot_extras")
+    args = ["--arch", "sm_80,sm_90", "--kernels", "slice_dx", "--dtypes", "bf16", "--configs", "none", "--no-cuda",
+            "--extra-config", ",".join(map(str, TOO_BIG)), "--extra-config", ",".join(map(str, SPILLS))]
+    filtered = run_aot(tmp / "a", *args, cache=tmp / "cache")
+    unfiltered = run_aot(tmp / "b", *args, "--no-filter", cache=tmp / "cache")
+    return filtered, unfiltered
+
+
+def test_representative_subset_compiles_clean_for_both_archs(subset):
+    proc, report = subset
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rows = report["triton"]
+    assert {(r["kernel"], r["dtype"], r["arch"]) for r in rows} == {
+        (k, d, a) for k in KERNELS for d in ITEMSIZE for a in ("sm_80", "sm_90")}
+    for r in rows:
+        assert r["status"] == "ok" and not r["problems"], r
+        assert 0 < r["regs"] <= 255 and r["spill_store_bytes"] == 0 and r["spill_load_bytes"] == 0
+        assert r["ptxas_regs"] == r["regs"]  # ptxas -v rerun agrees with the cubin
+    assert "Triton kernels, sm_80" in proc.stdout and "Triton kernels, sm_90" in proc.stdout
+
+
+def test_16bit_matmuls_reach_tensor_cores_in_sass_and_ptx(subset):
+    """The report reads cuobjdump's SASS; here nvdisasm and the PTX must agree with it."""
+    nvdisasm = _tool("nvdisasm")
+    for r in subset[1]["triton"]:
+        ptx = Path(r["ptx_path"]).read_text()
+        sass = subprocess.run([nvdisasm, "-c", r["cubin_path"]], capture_output=True, text=True, check=True).stdout
+        if r["dtype"] == "fp32":  # exact fp32 (TF32 off): an FMA loop, no tensor cores
+            assert not r["tensor_core_ops"] and not re.search(r"\bw?gmma|\bmma\.", ptx), r["kernel"]
+            assert "fma.rn.f32" in ptx
+            continue
+        op = TC_OPCODE[r["arch"]]
+        assert r["tensor_core_ops"].get(op, 0) > 0, r
+        assert re.search(rf"\b{op}\.", sass), f"nvdisasm finds no {op} in {r['kernel']} {r['dtype']} {r['arch']}"
+        assert TC_PTX[r["arch"]] in ptx
+
+
+def test_shared_memory_is_the_pipeline_tiles(subset):
+    """Dynamic shared memory is whole pipeline buffers of one A and one B tile: num_stages
+    of them for Hopper's wgmma, one fewer for mma.sync / FMA loops."""
+    for r in subset[1]["triton"]:
+        bm, bn, bk, stages, warps = _parse(r["config"])
+        per_stage = (bm * bk + bk * bn) * ITEMSIZE[r["dtype"]]
+        wgmma = r["arch"] == "sm_90" and r["dtype"] != "fp32"
+        assert r["dynamic_smem_bytes"] == (stages if wgmma else stages - 1) * per_stage, r
+        assert r["smem_bytes"] == r["dynamic_smem_bytes"] + r["static_smem_bytes"] <= LIMIT[r["arch"]]
+        assert r["smem_estimate_bytes"] >= r["smem_bytes"]  # the launch filter's estimate is safe
+
+
+def test_too_big_and_spilling_configs_are_rejected(extras):
+    (filtered, rep), (unfiltered, rep_nf) = extras
+    assert filtered.returncode == 0, filtered.stdout[-3000:] + filtered.stderr[-2000:]
+    assert unfiltered.returncode == 1, unfiltered.stdout[-3000:]
+    for r in rep["triton"]:
+        bm, bn, bk, stages, warps = _parse(r["config"])
+        assert r["status"] == "dropped", r
+        if (bm, bn, bk, stages, warps) == TOO_BIG:
+            assert (stages - 1) * (bm * bk + bk * bn) * 2 > LIMIT[r["arch"]]  # too big under any pipelining
+            assert r["smem_bytes"] > LIMIT[r["arch"]] and r["drop_reason"].startswith("shared memory")
+        else:
+            assert bm * bn // (32 * warps) > 255  # the accumulators alone exceed the register file
+            assert r["spill_store_bytes"] > 0 and r["local_mem_ops"].get("STL", 0) > 0
+            assert "spills" in r["drop_reason"]
+    fails = {(r["arch"], r["config"]): r["problems"] for r in rep_nf["triton"] if r["status"] == "FAIL"}
+    assert len(fails) == 4
+    for (arch, label), problems in fails.items():
+        want = "shared memory" if _parse(label) == TOO_BIG else "spills"
+        assert any(p.startswith(want) for p in problems), problems
+        assert re.search(rf"FAIL\s+{arch} slice_dx bf16 {label}: .*{want}", unfiltered.stdout)
+
+
+def test_shipped_config_too_big_for_a100_is_dropped_there(tmp_path):
+    """fp32 128x128x64 with 4 stages is in the autotune list; on A100 it cannot launch."""
+    proc, report = run_aot(tmp_path, "--arch", "sm_80", "--kernels", "slice_dx", "--dtypes", "fp32",
+                           "--configs", "128x128x64s4w8", "--no-cuda")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    (r,) = report["triton"]
+    assert 3 * (128 * 64 + 64 * 128) * 4 == r["smem_bytes"] > A100_SMEM
+    assert r["status"] == "dropped" and r["drop_reason"].startswith("shared memory")
+    assert any(p.startswith("shared memory") for p in r["problems"])
+
+
+@pytest.mark.parametrize("capability, dtype", [((8, 0), torch.float32), ((8, 0), torch.bfloat16),
+                                               ((9, 0), torch.float32), ((9, 0), torch.float16)])
+def test_launch_filter_is_the_reported_one(monkeypatch, capability, dtype):
+    """Each kernel's autotuner prunes with the rules the report prints (no GPU needed)."""
+    import importlib
+
+    from osdp_kernels import _configs
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    arch = f"sm_{capability[0]}{capability[1]}"
+    for mod, name, arg in [("addmm_slice", "_addmm_slice_tuned", "x_ptr"), ("slice_dx", "_slice_dx_tuned", "dy_ptr"),
+                           ("slice_dw", "_slice_dw_tuned", "dy_ptr")]:
+        tuner = getattr(importlib.import_module(f"osdp_kernels.{mod}"), name)
+        pruner = tuner.early_config_prune
+        assert isinstance(pruner, _configs.ArchPruner) and pruner.operand_arg == arg
+        kept = pruner(tuner.configs, {arg: torch.empty(1, dtype=dtype)}, PRECISION="ieee")
+        assert kept and kept == [c for c in tuner.configs if pruner.drop_reason(c, arch, dtype, "ieee") is None]
+        if arch == "sm_80" and dtype == torch.float32:  # the shipped config the A100 test above compiles
+            assert not any(_configs.config_label(c) == "128x128x64 s4 w8" for c in kept)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
+    assert pruner(tuner.configs, {arg: torch.empty(1, dtype=dtype)}) == tuner.configs  # unknown arch: untouched
+
+
+def test_cuda_module_cubins(subset):
+    proc, report = subset
+    so = report["cuda_so"]
+    if so is None:
+        pytest.skip("osdp_kernels/_cuda*.so not built (OSDP_SKIP_CUDA or no nvcc)")
+    listing = subprocess.run([_tool("cuobjdump"), "--list-elf", so], capture_output=True, text=True).stdout
+    assert re.search(r"sm_80\.cubin", listing) and re.search(r"sm_90\.cubin", listing), listing
+    # launch_typed instantiates gemm_kernel<T, A_KMAJOR, B_KMAJOR> for 3 dtypes x 4 layouts
+    src = (ROOT / "csrc" / "cuda" / "split_matmul.cu").read_text()
+    assert src.count("gemm_kernel<T, ") == 4 and "launch_typed<__nv_bfloat16>" in src
+    for arch in ("sm_80", "sm_90"):
+        rows = [r for r in report["cuda"] if r["arch"] == arch]
+        assert sorted(r["dtype"] for r in rows) == sorted(["fp32", "fp16", "bf16"] * 4), rows
+        for r in rows:
+            assert r["status"] == "ok" and r["stack_bytes"] == 0 and not r["local_mem_ops"], r
+            assert r["smem_bytes"] <= 48 * 1024  # static __shared__
+            if r["dtype"] == "fp32":  # the FMA path in split_matmul.cu
+                assert not r["tensor_core_ops"], r
+            else:  # WMMA lowers to mma.sync (HMMA) on both architectures
+                assert r["tensor_core_ops"].get("HMMA", 0) > 0, r
+    assert "CUDA kernels" in proc.stdout
+
+
+@pytest.mark.parametrize("args, env_extra, message", [
+    (["--arch", "sm_75"], {}, "unknown architecture 'sm_75'; known: sm_80, sm_90"),
+    (["--arch", "sm_90"], {"TRITON_INTERPRET": "1"}, "with TRITON_INTERPRET unset"),
+])
+def test_cli_errors_say_what_is_wrong(tmp_path, args, env_extra, message):
+    proc = subprocess.run([sys.executable, "-m", "osdp_kernels.aot", "--cache-dir", str(tmp_path), *args],
+                          cwd=ROOT, env={**_env(), **env_extra}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_every_config_every_dtype_both_archs(request, tmp_path):
+    """The exhaustive report: ~150 compiles, several minutes on two cores (opt-in)."""
+    markexpr = request.config.getoption("markexpr") or ""
+    if not os.environ.get("OSDP_AOT_FULL") and not ("slow" in markexpr and "not slow" not in markexpr):
+        pytest.skip("exhaustive AOT compile: run `pytest -m slow tests/kernels/test_aot.py` or set OSDP_AOT_FULL=1")
+    proc, report = run_aot(tmp_path, "--arch", "sm_80,sm_90", "--jobs", str(min(2, os.cpu_count() or 1)))
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    rows = report["triton"]
+    assert len(rows) == 3 * 3 * 2 * 8
+    for r in rows:
+        assert r["smem_estimate_bytes"] >= r["smem_bytes"], r  # the filter never under-estimates
+        if r["status"] == "ok" and r["dtype"] != "fp32":
+            assert r["tensor_core_ops"].get(TC_OPCODE[r["arch"]], 0) > 0, r
+        if r["status"] == "ok":
+            assert r["smem_bytes"] <= LIMIT[r["arch"]] and r["spill_store_bytes"] == 0, r
+    for arch in ("sm_80", "sm_90"):  # every kernel keeps configs for every dtype
+        for k in KERNELS:
+            for d in ITEMSIZE:
+                assert any(r["status"] == "ok" for r in rows if (r["arch"], r["kernel"], r["dtype"]) == (arch, k, d))
