@@ -69,7 +69,7 @@ def plan_of_kind(desc, device, kind: str, batch: int):
 
 def _run(rank, world, model_name, limit_bytes, steps, cache_dir):
     from osdp.models import GPT, example_batch
-    from osdp.planner.profile import profile
+    from osdp.planner.profiler import profile
 
     config = MODELS[model_name]
     torch.manual_seed(0)

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 import osdp
+import osdp.planner
 import osdp.checkpoint as ckpt
 from osdp.launch import run_main
 
@@ -180,9 +181,9 @@ def main(argv=None) -> int:
         if share % args.micro_batch:
             raise SystemExit(f"--micro-batch {args.micro_batch} must divide the per-rank batch {share}")
         auto = dict(batch=args.micro_batch)
-        settings = osdp.PlannerSettings(accumulation_steps=share // args.micro_batch)
+        settings = osdp.planner.PlannerSettings(accumulation_steps=share // args.micro_batch)
     else:
-        auto, settings = dict(global_batch=args.global_batch), osdp.PlannerSettings()
+        auto, settings = dict(global_batch=args.global_batch), osdp.planner.PlannerSettings()
     model = osdp.OSDP(
         model,
         memory_limit=args.memory,

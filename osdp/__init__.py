@@ -8,6 +8,8 @@ fit in device memory.
     plan = osdp.auto_plan(model, example_inputs, memory_limit="8GiB")
     model = osdp.OSDP(model, plan=plan)
 
+The planner (describe, cost model, search, plans) is ``osdp.planner``.
+
 Names are loaded lazily so that ``import osdp`` stays cheap and the planner works
 without the runtime's dependencies being exercised.
 """
@@ -17,39 +19,41 @@ import importlib
 
 __version__ = "0.1.0"
 
-# public name -> module that defines it
+# public name -> module that defines it: the runtime (what a training script uses)
 _EXPORTS = {
     "OSDP": "osdp.api",
     "MixedPrecision": "osdp.runtime.mixed_precision",
-    "describe": "osdp.planner.describe",
-    "describe_gpt": "osdp.planner.gpt_desc",
-    "ModelDesc": "osdp.planner.describe",
-    "OpDesc": "osdp.planner.describe",
-    "DeviceInfo": "osdp.planner.device",
-    "load_cluster": "osdp.planner.device",
-    "PlannerSettings": "osdp.planner.cost_model",
-    "evaluate": "osdp.planner.cost_model",
-    "Plan": "osdp.planner.plan",
-    "make_plan": "osdp.planner.planner",
+    "RuntimeConfig": "osdp.contract",
     "auto_plan": "osdp.auto",
-    "profile": "osdp.planner.profile",
     "ExampleInputs": "osdp.planner.inputs",
     "InfeasiblePlanError": "osdp.errors",
     "PlanMismatchError": "osdp.errors",
     "OSDPError": "osdp.errors",
     "ConfigError": "osdp.errors",
+    "CheckpointCorruptedError": "osdp.errors",
+    "UnverifiedCheckpointWarning": "osdp.errors",
 }
+# planner names live in osdp.planner; the old spelling osdp.<name> still resolves
+_PLANNER_NAMES = frozenset({
+    "describe", "describe_gpt", "ModelDesc", "OpDesc", "DeviceInfo", "load_cluster", "PlannerSettings",
+    "evaluate", "Plan", "make_plan", "profile",
+})
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 def __getattr__(name: str):
     module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'osdp' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+        globals()[name] = value
+        return value
+    if name in _PLANNER_NAMES:
+        import warnings
+
+        warnings.warn(f"osdp.{name} moved to osdp.planner.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module("osdp.planner"), name)
+    raise AttributeError(f"module 'osdp' has no attribute {name!r}")
 
 
 def __dir__():

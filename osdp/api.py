@@ -117,6 +117,30 @@ class OSDP(nn.Module):
         loss_fn=None,
     ):
         super().__init__()
+        group = self._init_checks(module, process_group, mixed_precision, timeout_s)
+        coalesce_bytes = _coalesce_arg(coalesce_bytes)
+        self.device = device_arg(device) if device is not None else _default_device()
+        self._init_plan(module, plan, modes, splits, memory_limit, example_inputs, process_group, settings,
+                        mixed_precision, auto_kwargs, loss_fn)
+        config = resolve_config(
+            module,
+            plan=self._run,
+            default_mode=default_mode,
+            modes=modes,
+            splits=splits,
+            split_ops=split_ops,
+            prefetch_bytes=prefetch_bytes,
+            checkpoint_blocks=checkpoint_blocks,
+            world_size=dist.get_world_size(group),
+        )
+        self._init_comm(module, group, config, mixed_precision, coalesce_bytes, timeout_s, sync_module_states)
+        self._init_units(module, config, mixed_precision)
+        self._init_scheduler(config, coalesce_bytes)
+        self._init_hooks(config)
+
+    # ---- construction, in order ----------------------------------------------------------
+    def _init_checks(self, module, process_group, mixed_precision, timeout_s):
+        """Refuse what cannot be wrapped, before anything changes; the process group."""
         if not dist.is_available() or not dist.is_initialized():
             raise OSDPError("OSDP needs torch.distributed initialized (dist.init_process_group) before wrapping")
         _refuse_wrapped(module)
@@ -124,13 +148,17 @@ class OSDP(nn.Module):
             raise OSDPError(f"mixed_precision must be an osdp MixedPrecision, got {type(mixed_precision).__name__}")
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise OSDPError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
-        if coalesce_bytes is None:
-            coalesce_bytes = DEFAULT_COALESCE_BYTES
-        if isinstance(coalesce_bytes, bool) or not isinstance(coalesce_bytes, int) or coalesce_bytes < 0:
-            raise OSDPError(f"coalesce_bytes must be an integer >= 0 (bytes), got {coalesce_bytes!r}")
-        group = process_group if process_group is not None else dist.group.WORLD
-        world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-        self.device = device_arg(device) if device is not None else _default_device()
+        if not any(True for _ in module.parameters()):
+            raise OSDPError(
+                f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
+                "models with parameters; run a parameter-free module as it is)"
+            )
+        return process_group if process_group is not None else dist.group.WORLD
+
+    def _init_plan(self, module, plan, modes, splits, memory_limit, example_inputs, process_group, settings,
+                   mixed_precision, auto_kwargs, loss_fn) -> None:
+        """``self.plan`` (given, loaded from a path, or made in auto mode) and the typed
+        ``self._run`` the runtime executes, checked against the model and dtypes."""
         plan = plan_from_arg(plan)  # a Plan, or the path of a plan file (loaded), or a dict
         if plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None):
             plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision,
@@ -143,17 +171,9 @@ class OSDP(nn.Module):
         self.plan = plan  # what the user gave (or auto mode made); the runtime reads self._run
         self._run = run
         self.mixed_precision = mixed_precision
-        config = resolve_config(
-            module,
-            plan=run,
-            default_mode=default_mode,
-            modes=modes,
-            splits=splits,
-            split_ops=split_ops,
-            prefetch_bytes=prefetch_bytes,
-            checkpoint_blocks=checkpoint_blocks,
-            world_size=world_size,
-        )
+
+    def _init_comm(self, module, group, config, mixed_precision, coalesce_bytes, timeout_s, sync_module_states):
+        """The comm context; every rank must have resolved the same configuration."""
         self.plan_fingerprint = config.fingerprint
         self._state_keys = list(module.state_dict().keys())
         self._view: ShardedView | None = None  # built on first use, see _sharded_view
@@ -165,17 +185,16 @@ class OSDP(nn.Module):
                 for tensor in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(tensor.data, src=dist.get_global_rank(group, 0), group=group)
 
-        if not any(True for _ in module.parameters()):
-            raise OSDPError(
-                f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
-                "models with parameters; run a parameter-free module as it is)"
-            )
-        self._built = build_units(module, config.unit_modes, rank, world_size, self.device, mixed_precision,
-                                  config.split_ops)
+    def _init_units(self, module, config, mixed_precision) -> None:
+        """Split ops swapped in, parameters flattened into sharded units, buffers moved."""
+        self._built = build_units(module, config.unit_modes, self._comm.rank, self._comm.world_size, self.device,
+                                  mixed_precision, config.split_ops)
         for mod in module.modules():
             mod._osdp_wrapped = True  # see _refuse_wrapped
         install_torch_clip_guard()  # see [Note: global gradient norm]
         self.module = module.to(self.device)  # buffers; the shards already live there
+
+    def _init_scheduler(self, config, coalesce_bytes) -> None:
         window = config.prefetch_bytes
         if window is None:
             window = default_prefetch_bytes(max(u.gathered_bytes for u in self._built.units))
@@ -184,6 +203,10 @@ class OSDP(nn.Module):
         split_units = {id(u) for _, units in self._built.splits.values() for u in units}
         self._scheduler.mark_coalescible([u for u in self._built.units if id(u) not in split_units])
         self.coalesce_bytes = self._scheduler.coalesce_bytes
+
+    def _init_hooks(self, config) -> None:
+        """Modules compute with views of the gathered buffers; split ops drive the
+        scheduler themselves; checkpointed blocks recompute."""
         self._bindings = []
         for mod, path, entries in self._built.bindings:
             binding = ModuleBinding(mod, path, entries, self._scheduler)
@@ -444,6 +467,14 @@ class OSDP(nn.Module):
             layout = build_layout(self.module, self._built, list(self._state_keys))
             self._view = ShardedView(self.module, self._built, self._comm, tuple(self._state_keys), layout)
         return self._view
+
+
+def _coalesce_arg(coalesce_bytes) -> int:
+    if coalesce_bytes is None:
+        return DEFAULT_COALESCE_BYTES
+    if isinstance(coalesce_bytes, bool) or not isinstance(coalesce_bytes, int) or coalesce_bytes < 0:
+        raise OSDPError(f"coalesce_bytes must be an integer >= 0 (bytes), got {coalesce_bytes!r}")
+    return coalesce_bytes
 
 
 def _runtime_config(plan) -> RuntimeConfig | None:

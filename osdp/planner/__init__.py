@@ -1,0 +1,24 @@
+"""The planner: describe a model, price choices with the cost model, search for the
+plan with the most samples per second that fits, and store it.
+
+    desc = osdp.planner.describe(model, example_inputs)        # or describe_gpt(config)
+    device = osdp.planner.load_cluster("titan-rtx-pcie3")
+    plan = osdp.planner.make_plan(desc, device, osdp.planner.PlannerSettings())
+
+"""
+from __future__ import annotations
+
+# (the modules are description.py and profiler.py, so that no submodule shadows the
+# function of the same name)
+from .cost_model import PlannerSettings, evaluate
+from .description import ModelDesc, OpDesc, describe
+from .device import DeviceInfo, load_cluster
+from .gpt_desc import describe_gpt
+from .plan import Plan
+from .planner import make_plan
+from .profiler import profile
+
+__all__ = [
+    "DeviceInfo", "ModelDesc", "OpDesc", "Plan", "PlannerSettings", "describe", "describe_gpt", "evaluate",
+    "load_cluster", "make_plan", "profile",
+]

@@ -57,7 +57,7 @@ import numpy as np
 
 from ..contract import UNSHARDED_GRADS_LIVE
 from ..errors import OSDPError
-from .describe import ModelDesc, OpDesc
+from .description import ModelDesc, OpDesc
 from .device import DeviceInfo
 from .search_problem import SearchProblem
 

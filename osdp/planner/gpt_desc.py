@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from ..models.gpt import GPTConfig
 from ..ops import default_split_op_for_kind
-from .describe import BlockDesc, ModelDesc, OpDesc
+from .description import BlockDesc, ModelDesc, OpDesc
 
 
 def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = None) -> ModelDesc:

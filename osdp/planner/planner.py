@@ -6,7 +6,7 @@ from dataclasses import asdict, replace
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .cost_model import PlannerSettings
-from .describe import ModelDesc
+from .description import ModelDesc
 from .device import DeviceInfo
 from .plan import Plan, Prediction, UnitDecision
 from .scheduler import Scheduled, check_batch, schedule

@@ -31,7 +31,7 @@ from dataclasses import dataclass, replace
 
 from ..errors import InfeasiblePlanError
 from .cost_model import PlannerSettings, evaluate
-from .describe import ModelDesc
+from .description import ModelDesc
 from .device import DeviceInfo
 from .scheduler import Scheduled, schedule, search_batch
 from .step_sim import StepSim, simulate_scheduled

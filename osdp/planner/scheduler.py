@@ -25,7 +25,7 @@ import numpy as np
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .cost_model import Estimate, PlannerSettings, ProblemTemplate, build_template, evaluate, _option_times
-from .describe import ModelDesc
+from .description import ModelDesc
 from .device import DeviceInfo
 from .search import search
 from .search_problem import SearchProblem, SearchResult

@@ -67,7 +67,7 @@ PLAN_LIMITS = {"gpt2": (75e3, "auto"), "llama": (110e3, "none")}
 
 def make_plan(key: str, world_size: int):
     from osdp.planner.cost_model import PlannerSettings
-    from osdp.planner.describe import describe
+    from osdp.planner.description import describe
     from osdp.planner.device import CollectiveCost, DeviceInfo
     from osdp.planner.planner import make_plan as plan
 

@@ -8,7 +8,7 @@ pytest.importorskip("transformers", reason="Hugging Face model tests need `pip i
 import torch  # noqa: E402
 
 from osdp.models.hf import causal_lm_loss, example_batch, gpt2_model, hf_loss, llama_model  # noqa: E402
-from osdp.planner.describe import describe  # noqa: E402
+from osdp.planner.description import describe  # noqa: E402
 
 BATCH = 4
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 import osdp
+import osdp.planner
 from osdp.cli import main
 from osdp.errors import ConfigError, InfeasiblePlanError, OSDPError
 from osdp.models import GPTConfig
@@ -92,9 +93,9 @@ def test_api_memory_limit_true_is_refused_before_profiling(tmp_path):
 
     config = GPTConfig(vocab_size=32, seq_len=8, num_layers=1, hidden=8, heads=2)
     with pytest.raises(OSDPError, match=r"^memory_limit: memory size must be a number of bytes .* got True \(a bool\)$"):
-        osdp.profile(GPT(config), example_batch(config, 2), memory_limit=True, cache_dir=tmp_path)
+        osdp.planner.profile(GPT(config), example_batch(config, 2), memory_limit=True, cache_dir=tmp_path)
     with pytest.raises(OSDPError, match=r"^memory_limit: memory size '8' has no unit"):
-        osdp.profile(GPT(config), example_batch(config, 2), memory_limit="8", cache_dir=tmp_path)
+        osdp.planner.profile(GPT(config), example_batch(config, 2), memory_limit="8", cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -442,7 +443,7 @@ def test_profiling_collectives_warns_nothing():
         "import warnings, torch.distributed as dist\n"
         "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
         "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=2)\n"
-        "import osdp.planner.profile as P\n"
+        "import osdp.planner.profiler as P\n"
         "warnings.simplefilter('error')\n"
         "P.profile_collectives(None, sizes=(4096,), repeats=1)\n"
         "import os; os.environ['OSDP_GLOO_REDUCE_SCATTER'] = '1'\n"

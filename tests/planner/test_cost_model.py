@@ -6,7 +6,7 @@ import pytest
 
 from osdp.errors import OSDPError
 from osdp.planner.cost_model import PlannerSettings, build_template, evaluate
-from osdp.planner.describe import BlockDesc, ModelDesc, OpDesc
+from osdp.planner.description import BlockDesc, ModelDesc, OpDesc
 from osdp.planner.device import CollectiveCost, DeviceInfo, parse_bytes
 
 MiB = 2**20

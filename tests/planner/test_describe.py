@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from osdp.errors import OSDPError
 from osdp.models import GPT, GPTConfig, example_batch
-from osdp.planner.describe import ModelDesc, describe
+from osdp.planner.description import ModelDesc, describe
 from osdp.planner.gpt_desc import describe_gpt
 
 CONFIGS = [

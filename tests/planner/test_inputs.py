@@ -8,9 +8,9 @@ import torch
 import torch.nn as nn
 
 from osdp.errors import OSDPError
-from osdp.planner.describe import describe
+from osdp.planner.description import describe
 from osdp.planner.inputs import ExampleInputs, as_example_inputs, loss_of
-from osdp.planner.profile import time_units
+from osdp.planner.profiler import time_units
 
 
 def test_forms_of_example_inputs():

@@ -6,7 +6,7 @@ import pytest
 
 from osdp.models import GPTConfig
 from osdp.planner.cost_model import PlannerSettings, build_template, evaluate
-from osdp.planner.describe import ModelDesc, OpDesc
+from osdp.planner.description import ModelDesc, OpDesc
 from osdp.planner.device import CollectiveCost, DeviceInfo, load_cluster
 from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from osdp.planner.cost_model import PlannerSettings, build_template, evaluate
-from osdp.planner.describe import BlockDesc, ModelDesc, OpDesc
+from osdp.planner.description import BlockDesc, ModelDesc, OpDesc
 from osdp.planner.device import CollectiveCost, DeviceInfo
 from osdp.planner.step_sim import (
     RUNTIME_COALESCE_BYTES,

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import osdp
+import osdp.planner
 from osdp.errors import OSDPError
 from osdp.models import GPT, GPTConfig, example_batch
 from osdp.planner.device import load_cluster
@@ -45,7 +46,7 @@ def assert_unchanged(model, before):
 @pytest.fixture(scope="module")
 def plan():
     device = load_cluster("titan-rtx-pcie3").with_(world_size=1, memory_limit_bytes=2**30)
-    return make_plan(describe_gpt(CFG, name="gpt"), device, osdp.PlannerSettings(max_slices=4), batch=2,
+    return make_plan(describe_gpt(CFG, name="gpt"), device, osdp.planner.PlannerSettings(max_slices=4), batch=2,
                      backend="python")
 
 

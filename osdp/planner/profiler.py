@@ -42,7 +42,7 @@ from ..contract import gradient_collective
 from ..sizes import format_bytes, parse_bytes
 from ..torch_names import all_gather_flat, reduce_scatter_flat
 from .cost_model import shape_key
-from .describe import ModelDesc, describe
+from .description import ModelDesc, describe
 from .inputs import as_example_inputs, batch_loss
 from .device import CollectiveCost, ComputeFit, DeviceInfo
 
