@@ -69,7 +69,7 @@ def auto_plan(
     ``batch``: plan at this per-device batch instead of sweeping for the fastest;
     ``global_batch``: samples per optimizer step over all ranks (the plan picks the
     micro-batch and ``accumulation_steps``). Other keyword arguments go to
-    :func:`osdp.planner.profiler` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
+    :func:`osdp.planner.profile` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
     """
     if batch is not None and global_batch is not None:
         raise OSDPError(

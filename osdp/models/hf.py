@@ -5,7 +5,7 @@ No downloads: models are built from a config with random weights (seed with
 subclass of ``GPT2LMHeadModel`` / ``LlamaForCausalLM``), so module paths, parameter
 names and the state dict are Hugging Face's (``transformer.h.0.mlp.c_fc``,
 ``model.layers.0.self_attn.q_proj``, ...); only ``forward`` is narrowed to what
-``osdp.planner.description`` and the trainers call: ``model(idx, targets=None)`` returns the mean
+``osdp.planner.describe`` and the trainers call: ``model(idx, targets=None)`` returns the mean
 next-token cross-entropy when ``targets`` are given, else the logits.
 
 ``transformers`` is imported lazily; a clear ImportError says what to install.
