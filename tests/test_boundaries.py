@@ -9,7 +9,7 @@ import sys
 import pytest
 
 PLANNER = ["osdp.planner." + m for m in (
-    "describe", "gpt_desc", "device", "cost_model", "search", "search_problem", "scheduler", "plan", "planner",
+    "describe", "gpt_desc", "checks", "cluster", "run", "device", "cost_model", "search", "search_problem", "scheduler", "plan", "planner",
     "profile",
 )]
 
