@@ -73,8 +73,10 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir):
 
     config = MODELS[model_name]
     torch.manual_seed(0)
-    desc, device = profile(GPT(config), example_batch(config, BATCH), memory_limit=limit_bytes,
-                           cache_dir=cache_dir, progress=False, comm_sizes=(4096, 65536, 1 << 20, 8 << 20), repeats=2)
+    desc, cluster, run = profile(GPT(config), example_batch(config, BATCH), memory_limit=limit_bytes,
+                                 cache_dir=cache_dir, progress=False, comm_sizes=(4096, 65536, 1 << 20, 8 << 20),
+                                 repeats=2)
+    device = cluster.for_run(run)
     rows = []
     for kind in KINDS:
         plan = plan_of_kind(desc, device, kind, BATCH)

@@ -22,9 +22,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from osdp.models import GPTConfig  # noqa: E402
+from osdp.planner.cluster import load_cluster  # noqa: E402
 from osdp.planner.cost_model import PlannerSettings  # noqa: E402
-from osdp.planner.device import load_cluster  # noqa: E402
 from osdp.planner.gpt_desc import describe_gpt  # noqa: E402
+from osdp.planner.run import RunSettings  # noqa: E402
 from osdp.planner.scheduler import schedule  # noqa: E402
 
 
@@ -49,7 +50,8 @@ def main(argv=None):
 
     layers = [12, 48, 96] if args.quick else [12, 24, 48, 96, 144, 192]
     repeats = 1 if args.quick else 3
-    device = load_cluster("h100-nvlink").with_(world_size=args.world_size, memory_limit_bytes=args.memory_gib * 2**30)
+    run = RunSettings(world_size=args.world_size, memory_limit_bytes=args.memory_gib * 2**30)
+    device = load_cluster("h100-nvlink").for_run(run)  # one link level: see [Note: link levels]
     settings = PlannerSettings(max_slices=16, checkpointing="auto")
     rows = []
     print(f"hidden {args.hidden}, seq 2048, {device.name} scaled to {args.world_size} ranks at {args.memory_gib:g} GiB, "

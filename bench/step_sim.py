@@ -1,6 +1,6 @@
 """Step-simulator speed: how long pricing ~50 candidate plans of a ~100-op model takes.
 
-    python bench/step_sim.py            # GPT 16x1024 seq 256 (100 ops), titan-rtx profile, 24 GiB
+    python bench/step_sim.py            # GPT 16x1024 seq 256 (100 ops), the default (paper's TITAN RTX) profile, 24 GiB
 
 Candidates are the search's best plan at each batch size from 1 up (distinct plans,
 splits included where memory forces them) plus the baselines, 50 in all when that many
@@ -18,9 +18,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from osdp.models import GPTConfig  # noqa: E402
+from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster  # noqa: E402
 from osdp.planner.cost_model import PlannerSettings, build_template, evaluate  # noqa: E402
-from osdp.planner.device import load_cluster  # noqa: E402
 from osdp.planner.gpt_desc import describe_gpt  # noqa: E402
+from osdp.planner.run import RunSettings  # noqa: E402
 from osdp.planner.scheduler import Scheduled, schedule, search_batch  # noqa: E402
 from osdp.planner.search_problem import SearchResult  # noqa: E402
 from osdp.planner.step_sim import simulate_scheduled  # noqa: E402
@@ -69,7 +70,8 @@ def timed(plans, passes=5):
 
 def main():
     desc = describe_gpt(GPTConfig(vocab_size=50257, seq_len=256, num_layers=16, hidden=1024, heads=16))
-    device = load_cluster("titan-rtx-pcie3").with_(memory_limit_bytes=GIB * 2**30)
+    cluster = load_cluster(DEFAULT_CLUSTER)
+    device = cluster.for_run(RunSettings(world_size=cluster.node_size, memory_limit_bytes=GIB * 2**30))
     settings = PlannerSettings()
     plans = candidates(desc, device, settings)
     units = [sum(int(s.template.opt_slices[o]) for o in s.result.option_index) for s in plans]

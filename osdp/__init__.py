@@ -36,7 +36,7 @@ _EXPORTS = {
 # planner names live in osdp.planner; the old spelling osdp.<name> still resolves
 _PLANNER_NAMES = frozenset({
     "describe", "describe_gpt", "ModelDesc", "OpDesc", "DeviceInfo", "load_cluster", "PlannerSettings",
-    "evaluate", "Plan", "make_plan", "profile",
+    "evaluate", "Plan", "make_plan", "profile", "ClusterProfile", "RunSettings",
 })
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -76,8 +76,9 @@ def auto_plan(
             f"auto_plan got batch={batch} and global_batch={global_batch}: give the per-device "
             "batch or the samples per optimizer step over all ranks, not both"
         )
-    desc, device = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
-                           cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
+    desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
+                                 cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
+    device = cluster.for_run(run)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     outcome = None

@@ -50,18 +50,17 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 
 def _device(args):
-    from .planner.device import load_cluster
+    """The cost model's input: the --cluster profile (hardware) for the run that
+    --world-size and --memory describe (defaults: one node, all of a device's memory)."""
+    from .planner.cluster import load_cluster
+    from .planner.run import RunSettings
     from .sizes import parse_bytes
 
-    device = load_cluster(args.cluster)
-    changes = {}
-    if args.world_size is not None:
-        if args.world_size < 1:
-            raise OSDPError(f"--world-size must be a positive integer, got {args.world_size}")
-        changes["world_size"] = args.world_size
-    if args.memory is not None:
-        changes["memory_limit_bytes"] = parse_bytes(args.memory, "--memory")
-    return device.with_(**changes)
+    cluster = load_cluster(args.cluster)
+    if args.world_size is not None and args.world_size < 1:
+        raise OSDPError(f"--world-size must be a positive integer, got {args.world_size}")
+    memory = parse_bytes(args.memory, "--memory") if args.memory is not None else None
+    return cluster.for_run(RunSettings(world_size=args.world_size or cluster.node_size, memory_limit_bytes=memory))
 
 
 def _settings(args):
@@ -125,7 +124,9 @@ def cmd_plan(args) -> int:
 def cmd_simulate(args) -> int:
     from .simulate import run_simulation
 
-    print(run_simulation(cluster=args.cluster, backend=args.backend, quick=args.quick))
+    if args.world_size is not None and args.world_size < 1:
+        raise OSDPError(f"--world-size must be a positive integer, got {args.world_size}")
+    print(run_simulation(cluster=args.cluster, backend=args.backend, quick=args.quick, world_size=args.world_size))
     return 0
 
 
@@ -141,12 +142,24 @@ def _add_model_flags(p):
     g.add_argument("--dtype-bytes", type=int, default=4, choices=(2, 4), help="bytes per weight element (default 4: fp32)")
 
 
+def _add_cluster_flag(g):
+    from .planner.cluster import DEFAULT_CLUSTER
+
+    g.add_argument("--cluster", default=DEFAULT_CLUSTER,
+                   help=f"hardware profile: a shipped name (see osdp/profiles/) or a JSON file (default {DEFAULT_CLUSTER})")
+
+
+def _add_world_size_flag(g):
+    g.add_argument("--world-size", type=int, help="data-parallel ranks (default: one node, the profile's node_size)")
+
+
 def _add_cluster_flags(p):
-    g = p.add_argument_group("cluster")
-    g.add_argument("--cluster", default="titan-rtx-pcie3", help="profile name or JSON file (default titan-rtx-pcie3)")
-    g.add_argument("--world-size", type=int, help="data-parallel ranks (default: the profile's)")
+    g = p.add_argument_group("cluster (hardware) and run (world size, memory limit)")
+    _add_cluster_flag(g)
+    _add_world_size_flag(g)
     g.add_argument("--memory", help="memory limit per device with a unit, e.g. 8GiB or 16GB; units: B, KB, MB, GB, TB "
-                                    "(powers of 1000), KiB, MiB, GiB, TiB (powers of 1024) (default: the profile's)")
+                                    "(powers of 1000), KiB, MiB, GiB, TiB (powers of 1024) (default: all of a device's "
+                                    "memory, the profile's device_memory_bytes)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="the paper's experiment grid, predicted (throughput ratios vs FSDP)")
-    p.add_argument("--cluster", default="titan-rtx-pcie3")
+    _add_cluster_flag(p)
+    _add_world_size_flag(p)
     p.add_argument("--backend", default="auto", choices=("auto", "cpp", "python"))
     p.add_argument("--quick", action="store_true", help="one model per family")
     p.set_defaults(func=cmd_simulate)

@@ -35,6 +35,13 @@ class UnverifiedCheckpointWarning(UserWarning):
     """A checkpoint was loaded without verifying its data (written before checksums)."""
 
 
+class OldClusterFormatWarning(FutureWarning):
+    """A cluster file in the format from before hardware and run were apart (it carries
+    ``world_size`` / ``memory_limit_bytes``): it is converted on load, and the warning
+    says what each old field became (see [Note: old cluster files] in
+    ``osdp/planner/cluster.py``)."""
+
+
 def a_type(value) -> str:
     """'a str', 'an int': the type of ``value`` for messages ("got 'x' (a str)")."""
     name = type(value).__name__

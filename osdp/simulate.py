@@ -1,6 +1,7 @@
 """``osdp simulate``: the paper's experiment grid (Section 3), predicted by the cost model.
 
-Three model families at 8 and 16 GiB per device on the paper's cluster profile; for each,
+Three model families at 8 and 16 GiB per device on the paper's cluster profile (the
+default cluster, one node of it unless ``world_size`` says otherwise); for each,
 the throughput of FSDP full shard and OSDP without and with operator splitting, and the
 same with activation checkpointing against FSDP with checkpointing (every block, as the
 paper does; "auto" lets the planner choose per block). Ratios are OSDP / FSDP samples/s.
@@ -10,8 +11,9 @@ from __future__ import annotations
 from .errors import InfeasiblePlanError
 from .models import get_preset
 from .planner.cost_model import PlannerSettings
-from .planner.device import load_cluster
+from .planner.cluster import DEFAULT_CLUSTER, load_cluster
 from .planner.gpt_desc import describe_gpt
+from .planner.run import RunSettings
 from .planner.scheduler import schedule
 
 FAMILIES = {
@@ -39,15 +41,18 @@ def _throughput(desc, device, overrides, backend):
         return None
 
 
-def simulate_grid(cluster: str = "titan-rtx-pcie3", backend: str = "auto", quick: bool = False):
-    """Rows of (family, preset, limit GiB, {column: samples/s or None})."""
-    base = load_cluster(cluster)
+def simulate_grid(cluster: str = DEFAULT_CLUSTER, backend: str = "auto", quick: bool = False,
+                  world_size: int | None = None):
+    """Rows of (family, preset, limit GiB, {column: samples/s or None}); ``world_size``
+    None: one node of ``cluster``."""
+    hardware = load_cluster(cluster)
+    ranks = world_size or hardware.node_size
     rows = []
     for family, presets in FAMILIES.items():
         for preset in presets[:1] if quick else presets:
             desc = describe_gpt(get_preset(preset), name=preset)
             for gib in LIMITS_GIB:
-                device = base.with_(memory_limit_bytes=gib * 2**30)
+                device = hardware.for_run(RunSettings(world_size=ranks, memory_limit_bytes=gib * 2**30))
                 rows.append((family, preset, gib, {c: _throughput(desc, device, s, backend) for c, (s, _) in COLUMNS.items()}))
     return rows
 
@@ -76,5 +81,6 @@ def format_grid(rows) -> str:
     return "\n".join(lines)
 
 
-def run_simulation(cluster: str = "titan-rtx-pcie3", backend: str = "auto", quick: bool = False) -> str:
-    return format_grid(simulate_grid(cluster, backend, quick))
+def run_simulation(cluster: str = DEFAULT_CLUSTER, backend: str = "auto", quick: bool = False,
+                   world_size: int | None = None) -> str:
+    return format_grid(simulate_grid(cluster, backend, quick, world_size))

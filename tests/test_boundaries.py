@@ -9,8 +9,8 @@ import sys
 import pytest
 
 PLANNER = ["osdp.planner." + m for m in (
-    "description", "gpt_desc", "device", "cost_model", "search", "search_problem", "scheduler", "plan", "planner",
-    "profiler", "step_sim", "rerank", "inputs",
+    "description", "gpt_desc", "checks", "cluster", "run", "device", "cost_model", "search", "search_problem",
+    "scheduler", "plan", "planner", "profiler", "step_sim", "rerank", "inputs",
 )]
 
 

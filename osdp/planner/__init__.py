@@ -2,7 +2,8 @@
 plan with the most samples per second that fits, and store it.
 
     desc = osdp.planner.describe(model, example_inputs)        # or describe_gpt(config)
-    device = osdp.planner.load_cluster("titan-rtx-pcie3")
+    cluster = osdp.planner.load_cluster()                    # hardware (the default profile)
+    device = cluster.for_run(osdp.planner.RunSettings(world_size=8, memory_limit_bytes=8 * 2**30))
     plan = osdp.planner.make_plan(desc, device, osdp.planner.PlannerSettings())
 
 """
@@ -12,13 +13,15 @@ from __future__ import annotations
 # function of the same name)
 from .cost_model import PlannerSettings, evaluate
 from .description import ModelDesc, OpDesc, describe
-from .device import DeviceInfo, load_cluster
+from .cluster import ClusterProfile, load_cluster
+from .device import DeviceInfo
+from .run import RunSettings
 from .gpt_desc import describe_gpt
 from .plan import Plan
 from .planner import make_plan
 from .profiler import profile
 
 __all__ = [
-    "DeviceInfo", "ModelDesc", "OpDesc", "Plan", "PlannerSettings", "describe", "describe_gpt", "evaluate",
-    "load_cluster", "make_plan", "profile",
+    "ClusterProfile", "DeviceInfo", "ModelDesc", "OpDesc", "Plan", "PlannerSettings", "RunSettings", "describe",
+    "describe_gpt", "evaluate", "load_cluster", "make_plan", "profile",
 ]

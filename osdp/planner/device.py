@@ -1,7 +1,11 @@
-"""Device and cluster information: what the cost model knows about the hardware.
+"""What the cost model reads about the hardware *and* the run: ``DeviceInfo``.
 
-A ``DeviceInfo`` is loaded from JSON (``load_cluster``: a shipped profile name or a
-file) or measured by the profiler. All values are SI: seconds, bytes, FLOP/s.
+A ``DeviceInfo`` is derived, not stored: ``ClusterProfile.for_run(RunSettings(...))``
+(``cluster.py``, ``run.py``) puts the hardware of a cluster profile (links, compute
+speed, overheads) together with what one run asks of it (world size, memory limit per
+device). See [Note: hardware apart from the run] in ``cluster.py``. Tests and
+hand-written models may also build one directly. All values are SI: seconds, bytes,
+FLOP/s.
 
 Every field is checked when a ``DeviceInfo`` is made: its type, and > 0 (or >= 0 for
 overheads, intercepts and alpha/beta, which may be zero) and finite; an error names the
@@ -10,48 +14,14 @@ throughput bound relies on (scheduler.py, [Note: exact batch sweep]).
 """
 from __future__ import annotations
 
-import json
-import math
-import numbers
 from dataclasses import asdict, dataclass, field, fields, replace
-from pathlib import Path
 
 from ..errors import OSDPError, a_type
 from ..sizes import parse_bytes  # noqa: F401  (re-exported: osdp.planner.device.parse_bytes)
+from .checks import check_mapping, check_number, check_object
 
-PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
-
-
-def _number(value, name: str, *, positive: bool, integer: bool = False, unit: str = ""):
-    """``value`` if it is a finite number (an int when ``integer``; never a bool) that is
-    > 0 (``positive``) or >= 0; else OSDPError naming ``name``."""
-    kind = "an integer" if integer else "a number"
-    bound = ("> 0" if positive else ">= 0") + (f" ({unit})" if unit else "")
-    is_type = isinstance(value, numbers.Integral if integer else numbers.Real) and not isinstance(value, bool)
-    if not is_type:
-        raise OSDPError(f"{name} must be {kind} {bound}, got {value!r} ({a_type(value)})")
-    if not math.isfinite(value) or (value <= 0 if positive else value < 0):
-        raise OSDPError(f"{name} must be {kind} {bound}, got {value!r}")
-    return value
-
-
-def _mapping(value, name: str) -> dict:
-    if not isinstance(value, dict):
-        raise OSDPError(f"{name} must be an object, got {value!r} ({a_type(value)})")
-    return value
-
-
-def _object(value, name: str, required: tuple, optional: tuple = ()) -> dict:
-    """A JSON object with the ``required`` keys and maybe the ``optional`` ones."""
-    keys = ", ".join(f'"{k}": ...' for k in required)
-    if not isinstance(value, dict):
-        raise OSDPError(f"{name} must be an object {{{keys}}}, got {value!r} ({a_type(value)})")
-    missing = [k for k in required if k not in value]
-    unknown = sorted(set(value) - set(required) - set(optional))
-    if missing or unknown:
-        what = "; ".join(filter(None, (missing and f"lacks {missing}", unknown and f"has unknown keys {unknown}")))
-        raise OSDPError(f"{name} {what}; it takes {list(required) + list(optional)}")
-    return value
+WORLD_SIZE_UNIT = "data-parallel ranks"
+MEMORY_LIMIT_UNIT = "bytes per device, e.g. 8589934592 for 8 GiB"
 
 
 @dataclass(frozen=True)
@@ -66,14 +36,20 @@ class CollectiveCost:
     beta_s_per_byte: float
 
     def __post_init__(self):
-        _number(self.alpha_s, "alpha_s", positive=False)
-        _number(self.beta_s_per_byte, "beta_s_per_byte", positive=False)
+        check_number(self.alpha_s, "alpha_s", positive=False)
+        check_number(self.beta_s_per_byte, "beta_s_per_byte", positive=False)
 
     def time_s(self, nbytes: float, world_size: int) -> float:
         if world_size <= 1 or nbytes <= 0:
             return 0.0
         steps = world_size - 1
         return steps * self.alpha_s + steps / world_size * nbytes * self.beta_s_per_byte
+
+    @classmethod
+    def from_dict(cls, data, name: str) -> "CollectiveCost":
+        """From ``{"alpha_s": ..., "beta_s_per_byte": ...}``; errors name ``name``."""
+        entry = check_object(data, name, ("alpha_s", "beta_s_per_byte"))
+        return cls(**{k: check_number(v, f"{name}.{k}", positive=False) for k, v in entry.items()})
 
 
 @dataclass(frozen=True)
@@ -89,11 +65,47 @@ class ComputeFit:
         for f in fields(self):
             value = getattr(self, f.name)
             if value is not None or f.name.startswith("fwd"):
-                _number(value, f.name, positive=False)
+                check_number(value, f.name, positive=False)
+
+    @classmethod
+    def from_dict(cls, data, name: str) -> "ComputeFit":
+        entry = check_object(data, name, ("fwd_intercept_s", "fwd_per_sample_s"), ("bwd_intercept_s", "bwd_per_sample_s"))
+        return cls(**{k: v if v is None and k.startswith("bwd") else check_number(v, f"{name}.{k}", positive=False)
+                      for k, v in entry.items()})
+
+
+# the fields a DeviceInfo takes from the hardware's compute side (ClusterProfile has the same)
+COMPUTE_FIELDS = ("flops_per_s", "op_overhead_s", "slice_overhead_s", "memory_bandwidth_bytes_per_s",
+                  "constant_bytes", "op_compute", "split_efficiency")
+
+
+def check_compute_fields(obj) -> None:
+    """The checks of ``COMPUTE_FIELDS``, shared by DeviceInfo and ClusterProfile."""
+    for name in ("flops_per_s", "memory_bandwidth_bytes_per_s"):
+        check_number(getattr(obj, name), name, positive=True)
+    for name in ("op_overhead_s", "slice_overhead_s", "constant_bytes"):
+        check_number(getattr(obj, name), name, positive=False)
+    if not all(isinstance(v, ComputeFit) for v in check_mapping(obj.op_compute, "op_compute").values()):
+        raise OSDPError("op_compute must map op shape keys to ComputeFit entries")
+    check_mapping(obj.split_efficiency, "split_efficiency")
+    for g, ratio in obj.split_efficiency.items():
+        if not (isinstance(g, str) and g.isdigit() and int(g) >= 1):
+            raise OSDPError(f"split_efficiency keys are slice counts like \"4\", got {g!r}")
+        check_number(ratio, f"split_efficiency[{g!r}]", positive=True)
+
+
+def compute_fields_from_dict(data: dict) -> dict:
+    """``op_compute`` and ``split_efficiency`` of a JSON form, as the dataclasses take them."""
+    op_compute = {key: ComputeFit.from_dict(entry, f"op_compute[{key!r}]")
+                  for key, entry in check_mapping(data.get("op_compute", {}), "op_compute").items()}
+    return {"op_compute": op_compute, "split_efficiency": check_mapping(data.get("split_efficiency", {}), "split_efficiency")}
 
 
 @dataclass(frozen=True)
 class DeviceInfo:
+    """The cost model's input: one run (``world_size``, ``memory_limit_bytes``) on one
+    cluster's hardware (the rest). Made by ``ClusterProfile.for_run``."""
+
     name: str
     world_size: int
     memory_limit_bytes: float
@@ -113,22 +125,12 @@ class DeviceInfo:
     def __post_init__(self):
         if not isinstance(self.name, str):
             raise OSDPError(f"name must be a string, got {self.name!r} ({a_type(self.name)})")
-        _number(self.world_size, "world_size", positive=True, integer=True, unit="data-parallel ranks")
-        _number(self.memory_limit_bytes, "memory_limit_bytes", positive=True, unit="bytes per device, e.g. 8589934592 for 8 GiB")
-        for name in ("flops_per_s", "memory_bandwidth_bytes_per_s"):
-            _number(getattr(self, name), name, positive=True)
-        for name in ("op_overhead_s", "slice_overhead_s", "constant_bytes"):
-            _number(getattr(self, name), name, positive=False)
+        check_number(self.world_size, "world_size", positive=True, integer=True, unit=WORLD_SIZE_UNIT)
+        check_number(self.memory_limit_bytes, "memory_limit_bytes", positive=True, unit=MEMORY_LIMIT_UNIT)
+        check_compute_fields(self)
         for name in ("all_gather", "reduce_scatter"):
             if not isinstance(getattr(self, name), CollectiveCost):
                 raise OSDPError(f"{name} must be a CollectiveCost(alpha_s, beta_s_per_byte), got {getattr(self, name)!r}")
-        if not all(isinstance(v, ComputeFit) for v in _mapping(self.op_compute, "op_compute").values()):
-            raise OSDPError("op_compute must map op shape keys to ComputeFit entries")
-        _mapping(self.split_efficiency, "split_efficiency")
-        for g, ratio in self.split_efficiency.items():
-            if not (isinstance(g, str) and g.isdigit() and int(g) >= 1):
-                raise OSDPError(f"split_efficiency keys are slice counts like \"4\", got {g!r}")
-            _number(ratio, f"split_efficiency[{g!r}]", positive=True)
         if not isinstance(self.source, str):
             raise OSDPError(f"source must be a string, got {self.source!r}")
 
@@ -142,8 +144,8 @@ class DeviceInfo:
 
     @classmethod
     def from_dict(cls, data: dict, where: str = "device description") -> "DeviceInfo":
-        """A DeviceInfo from its JSON form; every error names ``where`` (e.g. the file)
-        and the field."""
+        """A DeviceInfo from its ``to_dict`` form; every error names ``where`` and the
+        field. (A cluster *file* is a ClusterProfile: ``load_cluster``.)"""
         if not isinstance(data, dict):
             raise OSDPError(f"{where} must be a JSON object describing a device, got {a_type(data)}")
         known = {f.name for f in fields(cls)}
@@ -156,44 +158,8 @@ class DeviceInfo:
         values = {k: v for k, v in data.items() if k in known}
         try:
             for name in ("all_gather", "reduce_scatter"):
-                entry = _object(data[name], name, ("alpha_s", "beta_s_per_byte"))
-                values[name] = CollectiveCost(**{k: _number(v, f"{name}.{k}", positive=False) for k, v in entry.items()})
-            values["op_compute"] = {}
-            for key, entry in _mapping(data.get("op_compute", {}), "op_compute").items():
-                entry = _object(entry, f"op_compute[{key!r}]", ("fwd_intercept_s", "fwd_per_sample_s"),
-                                ("bwd_intercept_s", "bwd_per_sample_s"))
-                checked = {k: v if v is None and k.startswith("bwd") else _number(v, f"op_compute[{key!r}].{k}", positive=False)
-                           for k, v in entry.items()}
-                values["op_compute"][key] = ComputeFit(**checked)
-            _mapping(data.get("split_efficiency", {}), "split_efficiency")
+                values[name] = CollectiveCost.from_dict(data[name], name)
+            values.update(compute_fields_from_dict(data))
             return cls(**values)
         except OSDPError as exc:
             raise OSDPError(f"{where}: {exc}") from None
-
-    def save(self, path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-
-def available_clusters() -> list[str]:
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
-
-
-def load_cluster(name_or_path: str) -> DeviceInfo:
-    """A shipped profile by name (see ``available_clusters()``) or a JSON file."""
-    path = Path(name_or_path)
-    if not path.suffix and not path.exists():
-        path = PROFILE_DIR / f"{name_or_path}.json"
-    if not path.exists():
-        raise OSDPError(
-            f"unknown cluster {name_or_path!r}: not a file, and not one of the shipped "
-            f"profiles ({', '.join(available_clusters())})"
-        )
-    if path.is_dir():
-        raise OSDPError(f"cluster {name_or_path!r} is a directory; give a cluster JSON file or a profile name")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise OSDPError(f"cluster file {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OSDPError(f"cannot read cluster file {path}: {exc}") from None
-    return DeviceInfo.from_dict(data, where=f"cluster file {path}")

@@ -1,5 +1,5 @@
 """Example inputs of one forward and the loss of its output: what describe, the profiler
-and auto mode run (``osdp.describe``, ``osdp.profile``, ``osdp.auto_plan``,
+and auto mode run (``osdp.planner.describe``, ``osdp.planner.profile``, ``osdp.auto_plan``,
 ``osdp.OSDP(model, memory_limit=..., example_inputs=...)``).
 
 [Note: example inputs and the loss]

@@ -1,6 +1,14 @@
 """Profiler: measure what the cost model needs on the real hardware and process group.
 
-    desc, device = osdp.profile(model, example_inputs, memory_limit="8GiB")
+    desc, cluster, run = osdp.planner.profile(model, example_inputs, memory_limit="8GiB")
+    device = cluster.for_run(run)          # or: osdp.planner.profile(...).device
+
+What is measured is hardware, a ``ClusterProfile`` (links, compute, overheads; savable
+with ``cluster.save(path)`` and loadable with ``osdp.planner.load_cluster(path)``), apart from
+the run it was measured under, a ``RunSettings`` (this process group's world size and
+the memory limit): see [Note: hardware apart from the run] in ``cluster.py``. The
+measured links are one level, ``links["intra"]``, over the ranks of the group
+(``node_size`` = world size).
 
 * collectives: all-gather and reduce-scatter times over message sizes (4 KiB..256 MiB by
   default), fitted to the ring model t = (N-1) a + (N-1)/N S b (see device.CollectiveCost);
@@ -32,6 +40,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,7 +53,9 @@ from ..torch_names import all_gather_flat, reduce_scatter_flat
 from .cost_model import shape_key
 from .description import ModelDesc, describe
 from .inputs import as_example_inputs, batch_loss
+from .cluster import ClusterProfile
 from .device import CollectiveCost, ComputeFit, DeviceInfo
+from .run import RunSettings
 
 log = logging.getLogger("osdp.profile")
 CACHE_VERSION = 2
@@ -295,6 +306,20 @@ def _save_cache(path: Path, data: dict) -> None:
     os.replace(tmp, path)  # atomic: a crash never leaves half a cache
 
 
+class Profiled(NamedTuple):
+    """What ``profile`` returns: the model, this cluster's hardware as measured, and the
+    run it was measured under (``desc, cluster, run = osdp.planner.profile(...)``)."""
+
+    desc: ModelDesc
+    cluster: ClusterProfile
+    run: RunSettings
+
+    @property
+    def device(self) -> DeviceInfo:
+        """The cost model's input for the measured run: ``cluster.for_run(run)``."""
+        return self.cluster.for_run(self.run)
+
+
 def profile(
     model: nn.Module,
     example_inputs,
@@ -308,11 +333,12 @@ def profile(
     cache_dir=None,
     use_cache: bool = True,
     progress: bool = True,
-) -> tuple[ModelDesc, DeviceInfo]:
-    """Describe ``model`` and measure this cluster. Every rank of ``process_group`` calls
-    it (collectively); all get rank 0's numbers. ``memory_limit``: per device, a number
-    of bytes (int or float) or a string with a unit ('8GiB', '16GB'; see osdp.sizes);
-    default the GPU's total memory, required on CPU.
+) -> Profiled:
+    """Describe ``model`` and measure this cluster: ``(desc, cluster, run)``, see
+    ``Profiled``. Every rank of ``process_group`` calls it (collectively); all get rank
+    0's numbers. ``memory_limit``: the run's limit per device, a number of bytes (int or
+    float) or a string with a unit ('8GiB', '16GB'; see osdp.sizes); default the GPU's
+    total memory, required on CPU.
 
     ``example_inputs``: positional arguments (tuple), keyword arguments (dict, e.g.
     ``{"input_ids": x, "labels": y}`` for a Hugging Face model) or
@@ -324,11 +350,14 @@ def profile(
     world = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
     device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
-    if memory_limit is None:
-        if device.type != "cuda":
-            raise OSDPError("profile needs memory_limit on CPU (e.g. memory_limit='8GiB')")
-        memory_limit = torch.cuda.get_device_properties(device).total_memory
-    limit = parse_bytes(memory_limit, "memory_limit")
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        capacity_source = "torch.cuda.get_device_properties(...).total_memory"
+    elif memory_limit is None:
+        raise OSDPError("profile needs memory_limit on CPU (e.g. memory_limit='8GiB')")
+    limit = parse_bytes(capacity if memory_limit is None else memory_limit, "memory_limit")
+    if device.type != "cuda":  # a CPU device has no memory of its own to read: the run's limit stands in
+        capacity, capacity_source = limit, "the memory_limit given to osdp.profile (CPU: no device memory to read)"
     desc = describe(model, inputs, loss_fn=loss_fn)
     dtype = str(next(model.parameters()).dtype)
     label = _device_label(device)
@@ -374,16 +403,19 @@ def profile(
     slope = sum(fits[shape_key(op)].fwd_per_sample_s for op in desc.ops)
     measured = {
         "name": f"{world}x {label} ({backend})",
-        "world_size": world,
-        "memory_limit_bytes": limit,
-        "all_gather": comm["all_gather"],
-        "reduce_scatter": comm["reduce_scatter"],
+        "node_size": world,
+        "device_memory_bytes": capacity,
+        "links": {"intra": {"all_gather": comm["all_gather"], "reduce_scatter": comm["reduce_scatter"]}},
         "flops_per_s": total_flops / slope if slope > 0 and total_flops > 0 else 1e12,
         "op_overhead_s": statistics.median([f.fwd_intercept_s for f in fits.values()]) if fits else 0.0,
         "slice_overhead_s": 0.0,  # measured as split_efficiency instead
         "split_efficiency": split,
         "op_compute": {k: v.__dict__ for k, v in fits.items()},
-        "source": f"measured by osdp.profile on {label}, {dtype}, {backend}, world size {world}",
+        "sources": {
+            "measured": f"osdp.profile on {label}, {dtype}, {backend}, world size {world}",
+            "node_size": "the ranks of the measured process group (one link level over all of them)",
+            "device_memory_bytes": capacity_source,
+        },
     }
     if distributed:  # identical inputs on every rank: rank 0's measurement
         box = [measured]
@@ -391,10 +423,10 @@ def profile(
         measured = box[0]
     if rank == 0 and use_cache:
         if world > 1:
-            cache["comm"][comm_key] = {"all_gather": measured["all_gather"], "reduce_scatter": measured["reduce_scatter"]}
+            cache["comm"][comm_key] = dict(measured["links"]["intra"])
         cache["compute"].setdefault(compute_key, {}).update(measured["op_compute"])
         if split_key:
             cache["split"][split_key] = measured["split_efficiency"]
         _save_cache(path, cache)
-    return desc, DeviceInfo.from_dict(measured)
+    return Profiled(desc, ClusterProfile.from_dict(measured, where="measured profile"), RunSettings(world, limit))
 

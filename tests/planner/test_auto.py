@@ -38,7 +38,8 @@ def _ranks(rank, world, cache_dir):
     saved = prof.profile_compute, prof.profile_collectives
     prof.profile_compute = prof.profile_collectives = refuse
     try:
-        _, device = prof.profile(model, inputs, memory_limit="64MiB", **kwargs)
+        _, cluster, run = prof.profile(model, inputs, memory_limit="64MiB", **kwargs)
+        device = cluster.for_run(run)
         out["device"] = device.to_dict()
     finally:
         prof.profile_compute, prof.profile_collectives = saved

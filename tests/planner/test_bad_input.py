@@ -21,11 +21,13 @@ from osdp.errors import ConfigError, InfeasiblePlanError, OSDPError
 from osdp.models import GPTConfig
 from osdp.planner import planner as planner_mod
 from osdp.planner import scheduler as scheduler_mod
+from osdp.planner.cluster import PROFILE_DIR, load_cluster
 from osdp.planner.cost_model import PlannerSettings, build_template
-from osdp.planner.device import PROFILE_DIR, DeviceInfo, load_cluster
+from osdp.planner.device import DeviceInfo
 from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
+from osdp.planner.run import RunSettings
 from osdp.planner.scheduler import MAX_BATCH, min_memory_estimate, schedule
 from osdp.sizes import byte_unit, format_bytes, parse_bytes
 
@@ -35,7 +37,8 @@ UNITS_TEXT = "units: B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (p
 
 
 def small_device(limit_bytes=48 * MiB, world=4):
-    return load_cluster("titan-rtx-pcie3").with_(memory_limit_bytes=limit_bytes, world_size=world, constant_bytes=0)
+    cluster = load_cluster("titan-rtx-pcie3").with_(constant_bytes=0)
+    return cluster.for_run(RunSettings(world_size=world, memory_limit_bytes=limit_bytes))
 
 
 def cli_error(argv, capsys) -> str:
@@ -187,10 +190,10 @@ def test_cluster_nan_is_refused(tmp_path):
 def test_device_info_refuses_bools_in_the_api():
     base = load_cluster("titan-rtx-pcie3")
     with pytest.raises(OSDPError, match=r"memory_limit_bytes must be a number > 0 .* got True \(a bool\)"):
-        base.with_(memory_limit_bytes=True)
+        base.for_run(RunSettings(world_size=8, memory_limit_bytes=True))
     with pytest.raises(OSDPError, match=r"^device description: world_size must be an integer > 0 \(data-parallel "
                                         r"ranks\), got 2.0 \(a float\)$"):
-        DeviceInfo.from_dict(dict(base.to_dict(), world_size=2.0))
+        DeviceInfo.from_dict(dict(base.for_run(RunSettings(world_size=8)).to_dict(), world_size=2.0))
 
 
 def test_cluster_directory_is_refused(tmp_path, capsys):

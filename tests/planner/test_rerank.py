@@ -5,13 +5,15 @@ from dataclasses import replace
 import pytest
 
 from osdp.models import GPTConfig
+from osdp.planner.cluster import load_cluster
 from osdp.planner.cost_model import PlannerSettings, build_template, evaluate
 from osdp.planner.description import ModelDesc, OpDesc
-from osdp.planner.device import CollectiveCost, DeviceInfo, load_cluster
+from osdp.planner.device import CollectiveCost, DeviceInfo
 from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
 from osdp.planner.rerank import rerank, within
+from osdp.planner.run import RunSettings
 from osdp.planner.scheduler import Scheduled, schedule
 from osdp.planner.search_problem import SearchResult
 from osdp.planner.step_sim import simulate_scheduled
@@ -87,7 +89,8 @@ def test_the_fastest_simulated_candidate_that_fits_is_picked(fits):
 
 def test_make_plan_reports_the_simulated_step_and_picks_the_fastest_fitting():
     desc = describe_gpt(TINY)
-    dev = load_cluster("titan-rtx-pcie3").with_(memory_limit_bytes=24 * 2**20, world_size=4, constant_bytes=0)
+    cluster = load_cluster("titan-rtx-pcie3").with_(constant_bytes=0)
+    dev = cluster.for_run(RunSettings(world_size=4, memory_limit_bytes=24 * 2**20))
     settings = PlannerSettings(max_slices=4, checkpointing="auto")
     plan = make_plan(desc, dev, settings, backend="python")
     rows = plan.rerank["candidates"]
@@ -116,7 +119,8 @@ def test_make_plan_reports_the_simulated_step_and_picks_the_fastest_fitting():
 
 def test_plans_with_and_without_simulation_round_trip_and_old_files_load(tmp_path):
     desc = describe_gpt(TINY)
-    dev = load_cluster("titan-rtx-pcie3").with_(memory_limit_bytes=48 * 2**20, world_size=4, constant_bytes=0)
+    cluster = load_cluster("titan-rtx-pcie3").with_(constant_bytes=0)
+    dev = cluster.for_run(RunSettings(world_size=4, memory_limit_bytes=48 * 2**20))
     plan = make_plan(desc, dev, PlannerSettings(max_slices=4), backend="python")
     path = tmp_path / "plan.json"
     plan.save(path)

@@ -8,11 +8,12 @@ import osdp
 from osdp.cli import main
 from osdp.errors import InfeasiblePlanError, OSDPError, PlanMismatchError
 from osdp.models import GPTConfig
+from osdp.planner.cluster import load_cluster
 from osdp.planner.cost_model import PlannerSettings, build_template
-from osdp.planner.device import load_cluster
 from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
+from osdp.planner.run import RunSettings
 from osdp.planner.scheduler import fits_at, schedule, search_batch
 from osdp.sizes import format_bytes
 
@@ -21,7 +22,8 @@ TINY = GPTConfig(vocab_size=256, seq_len=32, num_layers=3, hidden=64, heads=4)
 
 
 def small_device(limit_mib=48, world=4):
-    return load_cluster("titan-rtx-pcie3").with_(memory_limit_bytes=limit_mib * MiB, world_size=world, constant_bytes=0)
+    cluster = load_cluster("titan-rtx-pcie3").with_(constant_bytes=0)
+    return cluster.for_run(RunSettings(world_size=world, memory_limit_bytes=limit_mib * MiB))
 
 
 @pytest.mark.parametrize("ckpt", ["none", "auto"])

@@ -13,9 +13,10 @@ import osdp
 import osdp.planner
 from osdp.errors import OSDPError
 from osdp.models import GPT, GPTConfig, example_batch
-from osdp.planner.device import load_cluster
+from osdp.planner.cluster import load_cluster
 from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.planner import make_plan
+from osdp.planner.run import RunSettings
 
 CFG = GPTConfig(vocab_size=97, seq_len=8, num_layers=2, hidden=10, heads=2)
 
@@ -45,7 +46,7 @@ def assert_unchanged(model, before):
 
 @pytest.fixture(scope="module")
 def plan():
-    device = load_cluster("titan-rtx-pcie3").with_(world_size=1, memory_limit_bytes=2**30)
+    device = load_cluster("titan-rtx-pcie3").for_run(RunSettings(world_size=1, memory_limit_bytes=2**30))
     return make_plan(describe_gpt(CFG, name="gpt"), device, osdp.planner.PlannerSettings(max_slices=4), batch=2,
                      backend="python")
 
