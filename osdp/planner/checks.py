@@ -6,6 +6,7 @@ model reads (``device.py``); a caller that reads a file prefixes the file's name
 """
 from __future__ import annotations
 
+import json
 import math
 import numbers
 
@@ -48,3 +49,15 @@ def check_string(value, name: str) -> str:
     if not isinstance(value, str):
         raise OSDPError(f"{name} must be a string, got {value!r} ({a_type(value)})")
     return value
+
+
+def read_json_file(path, what: str):
+    """The JSON in ``path`` (a ``Path``); one-line OSDPErrors naming ``what`` ("plan
+    file", "cluster file") and the file for text that is not JSON or a file that
+    cannot be read."""
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise OSDPError(f"{what} {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OSDPError(f"cannot read {what} {path}: {exc}") from None

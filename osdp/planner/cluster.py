@@ -57,7 +57,7 @@ from pathlib import Path
 
 from ..errors import OldClusterFormatWarning, OSDPError, a_type
 from ..sizes import format_bytes
-from .checks import check_mapping, check_number, check_object, check_string
+from .checks import check_mapping, check_number, check_object, check_string, read_json_file
 from .device import (
     COMPUTE_FIELDS,
     MEMORY_LIMIT_UNIT,
@@ -279,10 +279,5 @@ def load_cluster(name_or_path: str = DEFAULT_CLUSTER) -> ClusterProfile:
         )
     if path.is_dir():
         raise OSDPError(f"cluster {name_or_path!r} is a directory; give a cluster JSON file or a profile name")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise OSDPError(f"cluster file {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise OSDPError(f"cannot read cluster file {path}: {exc}") from None
+    data = read_json_file(path, "cluster file")
     return ClusterProfile.from_dict(data, where=f"cluster file {path}")

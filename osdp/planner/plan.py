@@ -26,6 +26,7 @@ from pathlib import Path
 from ..contract import MODES, RuntimeConfig
 from ..errors import OSDPError, PlanMismatchError, a_type
 from ..sizes import format_bytes
+from .checks import read_json_file
 
 PLAN_VERSION = 1
 
@@ -226,12 +227,7 @@ class Plan:
             raise OSDPError(f"plan file {path} does not exist")
         if path.is_dir():
             raise OSDPError(f"plan file {path} is a directory; give the plan's JSON file")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise OSDPError(f"plan file {path} is not valid JSON: {exc.msg} at line {exc.lineno}") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise OSDPError(f"cannot read plan file {path}: {exc}") from None
+        data = read_json_file(path, "plan file")
         try:
             plan = cls.from_dict(data)
         except PlanMismatchError:
