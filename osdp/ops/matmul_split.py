@@ -27,6 +27,7 @@ through ``osdp.ops.kernels`` (Triton on CUDA, torch references otherwise).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import ClassVar
 
 import torch
@@ -160,21 +161,18 @@ class MatmulSplit(SplitModule):
     def timed_step(cls, x2: torch.Tensor, weight: torch.Tensor, dy2: torch.Tensor, g: int) -> None:
         """Forward and backward of the product split in ``g`` slices on plain tensors
         (``weight`` [N, K], Linear layout): what the profiler times for split efficiency."""
-        op = cls.__new__(cls)
-        nn.Module.__init__(op)
-        op.out_features, op.in_features = weight.shape
-        op.has_bias, op.g = False, g
-        op.sizes = split_sizes(op.in_features if cls.cut == "in" else op.out_features, g)
-        op.offsets = [sum(op.sizes[:i]) for i in range(g)]
-        cut = (lambda w, k0, ks: w.narrow(1, k0, ks)) if cls.cut == "in" else (lambda w, k0, ks: w.narrow(0, k0, ks))
+        # a stand-in module holding the weight as the op's module type stores it, so the
+        # op's own constructor and layout adapter cut it
+        stand_in = SimpleNamespace(weight=cls.linear_view(weight), bias=None)
+        op = cls(stand_in, g)
+        stored = [s["weight"] for s in cls.slice_tensors(stand_in, g)]
         out = op.new_output(x2)
-        for i in range(g):
-            op.forward_slice(out, x2, cut(weight, op.offsets[i], op.sizes[i]), None, i)
+        for i, w in enumerate(stored):
+            op.forward_slice(out, x2, cls.linear_view(w), None, i)
         out.to(x2.dtype)
         dx = op.new_input_grad(x2)
         for i in reversed(range(g)):
-            w = cut(weight, op.offsets[i], op.sizes[i])
-            op.backward_slice(dy2, x2, w, dx, [torch.empty_like(w)], False, i)
+            op.backward_slice(dy2, x2, cls.linear_view(stored[i]), dx, [torch.empty_like(stored[i])], False, i)
 
     def slice_weight(self, unit, i: int) -> torch.Tensor:
         return self.linear_view(unit.views[0])
