@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 
 MODE_DP = "dp"  # keep the gathered weights from forward to backward
 MODE_ZDP = "zdp"  # free them after forward, gather again for backward
-MODES = (MODE_DP, MODE_ZDP)
+MODE_HPZ = "hpz"
+MODES = (MODE_DP, MODE_ZDP, MODE_HPZ)
 
 # [Note: unsharded gradients] in runtime/reduce.py: issuing a reduce-scatter beyond this
 # waits for the oldest, so at most MAX_INFLIGHT_REDUCE_SCATTERS + 1 units' unsharded

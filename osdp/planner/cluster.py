@@ -26,14 +26,17 @@ of a run come from the hardware where one is needed (the CLI): one node's worth 
               "inter": {...}}                       # optional
 
 "intra" is a ring among the ``node_size`` devices of one node (NVLink, PCIe); "inter",
-when given, is a ring that crosses nodes, as nccl-tests reports it run over several
-nodes. The cost model times every collective as one flat ring over all ranks
-(``CollectiveCost``), so a run reads one level (``link_for``): "intra" when its ranks fit
-in one node, "inter" when they do not and the profile has it, and otherwise "intra" (a
-profile with one level describes one flat network; so every profile was read before
-hardware and run were apart, and bench/planner.py still scales the 8-GPU H100 profile to
-256 ranks that way). Hierarchical sharding (issue 12) will use both levels at once:
-shard within a node over "intra", replicate across nodes over "inter".
+when given, is a ring of one rank per node (a "rail"): its beta is seconds per byte of
+ONE rank's share of its node's network (8 ranks with 8 NICs of 400 Gb/s: 1 / 46 GB/s;
+8 ranks sharing one 100 GbE NIC: 8 / 11 GB/s), its alpha a step's latency across nodes.
+``for_run`` puts "intra" in ``DeviceInfo.all_gather`` / ``reduce_scatter`` and "inter"
+in ``inter_all_gather`` / ``inter_reduce_scatter`` with ``node_size``; the cost model
+prices a collective whose group spans nodes as the hierarchical ring of [Note: two-level
+collective cost] (collective_cost.py), and HSDP (shard within a node, replicate across
+nodes) with each level's own alpha/beta. A profile with one level describes one flat
+network: every collective is a flat ring on "intra" over all ranks (so every profile was
+read before hardware and run were apart, and bench/planner.py still scales the 8-GPU
+H100 profile to 256 ranks that way).
 
 [Note: old cluster files]
 Files written before the split carry ``world_size``, ``memory_limit_bytes`` and
@@ -142,9 +145,8 @@ class ClusterProfile:
     # ---- the run -------------------------------------------------------------------------
 
     def link_for(self, world_size: int) -> Link:
-        """The level a flat ring over ``world_size`` ranks runs on ([Note: link levels])."""
-        if world_size > self.node_size and "inter" in self.links:
-            return self.links["inter"]
+        """The link ``DeviceInfo.all_gather`` / ``reduce_scatter`` hold: "intra" always
+        ([Note: link levels]); the level across nodes goes to ``inter_*`` beside it."""
         return self.links["intra"]
 
     def for_run(self, run: RunSettings) -> DeviceInfo:
@@ -153,6 +155,7 @@ class ClusterProfile:
             raise OSDPError(f"for_run takes RunSettings(world_size=..., memory_limit_bytes=...), got {run!r} "
                             f"({a_type(run)})")
         link = self.link_for(run.world_size)
+        inter = self.links.get("inter")
         limit = self.device_memory_bytes if run.memory_limit_bytes is None else run.memory_limit_bytes
         return DeviceInfo(
             name=self.name,
@@ -161,6 +164,9 @@ class ClusterProfile:
             all_gather=link.all_gather,
             reduce_scatter=link.reduce_scatter,
             source="; ".join(f"{k}: {v}" for k, v in self.sources.items()),
+            node_size=self.node_size,
+            inter_all_gather=inter.all_gather if inter else None,
+            inter_reduce_scatter=inter.reduce_scatter if inter else None,
             **{k: getattr(self, k) for k in COMPUTE_FIELDS},
         )
 

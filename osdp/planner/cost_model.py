@@ -46,6 +46,22 @@ search_problem.py's [Note: the memory constraint]):
 With checkpointing a block keeps only its input; its activations are recomputed and
 alive again during its own backward. The model therefore places the peak at the op
 where prefix + transient is largest, normally the start of backward.
+
+[Note: hpz mode]
+Across nodes (layout "full", n nodes of m ranks: collective_cost.py's [Note: two-level
+collective cost]) a slice may also run in ``hpz`` (ZeRO++ hpZ, FSDP2's
+``reshard_after_forward=m``): forward gathers it over the whole shard group as ``zdp``
+does; after forward the gathered weights are freed but a copy sharded within the node
+(P/g/m bytes per rank) is kept until the slice's backward, which gathers from it over
+the intra-node link only. Per option (g slices: k ``zdp``, h ``hpz``, g-k-h ``dp``):
+    forward  comm = g * AG(P/g)                       (over the shard group)
+    backward comm = (k * AG(P/g) + h * AG_node(P/g)) * (2 if checkpointed else 1)
+                    + g * GRAD(G/g)
+    kept weights  = (g - k - h) * P/g + h * P/(g m)
+where AG, AG_node, GRAD are collective_cost.py's ``gather_s``, ``node_gather_s`` and
+``grad_s`` (HSDP's gradient all-reduce across replicas included). The resharded slices
+of one option share a mode (k = 0 or h = 0): mixing zdp and hpz slices in one op would
+square the option count for steps already between hpz and zdp of the neighbours.
 """
 from __future__ import annotations
 
@@ -57,11 +73,12 @@ import numpy as np
 
 from ..contract import UNSHARDED_GRADS_LIVE
 from ..errors import OSDPError
+from .collective_cost import LAYOUTS, Collectives
 from .description import ModelDesc, OpDesc
 from .device import DeviceInfo
 from .search_problem import SearchProblem
 
-POLICIES = ("osdp", "zdp", "dp")
+POLICIES = ("osdp", "zdp", "dp", "hpz")
 CHECKPOINTING = ("auto", "none", "all")
 
 
@@ -74,7 +91,11 @@ def _is_number(value, minimum: float) -> bool:
 @dataclass(frozen=True)
 class PlannerSettings:
     """Knobs of the planner. ``policy``: "osdp" searches per-op modes and splits;
-    "zdp" is FSDP full-shard (ZeRO-3) and "dp" shard-grad-op (ZeRO-2), both unsplit."""
+    "zdp" is FSDP full-shard (ZeRO-3), "dp" shard-grad-op (ZeRO-2) and "hpz" ZeRO++ hpZ
+    (FSDP2 ``reshard_after_forward=node_size``; zdp within one node), all unsplit.
+    ``layout``: "full" (one shard group), "hsdp" (shard within a node, replicate
+    across nodes) or "auto" (the scheduler plans both and keeps the faster): see
+    collective_cost.py's [Note: sharding layouts]."""
 
     max_slices: int = 16
     policy: str = "osdp"
@@ -103,10 +124,13 @@ class PlannerSettings:
     # many batch sizes (by the cost model's samples/s) contribute their best plan
     rerank: bool = True
     rerank_batches: int = 3
+    layout: str = "full"
 
     def __post_init__(self):
         if self.policy not in POLICIES:
             raise OSDPError(f"policy {self.policy!r} unknown; use one of {POLICIES}")
+        if self.layout not in LAYOUTS + ("auto",):
+            raise OSDPError(f"layout {self.layout!r} unknown; use one of {LAYOUTS + ('auto',)}")
         if self.checkpointing not in CHECKPOINTING:
             raise OSDPError(f"checkpointing {self.checkpointing!r} unknown; use one of {CHECKPOINTING}")
         for name in ("max_slices", "accumulation_steps", "min_buckets", "max_buckets"):
@@ -149,9 +173,28 @@ def mode_choices(g: int, settings: PlannerSettings) -> tuple[int, ...]:
     """Numbers k of zdp slices allowed for g slices."""
     if settings.policy == "zdp":
         return (g,)
-    if settings.policy == "dp":
+    if settings.policy in ("dp", "hpz"):
         return (0,)
     return tuple(range(g + 1))
+
+
+def reshard_choices(g: int, settings: PlannerSettings, hpz: bool) -> tuple[tuple[int, int], ...]:
+    """(k zdp, h hpz) slices allowed for g slices; ``hpz``: whether the run offers it
+    ([Note: hpz mode]: one reshard mode per option)."""
+    if settings.policy == "hpz":
+        return ((0, g),) if hpz else ((g, 0),)  # within one node hpZ is ZeRO-3
+    pairs = tuple((k, 0) for k in mode_choices(g, settings))
+    if hpz and settings.policy == "osdp":
+        pairs += tuple((0, h) for h in range(1, g + 1))
+    return pairs
+
+
+def layout_collectives(device: DeviceInfo, settings: PlannerSettings) -> Collectives:
+    """The collectives of the run under the settings' layout (a concrete one)."""
+    if settings.layout == "auto":
+        raise OSDPError('layout "auto" is resolved by the scheduler (it plans "full" and "hsdp"); the cost model '
+                        'prices one concrete layout')
+    return Collectives(device, settings.layout)
 
 
 def element_bytes(op: OpDesc) -> float:
@@ -212,7 +255,7 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
     """Bytes every plan pays: 1/N shards of params, grads and optimizer state (padded),
     and with gradient accumulation synced only at the last micro-batch, the unsharded
     gradient accumulators of every unit."""
-    n = device.world_size
+    n = layout_collectives(device, settings).shard_ranks
     params = grads = optim = accumulators = 0.0
     for op in desc.ops:
         shard = math.ceil(op.param_count / n)
@@ -238,7 +281,8 @@ def sharded_grads_after(desc: ModelDesc, device: DeviceInfo, settings: PlannerSe
     set to None between steps, those of the ops after i (backward has reduced them)."""
     if not settings.grads_set_to_none:
         return np.zeros(len(desc.ops))
-    shard = np.array([math.ceil(op.param_count / device.world_size) * element_bytes(op) for op in desc.ops])
+    n = layout_collectives(device, settings).shard_ranks
+    shard = np.array([math.ceil(op.param_count / n) * element_bytes(op) for op in desc.ops])
     return np.concatenate((np.cumsum(shard[::-1])[::-1][1:], [0.0]))
 
 
@@ -299,6 +343,7 @@ class ProblemTemplate:
     opt_checkpointed: np.ndarray = field(repr=False, default=None)
     opt_slices: np.ndarray = field(repr=False, default=None)
     opt_zdp: np.ndarray = field(repr=False, default=None)
+    opt_hpz: np.ndarray = field(repr=False, default=None)  # hpz slices ([Note: hpz mode])
     opt_held_bytes: np.ndarray = field(repr=False, default=None)
     opt_transient_bytes: np.ndarray = field(repr=False, default=None)  # gathers + grad buffers
     opt_comm_f_s: np.ndarray = field(repr=False, default=None)
@@ -362,31 +407,31 @@ def _owner_bytes(desc: ModelDesc, op: OpDesc, settings: PlannerSettings) -> floa
 
 
 def _option_rows(desc, op, device, settings, checkpointed, window, after_i, before_i) -> list[tuple]:
-    """(g, k, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
+    """(g, k, h, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
     split efficiency) for every option of one op (see the Notes at the top)."""
-    n = device.world_size
+    coll = layout_collectives(device, settings)
     full_grad = reduced_bytes(op, settings)
     rows = []
     for g in slice_choices(op, settings):
-        for k in mode_choices(g, settings):
+        for k, h in reshard_choices(g, settings, coll.hpz_available and not op.tied_to):
             if op.tied_to:
                 # [Note: tied weights] a second use gathers the owner's weights again
                 # in forward and backward, as a zdp use would
                 s = _owner_bytes(desc, op, settings)
-                held, comm_f = 0.0, device.all_gather.time_s(s, n)
+                held, comm_f = 0.0, coll.gather_s(s)
                 gather_b = comm_f * (2 if checkpointed else 1)
                 grad, reduce_b = 0.0, 0.0
             else:
                 s = gathered_bytes(op, settings) / g
-                held = (g - k) * s
-                ag = device.all_gather.time_s(s, n)
+                held = (g - k - h) * s + h * s / coll.per_node
+                ag = coll.gather_s(s)
                 grad = full_grad / g
                 comm_f = g * ag
-                gather_b = k * ag * (2 if checkpointed else 1)
-                reduce_b = g * device.reduce_scatter.time_s(grad, n)
-            # backward gathers only the zdp slices (dp ones are kept, and counted in
-            # held); the window fills with the units ahead
-            own_b = s if (k > 0 or op.tied_to) else 0.0
+                gather_b = (k * ag + h * coll.node_gather_s(s)) * (2 if checkpointed else 1)
+                reduce_b = g * coll.grad_s(grad)
+            # backward gathers only the zdp / hpz slices (dp ones are kept, and counted
+            # in held); the window fills with the units ahead
+            own_b = s if (k > 0 or h > 0 or op.tied_to) else 0.0
             if s > window:
                 gathers_f, gathers_b = s, own_b
             else:
@@ -395,7 +440,7 @@ def _option_rows(desc, op, device, settings, checkpointed, window, after_i, befo
             # the runtime keeps at most UNSHARDED_GRADS_LIVE (2) unsharded gradients:
             # the slice being computed and one waiting for its reduce-scatter
             transient = max(gathers_f, gathers_b + UNSHARDED_GRADS_LIVE * grad)
-            rows.append((g, k, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
+            rows.append((g, k, h, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
                          (g - 1) * device.slice_overhead_s, split_efficiency(g, device)))
     return rows
 
@@ -413,7 +458,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
     quantum = max(budget, 1.0) / buckets
 
-    names = ("g", "k", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff")
+    names = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff")
     cols = {k: [] for k in ("op", "variant", "ckpt") + names}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
@@ -451,6 +496,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         opt_checkpointed=arr("ckpt", bool),
         opt_slices=arr("g", np.int64),
         opt_zdp=arr("k", np.int64),
+        opt_hpz=arr("h", np.int64),
         opt_held_bytes=arr("held"),
         opt_transient_bytes=arr("transient"),
         opt_comm_f_s=arr("comm_f"),

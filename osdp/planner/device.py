@@ -121,6 +121,12 @@ class DeviceInfo:
     # measured compute of a split op relative to the unsplit one, by slice count ("4": 1.07)
     split_efficiency: dict = field(default_factory=dict)
     source: str = ""
+    # [Note: two-level collective cost] in collective_cost.py: ranks per node, and the
+    # collectives across nodes (per rank's share of its node's network); None: one flat
+    # network (``all_gather`` / ``reduce_scatter`` over any number of ranks)
+    node_size: int | None = None
+    inter_all_gather: CollectiveCost | None = None
+    inter_reduce_scatter: CollectiveCost | None = None
 
     def __post_init__(self):
         if not isinstance(self.name, str):
@@ -131,6 +137,17 @@ class DeviceInfo:
         for name in ("all_gather", "reduce_scatter"):
             if not isinstance(getattr(self, name), CollectiveCost):
                 raise OSDPError(f"{name} must be a CollectiveCost(alpha_s, beta_s_per_byte), got {getattr(self, name)!r}")
+        if self.node_size is not None:
+            check_number(self.node_size, "node_size", positive=True, integer=True, unit="ranks per node")
+        for name in ("inter_all_gather", "inter_reduce_scatter"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, CollectiveCost):
+                raise OSDPError(f"{name} must be a CollectiveCost(alpha_s, beta_s_per_byte) or None, got {value!r}")
+        if (self.inter_all_gather is None) != (self.inter_reduce_scatter is None):
+            raise OSDPError("inter_all_gather and inter_reduce_scatter come together (both the collectives across "
+                            "nodes, or neither)")
+        if self.inter_all_gather is not None and self.node_size is None:
+            raise OSDPError("collectives across nodes (inter_all_gather) need node_size, the ranks of one node")
         if not isinstance(self.source, str):
             raise OSDPError(f"source must be a string, got {self.source!r}")
 
@@ -139,6 +156,9 @@ class DeviceInfo:
 
     def to_dict(self) -> dict:
         data = asdict(self)
+        for name in ("node_size", "inter_all_gather", "inter_reduce_scatter"):
+            if data[name] is None:  # one flat network: written as before two levels existed
+                del data[name]
         data["op_compute"] = {k: asdict(v) if not isinstance(v, dict) else v for k, v in self.op_compute.items()}
         return data
 
@@ -159,6 +179,9 @@ class DeviceInfo:
         try:
             for name in ("all_gather", "reduce_scatter"):
                 values[name] = CollectiveCost.from_dict(data[name], name)
+            for name in ("inter_all_gather", "inter_reduce_scatter"):
+                if data.get(name) is not None:
+                    values[name] = CollectiveCost.from_dict(data[name], name)
             values.update(compute_fields_from_dict(data))
             return cls(**values)
         except OSDPError as exc:

@@ -49,10 +49,16 @@ class UnitDecision:
         return sum(m == "zdp" for m in self.modes)
 
     @property
+    def hpz_slices(self) -> int:
+        return sum(m == "hpz" for m in self.modes)
+
+    @property
     def label(self) -> str:
         if self.slices == 1:
             return self.modes[0]
-        return f"{self.slices} slices: {self.zdp_slices} zdp / {self.slices - self.zdp_slices} dp"
+        hpz = f"{self.hpz_slices} hpz / " if self.hpz_slices else ""
+        return (f"{self.slices} slices: {self.zdp_slices} zdp / {hpz}"
+                f"{self.slices - self.zdp_slices - self.hpz_slices} dp")
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
+from ..contract import MODE_DP, MODE_HPZ, MODE_ZDP
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .cost_model import PlannerSettings
@@ -13,10 +14,10 @@ from .scheduler import Scheduled, check_batch, schedule
 
 # baseline name -> settings overrides (policy, checkpointing)
 BASELINES = {
-    "fsdp": dict(policy="zdp", checkpointing="none"),
-    "shard_grad_op": dict(policy="dp", checkpointing="none"),
+    "fsdp": dict(policy="zdp", checkpointing="none", layout="full"),
+    "shard_grad_op": dict(policy="dp", checkpointing="none", layout="full"),
 }
-CKPT_BASELINES = {"fsdp_ckpt": dict(policy="zdp", checkpointing="all")}
+CKPT_BASELINES = {"fsdp_ckpt": dict(policy="zdp", checkpointing="all", layout="full")}
 
 
 def _prediction(s: Scheduled) -> Prediction:
@@ -44,8 +45,9 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple
         if op.tied_to:  # a second use of another unit's weights: no unit of its own
             continue
         o = s.result.option_index[i]
-        g, k = int(t.opt_slices[o]), int(t.opt_zdp[o])
-        units.append(UnitDecision(op.name, op.kind, op.param_bytes, ("zdp",) * k + ("dp",) * (g - k),
+        g, k, h = int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
+        modes = (MODE_ZDP,) * k + (MODE_HPZ,) * h + (MODE_DP,) * (g - k - h)
+        units.append(UnitDecision(op.name, op.kind, op.param_bytes, modes,
                                   op.name in checkpointed, op.split_op if g > 1 else ""))
     blocks = tuple(seg.name for seg, v in zip(t.segments, s.result.variant) if seg.variants[v])
     rounded_terms = sum(1 for i in range(len(desc.ops)) if t.opt_held_bytes[s.result.option_index[i]] > 0)

@@ -112,9 +112,9 @@ def within(settings: PlannerSettings, overrides: dict) -> bool:
 def _key(s: Scheduled) -> tuple:
     """Identity of what the runtime would run."""
     t = s.template
-    options = tuple((int(t.opt_slices[o]), int(t.opt_zdp[o])) for o in s.result.option_index)
+    options = tuple((int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])) for o in s.result.option_index)
     ckpt = tuple(i for seg, v in zip(t.segments, s.result.variant) if seg.variants[v] for i in seg.ops)
-    return (s.batch, s.accumulation_steps, int(t.window_bytes), options, ckpt)
+    return (s.batch, s.accumulation_steps, int(t.window_bytes), options, ckpt, t.settings.layout)
 
 
 def _nearby_batches(best: Scheduled, count: int, backend: str) -> tuple[list[Scheduled], int]:

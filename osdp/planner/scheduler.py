@@ -24,6 +24,7 @@ import numpy as np
 
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
+from .collective_cost import LAYOUTS, spans_nodes
 from .cost_model import Estimate, PlannerSettings, ProblemTemplate, build_template, evaluate, _option_times
 from .description import ModelDesc
 from .device import DeviceInfo
@@ -134,6 +135,9 @@ def schedule(
     fastest micro-batch size and gradient accumulation. Raises ``InfeasiblePlanError``
     when nothing fits at batch 1 (or at the requested batch)."""
     started = time.perf_counter()
+    settings = settings or PlannerSettings()
+    if settings.layout == "auto":
+        return _schedule_layouts(desc, device, settings, batch, backend, max_batch, global_batch)
     if global_batch is not None:
         return _schedule_global(desc, device, settings or PlannerSettings(), global_batch, backend, started)
     t = build_template(desc, device, settings)
@@ -194,6 +198,25 @@ def schedule(
         if r.feasible and b / r.time_s > best_rate:
             best_b, best_rate = b, b / r.time_s
     return _finish(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch)
+
+
+def _schedule_layouts(desc, device, settings, batch, backend, max_batch, global_batch) -> Scheduled:
+    """Layout "auto": plan every layout the run offers ("hsdp" only across nodes) and
+    keep the one with the most samples/s ([Note: sharding layouts] in collective_cost.py)."""
+    layouts = LAYOUTS if spans_nodes(device) else ("full",)
+    best, error = None, None
+    for layout in layouts:
+        try:
+            s = schedule(desc, device, settings.with_(layout=layout), batch=batch, backend=backend,
+                         max_batch=max_batch, global_batch=global_batch)
+        except InfeasiblePlanError as exc:
+            error = exc
+            continue
+        if best is None or s.samples_per_s > best.samples_per_s:
+            best = s
+    if best is None:
+        raise error
+    return best
 
 
 def _batch_guess(t: ProblemTemplate, max_batch: int) -> int:

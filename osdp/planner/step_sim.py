@@ -17,7 +17,9 @@ simulated is the runtime's ORDER of things, from the second step on (the use ord
 recorded; small units are coalesced):
 
 - units: an unsplit op is one unit, a split op's g slices are g units (slices 0..k-1
-  ``zdp``, the rest ``dp``, as ``plan_from_schedule`` writes them), a tied second use
+  ``zdp``, the next h ``hpz``, the rest ``dp``, as ``plan_from_schedule`` writes them;
+  an ``hpz`` unit runs as a ``zdp`` one whose gathers after forward take
+  ``node_gather_s``), collective seconds from collective_cost.py, a tied second use
   uses its owner's unit(s). Forward uses run in op order, backward in reverse.
 - the hook protocol, step by step as the runtime calls it: pre_forward (issue the unit's
   gather, prefetch, wait), compute, post_forward (a ``zdp`` unit is freed, a ``dp`` unit
@@ -75,7 +77,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..contract import DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, is_small_unit
-from .cost_model import ProblemTemplate, gathered_bytes, option_compute_s, optimizer_step_s, reduced_bytes
+from .cost_model import ProblemTemplate, gathered_bytes, layout_collectives, option_compute_s, optimizer_step_s, reduced_bytes
 
 # the runtime's rules, from the contract both sides import
 RUNTIME_COALESCE_BYTES = DEFAULT_COALESCE_BYTES
@@ -122,12 +124,14 @@ class StepSim:
 
 
 class _Unit:
-    __slots__ = ("name", "nbytes", "grad_bytes", "dp", "small", "gather_s", "sharded", "ready_s",
+    __slots__ = ("name", "nbytes", "grad_bytes", "dp", "small", "gather_s", "regather_s", "sharded", "ready_s",
                  "n_active", "n_await", "has_grad", "deferred", "fpos", "bpos")
 
-    def __init__(self, name, nbytes, grad_bytes, dp, small, gather_s):
+    def __init__(self, name, nbytes, grad_bytes, dp, small, gather_s, regather_s=None):
         self.name, self.nbytes, self.grad_bytes = name, nbytes, grad_bytes
         self.dp, self.small, self.gather_s = dp, small, gather_s
+        # a gather after forward: within the node for an hpz unit ([Note: hpz mode])
+        self.regather_s = gather_s if regather_s is None else regather_s
         self.sharded, self.ready_s = True, 0.0
         self.n_active = self.n_await = 0
         self.has_grad = self.deferred = False
@@ -150,21 +154,23 @@ class _Step:
 
 def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_bytes: int):
     desc, dev, settings = t.desc, t.device, t.settings
-    n = dev.world_size
     chosen = np.asarray(option_index, dtype=np.int64)
     comp_f, comp_b = option_compute_s(t, batch)
     comp_f, comp_b = comp_f[chosen].tolist(), comp_b[chosen].tolist()
-    slices, zdp = t.opt_slices[chosen].tolist(), t.opt_zdp[chosen].tolist()
+    slices, zdp, hpz = t.opt_slices[chosen].tolist(), t.opt_zdp[chosen].tolist(), t.opt_hpz[chosen].tolist()
+    coll = layout_collectives(dev, settings)
     units_of: dict[int, list[_Unit]] = {}
     for i, op in enumerate(desc.ops):
         if op.tied_to or not op.param_count:
             continue
-        g, k = slices[i], zdp[i]
+        g, k, h = slices[i], zdp[i], hpz[i]
         s = gathered_bytes(op, settings) / g
         grad = reduced_bytes(op, settings) / g
-        ag = dev.all_gather.time_s(s, n)
+        ag, node_ag = coll.gather_s(s), coll.node_gather_s(s)
         small = is_small_unit(s, coalesce_bytes, is_slice=g > 1)
-        units_of[i] = [_Unit(op.name if g == 1 else f"{op.name}[{j}]", s, grad, j >= k, small, ag) for j in range(g)]
+        # slices 0..k-1 zdp, k..k+h-1 hpz, the rest dp (as plan_from_schedule writes them)
+        units_of[i] = [_Unit(op.name if g == 1 else f"{op.name}[{j}]", s, grad, j >= k + h, small, ag,
+                             node_ag if k <= j < k + h else ag) for j in range(g)]
     steps_of: dict[int, list[_Step]] = {}
     for i, op in enumerate(desc.ops):
         f, b = comp_f[i], comp_b[i]
@@ -202,6 +208,7 @@ class _Sim:
         dev = t.device
         self.n = dev.world_size
         self.dev = dev
+        self.coll = layout_collectives(dev, t.settings)
         self.steps, self.order = steps, order
         self.units = list({id(u): u for u in order}.values())
         self.window = t.window_bytes if math.isinf(t.window_bytes) else float(int(t.window_bytes))
@@ -326,10 +333,13 @@ class _Sim:
                 seen.add(other)
                 budget -= other.nbytes
                 room -= other.nbytes
+        again = self.phase != "forward"
         if len(group) == 1:
-            seconds = u.gather_s
+            seconds = u.regather_s if again else u.gather_s
+        elif again and all(g.regather_s < g.gather_s for g in group):
+            seconds = self.coll.node_gather_s(sum(g.nbytes for g in group))
         else:
-            seconds = self.dev.all_gather.time_s(sum(g.nbytes for g in group), self.n)
+            seconds = self.coll.gather_s(sum(g.nbytes for g in group))
         what = ", ".join(g.name for g in group) if self.events is not None else ""
         ready = self.collective("all_gather", what, seconds)
         self.n_gathers += 1
@@ -374,9 +384,9 @@ class _Sim:
 
     def _reduce_group(self, group: list[_Unit]) -> None:
         nbytes = sum(u.grad_bytes for u in group)
-        seconds = self.dev.reduce_scatter.time_s(nbytes, self.n)
+        seconds = self.coll.grad_s(nbytes)
         if self.all_reduce:
-            seconds += self.dev.all_gather.time_s(nbytes, self.n)
+            seconds += self.coll.gather_s(nbytes)
         kind = "all_reduce" if self.all_reduce else "reduce_scatter"
         what = ", ".join(u.name for u in group) if self.events is not None else ""
         self.reductions.append(self.collective(kind, what, seconds))

@@ -148,7 +148,9 @@ def test_old_format_measured_device_file_keeps_its_fits_and_source(tmp_path):
     with pytest.warns(OldClusterFormatWarning):
         cluster = load_cluster(str(path))
     assert cluster.sources == {"source": "measured by osdp.profile on cpu"}
-    assert cluster.for_run(RunSettings(world_size=2)) == replace(device, source="source: measured by osdp.profile on cpu")
+    # the old file's world size became the node size (one node: no collectives across nodes)
+    assert cluster.for_run(RunSettings(world_size=2)) == replace(device, source="source: measured by osdp.profile on cpu",
+                                                                 node_size=2)
 
 
 # ---- broken and mixed files: the file and the field named ---------------------------------
@@ -244,7 +246,7 @@ def test_run_settings_are_checked_and_never_enter_a_profile():
     assert cluster.with_(constant_bytes=0).constant_bytes == 0 and cluster.constant_bytes > 0
 
 
-def test_a_two_level_profile_loads_and_a_flat_ring_reads_the_level_it_spans(tmp_path):
+def test_a_two_level_profile_loads_and_the_run_reads_both_levels(tmp_path):
     inter = {"all_gather": {"alpha_s": 3e-5, "beta_s_per_byte": 4e-11},
              "reduce_scatter": {"alpha_s": 3e-5, "beta_s_per_byte": 4e-11}}
     data = json.loads((PROFILE_DIR / "h100-nvlink.json").read_text())
@@ -253,8 +255,14 @@ def test_a_two_level_profile_loads_and_a_flat_ring_reads_the_level_it_spans(tmp_
     path.write_text(json.dumps(data))
     cluster = load_cluster(str(path))
     assert cluster.links["inter"] == Link(CollectiveCost(3e-5, 4e-11), CollectiveCost(3e-5, 4e-11))
-    assert cluster.for_run(RunSettings(world_size=8)).all_gather == cluster.links["intra"].all_gather
-    assert cluster.for_run(RunSettings(world_size=16)).all_gather == cluster.links["inter"].all_gather
+    # DeviceInfo holds both levels: "intra" as all_gather, "inter" beside it with node_size
+    # (the cost model prices groups across nodes in two levels: collective_cost.py)
+    for world in (8, 16):
+        device = cluster.for_run(RunSettings(world_size=world))
+        assert device.all_gather == cluster.links["intra"].all_gather
+        assert device.inter_all_gather == cluster.links["inter"].all_gather
+        assert device.inter_reduce_scatter == cluster.links["inter"].reduce_scatter
+        assert device.node_size == 8
     # one level: the same link for any world size (as before the split; bench/planner.py runs 256 ranks)
     flat = load_cluster("h100-nvlink")
     assert flat.for_run(RunSettings(world_size=256)).all_gather == flat.links["intra"].all_gather
