@@ -22,9 +22,10 @@ def plan_assignment(plan: Plan, template):
     for i, op in enumerate(template.desc.ops):
         v = variant[seg_of[i]]
         owner = decided.get(op.name)
-        g, k = (owner.slices, owner.zdp_slices) if owner else (1, 1)
+        g, k, h = (owner.slices, owner.zdp_slices, owner.hpz_slices) if owner else (1, 1, 0)
         match = [o for o in range(template.opt_begin[i, v], template.opt_end[i, v])
-                 if template.opt_slices[o] == g and (op.tied_to or template.opt_zdp[o] == k)]
+                 if template.opt_slices[o] == g
+                 and (op.tied_to or (template.opt_zdp[o] == k and template.opt_hpz[o] == h))]
         if not match:
             raise OSDPError(f"unit {op.name!r}: {g} slices / {k} zdp is not an option under the plan's settings")
         options.append(match[0])

@@ -45,9 +45,10 @@ Checks: n = 1 gives the intra ring, m = 1 the ring over the inter link. The phas
 summed, not overlapped: a two-phase algorithm waits for phase 1 before it forwards in
 phase 2; NCCL pipelines its flat ring in chunks, but its ring then carries (N-1)/N * S/m
 bytes through every NIC instead of (n-1)/n * S/m, and the sum reproduces the one public
-figure at hand: nccl-tests all_gather over 32 nodes of 8 H100 with 8x400 Gb/s NDR, 2 GB,
+figure at hand: nccl-tests all_gather over 32 nodes of 8 H100 with 8x400 Gb/s NDR, 2 GiB,
 ~200 GB/s bus bandwidth (NVIDIA/nccl issue 1218); with the h100-ib-ndr profile,
-AG(2 GB) = 5.2 ms + 4.9 ms, bus bandwidth (N-1)/N * S / AG = 199 GB/s. The latency part
+AG(2 GiB) = 5.9 ms across + 5.3 ms within, bus bandwidth (N-1)/N * S / AG = 191 GB/s
+(the overlapped max would claim 360 GB/s). The latency part
 is (n-1) a_e + (m-1) a_a, not (N-1) a: the flat ring's N-1 steps would price 1024 ranks'
 gathers at ~1000 latencies each, which NCCL's rings-per-rail layout avoids.
 
