@@ -124,9 +124,31 @@ def cmd_plan(args) -> int:
 def cmd_simulate(args) -> int:
     from .simulate import run_simulation
 
+    if args.scale:
+        return _simulate_scale(args)
+
     if args.world_size is not None and args.world_size < 1:
         raise OSDPError(f"--world-size must be a positive integer, got {args.world_size}")
     print(run_simulation(cluster=args.cluster, backend=args.backend, quick=args.quick, world_size=args.world_size))
+    return 0
+
+
+def _simulate_scale(args) -> int:
+    """``osdp simulate --scale``: see osdp/scale.py."""
+    from .scale import SCALE_MODELS, SCALE_PROFILES, SCALE_WORLDS, run_scale
+
+    profiles = tuple(args.scale_clusters.split(",")) if args.scale_clusters else SCALE_PROFILES
+    models = tuple(args.scale_models.split(",")) if args.scale_models else SCALE_MODELS
+    worlds = SCALE_WORLDS
+    if args.scale_worlds:
+        parts = [p.strip() for p in args.scale_worlds.split(",")]
+        if not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise OSDPError(f"--scale-worlds takes comma-separated GPU counts, e.g. 16,64, got {args.scale_worlds!r}")
+        worlds = tuple(int(p) for p in parts)
+    print(run_scale(out_dir=args.out, profiles=profiles, models=models, worlds=worlds, backend=args.backend,
+                    seq_len=args.seq))
+    if args.out:
+        print(f"tables and plots written to {args.out}/scale_<cluster>.txt and .svg")
     return 0
 
 
@@ -191,6 +213,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_world_size_flag(p)
     p.add_argument("--backend", default="auto", choices=("auto", "cpp", "python"))
     p.add_argument("--quick", action="store_true", help="one model per family")
+    g = p.add_argument_group("--scale: OSDP vs FSDP2 full shard, FSDP2 HSDP and ZeRO++ hpZ on multi-node clusters")
+    g.add_argument("--scale", action="store_true",
+                   help="Llama 7B/13B/70B on 16 to 1024 GPUs of each multi-node profile (osdp/scale.py)")
+    g.add_argument("--scale-clusters", help="comma-separated cluster profiles (default: the multi-node ones)")
+    g.add_argument("--scale-models", help="comma-separated Llama presets (default llama2-7b,llama2-13b,llama2-70b)")
+    g.add_argument("--scale-worlds", help="comma-separated GPU counts (default 16,64,256,1024)")
+    g.add_argument("--seq", type=int, help="sequence length (default: the preset's, 4096)")
+    g.add_argument("--out", help="write scale_<cluster>.txt and .svg into this folder (e.g. bench/results)")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("presets", help="list the model presets")

@@ -31,7 +31,7 @@ that creates or first reads it:
     down_proj    s f e (silu's output, read by the product) + s f e (its input)
     embed_tokens s * 8 (token ids)
     lm_head      s h e + s V e (logits) + s * 8 (targets)
-So a layer saves (4 s h + 2 s c d + 4 s f) e + (a + 2) s * 4 bytes: linear in s (a
+So a layer saves (6 s h + 2 s c d + 4 s f) e + (a + 2) s * 4 bytes: linear in s (a
 test checks it). Backward transients (the gradients in flight while the unit's backward
 runs, each plus s * 8 as gpt_desc counts them): a linear (fan_in + fan_out) s e, o_proj
 with the attention's backward (3 s h + 2 s c d) e, an RMSNorm 3 s h e, lm_head 2 s V e,
