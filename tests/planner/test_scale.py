@@ -186,16 +186,16 @@ def test_llama_activation_bytes_are_linear_in_seq_and_tied_head_has_no_own_weigh
 def test_simulate_scale_small_grid_has_every_peer_and_osdp_is_never_below_them(tmp_path, capsys):
     from osdp.scale import OSDP, PEERS, simulate_scale
 
-    rows = simulate_scale(profiles=("pcie-100gbe",), models=("llama2-7b",), worlds=(16,), seq_len=512)
+    rows = simulate_scale(profiles=("pcie-100gbe",), models=("llama2-7b",), worlds=(16,))
     (_, _, _, runs), = rows
     assert set(runs) == {OSDP, *PEERS}
     # OSDP's search space holds every peer's fixed plan (zdp or hpz everywhere, either layout)
     for name in PEERS:
         assert runs[OSDP].samples_per_s_per_gpu >= runs[name].samples_per_s_per_gpu * (1 - 1e-9)
-        assert math.isclose(runs[name].tokens_per_s_per_gpu, runs[name].samples_per_s_per_gpu * 512)
+        assert math.isclose(runs[name].tokens_per_s_per_gpu, runs[name].samples_per_s_per_gpu * 4096)
 
     assert main(["simulate", "--scale", "--scale-clusters", "pcie-100gbe", "--scale-models", "llama2-7b",
-                 "--scale-worlds", "16", "--seq", "512", "--out", str(tmp_path)]) == 0
+                 "--scale-worlds", "16", "--out", str(tmp_path)]) == 0
     table = (tmp_path / "scale_pcie-100gbe.txt").read_text()
     for name in (OSDP, *PEERS):
         assert name in table
