@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import InfeasiblePlanError
+from .sizes import format_bytes
 from .planner.cluster import load_cluster
 from .planner.cost_model import PlannerSettings, _option_times, option_compute_s, optimizer_step_s
 from .planner.llama_desc import describe_llama, llama_preset
@@ -177,8 +178,7 @@ def format_scale(rows, profile: str) -> str:
     systems = (OSDP,) + tuple(PEERS)
     widths = {OSDP: 22, **{p: 28 for p in PEERS}}
     head = f"{'model':<11} {'GPUs':>5}  " + "  ".join(f"{s:>{widths[s]}}" for s in systems)
-    lines = [f"osdp simulate --scale: {cluster.name} ({profile}), {format(cluster.device_memory_bytes / 2**30, 'g')} "
-             "GiB per GPU",
+    lines = [f"osdp simulate --scale: {cluster.name} ({profile}), {format_bytes(cluster.device_memory_bytes)} per GPU",
              "predicted samples/s per GPU and tokens/s per GPU; (x): OSDP / peer. Peers are fixed-choice plans "
              "priced by the same cost model (osdp/scale.py says what is and is not modelled).",
              head, "-" * len(head)]
