@@ -307,6 +307,10 @@ class ProblemTemplate:
     opt_overlap: np.ndarray = field(repr=False, default=None)
     opt_split_overhead_s: np.ndarray = field(repr=False, default=None)
     opt_split_eff: np.ndarray = field(repr=False, default=None)
+    # per sample: a vocabulary head's saved logits and logits gradients under this option
+    # ([Note: fused vocabulary-split loss]), apart from act_per_sample / act_grad_per_sample
+    opt_logits_per_sample: np.ndarray = field(repr=False, default=None)
+    opt_logits_grad_per_sample: np.ndarray = field(repr=False, default=None)
     opt_begin: np.ndarray = field(repr=False, default=None)
     opt_end: np.ndarray = field(repr=False, default=None)
     # per op
@@ -316,6 +320,7 @@ class ProblemTemplate:
     bwd_per_sample_s: np.ndarray = field(repr=False, default=None)
     act_per_sample: np.ndarray = field(repr=False, default=None)
     grads_after: np.ndarray = field(repr=False, default=None)  # sharded grads alive at each op
+    tied_grads: np.ndarray = field(repr=False, default=None)  # tied units' unsharded grads at each op
     act_grad_per_sample: np.ndarray = field(repr=False, default=None)  # backward transients
 
     @property
@@ -357,47 +362,108 @@ def _ahead_bytes(desc: ModelDesc, window: float, settings: PlannerSettings) -> t
     return after, before
 
 
-def _owner_bytes(desc: ModelDesc, op: OpDesc, settings: PlannerSettings) -> float:
-    return gathered_bytes(desc.ops[desc.op_index(op.tied_to)], settings) if op.tied_to else 0.0
+def backward_needs_weights(op: OpDesc, g: int) -> bool:
+    """Whether a use of ``op``'s weights cut into ``g`` slices reads them in backward: an
+    unsplit module always does (the runtime's hooks gather it for its backward); a split
+    op says so in its declaration (``needs_weights_in_backward``, osdp/ops/registry.py)."""
+    if g == 1 or not op.split_op:
+        return True
+    from ..ops import registered_split_ops
+
+    split = registered_split_ops().get(op.split_op)
+    return True if split is None else bool(split.needs_weights_in_backward)
 
 
-def _option_rows(desc, op, device, settings, checkpointed, window, after_i, before_i) -> list[tuple]:
+def tied_groups(desc: ModelDesc) -> list[tuple[int, ...]]:
+    """Ops that use one unit's weights, owner first, in op order: one tuple per tied unit
+    (``OpDesc.tied_to``). They share one slicing and one mode per slice: [Note: tied
+    weights]."""
+    groups: dict[int, list[int]] = {}
+    for i, op in enumerate(desc.ops):
+        if op.tied_to:
+            owner = desc.op_index(op.tied_to)
+            groups.setdefault(owner, [owner]).append(i)
+    return [tuple(sorted(v)) for v in groups.values()]
+
+
+def fused_logits_bytes(desc: ModelDesc, i: int) -> float:
+    """Logits bytes per sample that a vocabulary-split option of op ``i`` never holds
+    ([Note: fused vocabulary-split loss]); 0 unless op ``i`` is the model's last op (the
+    saved logits are then seen by no later op, so the saving is an option's own term)."""
+    op = desc.ops[i]
+    if i != len(desc.ops) - 1 or op.logits_bytes_per_sample <= 0:
+        return 0.0
+    return float(min(op.logits_bytes_per_sample, op.act_bytes_per_sample))
+
+
+def _group_of(desc: ModelDesc, i: int) -> tuple[int, ...]:
+    for group in tied_groups(desc):
+        if i in group:
+            return group
+    return (i,)
+
+
+def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i) -> list[tuple]:
     """(g, k, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
-    split efficiency) for every option of one op (see the Notes at the top)."""
+    split efficiency, logits saved, logits grads) for every option of op ``i`` (see the
+    Notes at the top and [Note: tied weights])."""
     n = device.world_size
-    full_grad = reduced_bytes(op, settings)
+    op = desc.ops[i]
+    group = _group_of(desc, i)
+    owner = desc.ops[group[0]]
+    full_grad = reduced_bytes(owner, settings)
+    logits = fused_logits_bytes(desc, i)
     rows = []
-    for g in slice_choices(op, settings):
-        for k in mode_choices(g, settings):
-            if op.tied_to:
-                # [Note: tied weights] a second use gathers the owner's weights again
-                # in forward and backward, as a zdp use would
-                s = _owner_bytes(desc, op, settings)
-                held, comm_f = 0.0, device.all_gather.time_s(s, n)
-                gather_b = comm_f * (2 if checkpointed else 1)
-                grad, reduce_b = 0.0, 0.0
-            else:
-                s = gathered_bytes(op, settings) / g
-                held = (g - k) * s
-                ag = device.all_gather.time_s(s, n)
-                grad = full_grad / g
-                comm_f = g * ag
-                gather_b = k * ag * (2 if checkpointed else 1)
-                reduce_b = g * device.reduce_scatter.time_s(grad, n)
-            # backward gathers only the zdp slices (dp ones are kept, and counted in
-            # held); the window fills with the units ahead
-            own_b = s if (k > 0 or op.tied_to) else 0.0
+    splittable = all(desc.ops[j].splittable for j in group)
+    for g in slice_choices(owner, settings) if splittable else (1,):
+        needs = [backward_needs_weights(desc.ops[j], g) for j in group]
+        # dp slices are kept by the first use that reads them in backward, until the end
+        keeper = next((j for j, need in zip(group, needs) if need), None)
+        weights_b = needs[group.index(i)]
+        s = gathered_bytes(owner, settings) / g
+        ag = device.all_gather.time_s(s, n)
+        grad = full_grad / g
+        modes = mode_choices(g, settings)
+        if len(group) == 1 and not weights_b:
+            modes = (g,)  # no weights in backward: dp and zdp slices are both freed after forward
+        for k in modes:
+            held = (g - k) * s if keeper == i else 0.0
+            # a use gathers what no earlier use keeps; in backward, its zdp slices
+            gathered_f = k if keeper is not None and keeper < i else g
+            gathered_b = k if weights_b else 0
+            recompute = (k if weights_b else g) if checkpointed else 0
+            comm_f = gathered_f * ag
+            gather_b = (gathered_b + recompute) * ag
+            # gradients are reduced after the last use in backward: the first in op order
+            reduce_b = g * device.reduce_scatter.time_s(grad, n) if i == group[0] else 0.0
+            own_f = s if gathered_f else 0.0
+            own_b = s if gathered_b else 0.0
             if s > window:
-                gathers_f, gathers_b = s, own_b
+                gathers_f, gathers_b = own_f, own_b
             else:
-                gathers_f = min(window, s + after_i)
+                gathers_f = min(window, own_f + after_i)
                 gathers_b = min(window, own_b + before_i)
-            # the runtime keeps at most UNSHARDED_GRADS_LIVE (2) unsharded gradients:
-            # the slice being computed and one waiting for its reduce-scatter
-            transient = max(gathers_f, gathers_b + UNSHARDED_GRADS_LIVE * grad)
+            # the runtime keeps at most UNSHARDED_GRADS_LIVE (2) unsharded gradients: the
+            # slice being computed and one waiting for its reduce-scatter; a tied unit's
+            # are summed over its uses first (tied_grads_bytes, choice-independent)
+            grads_live = UNSHARDED_GRADS_LIVE * grad if len(group) == 1 else 0.0
+            transient = max(gathers_f, gathers_b + grads_live)
+            # [Note: fused vocabulary-split loss]: split, the head never holds the logits
+            fused = g > 1 and logits > 0
+            logits_saved = 0.0 if fused else logits
+            logits_grads = 2.0 * logits / g
             rows.append((g, k, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
-                         (g - 1) * device.slice_overhead_s, split_efficiency(g, device)))
+                         (g - 1) * device.slice_overhead_s, split_efficiency(g, device), logits_saved, logits_grads))
     return rows
+
+
+def tied_grads_bytes(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:
+    """Per op, bytes of tied units' unsharded gradients alive there: from the backward of
+    a tied unit's last use to that of its first (owner), all of it ([Note: tied weights])."""
+    alive = np.zeros(len(desc.ops))
+    for group in tied_groups(desc):
+        alive[group[0] : group[-1] + 1] += reduced_bytes(desc.ops[group[0]], settings)
+    return alive
 
 
 def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings | None = None) -> ProblemTemplate:
@@ -413,20 +479,23 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
     quantum = max(budget, 1.0) / buckets
 
-    names = ("g", "k", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff")
+    names = ("g", "k", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff",
+             "logits", "logits_grad")
     cols = {k: [] for k in ("op", "variant", "ckpt") + names}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
     cache: dict[tuple, list[tuple]] = {}  # identical layers share their option rows
+    owners = {group[0] for group in tied_groups(desc)}
     for seg in segments:
         for variant, checkpointed in enumerate(seg.variants):
             for i in seg.ops:
                 op = desc.ops[i]
-                key = (op.param_count, op.param_bytes, op.splittable, op.in_features,
-                       _owner_bytes(desc, op, settings), checkpointed, after[i], before[i])
+                special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
+                key = ((op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features,
+                                                   op.split_op)) + (checkpointed, after[i], before[i])
                 rows = cache.get(key)
                 if rows is None:
-                    rows = cache[key] = _option_rows(desc, op, device, settings, checkpointed,
+                    rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
                                                      window, after[i], before[i])
                 begin[i, variant] = len(cols["op"])
                 cols["op"].extend([i] * len(rows))
@@ -459,16 +528,22 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         opt_overlap=arr("overlap", bool),
         opt_split_overhead_s=arr("ovh"),
         opt_split_eff=arr("eff"),
+        opt_logits_per_sample=arr("logits"),
+        opt_logits_grad_per_sample=arr("logits_grad"),
         opt_begin=begin,
         opt_end=end,
         fwd_intercept_s=np.array([f[0] for f in fits]),
         fwd_per_sample_s=np.array([f[1] for f in fits]),
         bwd_intercept_s=np.array([f[2] for f in fits]),
         bwd_per_sample_s=np.array([f[3] for f in fits]),
-        act_per_sample=np.array([op.act_bytes_per_sample for op in desc.ops]) * activation_scale(desc, settings),
-        act_grad_per_sample=np.array([op.act_grad_bytes_per_sample or op.act_bytes_per_sample for op in desc.ops])
-        * activation_scale(desc, settings),
+        # a fused head's logits (saved, and their gradients) are its options' own terms
+        act_per_sample=np.array([op.act_bytes_per_sample - fused_logits_bytes(desc, i)
+                                 for i, op in enumerate(desc.ops)]) * activation_scale(desc, settings),
+        act_grad_per_sample=np.array([max((op.act_grad_bytes_per_sample or op.act_bytes_per_sample)
+                                          - 2.0 * fused_logits_bytes(desc, i), 0.0)
+                                      for i, op in enumerate(desc.ops)]) * activation_scale(desc, settings),
         grads_after=sharded_grads_after(desc, device, settings),
+        tied_grads=tied_grads_bytes(desc, settings),
     )
 
 
@@ -517,7 +592,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         for v, checkpointed in enumerate(seg.variants):
             kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
             # the per-op exact term also holds the sharded grads already reduced
-            act_in[seg.ops, v] = kept + inside + t.grads_after[seg.ops]
+            act_in[seg.ops, v] = kept + inside + t.grads_after[seg.ops] + t.tied_grads[seg.ops]
             carried = kept if checkpointed else inside[-1]
             carry[s, v] = math.ceil(carried / q - 1e-9) if carried > 0 else 0
     held_q = np.ceil(t.opt_held_bytes / q - 1e-9).astype(np.int64)
@@ -534,7 +609,8 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         opt_slices=t.opt_slices,
         opt_zdp_slices=t.opt_zdp,
         opt_held_q=held_q,
-        opt_local_bytes=t.opt_transient_bytes + t.act_grad_per_sample[t.opt_op] * batch,
+        opt_local_bytes=t.opt_transient_bytes + (t.act_grad_per_sample[t.opt_op] + t.opt_logits_per_sample
+                                                 + t.opt_logits_grad_per_sample) * batch,
         opt_time_s=_option_times(t, batch),
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
@@ -582,14 +658,19 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
                 raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
             held_prefix += t.opt_held_bytes[o]
             inside += act[i]
-            rows.append((i, {
+            parts = {
                 **static_parts,
                 "kept_dp_weights": float(held_prefix),
                 "saved_activations": float(act_prefix + kept + inside),
                 "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),
                 "activation_grads": float(t.act_grad_per_sample[i] * batch),
                 "sharded_grads_so_far": float(t.grads_after[i]),
-            }))
+            }
+            if t.tied_grads[i]:
+                parts["tied_unsharded_grads"] = float(t.tied_grads[i])
+            if t.opt_logits_per_sample[o] or t.opt_logits_grad_per_sample[o]:
+                parts["logits_and_grads"] = float((t.opt_logits_per_sample[o] + t.opt_logits_grad_per_sample[o]) * batch)
+            rows.append((i, parts))
         act_prefix += kept if checkpointed else inside
     return rows
 
