@@ -122,10 +122,18 @@ def cmd_plan(args) -> int:
 
 
 def cmd_simulate(args) -> int:
+    from .planner.cluster import DEFAULT_CLUSTER as DEFAULT_CLUSTER_NAME
     from .simulate import run_simulation
 
     if args.world_size is not None and args.world_size < 1:
         raise OSDPError(f"--world-size must be a positive integer, got {args.world_size}")
+    if args.paper:
+        from .simulate import run_paper
+
+        command = "osdp simulate --paper" + ("" if args.cluster == DEFAULT_CLUSTER_NAME else f" --cluster {args.cluster}") \
+            + ("" if args.world_size is None else f" --world-size {args.world_size}")
+        print(run_paper(cluster=args.cluster, backend=args.backend, world_size=args.world_size, command=command))
+        return 0
     print(run_simulation(cluster=args.cluster, backend=args.backend, quick=args.quick, world_size=args.world_size))
     return 0
 
@@ -191,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_world_size_flag(p)
     p.add_argument("--backend", default="auto", choices=("auto", "cpp", "python"))
     p.add_argument("--quick", action="store_true", help="one model per family")
+    p.add_argument("--paper", action="store_true",
+                   help="the paper's Figure 5 cell by cell: our predicted ratios beside the paper's reported figures, "
+                        "and why a cell differs by more than 10%%")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("presets", help="list the model presets")

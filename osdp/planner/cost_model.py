@@ -46,6 +46,46 @@ search_problem.py's [Note: the memory constraint]):
 With checkpointing a block keeps only its input; its activations are recomputed and
 alive again during its own backward. The model therefore places the peak at the op
 where prefix + transient is largest, normally the start of backward.
+
+[Note: uses and what they declare]
+An op's option is priced by what its split op declares (osdp/ops/registry.py), never by
+its kind: unsplit (g = 1), a module's backward always reads its weights (the runtime's
+hooks gather a zdp unit again); split, it does when ``needs_weights_in_backward``. A use
+whose backward reads no weights (a row-split embedding: its backward scatter-adds rows
+of dY) gathers its g slices in forward only, frees them after forward in either mode
+(so its options are one per g), and has no backward gathers and no kept weights.
+
+[Note: tied weights]
+A unit whose weights several ops use (a GPT's tied embedding and head: ``tied_to``) is
+one slicing and one mode per slice for all its uses; the search sees each use as an op,
+with rows for every (g, k) of the owner's choices, and ``tied_choices`` makes the uses
+agree. Per use, with s = P/g:
+    kept      (g - k) s at the first use in op order whose backward reads the weights
+              (the head, for a GPT: dp slices live from the head's forward to its
+              backward); none at the others
+    forward   g gathers of s, or k when an earlier use keeps the dp slices
+    backward  k gathers when the use reads weights in backward, else none
+    reduce    g reduce-scatters of G/g, at the first use (the last in backward)
+The slices' gradients are summed over the uses before their reduce-scatter, so the
+whole unsharded gradient G lives from the backward of the last use to that of the
+first: a choice-independent term at those ops (``tied_grads``, breakdown
+"tied_unsharded_grads"), counted in forward too (conservative; the peak, at the start
+of backward, holds it).
+
+[Note: fused vocabulary-split loss]
+The model's vocabulary head (describe's [Note: the vocabulary head]: its last op, whose
+output is the logits) declares ``logits_bytes_per_sample`` L: the log-probabilities the
+loss saves, as big as the logits. Split along the vocabulary (g > 1; describe only
+declares L when the head's split op cuts the vocabulary), the loss is computed slice by
+slice with an online log-sum-exp (osdp.ops.split_head_cross_entropy), so per sample:
+    saved activations   L (unsplit)        -> 0 (split; a per-token fp32 log-sum-exp
+                                              stays, 1/V of L, not counted)
+    backward transients 2 L (dlogprobs, dlogits) -> 2 L / g (one slice's logits and
+                                              their gradient, recomputed in backward)
+These are per-option terms (``opt_logits_per_sample``, ``opt_logits_grad_per_sample``;
+breakdown "logits_and_grads") taken out of the op's choice-independent activations.
+Exact because the head is the last op: its saved bytes are seen by no later op (for a
+head that is not last, L is not taken out: no saving is claimed).
 """
 from __future__ import annotations
 

@@ -20,6 +20,15 @@ it: a real backward runs under a live-bytes tracker, and for each unit the peak 
 its backward interval (from the previous unit's gradient to its own, as the profiler
 times it) minus the parameters, the gradients so far and the saved activations of the
 units up to it is that unit's transient. Two batch sizes separate the per-sample part.
+
+[Note: the vocabulary head]
+The last unit to run, when it is an ``nn.Linear`` whose out_features equal the rows of
+an ``nn.Embedding`` of the model (tied to it or not), is the vocabulary head: it is cut
+along its output features (the registered planned Linear op with that axis), and its
+output bytes per sample are its ``logits_bytes_per_sample`` when the described forward
+saved at least that much for it (the loss ran in the forward), so that the cost model
+counts what a fused vocabulary-split loss saves. A tied use splits only along its
+owner's axis (rows of the same weight); else neither use splits.
 """
 from __future__ import annotations
 
