@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .errors import InfeasiblePlanError
 from .models import get_preset
+from .sizes import format_bytes
 from .planner.cost_model import PlannerSettings
 from .planner.cluster import DEFAULT_CLUSTER, load_cluster
 from .planner.gpt_desc import describe_gpt
@@ -154,7 +155,7 @@ def paper_grid(cluster: str = DEFAULT_CLUSTER, backend: str = "auto", world_size
 
 
 def _fmt_gib(nbytes: float) -> str:
-    return f"{nbytes / 2**30:.2f} GiB"
+    return format_bytes(nbytes)
 
 
 def _why_no_plan(name: str, exc: InfeasiblePlanError) -> str:
