@@ -122,6 +122,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_simulate(args) -> int:
+    from .planner.cluster import DEFAULT_CLUSTER as DEFAULT_CLUSTER_NAME
     from .simulate import run_simulation
 
     if args.scale:
@@ -129,6 +130,13 @@ def cmd_simulate(args) -> int:
 
     if args.world_size is not None and args.world_size < 1:
         raise OSDPError(f"--world-size must be a positive integer, got {args.world_size}")
+    if args.paper:
+        from .simulate import run_paper
+
+        command = "osdp simulate --paper" + ("" if args.cluster == DEFAULT_CLUSTER_NAME else f" --cluster {args.cluster}") \
+            + ("" if args.world_size is None else f" --world-size {args.world_size}")
+        print(run_paper(cluster=args.cluster, backend=args.backend, world_size=args.world_size, command=command))
+        return 0
     print(run_simulation(cluster=args.cluster, backend=args.backend, quick=args.quick, world_size=args.world_size))
     return 0
 
@@ -221,6 +229,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--scale-worlds", help="comma-separated GPU counts (default 16,64,256,1024)")
     g.add_argument("--seq", type=int, help="sequence length (default: the preset's, 4096)")
     g.add_argument("--out", help="write scale_<cluster>.txt and .svg into this folder (e.g. bench/results)")
+    p.add_argument("--paper", action="store_true",
+                   help="the paper's Figure 5 cell by cell: our predicted ratios beside the paper's reported figures, "
+                        "and why a cell differs by more than 10%%")
     p.set_defaults(func=cmd_simulate)
 
     p = sub.add_parser("presets", help="list the model presets")

@@ -79,7 +79,7 @@ class SplitEmbedding(SplitModule):
     op_name = "embedding_rows"
     axis = "rows"
     kernels = ()  # index_select / index_add_ in torch
-    planned = False  # the cost model has no price for a row split yet
+    planned = True  # priced by its declaration: a gather per slice in forward only
     needs_weights_in_backward = False
 
     @classmethod

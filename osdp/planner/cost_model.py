@@ -62,9 +62,50 @@ where AG, AG_node, GRAD are collective_cost.py's ``gather_s``, ``node_gather_s``
 ``grad_s`` (HSDP's gradient all-reduce across replicas included). The resharded slices
 of one option share a mode (k = 0 or h = 0): mixing zdp and hpz slices in one op would
 square the option count for steps already between hpz and zdp of the neighbours.
+
+[Note: uses and what they declare]
+An op's option is priced by what its split op declares (osdp/ops/registry.py), never by
+its kind: unsplit (g = 1), a module's backward always reads its weights (the runtime's
+hooks gather a zdp unit again); split, it does when ``needs_weights_in_backward``. A use
+whose backward reads no weights (a row-split embedding: its backward scatter-adds rows
+of dY) gathers its g slices in forward only, frees them after forward in either mode
+(so its options are one per g), and has no backward gathers and no kept weights.
+
+[Note: tied weights]
+A unit whose weights several ops use (a GPT's tied embedding and head: ``tied_to``) is
+one slicing and one mode per slice for all its uses; the search sees each use as an op,
+with rows for every (g, k) of the owner's choices, and ``tied_choices`` makes the uses
+agree. Per use, with s = P/g:
+    kept      (g - k) s at the first use in op order whose backward reads the weights
+              (the head, for a GPT: dp slices live from the head's forward to its
+              backward); none at the others
+    forward   g gathers of s, or k when an earlier use keeps the dp slices
+    backward  k gathers when the use reads weights in backward, else none
+    reduce    g reduce-scatters of G/g, at the first use (the last in backward)
+The slices' gradients are summed over the uses before their reduce-scatter, so the
+whole unsharded gradient G lives from the backward of the last use to that of the
+first: a choice-independent term at those ops (``tied_grads``, breakdown
+"tied_unsharded_grads"), counted in forward too (conservative; the peak, at the start
+of backward, holds it).
+
+[Note: fused vocabulary-split loss]
+The model's vocabulary head (describe's [Note: the vocabulary head]: its last op, whose
+output is the logits) declares ``logits_bytes_per_sample`` L: the log-probabilities the
+loss saves, as big as the logits. Split along the vocabulary (g > 1; describe only
+declares L when the head's split op cuts the vocabulary), the loss is computed slice by
+slice with an online log-sum-exp (osdp.ops.split_head_cross_entropy), so per sample:
+    saved activations   L (unsplit)        -> 0 (split; a per-token fp32 log-sum-exp
+                                              stays, 1/V of L, not counted)
+    backward transients 2 L (dlogprobs, dlogits) -> 2 L / g (one slice's logits and
+                                              their gradient, recomputed in backward)
+These are per-option terms (``opt_logits_per_sample``, ``opt_logits_grad_per_sample``;
+breakdown "logits_and_grads") taken out of the op's choice-independent activations.
+Exact because the head is the last op: its saved bytes are seen by no later op (for a
+head that is not last, L is not taken out: no saving is claimed).
 """
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass, field, replace
@@ -352,6 +393,10 @@ class ProblemTemplate:
     opt_overlap: np.ndarray = field(repr=False, default=None)
     opt_split_overhead_s: np.ndarray = field(repr=False, default=None)
     opt_split_eff: np.ndarray = field(repr=False, default=None)
+    # per sample: a vocabulary head's saved logits and logits gradients under this option
+    # ([Note: fused vocabulary-split loss]), apart from act_per_sample / act_grad_per_sample
+    opt_logits_per_sample: np.ndarray = field(repr=False, default=None)
+    opt_logits_grad_per_sample: np.ndarray = field(repr=False, default=None)
     opt_begin: np.ndarray = field(repr=False, default=None)
     opt_end: np.ndarray = field(repr=False, default=None)
     # per op
@@ -361,6 +406,7 @@ class ProblemTemplate:
     bwd_per_sample_s: np.ndarray = field(repr=False, default=None)
     act_per_sample: np.ndarray = field(repr=False, default=None)
     grads_after: np.ndarray = field(repr=False, default=None)  # sharded grads alive at each op
+    tied_grads: np.ndarray = field(repr=False, default=None)  # tied units' unsharded grads at each op
     act_grad_per_sample: np.ndarray = field(repr=False, default=None)  # backward transients
 
     @property
@@ -402,47 +448,110 @@ def _ahead_bytes(desc: ModelDesc, window: float, settings: PlannerSettings) -> t
     return after, before
 
 
-def _owner_bytes(desc: ModelDesc, op: OpDesc, settings: PlannerSettings) -> float:
-    return gathered_bytes(desc.ops[desc.op_index(op.tied_to)], settings) if op.tied_to else 0.0
+def backward_needs_weights(op: OpDesc, g: int) -> bool:
+    """Whether a use of ``op``'s weights cut into ``g`` slices reads them in backward: an
+    unsplit module always does (the runtime's hooks gather it for its backward); a split
+    op says so in its declaration (``needs_weights_in_backward``, osdp/ops/registry.py)."""
+    if g == 1 or not op.split_op:
+        return True
+    from ..ops import registered_split_ops
+
+    split = registered_split_ops().get(op.split_op)
+    return True if split is None else bool(split.needs_weights_in_backward)
 
 
-def _option_rows(desc, op, device, settings, checkpointed, window, after_i, before_i) -> list[tuple]:
+def tied_groups(desc: ModelDesc) -> list[tuple[int, ...]]:
+    """Ops that use one unit's weights, owner first, in op order: one tuple per tied unit
+    (``OpDesc.tied_to``). They share one slicing and one mode per slice: [Note: tied
+    weights]."""
+    groups: dict[int, list[int]] = {}
+    for i, op in enumerate(desc.ops):
+        if op.tied_to:
+            owner = desc.op_index(op.tied_to)
+            groups.setdefault(owner, [owner]).append(i)
+    return [tuple(sorted(v)) for v in groups.values()]
+
+
+def fused_logits_bytes(desc: ModelDesc, i: int) -> float:
+    """Logits bytes per sample that a vocabulary-split option of op ``i`` never holds
+    ([Note: fused vocabulary-split loss]); 0 unless op ``i`` is the model's last op (the
+    saved logits are then seen by no later op, so the saving is an option's own term)."""
+    op = desc.ops[i]
+    if i != len(desc.ops) - 1 or op.logits_bytes_per_sample <= 0:
+        return 0.0
+    return float(min(op.logits_bytes_per_sample, op.act_bytes_per_sample))
+
+
+def _group_of(desc: ModelDesc, i: int) -> tuple[int, ...]:
+    for group in tied_groups(desc):
+        if i in group:
+            return group
+    return (i,)
+
+
+def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i) -> list[tuple]:
     """(g, k, h, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
-    split efficiency) for every option of one op (see the Notes at the top)."""
+    split efficiency, logits saved, logits grads) for every option of op ``i`` (see the
+    Notes at the top, [Note: hpz mode] and [Note: tied weights])."""
     coll = layout_collectives(device, settings)
-    full_grad = reduced_bytes(op, settings)
+    op = desc.ops[i]
+    group = _group_of(desc, i)
+    owner = desc.ops[group[0]]
+    full_grad = reduced_bytes(owner, settings)
+    logits = fused_logits_bytes(desc, i)
     rows = []
-    for g in slice_choices(op, settings):
-        for k, h in reshard_choices(g, settings, coll.hpz_available and not op.tied_to):
-            if op.tied_to:
-                # [Note: tied weights] a second use gathers the owner's weights again
-                # in forward and backward, as a zdp use would
-                s = _owner_bytes(desc, op, settings)
-                held, comm_f = 0.0, coll.gather_s(s)
-                gather_b = comm_f * (2 if checkpointed else 1)
-                grad, reduce_b = 0.0, 0.0
-            else:
-                s = gathered_bytes(op, settings) / g
-                held = (g - k - h) * s + h * s / coll.per_node
-                ag = coll.gather_s(s)
-                grad = full_grad / g
-                comm_f = g * ag
-                gather_b = (k * ag + h * coll.node_gather_s(s)) * (2 if checkpointed else 1)
-                reduce_b = g * coll.grad_s(grad)
-            # backward gathers only the zdp / hpz slices (dp ones are kept, and counted
-            # in held); the window fills with the units ahead
-            own_b = s if (k > 0 or h > 0 or op.tied_to) else 0.0
+    splittable = all(desc.ops[j].splittable for j in group)
+    for g in slice_choices(owner, settings) if splittable else (1,):
+        needs = [backward_needs_weights(desc.ops[j], g) for j in group]
+        # dp slices are kept by the first use that reads them in backward, until the end
+        keeper = next((j for j, need in zip(group, needs) if need), None)
+        weights_b = needs[group.index(i)]
+        s = gathered_bytes(owner, settings) / g
+        ag, ag_node = coll.gather_s(s), coll.node_gather_s(s)
+        grad = full_grad / g
+        # hpz needs a backward that reads the weights; a tied unit's uses share plain
+        # dp/zdp modes (tied_choices enumerates (g, k) only)
+        choices = reshard_choices(g, settings, coll.hpz_available and len(group) == 1 and weights_b)
+        if len(group) == 1 and not weights_b:
+            choices = ((g, 0),)  # no weights in backward: dp and zdp slices are both freed after forward
+        for k, h in choices:
+            held = ((g - k - h) * s + h * s / coll.per_node) if keeper == i else 0.0
+            # a use gathers what no earlier use keeps; in backward, its zdp / hpz slices
+            gathered_f = k if keeper is not None and keeper < i else g
+            regather_b = (k * ag + h * ag_node) if weights_b else 0.0
+            recompute = (regather_b if weights_b else g * ag) if checkpointed else 0.0
+            comm_f = gathered_f * ag
+            gather_b = regather_b + recompute
+            # gradients are reduced after the last use in backward: the first in op order
+            reduce_b = g * coll.grad_s(grad) if i == group[0] else 0.0
+            own_f = s if gathered_f else 0.0
+            own_b = s if (weights_b and k + h > 0) else 0.0
             if s > window:
-                gathers_f, gathers_b = s, own_b
+                gathers_f, gathers_b = own_f, own_b
             else:
-                gathers_f = min(window, s + after_i)
+                gathers_f = min(window, own_f + after_i)
                 gathers_b = min(window, own_b + before_i)
-            # the runtime keeps at most UNSHARDED_GRADS_LIVE (2) unsharded gradients:
-            # the slice being computed and one waiting for its reduce-scatter
-            transient = max(gathers_f, gathers_b + UNSHARDED_GRADS_LIVE * grad)
+            # the runtime keeps at most UNSHARDED_GRADS_LIVE (2) unsharded gradients: the
+            # slice being computed and one waiting for its reduce-scatter; a tied unit's
+            # are summed over its uses first (tied_grads_bytes, choice-independent)
+            grads_live = UNSHARDED_GRADS_LIVE * grad if len(group) == 1 else 0.0
+            transient = max(gathers_f, gathers_b + grads_live)
+            # [Note: fused vocabulary-split loss]: split, the head never holds the logits
+            fused = g > 1 and logits > 0
+            logits_saved = 0.0 if fused else logits
+            logits_grads = 2.0 * logits / g
             rows.append((g, k, h, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
-                         (g - 1) * device.slice_overhead_s, split_efficiency(g, device)))
+                         (g - 1) * device.slice_overhead_s, split_efficiency(g, device), logits_saved, logits_grads))
     return rows
+
+
+def tied_grads_bytes(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:
+    """Per op, bytes of tied units' unsharded gradients alive there: from the backward of
+    a tied unit's last use to that of its first (owner), all of it ([Note: tied weights])."""
+    alive = np.zeros(len(desc.ops))
+    for group in tied_groups(desc):
+        alive[group[0] : group[-1] + 1] += reduced_bytes(desc.ops[group[0]], settings)
+    return alive
 
 
 def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings | None = None) -> ProblemTemplate:
@@ -458,20 +567,23 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
     quantum = max(budget, 1.0) / buckets
 
-    names = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff")
+    names = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff",
+             "logits", "logits_grad")
     cols = {k: [] for k in ("op", "variant", "ckpt") + names}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
     cache: dict[tuple, list[tuple]] = {}  # identical layers share their option rows
+    owners = {group[0] for group in tied_groups(desc)}
     for seg in segments:
         for variant, checkpointed in enumerate(seg.variants):
             for i in seg.ops:
                 op = desc.ops[i]
-                key = (op.param_count, op.param_bytes, op.splittable, op.in_features,
-                       _owner_bytes(desc, op, settings), checkpointed, after[i], before[i])
+                special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
+                key = ((op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features,
+                                                   op.split_op)) + (checkpointed, after[i], before[i])
                 rows = cache.get(key)
                 if rows is None:
-                    rows = cache[key] = _option_rows(desc, op, device, settings, checkpointed,
+                    rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
                                                      window, after[i], before[i])
                 begin[i, variant] = len(cols["op"])
                 cols["op"].extend([i] * len(rows))
@@ -505,17 +617,105 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         opt_overlap=arr("overlap", bool),
         opt_split_overhead_s=arr("ovh"),
         opt_split_eff=arr("eff"),
+        opt_logits_per_sample=arr("logits"),
+        opt_logits_grad_per_sample=arr("logits_grad"),
         opt_begin=begin,
         opt_end=end,
         fwd_intercept_s=np.array([f[0] for f in fits]),
         fwd_per_sample_s=np.array([f[1] for f in fits]),
         bwd_intercept_s=np.array([f[2] for f in fits]),
         bwd_per_sample_s=np.array([f[3] for f in fits]),
-        act_per_sample=np.array([op.act_bytes_per_sample for op in desc.ops]) * activation_scale(desc, settings),
-        act_grad_per_sample=np.array([op.act_grad_bytes_per_sample or op.act_bytes_per_sample for op in desc.ops])
-        * activation_scale(desc, settings),
+        # a fused head's logits (saved, and their gradients) are its options' own terms
+        act_per_sample=np.array([op.act_bytes_per_sample - fused_logits_bytes(desc, i)
+                                 for i, op in enumerate(desc.ops)]) * activation_scale(desc, settings),
+        act_grad_per_sample=np.array([max((op.act_grad_bytes_per_sample or op.act_bytes_per_sample)
+                                          - 2.0 * fused_logits_bytes(desc, i), 0.0)
+                                      for i, op in enumerate(desc.ops)]) * activation_scale(desc, settings),
         grads_after=sharded_grads_after(desc, device, settings),
+        tied_grads=tied_grads_bytes(desc, settings),
     )
+
+
+_COST_FIELDS = ("opt_held_bytes", "opt_transient_bytes", "opt_comm_f_s", "opt_gather_b_s", "opt_reduce_b_s",
+                "opt_overlap", "opt_split_overhead_s", "opt_split_eff", "opt_logits_per_sample",
+                "opt_logits_grad_per_sample")
+_OPTION_FIELDS = ("opt_op", "opt_variant", "opt_checkpointed", "opt_slices", "opt_zdp", "opt_hpz") + _COST_FIELDS
+
+
+def restrict_template(t: ProblemTemplate, keep: np.ndarray) -> ProblemTemplate:
+    """``t`` with only the options where ``keep`` is True (per-op ranges recomputed)."""
+    keep = np.asarray(keep, dtype=bool)
+    kept_before = np.concatenate(([0], np.cumsum(keep))).astype(np.int64)
+    return replace(t, opt_begin=kept_before[t.opt_begin], opt_end=kept_before[t.opt_end],
+                   **{name: getattr(t, name)[keep] for name in _OPTION_FIELDS})
+
+
+def _varies_with_k(t: ProblemTemplate, i: int, g: int) -> bool:
+    """Whether op ``i``'s options at ``g`` slices cost differently for different k."""
+    for v in range(2):
+        rows = [o for o in range(t.opt_begin[i, v], t.opt_end[i, v]) if t.opt_slices[o] == g]
+        if len({tuple(float(getattr(t, name)[o]) for name in _COST_FIELDS) for o in rows}) > 1:
+            return True
+    return False
+
+
+def tied_choices(t: ProblemTemplate) -> list[ProblemTemplate]:
+    """[Note: tied weights] The search decides per op; a tied unit's uses must share one
+    (g, k). So the template is cut into sub-templates, one per joint choice of the tied
+    units' keys, each searched exactly and the best kept (scheduler.schedule): per tied
+    unit and g, one sub-template when at most one of its uses costs differently with k
+    (that use keeps its k free, the others follow it: ``align_tied``), else one per
+    (g, k). A GPT's tied pair: the embedding's cost at g > 1 does not depend on k (its
+    backward reads no weights), so it is one sub-template per g (plus one per k unsplit).
+    Without tied units: ``[t]``."""
+    groups = tied_groups(t.desc)
+    if not groups:
+        return [t]
+    per_group = []
+    for group in groups:
+        member = np.isin(t.opt_op, group)
+        keys = []
+        for g in sorted({int(x) for x in t.opt_slices[member]}):
+            varying = [i for i in group if _varies_with_k(t, i, g)]
+            if len(varying) <= 1:
+                keys.append((g, None, varying[0] if varying else group[-1]))
+            else:
+                keys.extend((g, k, None) for k in sorted({int(x) for x in t.opt_zdp[member & (t.opt_slices == g)]}))
+        per_group.append(keys)
+    result = []
+    for combo in itertools.product(*per_group):
+        keep = np.ones(len(t.opt_op), dtype=bool)
+        for group, (g, k, _) in zip(groups, combo):
+            ok = t.opt_slices == g
+            if k is not None:
+                ok &= t.opt_zdp == k
+            keep &= ~np.isin(t.opt_op, group) | ok
+        sub = restrict_template(t, keep)
+        sub.tied_free = {group: free for group, (_, _, free) in zip(groups, combo) if free is not None}
+        result.append(sub)
+    return result
+
+
+def align_tied(t: ProblemTemplate, option_index, variant) -> tuple[int, ...]:
+    """``option_index`` with every use of a tied unit on the (g, k) of the use that chose
+    freely in ``t`` (``tied_choices``); the others cost the same for every k, so time and
+    memory are unchanged."""
+    free = getattr(t, "tied_free", None)
+    if not free:
+        return tuple(option_index)
+    seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
+    chosen = list(option_index)
+    for group, j in free.items():
+        g, k = int(t.opt_slices[chosen[j]]), int(t.opt_zdp[chosen[j]])
+        for i in group:
+            v = int(variant[seg_of[i]])
+            rows = [o for o in range(t.opt_begin[i, v], t.opt_end[i, v])
+                    if t.opt_slices[o] == g and t.opt_zdp[o] == k]
+            if not rows:
+                raise OSDPError(f"tied unit {t.desc.ops[group[0]].name!r}: use {t.desc.ops[i].name!r} has no option "
+                                f"with {g} slices, {k} zdp")
+            chosen[i] = rows[0]
+    return tuple(chosen)
 
 
 def option_compute_s(t: ProblemTemplate, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -563,7 +763,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         for v, checkpointed in enumerate(seg.variants):
             kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
             # the per-op exact term also holds the sharded grads already reduced
-            act_in[seg.ops, v] = kept + inside + t.grads_after[seg.ops]
+            act_in[seg.ops, v] = kept + inside + t.grads_after[seg.ops] + t.tied_grads[seg.ops]
             carried = kept if checkpointed else inside[-1]
             carry[s, v] = math.ceil(carried / q - 1e-9) if carried > 0 else 0
     held_q = np.ceil(t.opt_held_bytes / q - 1e-9).astype(np.int64)
@@ -580,7 +780,8 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         opt_slices=t.opt_slices,
         opt_zdp_slices=t.opt_zdp,
         opt_held_q=held_q,
-        opt_local_bytes=t.opt_transient_bytes + t.act_grad_per_sample[t.opt_op] * batch,
+        opt_local_bytes=t.opt_transient_bytes + (t.act_grad_per_sample[t.opt_op] + t.opt_logits_per_sample
+                                                 + t.opt_logits_grad_per_sample) * batch,
         opt_time_s=_option_times(t, batch),
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
@@ -628,14 +829,19 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
                 raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
             held_prefix += t.opt_held_bytes[o]
             inside += act[i]
-            rows.append((i, {
+            parts = {
                 **static_parts,
                 "kept_dp_weights": float(held_prefix),
                 "saved_activations": float(act_prefix + kept + inside),
                 "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),
                 "activation_grads": float(t.act_grad_per_sample[i] * batch),
                 "sharded_grads_so_far": float(t.grads_after[i]),
-            }))
+            }
+            if t.tied_grads[i]:
+                parts["tied_unsharded_grads"] = float(t.tied_grads[i])
+            if t.opt_logits_per_sample[o] or t.opt_logits_grad_per_sample[o]:
+                parts["logits_and_grads"] = float((t.opt_logits_per_sample[o] + t.opt_logits_grad_per_sample[o]) * batch)
+            rows.append((i, parts))
         act_prefix += kept if checkpointed else inside
     return rows
 

@@ -20,6 +20,15 @@ it: a real backward runs under a live-bytes tracker, and for each unit the peak 
 its backward interval (from the previous unit's gradient to its own, as the profiler
 times it) minus the parameters, the gradients so far and the saved activations of the
 units up to it is that unit's transient. Two batch sizes separate the per-sample part.
+
+[Note: the vocabulary head]
+The last unit to run, when it is an ``nn.Linear`` whose out_features equal the rows of
+an ``nn.Embedding`` of the model (tied to it or not), is the vocabulary head: it is cut
+along its output features (the registered planned Linear op with that axis), and its
+output bytes per sample are its ``logits_bytes_per_sample`` when the described forward
+saved at least that much for it (the loss ran in the forward), so that the cost model
+counts what a fused vocabulary-split loss saves. A tied use splits only along its
+owner's axis (rows of the same weight); else neither use splits.
 """
 from __future__ import annotations
 
@@ -31,7 +40,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import OSDPError
-from ..ops import split_op_of
+from ..ops import registered_split_ops, split_op_of
 from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
 
 
@@ -53,6 +62,11 @@ class OpDesc:
     # activations in flight), per sample; see [Note: backward transients]
     act_grad_bytes_per_sample: float = 0.0
     split_op: str = ""  # the registered split op (osdp.ops) it would be split with
+    # the model's vocabulary head (the last unit, its output the logits the loss reads):
+    # bytes per sample of those logits, which a vocabulary-split option computes slice by
+    # slice with a fused loss and never saves; 0 for every other unit. See the cost
+    # model's [Note: fused vocabulary-split loss]
+    logits_bytes_per_sample: float = 0.0
 
     @property
     def max_slices(self) -> int:
@@ -140,6 +154,29 @@ def _split_axis(module: nn.Module) -> tuple[str, int]:
     if op is None or not op.planned:
         return "", 0
     return op.op_name, op.axis_length(module)
+
+
+def vocab_split_op(module_type: type):
+    """The registered, planned split op that cuts ``module_type`` along its output
+    features, the one a vocabulary head is split with (the vocabulary is the head's
+    output axis: its rows, as in the embedding it may be tied to); None if there is none."""
+    for op in registered_split_ops().values():
+        if op.module_type is module_type and op.axis == "out_features" and op.planned:
+            return op
+    return None
+
+
+def _vocab_head(order: list[str], by_path: dict) -> str | None:
+    """[Note: the vocabulary head] The last unit to run, when it is a Linear whose output
+    width is the row count of an Embedding of the model (tied to it or not): the logits
+    the loss reads. None otherwise."""
+    if not order:
+        return None
+    last = by_path[order[-1]]
+    rows = {m.num_embeddings for m in by_path.values() if isinstance(m, nn.Embedding)}
+    if isinstance(last, nn.Linear) and last.out_features in rows and vocab_split_op(type(last)) is not None:
+        return order[-1]
+    return None
 
 
 def _default_blocks(model: nn.Module) -> list[str]:
@@ -340,8 +377,16 @@ def describe(
 
     was_training = model.training
     model.train()
+    by_path = {path: module for module, path in units.items()}
+    head_out: list[int] = []  # bytes of each output of the candidate heads, first forward
+    head_hooks = [m.register_forward_hook(lambda _m, _a, out: head_out.append(out.numel() * out.element_size()))
+                  for m in by_path.values() if isinstance(m, nn.Linear)]
     try:
-        order, saved, block_in, flops = _measure_forward(model, inputs, units, param_ptrs, block_names)
+        try:
+            order, saved, block_in, flops = _measure_forward(model, inputs, units, param_ptrs, block_names)
+        finally:
+            for h in head_hooks:
+                h.remove()
         half = batch_size // 2
         if half >= 1 and all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors):
             # clones: a view would share (and count) the full batch's storage
@@ -377,12 +422,27 @@ def describe(
     unit_flops = _attribute_flops(flops, type(model).__name__, list(order), order)
 
     ops = []
-    by_path = {path: module for module, path in units.items()}
+    head = _vocab_head(order, by_path)
+    # the head's logits: its last output in the forward (the Linear hooks ran in order)
+    logits = head_out[-1] / batch_size if head is not None and head_out else 0.0
+    axes = {}
+    for path in order:
+        module = by_path[path]
+        axes[path] = _split_axis(module)
+        if path == head:
+            op = vocab_split_op(type(module))
+            axes[path] = (op.op_name, op.axis_length(module))
+    for path, owner in tied.items():
+        # a tied use is split with its owner's slicing ([Note: tied weights] in the cost
+        # model): only when its own op cuts the owner's axis (rows of the same weight);
+        # otherwise neither use splits
+        if not axes[owner][0] or axes[path][1] != axes[owner][1]:
+            axes[path] = axes[owner] = ("", 0)
     for path in order:
         module = by_path[path]
         own = [p for p in module.parameters(recurse=False) if owner_of[id(p)] == path]
-        split_op, axis = _split_axis(module)
-        splittable = axis >= 2 and path not in tied
+        split_op, axis = axes[path]
+        splittable = axis >= 2
         ops.append(
             OpDesc(
                 name=path,
@@ -392,11 +452,15 @@ def describe(
                 act_bytes_per_sample=per_sample.get(path, 0.0),
                 flops_per_sample=unit_flops.get(path, 0.0) / batch_size,
                 splittable=splittable,
-                in_features=axis if path not in tied else 0,
+                in_features=axis if splittable else 0,
                 block=_enclosing_block(path, block_names),
                 tied_to=tied.get(path),
                 act_grad_bytes_per_sample=grad_per_sample.get(path, 0.0),
                 split_op=split_op if splittable else "",
+                # what a vocabulary split never holds: the logits, when the described
+                # forward saved them (its loss ran); see [Note: the vocabulary head]
+                logits_bytes_per_sample=logits if path == head and splittable and per_sample.get(path, 0.0) >= logits
+                else 0.0,
             )
         )
     block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})

@@ -12,7 +12,15 @@ Per block (s = seq, h = width, a = heads, e = element bytes), saved per sample:
     mlp.c_fc      s h e (input) + r s h e (GELU input)
     mlp.c_proj    r s h e (input)
 The embedding saves the token ids (s * 8); the head saves its input, the logits
-and the targets for the loss: s h e + s V e + s * 8.
+and the targets for the loss: s h e + s V e + s * 8. Of those, the s V e logits
+(``logits_bytes_per_sample``) are what a vocabulary-split head with the fused loss never
+holds (cost_model.py's [Note: fused vocabulary-split loss]).
+
+Split axes come from the op registry, as describe() reads them: the embeddings by rows
+(``wte``: the vocabulary, ``wpe``: the positions), every Linear by its default op,
+except the head, cut along the vocabulary (its out_features) by the registered
+Linear op with that axis; a tied head (``tie_embeddings``) has wte's axis and follows
+wte's choice (cost_model.py's [Note: tied weights]).
 
 Backward transients (describe's [Note: backward transients]), per sample, each plus
 s * 8 bytes; measured values of describe() are equal, except attention's which is an
@@ -25,9 +33,11 @@ the qkv backward with the shape):
 """
 from __future__ import annotations
 
+import torch.nn as nn
+
 from ..models.gpt import GPTConfig
 from ..ops import default_split_op_for_kind
-from .description import BlockDesc, ModelDesc, OpDesc
+from .description import BlockDesc, ModelDesc, OpDesc, vocab_split_op
 
 
 def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = None) -> ModelDesc:
@@ -51,11 +61,17 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
         ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block,
                           act_grad_bytes_per_sample=grad_widths * s * h * e + ids))
 
+    rows = default_split_op_for_kind("embedding")
+
+    def embedding(path, num, width):
+        axis = num if rows is not None and rows.planned and num >= 2 else 0
+        ops.append(OpDesc(path, "embedding", num * width, num * width * e, ids if path == "wte" else 0.0, 0.0,
+                          splittable=axis >= 2, in_features=axis, act_grad_bytes_per_sample=s * width * e + ids,
+                          split_op=rows.op_name if axis else ""))
+
     h0 = config.hidden
-    ops.append(OpDesc("wte", "embedding", vocab * h0, vocab * h0 * e, ids, 0.0, False,
-                      act_grad_bytes_per_sample=s * h0 * e + ids))
-    ops.append(OpDesc("wpe", "embedding", s * h0, s * h0 * e, 0.0, 0.0, False,
-                      act_grad_bytes_per_sample=s * h0 * e + ids))
+    embedding("wte", vocab, h0)
+    embedding("wpe", s, h0)
     inputs = (h0,) + widths[:-1]
     for i, (w_in, h) in enumerate(zip(inputs, widths)):
         if w_in != h:
@@ -76,10 +92,18 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
     layernorm("ln_f", widths[-1], 2)
     head_act = s * widths[-1] * e + s * vocab * e + ids
     head_grad = 2 * s * vocab * e
+    head_split = vocab_split_op(nn.Linear)
+    head_axis = vocab if head_split is not None and vocab >= 2 else 0
     if config.tie_embeddings:
-        ops.append(OpDesc("lm_head", "linear", 0, 0, head_act, 2.0 * s * widths[-1] * vocab, False, tied_to="wte",
-                          act_grad_bytes_per_sample=head_grad))
+        head_axis = head_axis if ops[0].splittable else 0
+        count = 0
     else:
-        linear("lm_head", widths[-1], vocab, head_act, head_grad - ids, bias=False)
+        count = widths[-1] * vocab
+    ops.append(OpDesc("lm_head", "linear", count, count * e, head_act, 2.0 * s * widths[-1] * vocab,
+                      splittable=head_axis >= 2, in_features=head_axis,
+                      tied_to="wte" if config.tie_embeddings else None,
+                      act_grad_bytes_per_sample=head_grad,
+                      split_op=head_split.op_name if head_axis else "",
+                      logits_bytes_per_sample=float(s * vocab * e) if head_axis else 0.0))
     label = name or f"GPT-{config.num_layers}x{config.hidden}"
     return ModelDesc(name=label, ops=tuple(ops), blocks=tuple(blocks))

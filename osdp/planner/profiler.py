@@ -385,7 +385,11 @@ def profile(
     fits = dict(cached_fits)
     if todo_keys:
         fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar))
-    splittable = [op for op in desc.ops if op.splittable]
+    from ..ops import MatmulSplit, registered_split_ops as _ops
+
+    # split efficiency is a matmul's: ops split otherwise (an embedding's rows) are left out
+    splittable = [op for op in desc.ops if op.splittable and op.param_count
+                  and issubclass(_ops().get(op.split_op or "linear_in_features", MatmulSplit), MatmulSplit)]
     widest = max(splittable, key=lambda op: op.param_count, default=None)
     tokens = example_batch * max(1, round(widest.flops_per_sample / (2 * widest.param_count))) if widest else 0
     if widest:  # OpDesc.in_features is the length of the axis its split op cuts

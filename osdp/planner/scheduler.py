@@ -25,7 +25,8 @@ import numpy as np
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .collective_cost import LAYOUTS, spans_nodes
-from .cost_model import Estimate, PlannerSettings, ProblemTemplate, build_template, evaluate, _option_times
+from .cost_model import (Estimate, PlannerSettings, ProblemTemplate, _option_times, align_tied, build_template, evaluate,
+                         tied_choices)
 from .description import ModelDesc
 from .device import DeviceInfo
 from .search import search
@@ -62,7 +63,10 @@ def _time_lower_bound(t: ProblemTemplate, batch: int) -> float:
 
 
 def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto") -> SearchResult:
-    return search(t.problem(batch), backend=backend)
+    result = search(t.problem(batch), backend=backend)
+    if result.feasible:  # every use of a tied unit on one (g, k): cost_model.align_tied
+        result = replace(result, option_index=align_tied(t, result.option_index, result.variant))
+    return result
 
 
 def memory_pareto_options(t: ProblemTemplate) -> np.ndarray:
@@ -140,7 +144,24 @@ def schedule(
         return _schedule_layouts(desc, device, settings, batch, backend, max_batch, global_batch)
     if global_batch is not None:
         return _schedule_global(desc, device, settings or PlannerSettings(), global_batch, backend, started)
-    t = build_template(desc, device, settings)
+    best, errors, searches = None, [], 0
+    # one template, or one per joint choice of tied units (cost_model.tied_choices)
+    for t in tied_choices(build_template(desc, device, settings)):
+        try:
+            s = _schedule_template(t, batch, backend, max_batch, started)
+        except InfeasiblePlanError as exc:
+            errors.append(exc)
+            continue
+        searches += s.searches
+        if best is None or s.samples_per_s > best.samples_per_s:
+            best = s
+    if best is None:
+        raise min(errors, key=lambda e: getattr(e, "min_bytes", math.inf) or math.inf)
+    return replace(best, searches=searches, search_s=time.perf_counter() - started)
+
+
+def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started) -> Scheduled:
+    """``schedule`` on one template (see [Note: exact batch sweep])."""
     if batch is not None:
         result = search_batch(t, batch, backend)
         if not result.feasible:
@@ -239,15 +260,15 @@ def _schedule_global(desc, device, settings, global_batch, backend, started) -> 
     share = global_batch // world
     best, searches, smallest = None, 0, None
     for micro in _divisors(share)[::-1]:
-        t = build_template(desc, device, settings.with_(accumulation_steps=share // micro))
-        smallest = (t, micro)
-        searches += 1
-        if not fits_at(t, micro, backend):
-            continue
-        searches += 1
-        result = search_batch(t, micro, backend)
-        if best is None or result.time_s < best[1].time_s:
-            best = (t, result, micro)
+        for t in tied_choices(build_template(desc, device, settings.with_(accumulation_steps=share // micro))):
+            smallest = (t, micro)
+            searches += 1
+            if not fits_at(t, micro, backend):
+                continue
+            searches += 1
+            result = search_batch(t, micro, backend)
+            if best is None or result.time_s < best[1].time_s:
+                best = (t, result, micro)
     if best is None:
         raise _infeasible(*smallest)
     t, result, micro = best

@@ -77,7 +77,8 @@ from typing import NamedTuple
 import numpy as np
 
 from ..contract import DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, is_small_unit
-from .cost_model import ProblemTemplate, gathered_bytes, layout_collectives, option_compute_s, optimizer_step_s, reduced_bytes
+from .cost_model import (ProblemTemplate, backward_needs_weights, gathered_bytes, layout_collectives, option_compute_s,
+                         optimizer_step_s, reduced_bytes)
 
 # the runtime's rules, from the contract both sides import
 RUNTIME_COALESCE_BYTES = DEFAULT_COALESCE_BYTES
@@ -125,7 +126,7 @@ class StepSim:
 
 class _Unit:
     __slots__ = ("name", "nbytes", "grad_bytes", "dp", "small", "gather_s", "regather_s", "sharded", "ready_s",
-                 "n_active", "n_await", "has_grad", "deferred", "fpos", "bpos")
+                 "n_active", "n_await", "n_grad", "has_grad", "deferred", "fpos", "bpos")
 
     def __init__(self, name, nbytes, grad_bytes, dp, small, gather_s, regather_s=None):
         self.name, self.nbytes, self.grad_bytes = name, nbytes, grad_bytes
@@ -134,6 +135,7 @@ class _Unit:
         self.regather_s = gather_s if regather_s is None else regather_s
         self.sharded, self.ready_s = True, 0.0
         self.n_active = self.n_await = 0
+        self.n_grad = 0  # uses whose backward has not run yet (the gradient is reduced after the last)
         self.has_grad = self.deferred = False
         self.fpos: list[int] = []
         self.bpos: list[int] = []
@@ -142,10 +144,11 @@ class _Unit:
 class _Step:
     """One compute of the program: the units it reads, its forward / backward seconds."""
 
-    __slots__ = ("name", "uses", "fwd_s", "bwd_s", "fpos", "bpos", "recompute", "recompute_first")
+    __slots__ = ("name", "uses", "fwd_s", "bwd_s", "fpos", "bpos", "recompute", "recompute_first", "bwd_weights")
 
-    def __init__(self, name, uses, fwd_s, bwd_s):
+    def __init__(self, name, uses, fwd_s, bwd_s, bwd_weights=True):
         self.name, self.uses, self.fwd_s, self.bwd_s = name, uses, fwd_s, bwd_s
+        self.bwd_weights = bwd_weights  # its backward reads the weights (gathers them)
         self.fpos: list[int] = []
         self.bpos: list[int] = []
         self.recompute: list[_Step] | None = None  # a checkpointed block's forward, replayed here
@@ -174,13 +177,16 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
     steps_of: dict[int, list[_Step]] = {}
     for i, op in enumerate(desc.ops):
         f, b = comp_f[i], comp_b[i]
-        if op.tied_to:
-            steps_of[i] = [_Step(op.name, tuple(units_of.get(desc.op_index(op.tied_to), ())), f, b)]
-        elif i not in units_of:
+        # a use whose op declares no weights in backward neither keeps nor regathers them
+        weights = backward_needs_weights(op, slices[i])
+        us = units_of.get(desc.op_index(op.tied_to) if op.tied_to else i, ())
+        if not us:
             steps_of[i] = [_Step(op.name, (), f, b)]
-        else:
-            us = units_of[i]
-            steps_of[i] = [_Step(u.name, (u,), f / len(us), b / len(us)) for u in us]
+        elif len(us) == 1 or (op.tied_to and slices[i] == 1):
+            steps_of[i] = [_Step(op.name, tuple(us), f, b, weights)]
+        else:  # a split op (or a split tied unit's use): one step per slice
+            steps_of[i] = [_Step(u.name if not op.tied_to else f"{op.name}[{j}]", (u,), f / len(us), b / len(us), weights)
+                           for j, u in enumerate(us)]
     steps = [st for i in range(len(desc.ops)) for st in steps_of[i]]
     order: list[_Unit] = []
     for st in steps:
@@ -193,23 +199,26 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
         st.bpos = [last - p for p in st.fpos]
     for u in {id(u): u for u in order}.values():
         u.bpos = sorted(last - p for p in u.fpos)
+    # backward positions of uses that read no weights: never gathered for, never prefetched
+    no_weights_b = {p for st in steps if not st.bwd_weights for p in st.bpos}
     for s, seg in enumerate(t.segments):
         if seg.variants[int(variant[s])]:
             trigger = steps_of[seg.ops[-1]]
             trigger[-1].recompute = [st for i in seg.ops for st in steps_of[i]]
             trigger[-1].recompute_first = len(trigger) > 1 or not trigger[-1].uses
-    return steps, order
+    return steps, order, no_weights_b
 
 
 class _Sim:
     """The runtime scheduler's bookkeeping (see runtime/scheduler.py) with two clocks."""
 
-    def __init__(self, t: ProblemTemplate, steps, order, coalesce_bytes, all_reduce, timeline):
+    def __init__(self, t: ProblemTemplate, steps, order, coalesce_bytes, all_reduce, timeline, no_weights_b=()):
         dev = t.device
         self.n = dev.world_size
         self.dev = dev
         self.coll = layout_collectives(dev, t.settings)
         self.steps, self.order = steps, order
+        self.no_weights_b = set(no_weights_b)
         self.units = list({id(u): u for u in order}.values())
         self.window = t.window_bytes if math.isinf(t.window_bytes) else float(int(t.window_bytes))
         self.coalesce = coalesce_bytes
@@ -356,6 +365,9 @@ class _Sim:
                 return
             p = lst[i]
             u = order[p]
+            if k == _B and p in self.no_weights_b:  # a use that gathers nothing
+                start = p + 1
+                continue
             if self.live_bytes - self.kept_bytes + u.nbytes > self.window:
                 return
             self.issue(u, k, p)
@@ -410,7 +422,8 @@ class _Sim:
                 self.count(u, active=1)
             self.compute("forward", st.name, st.fwd_s)
             for u in st.uses:
-                self.count(u, active=-1, awaiting=1)
+                self.count(u, active=-1, awaiting=1 if st.bwd_weights else 0)
+                u.n_grad += 1
                 self.maybe_free(u)
                 self.prefetch(_F, cursor)
         for u in list(self.live):  # prefetched and never used
@@ -439,19 +452,24 @@ class _Sim:
             if st.recompute is not None and st.recompute_first:
                 self._recompute(st.recompute)
             for u, p in zip(st.uses, st.bpos):
+                cursor = p + 1
+                if not st.bwd_weights:  # only a gradient: nothing to gather or wait for
+                    continue
                 self.count(u, awaiting=-1)
                 self.count(u, active=1)
                 self.issue(u, _B, p)
-                cursor = p + 1
                 self.prefetch(_B, cursor)
                 self.wait(u)
             if st.recompute is not None and not st.recompute_first:
                 self._recompute(st.recompute)
             self.compute("backward", st.name, st.bwd_s)
             for u in st.uses:
-                self.count(u, active=-1)
+                if st.bwd_weights:
+                    self.count(u, active=-1)
+                u.n_grad -= 1
                 u.has_grad = True
-                if sync and u.n_await == 0 and u.n_active == 0:
+                # reduced once every use's gradient is in (a tied unit: summed over its uses)
+                if sync and u.n_grad == 0 and u.n_active == 0:
                     self.reduce(u)
                 self.maybe_free(u)
                 self.prefetch(_B, cursor)
@@ -485,8 +503,8 @@ def simulate_step(
     ``timeline``: keep every interval (``StepSim.timeline``) for debugging and plots."""
     t = template
     coalesce = int(coalesce_bytes) if t.device.world_size > 1 else 0
-    steps, order = _program(t, batch, option_index, variant, coalesce)
-    sim = _Sim(t, steps, order, coalesce, all_reduce, timeline)
+    steps, order, no_weights_b = _program(t, batch, option_index, variant, coalesce)
+    sim = _Sim(t, steps, order, coalesce, all_reduce, timeline, no_weights_b)
     settings = t.settings
     micro = settings.accumulation_steps
     for mb in range(micro):

@@ -47,10 +47,14 @@ def test_gpt2_units_in_execution_order_conv1d_splittable_tied_head():
             assert module.weight.shape[0] == module.nx
     assert ops["transformer.h.1.mlp.c_proj"].in_features == 4 * 16
     assert ops["transformer.h.0.attn.c_attn"].in_features == 16
-    assert not ops["transformer.wte"].splittable and not ops["transformer.ln_f"].splittable
-    # lm_head reuses wte's weight: a second use, no parameters, not splittable
+    assert not ops["transformer.ln_f"].splittable
+    # the embedding splits by rows (the vocabulary); lm_head reuses wte's weight: a second
+    # use, no parameters, split the same way (its out_features are wte's rows)
+    wte = ops["transformer.wte"]
+    assert (wte.splittable, wte.in_features, wte.split_op) == (True, 97, "embedding_rows")
     head = ops["lm_head"]
-    assert (head.tied_to, head.param_count, head.splittable) == ("transformer.wte", 0, False)
+    assert (head.tied_to, head.param_count, head.splittable, head.in_features, head.split_op) == (
+        "transformer.wte", 0, True, 97, "linear_out_features")
     assert desc.param_count == sum(p.numel() for p in model.parameters())
     assert desc.param_bytes == 4 * desc.param_count
     assert [b.name for b in desc.blocks] == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
@@ -66,17 +70,19 @@ def test_llama_units_in_execution_order_linears_splittable(tied):
     assert names == ["model.embed_tokens", *_llama_layer(0), *_llama_layer(1), "model.norm", "lm_head"]
     ops = {op.name: op for op in desc.ops}
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and not (tied and name == "lm_head"):
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
             op = ops[name]
             assert (op.kind, op.splittable, op.in_features) == ("linear", True, module.in_features), name
     assert ops["model.layers.0.mlp.down_proj"].in_features == 24
     assert ops["model.layers.0.self_attn.k_proj"].param_count == 8 * 16  # GQA: 2 kv heads of 4
     assert ops["model.norm"].kind == "llamarmsnorm" and not ops["model.norm"].splittable
     head = ops["lm_head"]
+    # the vocabulary head is cut along its out_features (the vocabulary), tied or not
+    assert (head.splittable, head.in_features, head.split_op) == (True, 97, "linear_out_features")
     if tied:
-        assert (head.tied_to, head.param_count, head.splittable) == ("model.embed_tokens", 0, False)
+        assert (head.tied_to, head.param_count) == ("model.embed_tokens", 0)
     else:
-        assert (head.tied_to, head.param_count, head.in_features) == (None, 97 * 16, 16)
+        assert (head.tied_to, head.param_count) == (None, 97 * 16)
     assert desc.param_count == sum(p.numel() for p in model.parameters())
     assert [b.name for b in desc.blocks] == ["model.layers.0", "model.layers.1"]
 
