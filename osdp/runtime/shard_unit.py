@@ -125,9 +125,8 @@ class ShardUnit:
         # per-step bookkeeping, owned by the scheduler
         self.n_active = 0  # uses computing now (forward or backward)
         self.n_await = 0  # uses whose backward has not started yet
+        self.n_await_weights = 0  # of those, the ones whose backward reads the weights
         self.grad_flat: torch.Tensor | None = None  # unsharded gradient being accumulated
-        # False for split ops whose backward reads no weights (embedding rows)
-        self.backward_needs_weights = True
         # small whole-module unit whose collectives may be coalesced with other small
         # units' (set by the scheduler, see [Note: coalesced small units])
         self.coalescible = False
