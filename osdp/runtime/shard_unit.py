@@ -57,7 +57,9 @@ class ParamSlot:
     """Where one original parameter lives in its unit's flat buffer."""
 
     attr: str  # attribute name on the module that computes with it
-    fqns: tuple[str, ...]  # its names in the original model's state dict (several if tied)
+    # its names in the original model's state dict (several if tied); a slice of a cut
+    # parameter: ``name[i]`` for each of them
+    fqns: tuple[str, ...]
     shape: torch.Size
     offset: int
     numel: int
