@@ -214,9 +214,6 @@ class OSDP(nn.Module):
             self._bindings.append(binding)
         for split_module, units in self._built.splits.values():
             split_module.bind(self._scheduler, units)
-            if not split_module.needs_weights_in_backward:
-                for unit in units:
-                    unit.backward_needs_weights = False
         apply_checkpointing(self.module, config.checkpoint_blocks)
         self.checkpoint_blocks = config.checkpoint_blocks
 

@@ -8,7 +8,37 @@ depends on is written here, once).
 - which small units share one collective;
 - which collective reduces gradients on which backend;
 - the runtime's default prefetch window when no plan gives one;
-- :class:`RuntimeConfig`: the typed description of a plan that the runtime executes.
+- :class:`RuntimeConfig`: the typed description of a plan that the runtime executes;
+- how a weight shared by two modules (a tied embedding and LM head) is named and split,
+  [Note: tied row split].
+
+[Note: tied row split]
+A weight shared by two modules (GPT's ``lm_head.weight is wte.weight``) is ONE unit,
+named after its owner: the first module in ``named_modules()`` order holding it
+(``wte``). The other module is its *tied use* (``lm_head``): it owns no unit.
+Splitting the pair cuts the one weight into g slices ``wte[0] .. wte[g-1]``, each its
+own unit with its own mode, and both uses compute on those same slices: the owner with
+its split op (``embedding_rows``, a lookup), the tied use with the owner op's
+``tied_use_op`` (``linear_out_features``: logits block i = ``x @ W_i^T``), which must cut
+the shared weight identically (the runtime checks it slice by slice).
+
+In a :class:`RuntimeConfig`: ``unit_modes["wte"]`` holds the per-slice modes (its length
+is g), ``split_ops["wte"]`` the owner's op (may be left out when it is the default of
+its type), ``tied_uses["lm_head"] = "wte"`` marks the tied use (checked against the
+model). The tied use has no modes of its own: ``splits=`` / ``modes=`` given by hand
+for ``lm_head`` (or ``lm_head[i]``) are moved onto ``wte`` (different ones for both are
+an error); ``split_ops["lm_head"]`` may name another op for the tied use.
+
+What it costs (what the planner prices): every call of either module is one use of
+each slice. The lookup's backward reads no weights, the head's does: a ``dp`` slice is
+kept from the head's forward to the head's backward only (not from the lookup), a
+``zdp`` slice is gathered again for the head's backward. Per step and slice: dp 2
+all-gathers (lookup forward, head forward), zdp 3 (and head backward), 1
+reduce-scatter. Gradients of both uses are summed per slice before that single
+reduce-scatter: the head's backward (first, in a GPT) writes dW_i into the slice's
+unsharded gradient buffer, the lookup's backward (last) adds its rows, and the slice is
+reduced after its last use. So from the head's backward to the lookup's backward all g
+slices' unsharded gradients are live (the whole weight's gradient, in reduce dtype).
 """
 from __future__ import annotations
 
@@ -64,6 +94,8 @@ class RuntimeConfig:
 
     unit_modes: dict[str, tuple[str, ...]]  # per-slice modes; the length is the slice count
     split_ops: dict[str, str] = field(default_factory=dict)  # split unit -> registered op name
+    # tied use (module path) -> the unit that owns its weight; see [Note: tied row split]
+    tied_uses: dict[str, str] = field(default_factory=dict)
     prefetch_bytes: int | None = None  # None: default_prefetch_bytes
     checkpoint_blocks: tuple[str, ...] = ()
     world_size: int | None = None  # None: any

@@ -41,34 +41,29 @@ from .registry import SplitModule, split_sizes
 class _SplitMatmulFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, expects_backward: bool, module: "MatmulSplit", *shards):
-        sched = module.scheduler
         x2 = x.reshape(-1, module.in_features)
         out = module.new_output(x2)
-        uses = []
-        for i, unit in enumerate(module.units):
-            use = sched.pre_forward(unit)
-            module.forward_slice(out, x2, module.slice_weight(unit, i), module.slice_bias(unit, i), i)
-            sched.post_forward(use, expects_backward)
-            uses.append(use)
-        ctx.module, ctx.uses = module, uses
+
+        def product(i, weight, bias, n0):
+            module.forward_slice(out, x2, weight, bias, i)
+
+        ctx.module, ctx.uses = module, module.forward_slices(product, expects_backward)
         ctx.save_for_backward(x)
         return out.to(x.dtype).view(*x.shape[:-1], module.out_features)
 
     @staticmethod
     def backward(ctx, dy):
-        module, uses = ctx.module, ctx.uses
-        sched = module.scheduler
+        module = ctx.module
         (x,) = ctx.saved_tensors
         x2 = x.reshape(-1, module.in_features)
         dy2 = dy.reshape(-1, module.out_features)
         need_dx = ctx.needs_input_grad[0]
         dx = module.new_input_grad(x2) if need_dx else None
-        for i in reversed(range(module.g)):
-            unit, use = module.units[i], uses[i]
-            sched.pre_backward(use)
-            grads, accumulate = sched.grad_buffer(unit) if unit.requires_grad else (None, False)
-            module.backward_slice(dy2, x2, module.slice_weight(unit, i), dx, grads, accumulate, i)
-            sched.post_backward(use, None)
+
+        def grads_of(i, weight, grads, accumulate, n0):
+            module.backward_slice(dy2, x2, weight, dx, grads, accumulate, i)
+
+        module.backward_slices(ctx.uses, grads_of)
         if need_dx:
             dx = dx.to(x.dtype).view_as(x)  # no copy for the K-split (written in x's dtype)
         return (dx, None, None) + (None,) * module.g
@@ -173,6 +168,41 @@ class MatmulSplit(SplitModule):
         dx = op.new_input_grad(x2)
         for i in reversed(range(g)):
             op.backward_slice(dy2, x2, cls.linear_view(stored[i]), dx, [torch.empty_like(stored[i])], False, i)
+
+    # ---- the slice loop: the acquire/release protocol, open to per-slice consumers --------
+    def forward_slices(self, fn, expects_backward: bool) -> list:
+        """For each slice ``i`` in order 0..g-1: acquire it (all-gathered; later slices
+        prefetched within the window), call ``fn(i, weight, bias, n0)``, release it (a
+        zdp slice is freed now, a dp slice kept for backward). ``weight`` is the slice in
+        Linear layout ([ns_i, K] for ``cut="out"``: logits block ``x @ weight.T`` is
+        columns ``n0 .. n0 + ns_i`` of the output), ``bias`` its part of the bias or
+        None, ``n0 = offsets[i]``. Returns the uses: hand them to :meth:`backward_slices`
+        from the consumer's autograd backward. The op's own forward is one consumer; a
+        fused head + loss is another (it never builds the whole output)."""
+        sched, uses = self.scheduler, []
+        for i, unit in enumerate(self.units):
+            use = sched.pre_forward(unit)
+            fn(i, self.slice_weight(unit, i), self.slice_bias(unit, i), self.offsets[i])
+            sched.post_forward(use, expects_backward, self.needs_weights_in_backward)
+            uses.append(use)
+        return uses
+
+    def backward_slices(self, uses: list, fn) -> None:
+        """For each slice in reverse order (the order backward prefetches in): acquire
+        it again (gathered if it was freed), call ``fn(i, weight, grads, accumulate, n0)``,
+        release it (its reduce-scatter is issued when this was its last use: for a slice
+        tied to an embedding, the lookup's backward comes later and adds its part
+        first). ``grads``: views of the slice's unsharded gradient buffer, one per slot
+        (``grads[0]`` the weight in STORED layout, ``linear_view`` gives Linear
+        layout), or None when frozen; ``accumulate``: they already hold a gradient
+        (add to it) or not (overwrite every element)."""
+        sched = self.scheduler
+        for i in reversed(range(self.g)):
+            unit, use = self.units[i], uses[i]
+            sched.pre_backward(use)
+            grads, accumulate = sched.grad_buffer(unit) if unit.requires_grad else (None, False)
+            fn(i, self.slice_weight(unit, i), grads, accumulate, self.offsets[i])
+            sched.post_backward(use, None)
 
     def slice_weight(self, unit, i: int) -> torch.Tensor:
         return self.linear_view(unit.views[0])

@@ -14,6 +14,12 @@ A split op is a :class:`SplitModule` subclass with the class attributes
   op is named (one per type; others are chosen by name, e.g. ``split_ops=``);
 - ``planned``: whether the planner may choose it (the cost model prices matmul
   splits; an op it cannot price yet is run only when asked for);
+- ``needs_weights_in_backward``: whether its backward reads the slices' weights (False:
+  a slice is never gathered for backward, and a ``dp`` slice is not kept for it);
+- ``tied_use_op``: when the split parameter is tied to another module's (an embedding
+  and an LM head), the op that module runs on the SAME slices (it must cut the shared
+  weight identically); None: a tied split is refused. See [Note: tied row split] in
+  ``osdp/contract.py``;
 
 and the classmethod ``axis_length(module)``. Registering is decorating it with
 :func:`register_split_op`; adding a split op is one file and its test.
@@ -63,6 +69,8 @@ class SplitModule(nn.Module):
     # False when backward reads no weights (then the scheduler never gathers the
     # slices for backward and frees them after forward in either mode)
     needs_weights_in_backward: ClassVar[bool] = True
+    # the op a module tied to the split weight runs on the same slices (None: refused)
+    tied_use_op: ClassVar[str | None] = None
 
     def __init__(self, g: int):
         super().__init__()

@@ -1,8 +1,13 @@
 """nn.Embedding split by rows (the vocabulary): slice ``i`` owns rows
 ``[r_i, r_i + rs_i)``. Each looked-up index belongs to exactly one slice, so a slice's
 forward writes the rows of the output whose index falls in its range, and its backward
-scatter-adds the matching rows of dY into its weight gradient.
+scatter-adds the matching rows of dY into its weight gradient. Backward reads no
+weights: every slice use is released with ``needs_weights=False`` (never gathered for
+backward, never kept by a ``dp`` slice for this use).
 
+A tied embedding (its weight is also an LM head's, ``lm_head.weight is wte.weight``)
+shares these slice units with the head, which runs ``tied_use_op`` on the same row
+slices; see [Note: tied row split] in ``osdp/contract.py``.
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ class _SplitEmbeddingFn(torch.autograd.Function):
             r0 = module.offsets[i]
             mask = (flat_idx >= r0) & (flat_idx < r0 + module.sizes[i])
             out[mask] = unit.views[0][flat_idx[mask] - r0]
-            sched.post_forward(use, expects_backward)
+            sched.post_forward(use, expects_backward, needs_weights=False)
             uses.append(use)
         ctx.module, ctx.uses = module, uses
         ctx.save_for_backward(idx)
@@ -73,7 +78,14 @@ class _SplitEmbeddingFn(torch.autograd.Function):
 
 @register_split_op
 class SplitEmbedding(SplitModule):
-    """nn.Embedding cut into ``g`` slices of rows (uneven sizes allowed)."""
+    """nn.Embedding cut into ``g`` slices of rows (uneven sizes allowed).
+
+    What the planner reads (see [Note: split op declaration]): ``axis = "rows"``,
+    ``axis_length`` = ``num_embeddings``, ``needs_weights_in_backward = False`` (the
+    lookup's backward only scatters dY rows), ``tied_use_op`` = the op a tied head runs
+    on the same slices (``linear_out_features``, ``needs_weights_in_backward = True``).
+    ``planned`` stays False until the cost model prices a row split.
+    """
 
     module_type = nn.Embedding
     op_name = "embedding_rows"
@@ -81,6 +93,9 @@ class SplitEmbedding(SplitModule):
     kernels = ()  # index_select / index_add_ in torch
     planned = True  # priced by its declaration: a gather per slice in forward only
     needs_weights_in_backward = False
+    # a Linear tied to the split weight (an LM head: logits = x @ W^T) cuts the same
+    # rows as its out_features, slice for slice; its backward needs the weights
+    tied_use_op = "linear_out_features"
 
     @classmethod
     def axis_length(cls, module: nn.Embedding) -> int:

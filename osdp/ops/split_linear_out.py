@@ -6,7 +6,10 @@ summed with another's. Suited to fused projections (a GPT QKV ``c_attn``: out = 
 in) and wide heads, where the K-split's fp32 accumulator would be the whole output.
 Not the default for nn.Linear: chosen by name (``split_ops={name:
 "linear_out_features"}``). Schedule: [Note: split matmul schedule] in
-``matmul_split.py``.
+``matmul_split.py``. It is also the op of a tied LM head whose weight is a row-split
+embedding's (the slices are the embedding's units; see [Note: tied row split] in
+``osdp/contract.py``); a per-slice consumer (a fused loss) drives it through
+``forward_slices`` / ``backward_slices``.
 """
 from __future__ import annotations
 
@@ -25,3 +28,5 @@ class SplitLinearOut(MatmulSplit):
     axis = "out_features"
     cut = "out"
     default_for_type = False
+    # an Embedding tied to the split weight looks up the same rows, slice for slice
+    tied_use_op = "embedding_rows"

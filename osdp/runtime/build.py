@@ -8,6 +8,11 @@ parameters are removed (the module computes with views of the gathered buffer, s
 the hooks; the flat shard is kept by the unit, registered nowhere: the optimizer sees
 the original parameters, see [Note: original parameters] in shard_unit.py), (3) buffers
 are left in place (replicated).
+
+A split unit whose weight is tied to another module (an embedding and its LM head) is
+split once: the owner's op makes the slice units, the tied use is replaced by the
+owner op's ``tied_use_op`` computing on the SAME slice units (``built.splits`` has both,
+``built.tied`` maps the use to the owner); see [Note: tied row split] in contract.py.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch.nn as nn
 
 from ..errors import OSDPError
 from ..ops import SplitModule, get_split_op
+from .config import tied_uses
 from .modes import Mode
 from .shard_unit import ParamSlot, ShardUnit
 
@@ -27,9 +33,10 @@ class BuiltModel:
     units: list[ShardUnit] = field(default_factory=list)
     # (module, path, [(unit, [(attr, slot index)])]) per module computing with unit views
     bindings: list[tuple] = field(default_factory=list)
-    # path -> (split module, its slice units)
+    # path -> (split module, its slice units); a tied use of a split weight is here too,
+    # with its owner's slice units (``tied`` names the owner)
     splits: dict[str, tuple[SplitModule, list[ShardUnit]]] = field(default_factory=dict)
-    tied: dict[str, str] = field(default_factory=dict)  # module path -> owning unit
+    tied: dict[str, str] = field(default_factory=dict)  # module path -> owning unit (split: owner path)
 
 
 def _consistent(path: str, params) -> tuple[torch.dtype, bool]:
@@ -67,28 +74,35 @@ def build_units(
         fqns.setdefault(id(p), []).append(fqn)
     owner: dict[int, tuple[ShardUnit, int]] = {}
     built = BuiltModel()
+    tied = tied_uses(model)
+    sliced: dict[str, list[dict[str, torch.Tensor]]] = {}  # split path -> its slice tensors
 
     for path, module in list(model.named_modules()):
         params = [(a, p) for a, p in module._parameters.items() if p is not None]
         if not params:
             continue
         modes = unit_modes[path]
+        if tied.get(path) in built.splits:
+            _build_tied_use(model, path, module, tied[path], built, sliced, split_ops or {})
+            continue
         if len(modes) > 1:
-            if any(id(p) in owner or len(fqns[id(p)]) > 1 for _, p in params):
-                raise OSDPError(f"cannot split {path!r}: its parameters are shared with another module (tied)")
+            _check_splittable(model, path, params, fqns, owner, tied)
             op = get_split_op(module, path, (split_ops or {}).get(path))
             op.check(module, len(modes), path)
             _, requires_grad = _consistent(path, [p for _, p in params])
             slice_units = []
             whole = dict(params)
-            for i, tensors in enumerate(op.slice_tensors(module, len(modes))):
+            sliced[path] = op.slice_tensors(module, len(modes))
+            for i, tensors in enumerate(sliced[path]):
                 slots, names, offset = [], [], 0
                 for attr, t in tensors.items():
-                    slots.append(ParamSlot(attr, (), t.shape, offset, t.numel()))
+                    # an uncut parameter (a bias kept by one slice) keeps its name(s);
+                    # a cut one is name[i] under each of its names (tied: several)
+                    cut = t.shape != whole[attr].shape
+                    all_names = tuple(f"{n}[{i}]" if cut else n for n in fqns[id(whole[attr])])
+                    slots.append(ParamSlot(attr, all_names, t.shape, offset, t.numel()))
                     offset += t.numel()
-                    # an uncut parameter (a bias kept by one slice) keeps its name
-                    fqn = fqns[id(whole[attr])][0]
-                    names.append(fqn if t.shape == whole[attr].shape else f"{fqn}[{i}]")
+                    names.append(all_names[0])
                 slice_units.append(
                     ShardUnit(
                         f"{path}[{i}]", slots, list(tensors.values()), modes[i], rank, world_size, device,
@@ -127,3 +141,58 @@ def build_units(
         built.bindings.append((module, path, list(entries.items())))
     del keep_alive
     return built
+
+
+def _check_splittable(model: nn.Module, path: str, params, fqns: dict, owner: dict, tied: dict[str, str]) -> None:
+    """A split unit may share its parameters only with tied uses (modules computing
+    with nothing but this unit's parameters), which then split the same way."""
+    if path in tied or any(id(p) in owner for _, p in params):
+        first = tied.get(path) or owner[next(id(p) for _, p in params if id(p) in owner)][0].name
+        raise OSDPError(
+            f"cannot split {path!r}: its parameters belong to {first!r} (tied; the first module holding a "
+            f"weight owns it): split {first!r} instead, the tied pair shares one slicing"
+        )
+    for _, p in params:
+        for name in fqns[id(p)][1:]:
+            user = name.rpartition(".")[0]
+            if tied.get(user) != path:
+                raise OSDPError(
+                    f"cannot split {path!r}: its parameter {fqns[id(p)][0]!r} is also {name!r}, and {user!r} "
+                    "owns other parameters besides it (only a module computing with nothing but the shared "
+                    "weight, such as a tied LM head, can follow the split); leave it unsplit"
+                )
+
+
+def _build_tied_use(model: nn.Module, path: str, module: nn.Module, owner_path: str, built: BuiltModel,
+                    sliced: dict, split_ops: dict[str, str]) -> None:
+    """Replace the tied use ``path`` of the split unit ``owner_path`` by the split op
+    that computes on the owner's slice units; see [Note: tied row split]."""
+    owner_module, units = built.splits[owner_path]
+    op_name = split_ops.get(path) or type(owner_module).tied_use_op
+    if op_name is None:
+        raise OSDPError(
+            f"cannot split {owner_path!r}: its weight is tied to {path!r}, and split op "
+            f"{type(owner_module).op_name!r} declares no tied_use_op for such a module; leave it unsplit"
+        )
+    op = get_split_op(module, path, op_name)
+    g = len(units)
+    op.check(module, g, path)
+    # the tied use must cut the shared weight exactly as the owner does, slot for slot
+    owner_tensors = sliced[owner_path]
+    for i, tensors in enumerate(op.slice_tensors(module, g)):
+        ours, theirs = list(tensors.values()), list(owner_tensors[i].values())
+        same = len(ours) == len(theirs) and all(
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            for a, b in zip(ours, theirs)
+        )
+        if not same:
+            raise OSDPError(
+                f"cannot split the tied pair {owner_path!r} / {path!r}: split op {op.op_name!r} of {path!r} "
+                f"cuts slice {i} of the shared weight otherwise than {type(owner_module).op_name!r} of "
+                f"{owner_path!r}; name a tied use op that cuts the same rows (split_ops={{{path!r}: ...}})"
+            )
+    new = op(module, g)
+    _set_submodule(model, path, new)
+    built.splits[path] = (new, units)
+    built.tied[path] = owner_path
+

@@ -29,6 +29,44 @@ class ResolvedConfig:
     split_ops: dict[str, str] = field(default_factory=dict)  # split unit -> op name (default: the type's)
 
 
+def tied_uses(model: nn.Module) -> dict[str, str]:
+    """Module path -> owner path, for each module whose parameters are ALL owned by one
+    earlier module (a tied LM head: ``lm_head.weight is wte.weight``); see
+    [Note: tied row split] in contract.py."""
+    owner_of: dict[int, str] = {}
+    uses: dict[str, str] = {}
+    for path, module in model.named_modules():
+        params = [p for p in module._parameters.values() if p is not None]
+        owners = {owner_of.get(id(p)) for p in params}
+        if params and len(owners) == 1 and None not in owners:
+            uses[path] = owners.pop()
+        for p in params:
+            owner_of.setdefault(id(p), path)
+    return uses
+
+
+def _onto_owners(mapping: dict, tied: dict[str, str], split_owners, what: str) -> dict:
+    """``mapping`` with keys naming a tied use (or a slice of it, ``lm_head[i]``) of a
+    split owner renamed to the owner; the same key given both ways must agree."""
+    out: dict = {}
+    renamed: dict = {}
+    for key, value in mapping.items():
+        match = _SLICE_NAME.fullmatch(key) if isinstance(key, str) else None
+        base, suffix = (match.group(1), f"[{match.group(2)}]") if match and key not in tied else (key, "")
+        if isinstance(base, str) and base in tied and (split_owners is None or tied[base] in split_owners):
+            renamed[tied[base] + suffix] = (key, value)
+        else:
+            out[key] = value
+    for key, (given, value) in renamed.items():
+        if key in out and out[key] != value:
+            raise OSDPError(
+                f"{what}[{given!r}] = {value!r} but {what}[{key!r}] = {out[key]!r}: {given!r} is a tied use of "
+                f"{key.split('[')[0]!r} (one weight, one set of slices); give it once, under {key!r}"
+            )
+        out[key] = value
+    return out
+
+
 def unit_candidates(model: nn.Module) -> list[str]:
     """Module paths of modules that own parameters directly, in module order."""
     return [path for path, m in model.named_modules() if any(p is not None for p in m._parameters.values())]
@@ -95,6 +133,14 @@ def resolve_config(
     default = parse_mode(default_mode, "default_mode")
     candidates = unit_candidates(model)
     modules = dict(model.named_modules())
+    # a tied pair is one unit, named after its owner: see [Note: tied row split]
+    tied = tied_uses(model)
+    _check_tied_uses(plan, tied)
+    splits = _onto_owners(splits, tied, None, "splits")
+    split_owners = {name for name, g in splits.items() if g != 1} | {
+        tied.get(k, k) for k, v in modes.items() if isinstance(v, (tuple, list)) and len(v) > 1
+    }
+    modes = _onto_owners(modes, tied, split_owners, "modes")
 
     slices: dict[str, int] = {}
     for name, g in splits.items():
@@ -150,9 +196,20 @@ def resolve_config(
         _check_name(name, candidates, modules, "split_ops")
         if not isinstance(op_name, str):
             raise OSDPError(f"split_ops[{name!r}] = {op_name!r}: give a registered split op name (osdp.ops.registered_split_ops())")
-        if len(unit_modes[name]) == 1:
+        if len(unit_modes[tied.get(name, name)]) == 1:
             raise OSDPError(f"split_ops[{name!r}] names an op but {name!r} is not split: add splits={{{name!r}: g}}")
     return ResolvedConfig(unit_modes, prefetch_bytes, blocks, fingerprint, split_ops)
+
+
+def _check_tied_uses(plan, tied: dict[str, str]) -> None:
+    """A plan's ``tied_uses`` must be ties of this model."""
+    for use, owner in (getattr(plan, "tied_uses", None) or {}).items():
+        if tied.get(use) != owner:
+            actual = f"is tied to {tied[use]!r}" if use in tied else "shares no weight with another module"
+            raise PlanMismatchError(
+                f"the plan says {use!r} is a tied use of {owner!r}, but in this model {use!r} {actual}: "
+                "this plan was made for another model; make a plan for this one"
+            )
 
 
 def own_param_counts(model: nn.Module) -> dict[str, int]:

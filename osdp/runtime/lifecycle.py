@@ -10,8 +10,11 @@ A unit's gathered weights are freed when no use of it is computing (``n_active =
 and, for a ``dp`` unit, no use still waits for its backward (``n_await == 0``). So a
 ``zdp`` unit is freed after each forward use and each backward use; a ``dp`` unit is
 kept from its first forward to its last backward use; with no grad (eval) both free
-right after forward. Split ops whose backward reads no weights (embedding rows) free
-their slices after forward in either mode.
+right after forward. A use whose backward reads no weights (an embedding row split's
+lookup) does not keep a ``dp`` unit: only awaiting uses that need the weights do
+(``n_await_weights``), so a tied slice used by a lookup and a head is kept from the
+head's forward to the head's backward, not from the lookup on (see [Note: tied row
+split] in contract.py).
 
 [Note: transient bytes]
 The prefetch window bounds the *transient* gathered bytes: every gathered unit except
@@ -81,19 +84,20 @@ class UnitLifecycle:
     def begin_forward_use(self, unit: ShardUnit) -> None:
         self._count(unit, active=1)
 
-    def end_forward_use(self, unit: ShardUnit, expects_backward: bool) -> None:
-        self._count(unit, active=-1, awaiting=1 if expects_backward else 0)
+    def end_forward_use(self, unit: ShardUnit, expects_backward: bool, needs_weights: bool = True) -> None:
+        """``needs_weights``: the use's backward reads the gathered weights."""
+        self._count(unit, active=-1, awaiting=1 if expects_backward else 0, weights=needs_weights)
         self.maybe_reshard(unit)
 
-    def begin_backward_use(self, unit: ShardUnit, was_awaiting: bool) -> None:
-        self._count(unit, active=1, awaiting=-1 if was_awaiting else 0)
+    def begin_backward_use(self, unit: ShardUnit, was_awaiting: bool, needs_weights: bool = True) -> None:
+        self._count(unit, active=1, awaiting=-1 if was_awaiting else 0, weights=needs_weights)
 
-    def end_backward_use(self, unit: ShardUnit, was_active: bool, was_awaiting: bool) -> None:
-        self._count(unit, active=-1 if was_active else 0, awaiting=-1 if was_awaiting else 0)
+    def end_backward_use(self, unit: ShardUnit, was_active: bool, was_awaiting: bool, needs_weights: bool = True) -> None:
+        self._count(unit, active=-1 if was_active else 0, awaiting=-1 if was_awaiting else 0, weights=needs_weights)
 
-    def drop_await(self, unit: ShardUnit) -> None:
+    def drop_await(self, unit: ShardUnit, needs_weights: bool = True) -> None:
         """A use whose backward will not come (end of the backward pass)."""
-        self._count(unit, awaiting=-1)
+        self._count(unit, awaiting=-1, weights=needs_weights)
 
     def idle(self, unit: ShardUnit) -> bool:
         return unit.n_active == 0 and unit.n_await == 0
@@ -116,7 +120,7 @@ class UnitLifecycle:
         """See [Note: unit lifetime]."""
         if unit.state is GatherState.SHARDED or unit.n_active > 0:
             return
-        if unit.mode is Mode.DP and unit.n_await > 0 and unit.backward_needs_weights:
+        if unit.mode is Mode.DP and unit.n_await_weights > 0:
             return
         self.reshard(unit)
 
@@ -128,7 +132,7 @@ class UnitLifecycle:
     def reset(self, units: list[ShardUnit]) -> None:
         """No use in flight, nothing gathered (after a failed step)."""
         for unit in units:
-            unit.n_active = unit.n_await = 0
+            unit.n_active = unit.n_await = unit.n_await_weights = 0
         self._kept_bytes = 0
         self.reshard_where(lambda unit: True)
 
@@ -143,14 +147,16 @@ class UnitLifecycle:
         return list(self._live)
 
     def _kept(self, unit: ShardUnit) -> bool:
-        return unit.mode is Mode.DP and unit.n_active == 0 and unit.n_await > 0
+        return unit.mode is Mode.DP and unit.n_active == 0 and unit.n_await_weights > 0
 
-    def _count(self, unit: ShardUnit, active: int = 0, awaiting: int = 0) -> None:
+    def _count(self, unit: ShardUnit, active: int = 0, awaiting: int = 0, weights: bool = True) -> None:
         live = unit in self._live
         if live and self._kept(unit):
             self._kept_bytes -= unit.gathered_bytes
         unit.n_active += active
         unit.n_await += awaiting
+        if weights:
+            unit.n_await_weights += awaiting
         if live and self._kept(unit):
             self._kept_bytes += unit.gathered_bytes
 

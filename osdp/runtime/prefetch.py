@@ -43,7 +43,7 @@ class PrefetchPolicy:
         self.coalesce_bytes = int(coalesce_bytes)
         self.forward_order: list[ShardUnit] | None = None
         self.backward_order: list[ShardUnit] | None = None
-        self._recording: list[list] | None = None  # [unit, expects_backward] per use
+        self._recording: list[list] | None = None  # [unit, expects_backward, needs_weights] per use
         self._backward_recording: list[ShardUnit] | None = None  # first backward's real order
         self._forward_cursor = 0
         self._backward_cursor = 0
@@ -60,19 +60,21 @@ class PrefetchPolicy:
             self._recording = []
 
     def record_forward_use(self, unit: ShardUnit) -> list | None:
-        """The recording slot of this use (its ``expects_backward`` is set later)."""
+        """The recording slot of this use (``expects_backward`` and whether its backward
+        reads the weights are set at its post-forward)."""
         if self._recording is None:
             return None
-        entry = [unit, False]
+        entry = [unit, False, True]
         self._recording.append(entry)
         return entry
 
     def end_forward(self) -> None:
         rec, self._recording = self._recording, None
-        if rec and any(expects for _, expects in rec):
-            self.forward_order = [unit for unit, _ in rec]
-            # until the first backward shows the real order: reversed forward order
-            self.backward_order = [u for u, expects in reversed(rec) if expects and u.backward_needs_weights]
+        if rec and any(expects for _, expects, _ in rec):
+            self.forward_order = [unit for unit, _, _ in rec]
+            # until the first backward shows the real order: reversed forward order of
+            # the uses whose backward gathers
+            self.backward_order = [u for u, expects, weights in reversed(rec) if expects and weights]
             self._backward_recording = []
 
     def record_backward_use(self, unit: ShardUnit) -> None:

@@ -15,9 +15,10 @@ Module hooks (``hooks.py``) and split ops (``osdp.ops``) drive it with one proto
 
     use = sched.pre_forward(unit)         # gathered (and later units prefetched)
     ... compute with unit.views ...
-    sched.post_forward(use, expects_backward)
+    sched.post_forward(use, expects_backward, needs_weights)
     # backward
-    sched.pre_backward(use)               # gathered again if it was freed
+    sched.pre_backward(use)               # gathered again if it was freed (skipped by
+                                          # uses whose backward reads no weights)
     grads, accumulate = sched.grad_buffer(unit)   # optional: write dW in place
     sched.post_backward(use, grads_or_None)       # reduce-scatter when the last use is done
 
@@ -72,6 +73,9 @@ class Use:
     unit: ShardUnit
     state: UseState = UseState.FORWARD
     frees_after: bool = False  # RECOMPUTE only: this use gathered the unit, so it frees it
+    # its backward reads the gathered weights (False: an embedding row lookup, whose
+    # backward only scatters dY rows; a dp unit is not kept for such a use)
+    needs_weights: bool = True
     entry: list | None = field(default=None, repr=False)  # its slot in the recorded order
 
 
@@ -161,19 +165,23 @@ class Scheduler:
             use.entry = self.prefetch.record_forward_use(unit)
         return use
 
-    def post_forward(self, use: Use, expects_backward: bool) -> None:
+    def post_forward(self, use: Use, expects_backward: bool, needs_weights: bool = True) -> None:
+        """``needs_weights``: this use's backward reads the gathered weights (it calls
+        :meth:`pre_backward`); False: it only writes a gradient (no gather for it)."""
         unit = use.unit
         if use.state is UseState.RECOMPUTE:
             if use.frees_after:
                 use.frees_after = False
                 self.lifecycle.maybe_reshard(unit)
             return
-        self.lifecycle.end_forward_use(unit, expects_backward)
+        use.needs_weights = bool(needs_weights)
+        self.lifecycle.end_forward_use(unit, expects_backward, use.needs_weights)
         if expects_backward:
             use.state = UseState.AWAIT_BACKWARD
             self._awaiting[use] = None
             if use.entry is not None:
                 use.entry[1] = True
+                use.entry[2] = use.needs_weights
         else:
             use.state = UseState.DONE
         if self._in_forward:
@@ -186,7 +194,7 @@ class Scheduler:
         self._enter_backward()
         unit = use.unit
         self._awaiting.pop(use, None)
-        self.lifecycle.begin_backward_use(unit, was_awaiting=use.state is UseState.AWAIT_BACKWARD)
+        self.lifecycle.begin_backward_use(unit, use.state is UseState.AWAIT_BACKWARD, use.needs_weights)
         use.state = UseState.BACKWARD
         self.prefetch.record_backward_use(unit)
         self.prefetch.gather_for_backward(unit)
@@ -207,7 +215,7 @@ class Scheduler:
         # backward without pre_backward: a split op that needs no weights
         was_awaiting = use.state is UseState.AWAIT_BACKWARD
         self._awaiting.pop(use, None)
-        self.lifecycle.end_backward_use(unit, was_active, was_awaiting)
+        self.lifecycle.end_backward_use(unit, was_active, was_awaiting, use.needs_weights)
         use.state = UseState.DONE
         if grads is not None and unit.requires_grad:
             self.reducer.add_grads(unit, grads)
@@ -224,7 +232,7 @@ class Scheduler:
     def _end_backward(self) -> None:
         """See [Note: end of the backward pass]."""
         for use in list(self._awaiting):
-            self.lifecycle.drop_await(use.unit)
+            self.lifecycle.drop_await(use.unit, use.needs_weights)
             use.state = UseState.ABANDONED
         self._awaiting.clear()
         if self.sync_gradients:

@@ -57,7 +57,9 @@ class ParamSlot:
     """Where one original parameter lives in its unit's flat buffer."""
 
     attr: str  # attribute name on the module that computes with it
-    fqns: tuple[str, ...]  # its names in the original model's state dict (several if tied)
+    # its names in the original model's state dict (several if tied); a slice of a cut
+    # parameter: ``name[i]`` for each of them
+    fqns: tuple[str, ...]
     shape: torch.Size
     offset: int
     numel: int
@@ -125,9 +127,8 @@ class ShardUnit:
         # per-step bookkeeping, owned by the scheduler
         self.n_active = 0  # uses computing now (forward or backward)
         self.n_await = 0  # uses whose backward has not started yet
+        self.n_await_weights = 0  # of those, the ones whose backward reads the weights
         self.grad_flat: torch.Tensor | None = None  # unsharded gradient being accumulated
-        # False for split ops whose backward reads no weights (embedding rows)
-        self.backward_needs_weights = True
         # small whole-module unit whose collectives may be coalesced with other small
         # units' (set by the scheduler, see [Note: coalesced small units])
         self.coalescible = False

@@ -99,8 +99,11 @@ def _mp_osdp(rank, world_size, kwargs):
 def wrapped_grads(wrapped):
     """The full gradient of every original parameter (gathers the sharded .grad)."""
     grads, full = {}, {}
+    split_units = {id(u) for _, units in wrapped._built.splits.values() for u in units}
     for unit in wrapped._built.units:
         full[unit.name] = wrapped._comm.all_gather_sync(unit.sharded_grad())[: unit.numel]
+        if id(unit) in split_units:
+            continue  # merged below (a slice's slots are named ``name[i]``)
         for slot in unit.slots:
             for fqn in slot.fqns:
                 grads[fqn] = full[unit.name][slot.offset : slot.offset + slot.numel].view(slot.shape).clone()

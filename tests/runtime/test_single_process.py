@@ -58,9 +58,34 @@ def test_bad_configs_raise_clear_errors(kwargs, match):
         osdp.OSDP(gpt(), **kwargs)
 
 
-def test_split_of_tied_module_is_refused():
-    with pytest.raises(OSDPError, match=r"cannot split 'lm_head': its parameters are shared"):
-        osdp.OSDP(gpt(tie_embeddings=True), splits={"lm_head": 2})
+class _TiedHeadWithBias(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(50, 8)
+        self.lm_head = nn.Linear(8, 50)  # owns a bias besides the shared weight
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.lm_head(self.wte(idx))
+
+
+def test_tied_splits_that_cannot_work_are_refused():
+    # see [Note: tied row split]: only a module computing with nothing but the shared
+    # weight can follow the split
+    with pytest.raises(OSDPError, match=r"cannot split 'wte': its parameter 'wte.weight' is also 'lm_head.weight', "
+                                        r"and 'lm_head' owns other parameters"):
+        osdp.OSDP(_TiedHeadWithBias(), splits={"wte": 2})
+    # one weight, one slicing: the pair split two ways
+    with pytest.raises(OSDPError, match=r"splits\['lm_head'\] = 3 but splits\['wte'\] = 2: 'lm_head' is a tied use of 'wte'"):
+        osdp.OSDP(gpt(tie_embeddings=True), splits={"wte": 2, "lm_head": 3})
+    # a tied use op that cuts the shared weight along another axis
+    with pytest.raises(OSDPError, match=r"'linear_in_features' of 'lm_head' cuts slice 0 of the shared weight otherwise "
+                                        r"than 'embedding_rows' of 'wte'"):
+        osdp.OSDP(gpt(tie_embeddings=True), splits={"wte": 2}, split_ops={"lm_head": "linear_in_features"})
+    # a plan whose tied uses are not this model's
+    with pytest.raises(PlanMismatchError, match=r"the plan says 'lm_head' is a tied use of 'wte', but in this model "
+                                                r"'lm_head' shares no weight"):
+        osdp.OSDP(gpt(), plan=FakePlan({}, tied_uses={"lm_head": "wte"}))
 
 
 def test_mixed_frozen_unit_is_refused():
