@@ -17,6 +17,12 @@ keep all of these, so a fake description equals a real one field by field (teste
 osdp's GPT and on Hugging Face GPT-2 and Llama). What it cannot see: anything whose
 shape depends on tensor values (``nonzero``, boolean masks, ``.item()``-driven control
 flow) raises under fake mode (``DataDependentOutputException``); describe then says so.
+Code that checks for fake tensors takes its tracing path: Hugging Face models cannot
+read fake position ids and would assume packed sequences (an explicit causal mask,
+repeated GQA keys and values); describe_fake takes them as one sequence per row, as
+default position ids are (``_unpacked_sequences``). Explicit packed position ids or an
+``attention_mask`` argument are described as a traced run sees them (mask kept), which
+can be more than a real run on all-ones values.
 Kernels are chosen for ``device`` (default cpu): a fake ``scaled_dot_product_attention``
 saves what the cpu kernel saves (flash attention for cpu: O(seq) logsumexp, like the
 GPU flash kernel), not what another backend would.
@@ -30,6 +36,7 @@ description needs no proof that the layers are alike.
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn as nn
@@ -90,6 +97,34 @@ def _fake_inputs(fake_mode, inputs: ExampleInputs, device: torch.device) -> Exam
     return ExampleInputs(tuple(one(v) for v in inputs.args), {k: one(v) for k, v in inputs.kwargs.items()})
 
 
+@contextlib.contextmanager
+def _unpacked_sequences():
+    """Hugging Face models look at the position ids for packed sequences (several
+    sequences in one row) and, when they cannot read them (fake tensors count as
+    tracing), build an explicit causal mask instead of SDPA's ``is_causal``: a different
+    kernel path and more saved bytes than a real run. Inside, fake position ids are
+    taken as one sequence per row (what default position ids are), so that the fake run
+    takes the path a real one takes. See [Note: fake description equals the measured one]."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def unpacked(position_ids, *args, **kwargs):
+        if isinstance(position_ids, FakeTensor):
+            return None
+        return find(position_ids, *args, **kwargs)
+
+    masking.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
+
+
 def describe_fake(
     model: nn.Module,
     example_inputs,
@@ -119,7 +154,7 @@ def describe_fake(
     with fake_parameters(model, fake_mode, device):
         fake_in = _fake_inputs(fake_mode, inputs, device)
         try:
-            with fake_mode:
+            with fake_mode, _unpacked_sequences():
                 return describe(
                     model, fake_in, name=name, blocks=blocks, batch_size=batch_size,
                     measure_backward=measure_backward, loss_fn=loss_fn, fake=False,
