@@ -68,13 +68,21 @@ def load_hf_config(name_or_path: str):
     if model_type not in CONFIG_MAPPING:
         raise OSDPError(
             f"Hugging Face config {path}: unknown model_type {model_type!r}; transformers "
-            f"{tf.__version__} knows {len(CONFIG_MAPPING)} types, e.g. gpt2, llama, mistral, qwen2"
+            f"{tf.__version__} knows {len(list(CONFIG_MAPPING.keys()))} types, e.g. gpt2, llama, mistral, qwen2"
         )
     fields = {k: v for k, v in data.items() if k != "model_type"}
     try:
         return tf.AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError, KeyError) as exc:
-        raise OSDPError(f"Hugging Face config {path} is not a valid {model_type} config: {exc}") from None
+    except Exception as exc:  # transformers' and huggingface_hub's validators raise many kinds
+        raise OSDPError(f"Hugging Face config {path} is not a valid {model_type} config: {_root_cause(exc)}") from None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost cause's first line (validators wrap the message that matters)."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 def context_length(config) -> int | None:
@@ -99,7 +107,10 @@ def meta_causal_lm(config, dtype_bytes: int = 4):
             model = tf.AutoModelForCausalLM.from_config(config, dtype=dtype)
     except ValueError as exc:
         raise OSDPError(f"model_type {config.model_type!r} has no causal LM in transformers: "
-                        f"{str(exc).splitlines()[0]}") from None
+                        f"{_root_cause(exc)}") from None
+    except Exception as exc:
+        raise OSDPError(f"transformers could not build a {config.model_type} model from this config: "
+                        f"{type(exc).__name__}: {_root_cause(exc)}") from None
     return model
 
 
@@ -125,7 +136,13 @@ def describe_hf_config(name_or_path: str, *, seq_len: int | None = None, dtype_b
     ids = torch.empty(DESCRIBE_BATCH, seq_len, dtype=torch.long, device="meta")
     label = name or Path(name_or_path).stem
     with _quiet_transformers():
-        return describe(model, {"input_ids": ids, "labels": ids, "use_cache": False}, name=label, fake=True)
+        try:
+            return describe(model, {"input_ids": ids, "labels": ids, "use_cache": False}, name=label, fake=True)
+        except OSDPError:
+            raise
+        except Exception as exc:
+            raise OSDPError(f"describing the {config.model_type} model of {name_or_path} on fake tensors failed: "
+                            f"{type(exc).__name__}: {_root_cause(exc)}") from None
 
 
 @contextlib.contextmanager
