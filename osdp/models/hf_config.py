@@ -133,11 +133,11 @@ def describe_hf_config(name_or_path: str, *, seq_len: int | None = None, dtype_b
         raise OSDPError(f"sequence length {seq_len} exceeds the model's context length {context}")
     model = meta_causal_lm(config, dtype_bytes)
     model.train()
-    ids = torch.empty(DESCRIBE_BATCH, seq_len, dtype=torch.long, device="meta")
+    ids, labels = (torch.empty(DESCRIBE_BATCH, seq_len, dtype=torch.long, device="meta") for _ in range(2))
     label = name or Path(name_or_path).stem
     with _quiet_transformers():
         try:
-            return describe(model, {"input_ids": ids, "labels": ids, "use_cache": False}, name=label, fake=True)
+            return describe(model, {"input_ids": ids, "labels": labels, "use_cache": False}, name=label, fake=True)
         except OSDPError:
             raise
         except Exception as exc:

@@ -108,8 +108,16 @@ def fake_parameters(model: nn.Module, fake_mode, device: torch.device):
 
 
 def _fake_inputs(fake_mode, inputs: ExampleInputs, device: torch.device) -> ExampleInputs:
+    """Fake stand-ins of the tensor arguments; one tensor passed twice stays one tensor
+    (its bytes are counted once, as in a real run)."""
+    fakes: dict[int, torch.Tensor] = {}
+
     def one(v):
-        return _fake_like(fake_mode, v, device) if isinstance(v, torch.Tensor) else v
+        if not isinstance(v, torch.Tensor):
+            return v
+        if id(v) not in fakes:
+            fakes[id(v)] = _fake_like(fake_mode, v, device)
+        return fakes[id(v)]
 
     return ExampleInputs(tuple(one(v) for v in inputs.args), {k: one(v) for k, v in inputs.kwargs.items()})
 

@@ -94,6 +94,12 @@ def test_meta_inputs_are_accepted():
     from_real = describe(model, (idx, targets))
     from_meta = describe(model, (idx.to("meta"), targets.to("meta")))
     assert_same(from_meta, from_real)
+    # one tensor passed twice stays one storage (counted once), as in a real run
+    torch.manual_seed(0)
+    real_twice = describe(GPT(config), (idx, idx))
+    meta_idx = idx.to("meta")
+    assert_same(describe(model, (meta_idx, meta_idx)), real_twice)
+    assert real_twice != from_real
 
 
 # ---- alike layers measured once -------------------------------------------------------
