@@ -30,7 +30,9 @@ GPU flash kernel), not what another backend would.
 [Note: identical blocks]
 A fake forward and backward cost a few milliseconds per operator whatever the shapes,
 and the backward live-bytes tracker grows with the number of live tensors: a 70B Llama
-(80 layers) measured layer by layer takes about half a minute. When the layers are alike,
+(80 layers, 723 units) measured layer by layer takes 34 s on a 2-core machine, 2.4 s
+measured as below (peak RSS of the process about 410 MiB either way; the model's 282 GB
+of fp32 weights never exist). When the layers are alike,
 describe_fake measures the model cut to 3 and to 4 layers instead (``repeat=True``, the
 default) and writes out the full depth: layer 0 and the last layer as measured, every
 layer in between a copy of layer 1 (renamed), the constant bytes extended by the
@@ -46,7 +48,8 @@ per-layer difference. It is used only when
   middle layer (everything before, after and at both ends equal field by field, layers
   1 and 2 of the 4-layer cut equal up to their names).
 
-Otherwise every layer is measured. tests/planner/test_fake_describe.py checks that the
+Otherwise (or when a cut model fails to run: a forward that needs all its layers) every
+layer is measured. tests/planner/test_fake_describe.py checks that the
 written-out description equals the one measured layer by layer, field by field.
 """
 from __future__ import annotations
@@ -293,7 +296,10 @@ def _describe_repeated(model, inputs, device, settings, path: str, layers: nn.Mo
     cuts = {}
     for count in (3, 4):
         with _cut(layers, count):
-            cuts[count] = _describe_all(model, inputs, device, settings)
+            try:
+                cuts[count] = _describe_all(model, inputs, device, settings)
+            except Exception:  # noqa: BLE001 - measuring every layer is always right
+                return None
     three, four = _split(cuts[3], path, 3), _split(cuts[4], path, 4)
     if three is None or four is None:
         return None

@@ -203,3 +203,21 @@ def test_value_dependent_model_is_one_clear_error():
         model = Gather()
     with pytest.raises(OSDPError, match="depends on tensor values"):
         describe(model, (torch.randn(BATCH, 4),))
+
+
+class _NeedsAllLayers(_OddStack):
+    def forward(self, x):
+        if len(self.layers) != 6:
+            raise RuntimeError("this model runs with all of its 6 layers")
+        return super().forward(x)
+
+
+def test_model_that_cannot_run_cut_is_measured_in_full():
+    torch.manual_seed(0)
+    real = _NeedsAllLayers()
+    with torch.device("meta"):
+        model = _NeedsAllLayers()
+    x = torch.randn(BATCH, 8)
+    desc = describe(model, (x,))
+    assert "repeated_layers" not in desc.meta
+    assert_same(desc, describe(real, (x,)))
