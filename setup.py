@@ -65,7 +65,7 @@ setup(
     version="0.1.0",
     description="Optimal Sharded Data Parallel: per-operator dp/zdp sharding and operator splitting for PyTorch",
     packages=find_packages(include=["osdp", "osdp.*", "osdp_kernels", "osdp_kernels.*"]),
-    package_data={"osdp": ["profiles/*.json"]},
+    package_data={"osdp": ["profiles/*.json", "configs/hf/*.json", "configs/hf/README.md"]},
     ext_modules=[CMakeExtension("osdp._C")],
     cmdclass={"build_ext": CMakeBuild},
     python_requires=">=3.10",

@@ -12,6 +12,8 @@ from .errors import OSDPError
 
 
 def _model_desc(args):
+    if getattr(args, "hf_config", None):
+        return _hf_model_desc(args)
     from .models import GPTConfig, get_preset
     from .planner.gpt_desc import describe_gpt
 
@@ -37,6 +39,22 @@ def _model_desc(args):
         raise OSDPError(str(exc)) from None
     label = name if name and not given else f"GPT-{config.num_layers}x{config.hidden}"
     return describe_gpt(config, dtype_bytes=args.dtype_bytes, name=label)
+
+
+def _hf_model_desc(args):
+    """--hf-config: a Hugging Face config.json (or a shipped name) built on the meta
+    device and described on fake tensors; described once per command."""
+    if getattr(args, "_hf_desc", None) is not None:
+        return args._hf_desc
+    shape_flags = {"--preset": args.preset, "--layers": args.layers, "--hidden": args.hidden, "--heads": args.heads,
+                   "--vocab": args.vocab, "--block-hidden": args.block_hidden}
+    clash = [flag for flag, value in shape_flags.items() if value is not None]
+    if clash:
+        raise OSDPError(f"--hf-config gives the model's shape; drop {', '.join(clash)} (--seq and --dtype-bytes apply)")
+    from .models.hf_config import describe_hf_config
+
+    args._hf_desc = describe_hf_config(args.hf_config, seq_len=args.seq, dtype_bytes=args.dtype_bytes)
+    return args._hf_desc
 
 
 def _int_list(text: str, flag: str) -> tuple[int, ...]:
@@ -115,7 +133,7 @@ def cmd_plan(args) -> int:
     if args.plot:
         from .plot import plot_plan
 
-        model_given = not args.plan or args.preset or args.layers
+        model_given = not args.plan or args.preset or args.layers or args.hf_config
         plot_plan(plan, args.plot, *((_model_desc(args), _device(args)) if model_given else ()))
         print(f"plot written to {args.plot}")
     return 0
@@ -161,7 +179,7 @@ def _simulate_scale(args) -> int:
 
 
 def _add_model_flags(p):
-    g = p.add_argument_group("model (a preset, or a GPT shape)")
+    g = p.add_argument_group("model (a preset, a GPT shape, or a Hugging Face config)")
     g.add_argument("--preset", help=f"named model config (default {DEFAULT_PRESET}); see `osdp presets`")
     g.add_argument("--layers", type=int)
     g.add_argument("--hidden", type=int)
@@ -170,6 +188,11 @@ def _add_model_flags(p):
     g.add_argument("--vocab", type=int)
     g.add_argument("--block-hidden", help="comma-separated per-block widths (inconsistent & consecutive models)")
     g.add_argument("--dtype-bytes", type=int, default=4, choices=(2, 4), help="bytes per weight element (default 4: fp32)")
+    g.add_argument("--hf-config", metavar="CONFIG",
+                   help="a Hugging Face config.json, or a shipped one by name (gpt2, llama-2-7b, llama-2-13b, "
+                        "llama-2-70b, llama-3-8b, llama-3-70b, mistral-7b; see osdp/configs/hf/): the model is built "
+                        "on the meta device and described on fake tensors, nothing downloaded or allocated; "
+                        "--seq sets tokens per sample (default: its context length, at most 4096)")
 
 
 def _add_cluster_flag(g):

@@ -189,6 +189,13 @@ def _default_blocks(model: nn.Module) -> list[str]:
     ]
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the storage behind ``tensor`` (its StorageImpl, as
+    ``StorageWeakRef`` keys it): views share it. Unlike ``data_ptr`` it also tells
+    apart storages that have no memory (fake and meta tensors, all at address 0)."""
+    return tensor.untyped_storage()._cdata
+
+
 class _Recorder:
     """Hooks that attribute saved tensors to the unit that is running."""
 
@@ -209,7 +216,7 @@ class _Recorder:
 
     def pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
+        ptr = storage_key(tensor)
         if ptr not in self.param_ptrs and ptr not in self.seen_storages and storage.nbytes():
             self.seen_storages.add(ptr)
             if self.current is None:
@@ -333,6 +340,7 @@ def describe(
     batch_size: int | None = None,
     measure_backward: bool = True,
     loss_fn: LossFn | None = None,
+    fake: bool | None = None,
 ) -> ModelDesc:
     """Describe ``model`` by running one forward of ``example_inputs`` (twice when the
     batch can be halved, to separate per-sample bytes from constant ones).
@@ -345,7 +353,15 @@ def describe(
     first tensor). ``measure_backward``: also run a backward to measure each unit's
     backward transients; its loss is ``loss_fn(output)`` when given, else
     ``output.loss`` (a ``ModelOutput``) or the output tensor (its sum if not a scalar).
+    ``fake``: measure on fake tensors, allocating nothing of the model's size (see
+    ``osdp.planner.fake_describe``); default: when a parameter or buffer is on the meta
+    device.
     """
+    from .fake_describe import describe_fake, has_meta_parameters
+
+    if fake or (fake is None and has_meta_parameters(model)):
+        return describe_fake(model, example_inputs, name=name, blocks=blocks, batch_size=batch_size,
+                             measure_backward=measure_backward, loss_fn=loss_fn)
     inputs = as_example_inputs(example_inputs)
     tensors = inputs.tensors()
     if batch_size is None:
@@ -368,7 +384,7 @@ def describe(
                 owner_of[id(p)] = path
     if not units:
         raise OSDPError(f"{type(model).__name__} has no parameters: there is nothing to shard or plan")
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    param_ptrs = {storage_key(p) for p in model.parameters()}
     block_names = _default_blocks(model) if blocks is None else list(blocks)
     known = dict(model.named_modules())
     for block in block_names:
