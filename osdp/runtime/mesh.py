@@ -63,8 +63,17 @@ def _single(name: str) -> Level:
 
 
 def _subgroup(ranks: list[int]):
-    """A process group of ``ranks`` created by its members only."""
-    return dist.new_group(ranks=sorted(ranks), use_local_synchronization=True)
+    """A process group of exactly ``ranks``: one that exists already (a DeviceMesh's, or
+    an earlier layout's), else a new one created by its members only. (Creating a second
+    group of the same members with local synchronization gives it the same hashed name
+    as the first, whose store keys it then trips over: a gloo rendezvous that hangs.)"""
+    ranks = sorted(ranks)
+    from torch.distributed import distributed_c10d as c10d
+
+    for group, members in list(c10d._world.pg_group_ranks.items()):
+        if group is not c10d.GroupMember.NON_GROUP_MEMBER and sorted(members) == ranks:
+            return group
+    return dist.new_group(ranks=ranks, use_local_synchronization=True)
 
 
 class ShardLayout:
