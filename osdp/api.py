@@ -56,7 +56,7 @@ class OSDP(nn.Module):
     5. wraps ``checkpoint_blocks`` in non-reentrant activation checkpointing;
     6. hooks every module into the stream scheduler.
 
-    ``modes``: unit name -> ``"dp"``/``"zdp"`` or one mode per slice (the length is the
+    ``modes``: unit name -> ``"dp"``/``"zdp"``/``"hpz"`` or one mode per slice (the length is the
     slice count); slice names ``"name[i]"`` may also be keys. ``splits``: unit name ->
     slice count. ``split_ops``: unit name -> registered split op name (``osdp.ops``), for a
     split unit cut another way than its type's default (e.g. ``"linear_out_features"``).
@@ -94,7 +94,8 @@ class OSDP(nn.Module):
     the shard group, then all-reduced across replicas, averaged over every rank).
     ``node_size``: ranks per node within the shard group, for ``"hpz"`` units (default
     from ``LOCAL_WORLD_SIZE``; see [Note: shard layout] in ``osdp/runtime/mesh.py`` and
-    [Note: modes per level] in ``osdp/contract.py``).
+    [Note: modes per level] in ``osdp/contract.py``). A plan's ``world_size`` is the
+    layout's rank count (replicas included).
 
     Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
     unsharded fp32 gradients across micro-batches (no reduce-scatter) until a backward

@@ -236,3 +236,35 @@ def test_fast_full_shard_hpz_nodes_parity_and_counts():
         assert hpz and probe["counts"][("all_gather", node)] == len(hpz)
         zdp = [u for u, m in probe["unit_modes"].items() if m == "zdp" and needs_weights_in_backward(u)]
         assert probe["counts"][("all_gather", (0, 1, 2, 3))] == len(probe["unit_modes"]) + len(zdp)
+
+
+# ---- the rule and the arguments (one process) ------------------------------------------
+def test_effective_mode_rule():
+    from osdp.contract import effective_mode
+
+    assert effective_mode("hpz", 2, 4) == "hpz"  # two nodes of 2: the node copy
+    assert effective_mode("hpz", 4, 4) == "zdp"  # the shard group is one node
+    assert effective_mode("hpz", 1, 4) == "dp"  # a copy sharded over one rank is the whole unit
+    assert effective_mode("zdp", 2, 4) == "zdp" and effective_mode("dp", 2, 4) == "dp"
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_layout_arguments_are_checked():
+    import osdp
+    from osdp.errors import OSDPError
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = hc.make_model(hc.MODEL)
+    with pytest.raises(OSDPError, match=r"node_size=3 does not divide the shard group of 1 ranks"):
+        osdp.OSDP(model, node_size=3)
+    with pytest.raises(OSDPError, match=r"node_size must be an integer >= 1"):
+        osdp.OSDP(model, node_size=0)
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("shard", "replicate"))
+    with pytest.raises(OSDPError, match=r"\('replicate', 'shard'\)"):
+        osdp.OSDP(model, mesh=mesh)
+    with pytest.raises(OSDPError, match="not both"):
+        osdp.OSDP(model, mesh=mesh, process_group=torch.distributed.group.WORLD)
+    wrapped = osdp.OSDP(model, mesh=init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard")),
+                        default_mode="hpz")
+    assert wrapped.layout.shard.size == 1 and wrapped.layout.replicate.size == 1
+    assert wrapped.unit_modes()["lm_head"] == "hpz"
