@@ -20,6 +20,7 @@ from .runtime.config import check_plan_matches_model, own_param_counts, resolve_
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
 from .runtime.ledger import MemoryLedger
+from .runtime.mesh import ShardLayout
 from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
 from .runtime.modes import Mode
 from .runtime.scheduler import Scheduler
@@ -55,7 +56,7 @@ class OSDP(nn.Module):
     5. wraps ``checkpoint_blocks`` in non-reentrant activation checkpointing;
     6. hooks every module into the stream scheduler.
 
-    ``modes``: unit name -> ``"dp"``/``"zdp"`` or one mode per slice (the length is the
+    ``modes``: unit name -> ``"dp"``/``"zdp"``/``"hpz"`` or one mode per slice (the length is the
     slice count); slice names ``"name[i]"`` may also be keys. ``splits``: unit name ->
     slice count. ``split_ops``: unit name -> registered split op name (``osdp.ops``), for a
     split unit cut another way than its type's default (e.g. ``"linear_out_features"``).
@@ -87,6 +88,15 @@ class OSDP(nn.Module):
     collective and unit). ``coalesce_bytes``: small units' collectives are coalesced up
     to this many bytes (0: off; see [Note: coalesced small units]).
 
+    Layout: ``process_group`` (default: the default group) shards every unit over its
+    ranks (1-D); ``mesh``, a ``DeviceMesh`` with dims ``("replicate", "shard")``, shards
+    over ``"shard"`` and replicates over ``"replicate"`` (HSDP: gradients reduced within
+    the shard group, then all-reduced across replicas, averaged over every rank).
+    ``node_size``: ranks per node within the shard group, for ``"hpz"`` units (default
+    from ``LOCAL_WORLD_SIZE``; see [Note: shard layout] in ``osdp/runtime/mesh.py`` and
+    [Note: modes per level] in ``osdp/contract.py``). A plan's ``world_size`` is the
+    layout's rank count (replicas included).
+
     Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
     unsharded fp32 gradients across micro-batches (no reduce-scatter) until a backward
     runs with sync on; ``micro_batch(i)`` applies the plan's ``gradient_sync`` policy
@@ -103,6 +113,8 @@ class OSDP(nn.Module):
         splits: dict | None = None,
         split_ops: dict | None = None,
         process_group=None,
+        mesh=None,
+        node_size: int | None = None,
         device: torch.device | str | None = None,
         prefetch_bytes: int | None = None,
         checkpoint_blocks: tuple[str, ...] = (),
@@ -118,6 +130,8 @@ class OSDP(nn.Module):
     ):
         super().__init__()
         group = self._init_checks(module, process_group, mixed_precision, timeout_s)
+        self.layout = ShardLayout.from_arg(process_group, mesh, node_size)
+        group = self.layout.world.group
         coalesce_bytes = _coalesce_arg(coalesce_bytes)
         self.device = device_arg(device) if device is not None else _default_device()
         self._init_plan(module, plan, modes, splits, memory_limit, example_inputs, process_group, settings,
@@ -131,7 +145,7 @@ class OSDP(nn.Module):
             split_ops=split_ops,
             prefetch_bytes=prefetch_bytes,
             checkpoint_blocks=checkpoint_blocks,
-            world_size=dist.get_world_size(group),
+            world_size=self.layout.world.size,
         )
         self._init_comm(module, group, config, mixed_precision, coalesce_bytes, timeout_s, sync_module_states)
         self._init_units(module, config, mixed_precision)
@@ -177,7 +191,7 @@ class OSDP(nn.Module):
         self.plan_fingerprint = config.fingerprint
         self._state_keys = list(module.state_dict().keys())
         self._view: ShardedView | None = None  # built on first use, see _sharded_view
-        self._comm = CommContext(group, self.device, timeout_s)
+        self._comm = CommContext(self.layout.shard.group, self.device, timeout_s, layout=self.layout)
         self.timeout_s = float(timeout_s)
         self._check_same_config(config, own_param_counts(module), mixed_precision, coalesce_bytes)
         if sync_module_states:

@@ -2,7 +2,7 @@
 imports the other (the planner prices what the runtime does, so every rule the price
 depends on is written here, once).
 
-- the modes a unit (or slice) runs in;
+- the modes a unit (or slice) runs in, and what ``hpz`` becomes on a given layout;
 - how a split cuts an axis into slices;
 - how many reduce-scatters are in flight, and so how many unsharded gradients live;
 - which small units share one collective;
@@ -47,8 +47,37 @@ from dataclasses import dataclass, field
 
 MODE_DP = "dp"  # keep the gathered weights from forward to backward
 MODE_ZDP = "zdp"  # free them after forward, gather again for backward
-MODE_HPZ = "hpz"
+MODE_HPZ = "hpz"  # keep a copy sharded within the node, gather from it for backward
 MODES = (MODE_DP, MODE_ZDP, MODE_HPZ)
+
+# [Note: modes per level]
+# | mode  | after forward                 | backward gather           | comm per step (shard level / node level) |
+# |-------|-------------------------------|---------------------------|------------------------------------------|
+# | dp    | gathered weights kept (P)     | none                      | 1 AG + 1 RS / -                          |
+# | zdp   | freed                         | over the shard group      | 2 AG + 1 RS / -                          |
+# | hpz   | a copy sharded within the     | over the node group (the  | 1 AG + 1 RS / 1 AG                       |
+# |       | node kept (P / node_size)     | fast link)                |                                          |
+# (P: the unit's gathered bytes.) The shard group is cut into nodes of ``node_size``
+# consecutive shard ranks (runtime/mesh.py). On a layout where that cut is trivial,
+# hpz is exactly one of the other two (:func:`effective_mode`): ``node_size`` equal to
+# the shard group size (the shard group lies within one node, e.g. HSDP with a node per
+# shard group) makes the node group the shard group, so hpz IS zdp (free, gather again
+# over the shard group, which is the intra-node link); ``node_size == 1`` would keep a
+# copy sharded over one rank, i.e. the whole P, and gather nothing: that IS dp. With a
+# replicate dimension (HSDP) every mode's gradient is reduced within the shard group and
+# then all-reduced across the replicas (1 all-reduce per unit on the replicate level).
+
+
+def effective_mode(mode: str, node_size: int, shard_size: int) -> str:
+    """What ``mode`` does on a layout whose shard group has ``shard_size`` ranks cut into
+    nodes of ``node_size``: see [Note: modes per level]."""
+    if mode != MODE_HPZ:
+        return mode
+    if node_size >= shard_size:
+        return MODE_ZDP
+    if node_size <= 1:
+        return MODE_DP
+    return MODE_HPZ
 
 # [Note: unsharded gradients] in runtime/reduce.py: issuing a reduce-scatter beyond this
 # waits for the oldest, so at most MAX_INFLIGHT_REDUCE_SCATTERS + 1 units' unsharded

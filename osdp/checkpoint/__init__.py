@@ -8,7 +8,19 @@
   ``torch.distributed.checkpoint`` (every rank writes only its shard), loadable at
   another world size or with another plan (modes, splits).
 
-Every function is a collective over the model's process group: call it on every rank.
+Every function is a collective over the model's process group (with a 2-D mesh: all
+of the mesh's ranks): call it on every rank.
+
+[Note: checkpoints of replicated layouts]
+With replicas (HSDP, see [Note: shard layout] in ``osdp/runtime/mesh.py``) every
+replica holds the same shards, so only the ranks of replica 0 (replicate rank 0) write
+their boxes: each piece of each tensor is stored exactly once, by one rank, whatever
+the number of replicas. Replicated entries (buffers, per-parameter optimizer tensors)
+are written by the layout's rank 0. What is stored names original parameters only, so
+a checkpoint of a 2-D layout loads into 1-D layouts, any other 2-D layout or one rank,
+and the other way round: every rank (every replica) reads its boxes. Checkpoint
+collectives (DCP planning, agreement on errors, metadata) run over all the layout's
+ranks; boxes are computed from the shard rank.
 
 [Note: sharded checkpoint representation]
 The checkpoint is a directory in DCP format plus ``osdp_meta.pt``. Keys name ORIGINAL
@@ -47,6 +59,7 @@ import math
 import os
 import shutil
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -74,6 +87,21 @@ FORMAT_VERSION = 2  # 2: per-chunk checksums; 1 (no checksums) still loads, with
 
 
 # ---- helpers --------------------------------------------------------------------------
+class _Ranks(NamedTuple):
+    """All ranks of the model's layout (replicas included), as ``_atomic``'s helpers take
+    them; see [Note: checkpoints of replicated layouts]."""
+
+    group: object
+    rank: int
+    world_size: int
+    device: torch.device
+
+
+def _world(view: ShardedView) -> _Ranks:
+    level = view.comm.layout.world
+    return _Ranks(level.group, level.rank, level.size, view.comm.device)
+
+
 def _prepare(model) -> ShardedView:
     """The wrapped model's sharded view (units, comm, layout), its pending gradient
     reductions finished; OSDPError for anything but an osdp.OSDP model."""
@@ -135,9 +163,10 @@ def full_state_dict(model, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     the unwrapped model with ``load_state_dict(strict=True)``."""
     view = _prepare(model)
     layout = view.layout
-    return _gather_full_state_dict(
+    state = _gather_full_state_dict(
         view.module, view.built, view.comm, list(view.state_keys), rank0_only, layout=layout
     )
+    return {} if rank0_only and _world(view).rank != 0 else state  # replicas' shard rank 0 too
 
 
 def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> None:
@@ -147,7 +176,7 @@ def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> N
     Strict: keys and shapes must match the original model; nothing changes on error."""
     view = _prepare(model)
     layout = view.layout
-    comm, built = view.comm, view.built
+    comm, built = _world(view), view.built  # every rank of the layout
     device = comm.device  # collectives run there (NCCL needs device tensors)
     src = torch.distributed.get_global_rank(comm.group, 0) if comm.world_size > 1 else 0
     have = torch.tensor([0 if state_dict is None else 1], dtype=torch.int64, device=device)
@@ -176,7 +205,7 @@ def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> N
     new = [torch.zeros_like(u.shard) for u in built.units]
     for fqn, info in layout.params.items():
         tensor = value_of(fqn, torch.empty(info.shape, dtype=info.dtype, device="meta"))
-        local_shards_from_full(layout, built, comm.rank, fqn, tensor, new)
+        local_shards_from_full(layout, built, view.comm.rank, fqn, tensor, new)
     buffers = dict(view.module.named_buffers())
     new_buffers = {name: value_of(name, buffers[name]) for name in layout.buffers}
     with torch.no_grad():
@@ -190,21 +219,21 @@ def save_full(model, path: str) -> None:
     """Gather the full state dict and write it on rank 0 as one ``torch.save`` file,
     atomically (temporary file + ``os.replace``)."""
     state = full_state_dict(model, rank0_only=True)
-    on_rank0(_prepare(model).comm, lambda: _atomic.atomic_torch_save(state, path))
+    on_rank0(_world(_prepare(model)), lambda: _atomic.atomic_torch_save(state, path))
 
 
 def load_full(model, path: str) -> None:
     """Rank 0 reads a full state dict file (``weights_only``) and every rank takes its
     shard (:func:`load_full_state_dict`)."""
-    view = _prepare(model)
-    state = on_rank0(view.comm, lambda: torch.load(path, map_location="cpu", weights_only=True))
-    load_full_state_dict(model, state if view.comm.rank == 0 else None)
+    world = _world(_prepare(model))
+    state = on_rank0(world, lambda: torch.load(path, map_location="cpu", weights_only=True))
+    load_full_state_dict(model, state if world.rank == 0 else None)
 
 
 # ---- sharded checkpoints ----------------------------------------------------------------
 def _sharded_state(view: ShardedView, optimizer, layout: Layout) -> tuple[dict, dict | None]:
     """DCP state dict (key -> ChunkedTensor) and the optimizer part of the metadata."""
-    units, rank0 = view.built.units, view.comm.rank == 0
+    units, rank0 = view.built.units, _world(view).rank == 0
     state = {f"model.{fqn}": _chunked(view, layout, fqn, lambda i: units[i].shard.detach()) for fqn in layout.params}
     buffers = dict(view.module.named_buffers())
     for name in layout.buffers:
@@ -241,6 +270,13 @@ def _sharded_state(view: ShardedView, optimizer, layout: Layout) -> tuple[dict, 
     return state, {"class": _optimizer_class(optimizer), "param_groups": groups, "state": kinds}
 
 
+def _written_once(view: ShardedView, state: dict) -> dict:
+    """Only replica 0 writes its boxes: see [Note: checkpoints of replicated layouts]."""
+    if view.comm.layout.replicate.rank == 0:
+        return state
+    return {key: ChunkedTensor(obj.size, obj.dtype, []) for key, obj in state.items()}
+
+
 def save(model, optimizer, path: str, *, step: int | None = None, extra=None) -> None:
     """Save a sharded checkpoint of ``model`` (and ``optimizer``'s state, if given) to the
     directory ``path`` with ``torch.distributed.checkpoint``: every rank writes only its
@@ -249,9 +285,10 @@ def save(model, optimizer, path: str, *, step: int | None = None, extra=None) ->
     is complete. ``step`` and ``extra`` (rank 0's) come back from :func:`load`."""
     view = _prepare(model)
     layout = view.layout
-    comm = view.comm
+    comm = _world(view)
     path = os.path.abspath(path)
     state, optim_meta = _sharded_state(view, optimizer, layout)
+    state = _written_once(view, state)
     meta = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -260,6 +297,8 @@ def save(model, optimizer, path: str, *, step: int | None = None, extra=None) ->
         "step": step,
         "extra": extra,
         "world_size": comm.world_size,
+        "shard_size": view.comm.world_size,  # for information: the layout it was saved with
+        "replicas": view.comm.layout.replicate.size,
         "unit_modes": {u.name: u.mode.value for u in view.built.units},
     }
     tmp = _atomic.partial_path(path)
@@ -343,7 +382,7 @@ def load(model, optimizer, path: str) -> dict:
     ...) are the checkpoint's afterwards; set new ones after loading. Returns ``{"step": ..., "extra": ...}`` as given to :func:`save`."""
     view = _prepare(model)
     layout = view.layout
-    comm, units = view.comm, view.built.units
+    comm, units = _world(view), view.built.units
     path = os.path.abspath(path)
     meta = on_rank0(comm, lambda: read_metadata(path))
     meta = broadcast_from_rank0(comm, meta)

@@ -329,7 +329,7 @@ def _unit(raw, i: int, max_slices) -> UnitDecision:
     modes = _field(raw, "modes", (list, tuple), "a list of 'dp'/'zdp', one per slice", f"plan field {where}")
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
-        raise OSDPError(f"plan field {where}.modes is {list(modes)}; each slice must be 'dp' or 'zdp' (at least one)")
+        raise OSDPError(f"plan field {where}.modes is {list(modes)}; each slice must be one of {', '.join(map(repr, MODES))} (at least one)")
     if slices is not None and (isinstance(slices, bool) or not isinstance(slices, int) or slices != len(modes)):
         raise OSDPError(
             f"plan field {where}.modes lists {len(modes)} slice modes but {where}.slices is {slices!r}: "

@@ -15,6 +15,18 @@ calls ``wait()`` right before it reads the result:
 - CPU (gloo): the collective is issued with ``async_op=True``; ``wait()`` waits on
   the Work, at most ``timeout_s`` (see [Note: collective timeouts]).
 
+[Note: collectives per level]
+A CommContext issues on the levels of its :class:`~osdp.runtime.mesh.ShardLayout`
+(see [Note: shard layout]): gathers on the shard group (or, for an ``hpz`` unit's
+backward, on the node group: ``level="node"``); a gradient is reduced on the shard
+group and then, when the layout has replicas (HSDP), all-reduced across the replicate
+group, in the reduce dtype, before it is cast into the shard's dtype: one collective
+per level, issued by the same ``Pending`` (on CUDA both on the reduce-scatter stream,
+in order; on gloo the replicate all-reduce is issued when the shard-level one is
+waited on). Every collective goes through one of the module-level entry points
+``all_gather_flat``, ``reduce_scatter_flat``, ``all_reduce_flat`` (tests count calls
+per group by wrapping them).
+
 Every rank issues the same collectives in the same order (the scheduler's decisions
 depend only on the plan, the unit sizes and the recorded order, equal on all ranks).
 
@@ -37,9 +49,15 @@ import torch.distributed as dist
 from ..contract import gradient_collective
 from ..errors import OSDPError
 from ..torch_names import all_gather_flat, reduce_scatter_flat  # the current torch names
+from .mesh import ShardLayout
 from .streams import streams_for
 
 DEFAULT_TIMEOUT_S = 300.0
+
+
+def all_reduce_flat(tensor: torch.Tensor, group, async_op: bool):
+    """Sum ``tensor`` in place over ``group`` (an entry point: see [Note: collectives per level])."""
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 class CollectiveTimeoutError(OSDPError):
@@ -75,13 +93,20 @@ def reduces_with_all_reduce(device: torch.device) -> bool:
 
 
 class CommContext:
-    """Issues the runtime's collectives on ``group``; one instance per OSDP model."""
+    """Issues the runtime's collectives on the levels of a layout (``layout``, or the
+    1-D layout of ``group``); one instance per OSDP model. ``group``, ``rank`` and
+    ``world_size`` are the shard level's (what units are sharded over);
+    ``data_parallel_size`` counts every rank of the layout (what gradients are averaged
+    over)."""
 
-    def __init__(self, group, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, streams=None):
-        self.group = group
+    def __init__(self, group, device: torch.device, timeout_s: float = DEFAULT_TIMEOUT_S, streams=None,
+                 layout: ShardLayout | None = None):
+        self.layout = layout if layout is not None else ShardLayout.flat(group)
+        self.group = self.layout.shard.group
         self.device = device
-        self.world_size = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.world_size = self.layout.shard.size
+        self.rank = self.layout.shard.rank
+        self.data_parallel_size = self.layout.world.size
         self.timeout_s = float(timeout_s)
         self._timeout = timedelta(seconds=self.timeout_s)
         self.streams = streams if streams is not None else streams_for(device, self.timeout_s)
@@ -155,14 +180,17 @@ class CommContext:
         return Pending(event, (output, fn, after), lambda: self.streams.wait(event))
 
     # ---- gathers ------------------------------------------------------------------
-    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all-gather") -> Pending:
-        """``output`` (world * shard numel) <- the shards of all ranks, in rank order.
-        ``shard`` may have another dtype than ``output`` (mixed precision): it is cast
-        first, so the collective moves ``output``'s dtype."""
+    def all_gather(self, output: torch.Tensor, shard: torch.Tensor, what: str = "all-gather",
+                   level: str = "shard") -> Pending:
+        """``output`` (level size * shard numel) <- the shards of all ranks of ``level``
+        ("shard", or "node" for an hpz unit's backward), in rank order. ``shard`` may
+        have another dtype than ``output`` (mixed precision): it is cast first, so the
+        collective moves ``output``'s dtype."""
         shard = shard.detach()
+        group, size = self._group(level)
         if output.numel() == 0:
             return DONE
-        if self.world_size == 1 and not self.use_streams:  # CUDA keeps the stream path
+        if size == 1 and not self.use_streams:  # CUDA keeps the stream path
             with torch.autograd._unsafe_preserve_version_counter(output):
                 output.copy_(shard)
             return DONE
@@ -170,16 +198,22 @@ class CommContext:
             shard = shard.to(output.dtype)
 
         def fn(async_op):
-            return all_gather_flat(output, shard, group=self.group, async_op=async_op)
+            return all_gather_flat(output, shard, group=group, async_op=async_op)
 
         return self._issue(self.all_gather_stream if self.use_streams else None, fn, output, what)
 
-    def all_gather_coalesced(self, outputs: list[torch.Tensor], shards: list[torch.Tensor], what: str) -> Pending:
-        """One collective for several units: ``outputs[i]`` (world * ``shards[i]``
-        numel, one dtype for all) <- the shards of all ranks. The shards are copied into
-        one input, gathered into one rank-major buffer and copied out on ``wait()``; see
-        [Note: coalesced small units] in scheduler.py."""
-        if self.world_size == 1 and not self.use_streams:
+    def _group(self, level: str):
+        lv = self.layout.level(level)
+        return lv.group, lv.size
+
+    def all_gather_coalesced(self, outputs: list[torch.Tensor], shards: list[torch.Tensor], what: str,
+                             level: str = "shard") -> Pending:
+        """One collective for several units: ``outputs[i]`` (level size * ``shards[i]``
+        numel, one dtype for all) <- the shards of all ranks of ``level``. The shards are
+        copied into one input, gathered into one rank-major buffer and copied out on
+        ``wait()``; see [Note: coalesced small units] in scheduler.py."""
+        group, size = self._group(level)
+        if size == 1 and not self.use_streams:
             for out, shard in zip(outputs, shards):
                 with torch.autograd._unsafe_preserve_version_counter(out):
                     out.copy_(shard.detach())
@@ -187,16 +221,16 @@ class CommContext:
         dtype = outputs[0].dtype
         sizes = [s.numel() for s in shards]
         flat_in = torch.cat([s.detach().reshape(-1).to(dtype) for s in shards])
-        flat_out = torch.empty(self.world_size * flat_in.numel(), dtype=dtype, device=flat_in.device)
+        flat_out = torch.empty(size * flat_in.numel(), dtype=dtype, device=flat_in.device)
 
         def copy_out():
-            rows = flat_out.view(self.world_size, -1)
+            rows = flat_out.view(size, -1)
             for out, part in zip(outputs, rows.split(sizes, dim=1)):
                 with torch.autograd._unsafe_preserve_version_counter(out):
-                    out.view(self.world_size, -1).copy_(part)
+                    out.view(size, -1).copy_(part)
 
         def fn(async_op):
-            return all_gather_flat(flat_out, flat_in, group=self.group, async_op=async_op)
+            return all_gather_flat(flat_out, flat_in, group=group, async_op=async_op)
 
         return self._issue(self.all_gather_stream if self.use_streams else None, fn, flat_out, what, after=copy_out)
 
@@ -208,8 +242,42 @@ class CommContext:
         return self._reduce(output, full, what)
 
     def _reduce(self, output: torch.Tensor, full: torch.Tensor, what: str) -> Pending:
+        """Shard level, then the replicas; see [Note: collectives per level]."""
         if full.numel() == 0:
             return DONE
+        if self.layout.replicate.size == 1:
+            return self._reduce_shard(output, full, what)
+        # the shard-level result stays in the reduce dtype for the replicate all-reduce
+        chunk = output if output.dtype == full.dtype else torch.empty(output.shape, dtype=full.dtype, device=full.device)
+        inner = self._reduce_shard(chunk, full, what)
+        return self._all_reduce_replicas(output, chunk, inner, what)
+
+    def _all_reduce_replicas(self, output: torch.Tensor, chunk: torch.Tensor, inner: Pending, what: str) -> Pending:
+        """``chunk`` (after ``inner``) summed across the replicate group, cast into ``output``."""
+        group = self.layout.replicate.group
+        what = f"{what}, all-reduce across replicas"
+
+        def finish():
+            if chunk is not output:
+                output.copy_(chunk)
+
+        def fn(async_op):
+            return all_reduce_flat(chunk, group, async_op)
+
+        if self.use_streams:
+            # after the shard-level collective on the same stream (issue order)
+            return self._issue(self.reduce_scatter_stream, fn, chunk, what, after=finish)._replace(
+                keep_alive=(inner, chunk, output))
+
+        def wait():
+            inner.wait()
+            work = self._start(fn, what)
+            self.wait_work(work, what)
+            finish()
+
+        return Pending(inner, (chunk, output), wait)
+
+    def _reduce_shard(self, output: torch.Tensor, full: torch.Tensor, what: str) -> Pending:
         if self.world_size == 1 and not self.use_streams:
             output.copy_(full)
             return DONE
@@ -264,7 +332,7 @@ class CommContext:
         chunk = full.narrow(0, self.rank * output.numel(), output.numel())
 
         def fn(async_op):
-            return dist.all_reduce(full, op=dist.ReduceOp.SUM, group=self.group, async_op=async_op)
+            return all_reduce_flat(full, self.group, async_op)
 
         if self.use_streams:
             return self._issue(self.reduce_scatter_stream, fn, full, what, after=lambda: output.copy_(chunk))
@@ -286,10 +354,11 @@ class CommContext:
         return output
 
     def all_gather_object_hash(self, value: int, what: str) -> list[int]:
-        """Every rank's int64 ``value`` (configuration checks), bounded by the timeout."""
+        """Every rank's int64 ``value`` (configuration checks) over the whole layout,
+        bounded by the timeout."""
         mine = torch.tensor([value], dtype=torch.int64, device=self.device)
-        every = torch.empty(self.world_size, dtype=torch.int64, device=self.device)
-        self.all_gather(every, mine, what).wait()
+        every = torch.empty(self.layout.world.size, dtype=torch.int64, device=self.device)
+        self.all_gather(every, mine, what, level="world").wait()
         if self.use_streams:
             self.streams.synchronize()
         return every.tolist()

@@ -91,7 +91,7 @@ def _parse_modes(value, where: str) -> tuple[Mode, ...]:
         return (parse_mode(value, where),)
     if isinstance(value, (tuple, list)) and value:
         return tuple(parse_mode(v, f"{where}[{i}]") for i, v in enumerate(value))
-    raise OSDPError(f"{where}: expected 'dp', 'zdp' or a non-empty sequence of them (one per slice), got {value!r}")
+    raise OSDPError(f"{where}: expected 'dp', 'zdp', 'hpz' or a non-empty sequence of them (one per slice), got {value!r}")
 
 
 def resolve_config(

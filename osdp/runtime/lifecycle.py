@@ -14,7 +14,23 @@ right after forward. A use whose backward reads no weights (an embedding row spl
 lookup) does not keep a ``dp`` unit: only awaiting uses that need the weights do
 (``n_await_weights``), so a tied slice used by a lookup and a head is kept from the
 head's forward to the head's backward, not from the lookup on (see [Note: tied row
-split] in contract.py).
+split] in contract.py). The mode that counts is the unit's *effective* mode on the
+layout (``ShardLayout.effective_mode``: ``hpz`` is ``zdp`` or ``dp`` where the node cut
+is trivial, see [Note: modes per level] in contract.py).
+
+[Note: node copies]
+An ``hpz`` unit is freed like a ``zdp`` unit, except that when it is freed while a use
+still waits for its backward (one that reads the weights), this rank first keeps its
+piece of the gathered buffer within the node: piece ``node rank`` of ``node_size`` equal
+pieces of the padded flat buffer (``gathered_bytes / node_size``, in the gathered dtype;
+the node group's all-gather of those pieces, in node-rank order, is the gathered buffer
+again). The next gather of that unit (its backward, a checkpoint recompute, another
+forward use before the backward) reads the node copy over the node group instead of the
+shard over the shard group, as long as the copy is as new as the shard (an optimizer
+step in between drops it). The copy is dropped with the gathered buffer when no use
+awaits backward any more (its last backward use, the end of the backward pass, a failed
+step). It is kept memory like a ``dp`` unit's weights, not transient: the prefetch
+window does not count it.
 
 [Note: transient bytes]
 The prefetch window bounds the *transient* gathered bytes: every gathered unit except
@@ -24,10 +40,22 @@ free and use-count change, so reading them is O(1).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
+import torch
+
+from ..contract import MODE_DP, MODE_HPZ
 from .collectives import CommContext
 from .ledger import MemoryLedger
-from .modes import GatherState, Mode
+from .modes import GatherState
 from .shard_unit import ShardUnit
+
+
+class NodeCopy(NamedTuple):
+    """An hpz unit's piece of its gathered buffer within the node ([Note: node copies])."""
+
+    tensor: torch.Tensor
+    version: int  # the shard's version the gathered buffer was made from
 
 
 class UnitLifecycle:
@@ -37,15 +65,31 @@ class UnitLifecycle:
         self._live: dict[ShardUnit, None] = {}  # units not SHARDED, in gather order
         self._live_bytes = 0  # their gathered bytes
         self._kept_bytes = 0  # of those, the kept ones' (see [Note: transient bytes])
+        self._node_copies: dict[ShardUnit, NodeCopy] = {}  # see [Note: node copies]
+        self.node_copy_bytes = 0
+        self.peak_node_copy_bytes = 0
+        self._modes: dict[ShardUnit, str] = {}
+
+    def mode_of(self, unit: ShardUnit) -> str:
+        """``unit``'s effective mode on this layout (see [Note: unit lifetime])."""
+        mode = self._modes.get(unit)
+        if mode is None:
+            mode = self._modes[unit] = self.comm.layout.effective_mode(unit.mode.value)
+        return mode
 
     # ---- unshard ------------------------------------------------------------------------
     def unshard(self, units: list[ShardUnit]) -> None:
-        """Allocate and all-gather ``units`` (sharded ones), in ONE collective when
-        there are several (see [Note: coalesced small units] in prefetch.py)."""
+        """Allocate and all-gather ``units`` (sharded ones), in ONE collective per
+        level when there are several (see [Note: coalesced small units] in prefetch.py):
+        from the shards over the shard group, or from node copies over the node group
+        (see [Note: node copies])."""
         units = [u for u in units if u.state is GatherState.SHARDED]
         if not units:
             return
         for unit in units:
+            copy = self._node_copies.get(unit)
+            if copy is not None and copy.version != unit.shard._version:
+                self._drop_node_copy(unit)  # the weights were updated since
             unit.alloc_gathered()
             self.ledger.gather(unit.name, unit.gathered_bytes)
             unit.state = GatherState.GATHERING
@@ -54,14 +98,27 @@ class UnitLifecycle:
             self._live_bytes += unit.gathered_bytes
             if self._kept(unit):
                 self._kept_bytes += unit.gathered_bytes
+        self._gather([u for u in units if u not in self._node_copies], "shard", lambda u: u.shard)
+        self._gather([u for u in units if u in self._node_copies], "node", lambda u: self._node_copies[u].tensor)
+
+    def source_level(self, unit: ShardUnit) -> str:
+        """Where the next gather of ``unit`` reads: "node" (its node copy) or "shard"."""
+        copy = self._node_copies.get(unit)
+        return "node" if copy is not None and copy.version == unit.shard._version else "shard"
+
+    def _gather(self, units: list[ShardUnit], level: str, source) -> None:
+        if not units:
+            return
+        where = " within the node" if level == "node" else ""
         if len(units) == 1:
             unit = units[0]
-            unit.pending = self.comm.all_gather(unit.gathered, unit.shard, f"all-gather of unit {unit.name!r}")
+            unit.pending = self.comm.all_gather(unit.gathered, source(unit), f"all-gather{where} of unit {unit.name!r}",
+                                                level=level)
             return
         names = ", ".join(repr(u.name) for u in units[:4]) + (", ..." if len(units) > 4 else "")
         pending = self.comm.all_gather_coalesced(
-            [u.gathered for u in units], [u.shard for u in units],
-            f"coalesced all-gather of {len(units)} units ({names})",
+            [u.gathered for u in units], [source(u) for u in units],
+            f"coalesced all-gather{where} of {len(units)} units ({names})", level=level,
         )
         shared = _Once(pending.wait)
         for unit in units:
@@ -104,8 +161,32 @@ class UnitLifecycle:
 
     # ---- reshard --------------------------------------------------------------------------
     def reshard(self, unit: ShardUnit) -> None:
-        """Free the gathered weights (after waiting: never release memory a collective
-        still writes)."""
+        """Free the gathered weights and the node copy (after waiting: never release
+        memory a collective still writes)."""
+        self._drop_node_copy(unit)
+        self._free_gathered(unit)
+
+    def reshard_to_node(self, unit: ShardUnit) -> None:
+        """Keep this rank's node copy, free the gathered weights ([Note: node copies])."""
+        if unit.state is GatherState.SHARDED:
+            return
+        self.wait_for_unshard(unit)
+        if self.source_level(unit) != "node":
+            self._drop_node_copy(unit)
+            node = self.comm.layout.node
+            piece = unit.padded_numel // node.size
+            copy = unit.gathered.narrow(0, node.rank * piece, piece).clone()
+            self._node_copies[unit] = NodeCopy(copy, unit.gathered_version)
+            self.node_copy_bytes += copy.numel() * copy.element_size()
+            self.peak_node_copy_bytes = max(self.peak_node_copy_bytes, self.node_copy_bytes)
+        self._free_gathered(unit)
+
+    def _drop_node_copy(self, unit: ShardUnit) -> None:
+        copy = self._node_copies.pop(unit, None)
+        if copy is not None:
+            self.node_copy_bytes -= copy.tensor.numel() * copy.tensor.element_size()
+
+    def _free_gathered(self, unit: ShardUnit) -> None:
         if unit.state is GatherState.SHARDED:
             return
         self.wait_for_unshard(unit)
@@ -117,15 +198,22 @@ class UnitLifecycle:
             self._kept_bytes -= unit.gathered_bytes
 
     def maybe_reshard(self, unit: ShardUnit) -> None:
-        """See [Note: unit lifetime]."""
-        if unit.state is GatherState.SHARDED or unit.n_active > 0:
+        """See [Note: unit lifetime] and [Note: node copies]."""
+        if unit.n_active > 0 or (unit.state is GatherState.SHARDED and unit not in self._node_copies):
             return
-        if unit.mode is Mode.DP and unit.n_await_weights > 0:
-            return
+        if unit.n_await_weights > 0:
+            mode = self.mode_of(unit)
+            if mode == MODE_DP:
+                return
+            if mode == MODE_HPZ:
+                self.reshard_to_node(unit)
+                return
         self.reshard(unit)
 
     def reshard_where(self, predicate) -> None:
-        for unit in list(self._live):
+        """Reshard every unit holding gathered weights or a node copy that ``predicate`` picks."""
+        holders = list(self._live) + [u for u in self._node_copies if u not in self._live]
+        for unit in holders:
             if predicate(unit):
                 self.reshard(unit)
 
@@ -146,8 +234,12 @@ class UnitLifecycle:
     def gathered_units(self) -> list[ShardUnit]:
         return list(self._live)
 
+    def node_copy_units(self) -> list[ShardUnit]:
+        """Units holding a node copy now ([Note: node copies])."""
+        return list(self._node_copies)
+
     def _kept(self, unit: ShardUnit) -> bool:
-        return unit.mode is Mode.DP and unit.n_active == 0 and unit.n_await_weights > 0
+        return unit.n_active == 0 and unit.n_await_weights > 0 and self.mode_of(unit) == MODE_DP
 
     def _count(self, unit: ShardUnit, active: int = 0, awaiting: int = 0, weights: bool = True) -> None:
         live = unit in self._live

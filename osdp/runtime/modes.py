@@ -17,6 +17,14 @@ class Mode(str, enum.Enum):
     """Reshard: freed right after forward, gathered again before backward, freed after.
     2 all-gathers + 1 reduce-scatter per step."""
 
+    HPZ = "hpz"
+    """Reshard to the node (ZeRO++ hpZ, FSDP2 ``reshard_after_forward=int``): after
+    forward a copy sharded only within the node is kept (``gathered_bytes / node_size``)
+    and the full weights freed; backward gathers from that copy over the intra-node
+    group. 1 all-gather (shard group) + 1 all-gather (node group) + 1 reduce-scatter per
+    step. On a layout with one node per shard group it is ``zdp``, with one rank per
+    node ``dp``: see [Note: modes per level] in ``osdp/contract.py``."""
+
 
 class GatherState(enum.Enum):
     """Where a unit's unsharded (gathered) weights are."""
@@ -56,7 +64,7 @@ class UseState(enum.Enum):
 
 
 def parse_mode(value, where: str) -> Mode:
-    """``"dp"``/``"zdp"`` (any case) or a :class:`Mode`; anything else is an OSDPError."""
+    """``"dp"``/``"zdp"``/``"hpz"`` (any case) or a :class:`Mode`; anything else is an OSDPError."""
     if isinstance(value, Mode):
         return value
     if isinstance(value, str):
@@ -64,4 +72,4 @@ def parse_mode(value, where: str) -> Mode:
             return Mode(value.lower())
         except ValueError:
             pass
-    raise OSDPError(f"{where}: mode {value!r} is not one of 'dp', 'zdp'")
+    raise OSDPError(f"{where}: mode {value!r} is not one of 'dp', 'zdp', 'hpz'")

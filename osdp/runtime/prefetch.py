@@ -23,7 +23,9 @@ small units of that order that are still sharded ride along in ONE collective, u
 ``coalesce_bytes`` in total and only while the transient gathered bytes stay within the
 window (they are prefetches: they count as transient until used). Their unsharded
 gradients are reduced together too (see [Note: coalesced reductions] in reduce.py).
-Memory model: the window bound is unchanged; the coalesced collective's staging
+Riders gather from the same level as the unit they ride with (all from shards over the
+shard group, or all from node copies over the node group: [Note: node copies] in
+lifecycle.py), so one collective serves them all. Memory model: the window bound is unchanged; the coalesced collective's staging
 buffers are at most 2 x ``coalesce_bytes``. ``coalesce_bytes=0`` turns it off. Big
 units are never coalesced: that would need a copy out of a rank-major staging buffer,
 i.e. twice their bytes.
@@ -148,10 +150,13 @@ class PrefetchPolicy:
         budget = self.coalesce_bytes - unit.gathered_bytes
         room = self.window_bytes - self.lifecycle.transient_bytes(counting) - unit.gathered_bytes
         riders, seen = [], {unit}
+        level = self.lifecycle.source_level(unit)
         for other in order[pos + 1 :]:
             if not other.coalescible or other.state is not GatherState.SHARDED or other in seen:
                 continue
             if other.dtype != unit.dtype or other.gathered_bytes > min(budget, room):
+                break
+            if self.lifecycle.source_level(other) != level:
                 break
             riders.append(other)
             seen.add(other)

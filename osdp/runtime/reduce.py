@@ -8,7 +8,10 @@ flight: issuing one more waits for the oldest, so at most two units' unsharded
 gradients are live at once (the one being computed and the one being reduced), plus
 partial gradients of units used more than once whose last use is still to come. A
 finished reduce-scatter is averaged over ranks and handed to the original parameters
-(``ShardUnit.accumulate_sharded_grad``).
+(``ShardUnit.accumulate_sharded_grad``). With replicas (HSDP) one reduction is both
+collectives of [Note: collectives per level] in collectives.py: the shard-level
+reduce-scatter and the all-reduce across replicas; "in flight" counts them as one, and
+the average is over every rank of the layout.
 
 [Note: coalesced reductions]
 Small units (see [Note: coalesced small units] in prefetch.py) do not reduce alone:
@@ -131,7 +134,9 @@ class GradReducer:
         done.pending.wait()
         for unit, out in zip(done.units, done.outputs):
             if keep:
-                out.div_(self.comm.world_size)  # average over ranks (each rank's loss is a local mean)
+                # average over every rank of the layout, replicas included (each rank's
+                # loss is a local mean); see [Note: shard layout] in mesh.py
+                out.div_(self.comm.data_parallel_size)
                 unit.accumulate_sharded_grad(out)
             self.ledger.grad_free(unit.name, self._grad_bytes.pop(unit))
 

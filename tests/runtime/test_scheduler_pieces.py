@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from osdp.contract import effective_mode
 from osdp.runtime.collectives import Pending
 from osdp.runtime.ledger import MemoryLedger
 from osdp.runtime.lifecycle import UnitLifecycle
@@ -17,14 +18,24 @@ from osdp.runtime.shard_unit import ParamSlot, ShardUnit
 WORLD = 2
 
 
+class FlatLayout:
+    """One level, one node: every mode is itself."""
+
+    @staticmethod
+    def effective_mode(mode):
+        return effective_mode(mode, WORLD, WORLD)
+
+
 class FakeComm:
     """Records every collective; a Pending's wait is logged, reductions write rank 0's
     chunk of ``WORLD x`` the input (what a sum over identical ranks gives)."""
 
     world_size, rank, device = WORLD, 0, torch.device("cpu")
+    data_parallel_size = WORLD  # a 1-D layout: no replicas
 
     def __init__(self):
         self.log: list[tuple] = []
+        self.layout = FlatLayout()
 
     def _pending(self, name, on_wait=None):
         index = len(self.log)
@@ -37,10 +48,10 @@ class FakeComm:
 
         return Pending(None, (), finish)
 
-    def all_gather(self, output, shard, what):
+    def all_gather(self, output, shard, what, level="shard"):
         return self._pending(what)
 
-    def all_gather_coalesced(self, outputs, shards, what):
+    def all_gather_coalesced(self, outputs, shards, what, level="shard"):
         return self._pending(what)
 
     def reduce_scatter(self, out, full, what):
