@@ -90,6 +90,12 @@ class OSDP(nn.Module):
     collective and unit). ``coalesce_bytes``: small units' collectives are coalesced up
     to this many bytes (0: off; see [Note: coalesced small units]).
 
+    Memory check: with a memory limit (``memory_limit``, else the plan's), every step's
+    measured peak is checked at the end of the step and going over raises
+    ``MemoryLimitExceeded`` naming the unit at the peak; ``step_memory()`` is the last
+    step's measurement, ``memory_check=False`` (or ``OSDP_MEMORY_CHECK=0``) turns it off.
+    See [Note: measured peak] in ``osdp/runtime/peak.py``.
+
     Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
     unsharded fp32 gradients across micro-batches (no reduce-scatter) until a backward
     runs with sync on; ``micro_batch(i)`` applies the plan's ``gradient_sync`` policy
