@@ -265,7 +265,18 @@ def test_fake_group_runs_the_reduce_scatter_path_too(fake_world, monkeypatch):
     monkeypatch.setenv("OSDP_GLOO_REDUCE_SCATTER", "1")
     config, model, plan = _planned_gpt(fake_world, 40 * MiB)
     wrapped = osdp.OSDP(model, plan=plan)
+    calls = {"all_gather_coalesced": 0, "reduce_scatter_coalesced": 0, "reduce_scatter": 0}
+    for name in calls:  # spies: count the calls, results untouched
+        real = getattr(wrapped._comm, name)
+
+        def spy(*a, real=real, name=name, **k):
+            calls[name] += 1
+            return real(*a, **k)
+
+        setattr(wrapped._comm, name, spy)
     optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
-    _train_step(wrapped, optim, config, plan.batch_size, seed=0)
+    for seed in range(2):  # the second step prefetches in recorded order (coalesced gathers)
+        _train_step(wrapped, optim, config, plan.batch_size, seed=seed)
     assert sum(wrapped.memory_stats()["reduce_scatters"].values()) > 0
+    assert all(n > 0 for n in calls.values()), calls  # single and coalesced collectives all ran
     assert wrapped.step_memory().peak_bytes <= plan.memory_limit_bytes
