@@ -88,6 +88,10 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False, 
     say(f"peak memory   {format_bytes(peak):>12}  predicted {format_bytes(p.peak_bytes):>12} "
         f"(limit {format_bytes(plan.memory_limit_bytes)})")
     say(f"OSDP buffers  {format_bytes(ledger['peak_total_bytes']):>12} peak of gathered weights + unsharded grads")
+    checked = wrapped.step_memory()
+    if checked is not None:
+        say(f"memory check  every step within the limit; the last step peaked at {format_bytes(checked.peak_bytes)} "
+            f"{checked.where} ({checked.source})")
     return {"losses": losses, "step_s": measured_s, "peak_bytes": peak, "plan": plan.to_dict()}
 
 

@@ -142,22 +142,27 @@ class StepPeakTracker(TorchDispatchMode):
         self._refs.pop(key, None)
         self.tracked_bytes -= self._nbytes.pop(key, 0)
 
-    def _see(self, tensor) -> None:
-        if tensor.device.type == "meta":
+    def _see(self, tensor, reread: bool = True) -> None:
+        """Follow ``tensor``'s storage; ``reread=False``: a storage already followed is
+        taken to keep its size (an operator's fresh outputs and views: only written
+        arguments change a storage's size)."""
+        if tensor.is_meta:
             return
         storage = tensor.untyped_storage()
         key = id(storage)
-        if key in self._ignored:
-            return
-        nbytes = storage.nbytes()
         old = self._nbytes.get(key)
         if old is None:
+            if key in self._ignored:
+                return
+            nbytes = storage.nbytes()
             self._refs[key] = weakref.ref(storage, lambda _r, key=key: self._died(key))
             self._nbytes[key] = nbytes
             self.tracked_bytes += nbytes
-        elif old != nbytes:
-            self._nbytes[key] = nbytes
-            self.tracked_bytes += nbytes - old
+        elif reread:
+            nbytes = storage.nbytes()
+            if nbytes != old:
+                self._nbytes[key] = nbytes
+                self.tracked_bytes += nbytes - old
 
     def track(self, tensors) -> None:
         """Follow tensors made while the mode was off (shards, optimizer state)."""
@@ -189,7 +194,7 @@ class StepPeakTracker(TorchDispatchMode):
         see = self._see
         for leaf in out if isinstance(out, (tuple, list)) else (out,):
             if isinstance(leaf, torch.Tensor):
-                see(leaf)
+                see(leaf, False)
         for pos, name in _mutated_args(func):
             arg = args[pos] if pos < len(args) else kwargs.get(name)
             for leaf in arg if isinstance(arg, (tuple, list)) else (arg,):

@@ -26,8 +26,13 @@ What "the peak of a step" is, per device, and what it costs:
   that window and leaves after it closes would be popped in the wrong order, so the
   monitor pops itself only when it is on top of the stack and otherwise leaves the
   stack alone and marks the step ``complete=False``.
-  Cost: one Python call per ATen operator while the window is open (measured by
-  ``bench/peak_overhead.py``; see the report of issue 11 item 4).
+  Cost: one Python call per ATen operator while the window is open. Measured with
+  ``bench/peak_overhead.py`` (GPT "small", a fake group of 8, batch 3, one thread,
+  alternating steps on this 2-core CPU): 16 us per operator, 1741 operators, step
+  117.8 -> 146.3 ms, ratio 1.23 (median of pairs); about half of it is the cost of any
+  Python dispatch mode (a no-op mode measured on the plain model), half the tracking.
+  The relative cost falls as operators grow (bigger layers, bigger batches). Step
+  times measured for calibration include it; ``memory_check=False`` removes it.
 * CUDA (``CudaPeakMonitor``; NOT RUN on this project's machines, tested only with a
   fake ``torch.cuda``): ``torch.cuda.max_memory_allocated`` since the window opened
   (``reset_peak_memory_stats`` at open). The caching allocator rounds every block up
