@@ -302,18 +302,14 @@ def _device_label(device: torch.device) -> str:
     return f"cpu-{os.cpu_count()}cores"
 
 
-def _cached(cache: ProfileCache, rank: int, process_group, distributed: bool, comm_key: str, compute_keys,
-            split_key: str) -> dict:
-    """What the cache holds for this run, read on rank 0 and broadcast: every rank then
-    measures the same things (an entry expiring between two ranks' reads would
-    otherwise make them issue different collectives)."""
+def _cached(cache: ProfileCache, rank: int, process_group, distributed: bool, wanted) -> dict:
+    """``{(section, key): value}`` of the ``wanted`` (section, key) pairs the cache holds,
+    read on rank 0 and broadcast: every rank then measures the same things (an entry
+    expiring between two ranks' reads would otherwise make them issue different
+    collectives)."""
     found = None
     if rank == 0:
-        found = {
-            "comm": cache.get("comm", comm_key),
-            "compute": {k: v for k in compute_keys if (v := cache.get("compute", k)) is not None},
-            "split": cache.get("split", split_key) if split_key else None,
-        }
+        found = {(section, key): v for section, key in wanted if (v := cache.get(section, key)) is not None}
     if distributed:
         box = [found]
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0,
@@ -387,24 +383,15 @@ def profile(
     comm_sizes = tuple(comm_sizes or (FULL_COMM_SIZES if device.type == "cuda" else DEFAULT_COMM_SIZES))
 
     cache = ProfileCache.open(cache_dir, enabled=use_cache and rank == 0, reprofile=reprofile)
-    mkey = machine_key(device, dtype, backend)
-    comm_key = f"{mkey}|world={world}|{gradient_collective(torch.device(device).type)}"
+    compute_key = machine_key(device, dtype, backend)  # see [Note: profile cache]
+    comm_key = f"{compute_key}|world={world}|{gradient_collective(torch.device(device).type)}"
     shape_keys = sorted({shape_key(op) for op in desc.ops})
-    splittable = [op for op in desc.ops if op.splittable]
-    widest = max(splittable, key=lambda op: op.param_count, default=None)
-    tokens = example_batch * max(1, round(widest.flops_per_sample / (2 * widest.param_count))) if widest else 0
-    if widest:  # OpDesc.in_features is the length of the axis its split op cuts
-        from ..ops import registered_split_ops
-
-        axis, other = widest.in_features, widest.param_count // widest.in_features
-        k, n = (axis, other) if registered_split_ops()[widest.split_op or "linear_in_features"].cut == "in" else (other, axis)
-    split_key = f"{mkey}|{widest.split_op}|{k}x{n}x{tokens}" if widest else ""
-    found = _cached(cache, rank, process_group, distributed, comm_key, [f"{mkey}|{key}" for key in shape_keys],
-                    split_key)
-    cached_fits = {key: ComputeFit(**found["compute"][f"{mkey}|{key}"]) for key in shape_keys
-                   if f"{mkey}|{key}" in found["compute"]}
+    found = _cached(cache, rank, process_group, distributed,
+                    [("comm", comm_key)] + [("compute", f"{compute_key}|{key}") for key in shape_keys])
+    cached_fits = {key: ComputeFit(**found[("compute", f"{compute_key}|{key}")]) for key in shape_keys
+                   if ("compute", f"{compute_key}|{key}") in found}
     todo_keys = set(shape_keys) - set(cached_fits)
-    need_comm = world > 1 and found["comm"] is None
+    need_comm = world > 1 and ("comm", comm_key) not in found
     steps = (2 * len(comm_sizes) if need_comm else 0) + (len(batches) if todo_keys else 0) + 1
     bar = Progress(steps, "osdp profile", enabled=progress and rank == 0)
     noisy: set[str] = set()  # measurements that stayed noisy: used, not cached
@@ -413,13 +400,25 @@ def profile(
         ag, rs = profile_collectives(process_group, comm_sizes, repeats, device, bar, noisy)
         comm = {"all_gather": ag.__dict__, "reduce_scatter": rs.__dict__}
     else:
-        comm = found["comm"] or {"all_gather": {"alpha_s": 0.0, "beta_s_per_byte": 0.0},
-                                 "reduce_scatter": {"alpha_s": 0.0, "beta_s_per_byte": 0.0}}
+        comm = found.get(("comm", comm_key), {"all_gather": {"alpha_s": 0.0, "beta_s_per_byte": 0.0},
+                                             "reduce_scatter": {"alpha_s": 0.0, "beta_s_per_byte": 0.0}})
     fits = dict(cached_fits)
     if todo_keys:
         fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar, noisy))
-    split = found["split"] if widest else {}
-    if split is None:
+    splittable = [op for op in desc.ops if op.splittable]
+    widest = max(splittable, key=lambda op: op.param_count, default=None)
+    tokens = example_batch * max(1, round(widest.flops_per_sample / (2 * widest.param_count))) if widest else 0
+    if widest:  # OpDesc.in_features is the length of the axis its split op cuts
+        from ..ops import registered_split_ops
+
+        axis, other = widest.in_features, widest.param_count // widest.in_features
+        k, n = (axis, other) if registered_split_ops()[widest.split_op or "linear_in_features"].cut == "in" else (other, axis)
+    split_key = f"{compute_key}|{widest.split_op}|{k}x{n}x{tokens}" if widest else ""
+    split = {}
+    if widest:
+        split = _cached(cache, rank, process_group, distributed, [("split", split_key)]).get(("split", split_key))
+    split_measured = split is None
+    if split_measured:
         split = profile_split_efficiency(k, n, tokens, device=device, split_op=widest.split_op, noisy=noisy)
     bar.step("split efficiency")
 
@@ -450,8 +449,8 @@ def profile(
             cache.put("comm", comm_key, dict(measured["links"]["intra"]))
         if "compute" not in noisy:
             for key in todo_keys:
-                cache.put("compute", f"{mkey}|{key}", measured["op_compute"][key])
-        if split_key and found["split"] is None and "split" not in noisy:
+                cache.put("compute", f"{compute_key}|{key}", measured["op_compute"][key])
+        if split_measured and "split" not in noisy:
             cache.put("split", split_key, measured["split_efficiency"])
         cache.save()
     return Profiled(desc, ClusterProfile.from_dict(measured, where="measured profile"), RunSettings(world, limit))
