@@ -180,11 +180,21 @@ def test_cuda_monitor_reads_the_allocator_and_attributes_the_peak_to_the_unit_sa
 
 # ---- the runtime, 8 and 64 ranks in one process -----------------------------------------
 
-@pytest.mark.parametrize("fake_world, limit_mib", [(8, 40), (64, 40)], indirect=["fake_world"])
-def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, limit_mib):
-    config, model, plan = _planned_gpt(fake_world, limit_mib * MiB)
+_OVERRUN = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 11 item 4: measured 4.22 KiB over the 4 MiB limit, 0.7% above the predicted peak (the memory "
+    "model misses the transients of blocks.3.mlp.c_proj's backward); the learned margin of calibration "
+    "should make it pass: then drop this mark"))
+
+
+@pytest.mark.parametrize("fake_world, preset, limit_mib", [
+    (8, "small", 40), (64, "small", 40), (8, "small", 28), (64, "small", 20), (64, "tiny-ic", 4),
+    pytest.param(8, "tiny-ic", 4, marks=_OVERRUN),
+], indirect=["fake_world"])
+def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset, limit_mib):
+    config, model, plan = _planned_gpt(fake_world, limit_mib * MiB, preset)
     assert plan.world_size == fake_world
-    wrapped = osdp.OSDP(model, plan=plan)
+    # the check itself stays out of the way: the budget is asserted below, from its measurement
+    wrapped = osdp.OSDP(model, plan=plan, memory_limit=plan.memory_limit_bytes * 2)
     optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     _train_step(wrapped, optim, config, plan.batch_size, seed=0)  # creates the optimizer state
     first = wrapped.step_memory()
@@ -194,14 +204,14 @@ def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, limit_m
         _train_step(wrapped, optim, config, plan.batch_size, seed=1)
     step = wrapped.step_memory()
     assert step.step == 1 and step.complete
-    assert step.limit_bytes == plan.memory_limit_bytes
+    assert step.limit_bytes == 2 * plan.memory_limit_bytes
     assert step.predicted_peak_bytes == plan.predicted.peak_bytes
     # the same step measured by the independent (slow) tracker
     assert abs(step.peak_bytes - reference.peak_bytes) <= 0.01 * reference.peak_bytes
     assert step.unit_at_peak in wrapped.unit_names()
     # the model's promise: the plan fits
     assert step.peak_bytes <= plan.memory_limit_bytes
-    print(f"\nworld {fake_world}: batch {plan.batch_size}, measured peak {step.peak_bytes} B {step.where}, "
+    print(f"\nworld {fake_world} {preset}: batch {plan.batch_size}, measured peak {step.peak_bytes} B {step.where}, "
           f"predicted {plan.predicted.peak_bytes:.0f} B ({step.prediction_error:+.2%}), "
           f"limit {plan.memory_limit_bytes:.0f} B")
 
