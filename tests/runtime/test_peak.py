@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import osdp
 from osdp.errors import MemoryFragmentationWarning, MemoryLimitExceeded, OSDPError
@@ -290,3 +291,34 @@ def test_fake_group_runs_the_reduce_scatter_path_too(fake_world, monkeypatch):
     assert sum(wrapped.memory_stats()["reduce_scatters"].values()) > 0
     assert all(n > 0 for n in calls.values()), calls  # single and coalesced collectives all ran
     assert wrapped.step_memory().peak_bytes <= plan.memory_limit_bytes
+
+
+class _NoopMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_the_tracker_never_pops_another_mode_and_a_failed_forward_pops_it(fake_world):
+    config, model, plan = _planned_gpt(fake_world, 40 * MiB)
+    wrapped = osdp.OSDP(model, plan=plan)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    idx, targets = example_batch(config, 1)
+    loss = wrapped(idx, targets)
+    user = _NoopMode()
+    with user:  # entered inside the window, left after the step ended
+        loss.backward()
+        optim.step()  # the window closes here, under the user's mode
+        assert _get_current_dispatch_mode_stack()[-1] is user
+    step = wrapped.step_memory()
+    assert not step.complete and step.peak_bytes > 0
+    assert user not in _get_current_dispatch_mode_stack()  # the user's exit popped the user's mode
+    optim.zero_grad(set_to_none=True)
+    _train_step(wrapped, optim, config, 1, seed=1)  # the next step is measured whole again
+    assert wrapped.step_memory().complete
+    assert _get_current_dispatch_mode_stack() == []
+    with pytest.raises(Exception):
+        wrapped(idx.float(), targets)  # an embedding of float indices fails inside the forward
+    assert _get_current_dispatch_mode_stack() == []  # the window ended with the failed forward
+    _train_step(wrapped, optim, config, 1, seed=2)
+    assert wrapped.step_memory().complete
