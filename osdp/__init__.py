@@ -31,6 +31,7 @@ _EXPORTS = {
     "OSDPError": "osdp.errors",
     "ConfigError": "osdp.errors",
     "CheckpointCorruptedError": "osdp.errors",
+    "MemoryLimitExceeded": "osdp.errors",
     "UnverifiedCheckpointWarning": "osdp.errors",
 }
 # planner names live in osdp.planner; the old spelling osdp.<name> still resolves

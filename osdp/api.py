@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -12,6 +13,7 @@ import torch.nn as nn
 from .contract import DEFAULT_COALESCE_BYTES, RuntimeConfig, default_prefetch_bytes
 from .errors import OSDPError, PlanMismatchError
 from .planner.plan import plan_from_arg
+from .sizes import parse_bytes
 from .runtime.args import device_arg
 from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
@@ -23,6 +25,7 @@ from .runtime.ledger import MemoryLedger
 from .runtime.mesh import ShardLayout
 from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
 from .runtime.modes import Mode
+from .runtime.peak import StepMemory, StepMemoryCheck, make_monitor
 from .runtime.scheduler import Scheduler
 from .runtime.state_dict import build_layout
 from .runtime.view import ShardedView
@@ -97,6 +100,12 @@ class OSDP(nn.Module):
     [Note: modes per level] in ``osdp/contract.py``). A plan's ``world_size`` is the
     layout's rank count (replicas included).
 
+    Memory check: with a memory limit (``memory_limit``, else the plan's), every step's
+    measured peak is checked at the end of the step and going over raises
+    ``MemoryLimitExceeded`` naming the unit at the peak; ``step_memory()`` is the last
+    step's measurement, ``memory_check=False`` (or ``OSDP_MEMORY_CHECK=0``) turns it off.
+    See [Note: measured peak] in ``osdp/runtime/peak.py``.
+
     Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
     unsharded fp32 gradients across micro-batches (no reduce-scatter) until a backward
     runs with sync on; ``micro_batch(i)`` applies the plan's ``gradient_sync`` policy
@@ -127,6 +136,7 @@ class OSDP(nn.Module):
         settings=None,
         auto_kwargs: dict | None = None,
         loss_fn=None,
+        memory_check: bool = True,
     ):
         super().__init__()
         group = self._init_checks(module, process_group, mixed_precision, timeout_s)
@@ -151,6 +161,7 @@ class OSDP(nn.Module):
         self._init_units(module, config, mixed_precision)
         self._init_scheduler(config, coalesce_bytes)
         self._init_hooks(config)
+        self._init_memory_check(memory_limit, memory_check)
 
     # ---- construction, in order ----------------------------------------------------------
     def _init_checks(self, module, process_group, mixed_precision, timeout_s):
@@ -231,6 +242,23 @@ class OSDP(nn.Module):
         apply_checkpointing(self.module, config.checkpoint_blocks)
         self.checkpoint_blocks = config.checkpoint_blocks
 
+    def _init_memory_check(self, memory_limit, memory_check) -> None:
+        """The per-step peak check (osdp/runtime/peak.py): against ``memory_limit``, else
+        the plan's; nothing is measured without a limit or with ``memory_check=False``
+        (or ``OSDP_MEMORY_CHECK=0``)."""
+        limit = getattr(self.plan, "memory_limit_bytes", None)
+        if memory_limit is not None:
+            limit = parse_bytes(memory_limit, "memory_limit")
+        predicted = getattr(getattr(self.plan, "predicted", None), "peak_bytes", None)
+        self._memory_check = None
+        if limit is None or not memory_check or os.environ.get("OSDP_MEMORY_CHECK", "1") == "0":
+            return
+        units = self._built.units
+        monitor = make_monitor(self._ledger, self.device, limit, predicted,
+                               tensors=[u.shard for u in units] + list(self.module.buffers()),
+                               ignored_storages=[u.gathered.untyped_storage() for u in units])
+        self._memory_check = StepMemoryCheck(monitor, [p for u in units for p in u.params] + [u.shard for u in units])
+
     def _check_same_config(self, config, param_counts, mixed_precision, coalesce_bytes) -> None:
         """All ranks must run the same plan on the same model: compare a hash of what each
         resolved (per-unit modes and parameter counts, window, blocks, dtypes)."""
@@ -267,11 +295,15 @@ class OSDP(nn.Module):
         policy = self.mixed_precision
         if policy is not None:
             args, kwargs = policy.cast_inputs(args, kwargs)
+        if self._memory_check is not None:
+            self._memory_check.begin_forward()  # checks the step before; see [Note: measured peak]
         self._scheduler.begin_forward()
         try:
             output = self.module(*args, **kwargs)
         except BaseException:
             self._scheduler.recover()  # see [Note: recovery after an exception]
+            if self._memory_check is not None:
+                self._memory_check.abort()
             raise
         self._scheduler.end_forward()
         return output if policy is None else policy.cast_output(output)
@@ -462,6 +494,20 @@ class OSDP(nn.Module):
 
     def reset_memory_stats(self) -> None:
         self._ledger.reset()
+
+    def step_memory(self) -> StepMemory | None:
+        """The measured memory of the last finished step: ``peak_bytes``, ``unit_at_peak``
+        / ``phase_at_peak``, ``limit_bytes``, ``predicted_peak_bytes``, ``source``
+        (None before the first step ends, or without a memory limit). A step ends at the
+        optimizer step over this model's parameters, the next forward, or
+        :meth:`end_step`; see [Note: measured peak] in ``osdp/runtime/peak.py``."""
+        return None if self._memory_check is None else self._memory_check.monitor.last
+
+    def end_step(self) -> StepMemory | None:
+        """End the step's memory measurement now and check it against the memory limit
+        (``MemoryLimitExceeded`` when over): for loops without a ``torch.optim``
+        optimizer, or after the last step."""
+        return None if self._memory_check is None else self._memory_check.end_step()
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The original model's state dict, gathered (a collective: call on every rank);

@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--memory", default="96MiB", help="memory limit per process with a unit, e.g. 96MiB")
     p.add_argument("--preset", default="small")
+    p.add_argument("--reprofile", action="store_true",
+                   help="measure this machine again instead of reading the profile cache (also: OSDP_REPROFILE=1); "
+                        "the cache is $OSDP_CACHE_DIR/profile-cache.json, default ~/.cache/osdp/profile-cache.json")
     p.set_defaults(func=cmd_demo)
     return parser
 

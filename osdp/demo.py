@@ -22,7 +22,7 @@ def _say(rank: int, text: str = "") -> None:
         print(text, flush=True)
 
 
-def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False):
+def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False, reprofile=False):
     """One rank of the demo; returns a dict of what it measured (rank 0's is printed)."""
     import osdp
     from osdp.memtrack import LiveBytesTracker
@@ -36,11 +36,15 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False):
     model = GPT(config)
     say(f"== osdp demo: GPT preset {preset!r} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params), "
         f"{world} gloo processes, {memory} per process")
-    say("-- profiling this machine and planning (cached after the first run)")
+    from osdp.planner.profile_cache import cache_path, reprofile_requested
+
+    fresh = reprofile_requested(reprofile)
+    how = "measuring again (--reprofile / OSDP_REPROFILE=1)" if fresh else "cached after the first run"
+    say(f"-- profiling this machine and planning ({how}; cache {cache_path(cache_dir)})")
     plan = osdp.auto_plan(
         model, example_batch(config, 4), memory,
         settings=PlannerSettings(max_slices=4, checkpointing="auto"),
-        comm_sizes=DEMO_COMM_SIZES, repeats=2, cache_dir=cache_dir, progress=not quiet,
+        comm_sizes=DEMO_COMM_SIZES, repeats=2, cache_dir=cache_dir, progress=not quiet, reprofile=reprofile,
     )
     say(str(plan))
     wrapped = osdp.OSDP(model, plan=plan)
@@ -84,11 +88,15 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False):
     say(f"peak memory   {format_bytes(peak):>12}  predicted {format_bytes(p.peak_bytes):>12} "
         f"(limit {format_bytes(plan.memory_limit_bytes)})")
     say(f"OSDP buffers  {format_bytes(ledger['peak_total_bytes']):>12} peak of gathered weights + unsharded grads")
+    checked = wrapped.step_memory()
+    if checked is not None:
+        say(f"memory check  every step within the limit; the last step peaked at {format_bytes(checked.peak_bytes)} "
+            f"{checked.where} ({checked.source})")
     return {"losses": losses, "step_s": measured_s, "peak_bytes": peak, "plan": plan.to_dict()}
 
 
-def _demo_rank(rank, world, preset, memory, steps, cache_dir):
-    train_with_plan(rank, world, preset, memory, steps, cache_dir)
+def _demo_rank(rank, world, preset, memory, steps, cache_dir, reprofile=False):
+    train_with_plan(rank, world, preset, memory, steps, cache_dir, reprofile=reprofile)
 
 
 def run_demo(args) -> int:
@@ -103,7 +111,8 @@ def run_demo(args) -> int:
     from .launch import spawn
 
     try:
-        spawn(_demo_rank, args.world_size, args.preset, args.memory, args.steps, None, backend="gloo")
+        spawn(_demo_rank, args.world_size, args.preset, args.memory, args.steps, None,
+              bool(getattr(args, "reprofile", False)), backend="gloo")
     except RuntimeError as exc:
         # the worker's own error, one line (e.g. no plan fits the memory limit)
         last = str(exc).strip().splitlines()[-1]

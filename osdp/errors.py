@@ -26,6 +26,37 @@ class PlanMismatchError(OSDPError):
     """A plan (or checkpoint) made for another model, world size or version."""
 
 
+class MemoryLimitExceeded(OSDPError):
+    """A training step's measured peak memory went over the memory limit the model was
+    wrapped with (the plan's ``memory_limit_bytes`` or ``OSDP(memory_limit=...)``).
+
+    Raised at the end of the step (the optimizer step's post-hook, the next forward, or
+    ``model.end_step()``). ``step`` is the runtime's ``osdp.runtime.peak.StepMemory``
+    of that step: ``peak_bytes``, ``limit_bytes``, ``predicted_peak_bytes``,
+    ``unit_at_peak``, ``source``. See [Note: measured peak] in osdp/runtime/peak.py."""
+
+    def __init__(self, message: str, step=None):
+        super().__init__(message)
+        self.step = step
+
+
+class MemoryFragmentationWarning(UserWarning):
+    """On CUDA, the caching allocator held (reserved) more than the memory limit at its
+    peak although the allocated bytes stayed within it: fragmentation or cached blocks
+    (see [Note: measured peak] in osdp/runtime/peak.py)."""
+
+
+class NoisyProfileWarning(UserWarning):
+    """A profile measurement stayed noisy (its repeats spread more than the threshold)
+    after the bounded re-measures; the entry is used but not cached as steady (see
+    [Note: profile cache] in osdp/planner/profile_cache.py)."""
+
+
+class ProfileCacheWarning(UserWarning):
+    """The profile cache file could not be read (corrupt, another version) and is
+    rewritten; nothing from it is used."""
+
+
 class CheckpointCorruptedError(OSDPError):
     """A checkpoint's stored data is not what was saved: a chunk whose checksum differs,
     a truncated data file, or DCP metadata that does not match the data files."""

@@ -82,3 +82,126 @@ class IntervalPeakTracker(LiveBytesTracker):
         super()._sample()
         if self.interval is not None and self.current_bytes > self.peaks.get(self.interval, (-1, 0))[0]:
             self.peaks[self.interval] = (self.current_bytes, self.extra())
+
+
+def _mutated_args(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments ``func`` writes (``Tensor(a!)``): in-place and
+    ``out=`` ops, ``resize_``; read once per operator from its schema."""
+    cached = _MUTATED.get(func)
+    if cached is None:
+        try:
+            arguments = func._schema.arguments
+        except AttributeError:
+            arguments = ()
+        cached = tuple(
+            (i, a.name) for i, a in enumerate(arguments) if a.alias_info is not None and a.alias_info.is_write
+        )
+        _MUTATED[func] = cached
+    return cached
+
+
+_MUTATED: dict = {}
+
+
+class StepPeakTracker(TorchDispatchMode):
+    """Live bytes of every storage an operator produced or wrote, kept up to date
+    incrementally (O(outputs + written arguments) per operator, not O(live storages) as
+    ``LiveBytesTracker``), plus ``external()`` bytes the caller accounts for itself.
+
+    Storages resized OUTSIDE the dispatcher (``untyped_storage().resize_``: the runtime's
+    gathered buffers) would go stale here: the caller names them with :meth:`ignore` and
+    counts them through ``external`` (the runtime: the ledger's gathered bytes). At
+    every new maximum ``where()`` is read, so the peak carries what was in flight.
+    See [Note: measured peak] in ``osdp/runtime/peak.py``."""
+
+    def __init__(self, external=lambda: 0, where=lambda: ""):
+        super().__init__()
+        self.external = external
+        self.where = where
+        self._nbytes: dict[int, int] = {}  # id(storage) -> bytes last seen
+        self._refs: dict[int, weakref.ref] = {}
+        self._ignored: set[int] = set()
+        self.tracked_bytes = 0
+        self.peak_bytes = 0
+        self.peak_where = ""
+        self.operators = 0  # operators seen since the last reset_peak
+
+    @classmethod
+    def is_infra_mode(cls) -> bool:  # a measuring tool: invisible to code checking for user modes
+        return True
+
+    # ---- what is followed ----------------------------------------------------------------
+    def ignore(self, storage) -> None:
+        key = id(storage)
+        self._ignored.add(key)
+        if key in self._nbytes:
+            self.tracked_bytes -= self._nbytes.pop(key)
+            del self._refs[key]
+
+    def _died(self, key: int) -> None:
+        self._refs.pop(key, None)
+        self.tracked_bytes -= self._nbytes.pop(key, 0)
+
+    def _see(self, tensor, reread: bool = True) -> None:
+        """Follow ``tensor``'s storage; ``reread=False``: a storage already followed is
+        taken to keep its size (an operator's fresh outputs and views: only written
+        arguments change a storage's size)."""
+        if tensor.is_meta:
+            return
+        storage = tensor.untyped_storage()
+        key = id(storage)
+        old = self._nbytes.get(key)
+        if old is None:
+            if key in self._ignored:
+                return
+            nbytes = storage.nbytes()
+            self._refs[key] = weakref.ref(storage, lambda _r, key=key: self._died(key))
+            self._nbytes[key] = nbytes
+            self.tracked_bytes += nbytes
+        elif reread:
+            nbytes = storage.nbytes()
+            if nbytes != old:
+                self._nbytes[key] = nbytes
+                self.tracked_bytes += nbytes - old
+
+    def track(self, tensors) -> None:
+        """Follow tensors made while the mode was off (shards, optimizer state)."""
+        for tensor in tensors:
+            if isinstance(tensor, torch.Tensor):
+                self._see(tensor)
+        self.sample()
+
+    # ---- peaks ----------------------------------------------------------------------------
+    @property
+    def current_bytes(self) -> int:
+        return self.tracked_bytes + self.external()
+
+    def sample(self) -> None:
+        current = self.tracked_bytes + self.external()
+        if current > self.peak_bytes:
+            self.peak_bytes = current
+            self.peak_where = self.where()
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.tracked_bytes + self.external()
+        self.peak_where = self.where()
+        self.operators = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.operators += 1
+        see = self._see
+        for leaf in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(leaf, torch.Tensor):
+                see(leaf, False)
+        for pos, name in _mutated_args(func):
+            arg = args[pos] if pos < len(args) else kwargs.get(name)
+            for leaf in arg if isinstance(arg, (tuple, list)) else (arg,):
+                if isinstance(leaf, torch.Tensor):
+                    see(leaf)
+        current = self.tracked_bytes + self.external()
+        if current > self.peak_bytes:
+            self.peak_bytes = current
+            self.peak_where = self.where()
+        return out

@@ -19,10 +19,12 @@ measured links are one level, ``links["intra"]``, over the ranks of the group
 * activation bytes per sample: through ``describe`` (saved-tensor hooks).
 
 Every rank measures (so contention is real) and rank 0's numbers are broadcast: all
-ranks plan from identical inputs. Results are cached on disk (``$OSDP_CACHE_DIR`` or
-~/.cache/osdp): compute fits keyed by device, dtype and unit shape (the shape key holds
-the unit's kind, size, FLOPs and activation bytes, so a changed model re-measures only
-its changed units), collectives keyed by device, backend and world size.
+ranks plan from identical inputs. Results are cached on disk (``profile_cache.py``,
+[Note: profile cache]: ``$OSDP_CACHE_DIR`` or ~/.cache/osdp, keyed by machine, torch
+version, dtype and backend, entries expire, noisy measurements are re-measured and not
+cached, ``reprofile=True`` / ``$OSDP_REPROFILE=1`` bypass it): compute fits per unit
+shape (the shape key holds the unit's kind, size, FLOPs and activation bytes, so a
+changed model re-measures only its changed units), collectives per world size.
 
 [Note: timing units]
 Forward time of a unit runs from its forward pre-hook to the next unit's (work between
@@ -33,13 +35,11 @@ the work attributed to it in forward.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -55,10 +55,10 @@ from .description import ModelDesc, describe
 from .inputs import as_example_inputs, batch_loss
 from .cluster import ClusterProfile
 from .device import CollectiveCost, ComputeFit, DeviceInfo
+from .profile_cache import ProfileCache, machine_key, steady, timed_samples
 from .run import RunSettings
 
 log = logging.getLogger("osdp.profile")
-CACHE_VERSION = 2
 DEFAULT_COMM_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
 FULL_COMM_SIZES = tuple(4096 * 2**i for i in range(17))  # 4 KiB .. 256 MiB
 
@@ -103,10 +103,12 @@ def _fit_line(xs, ys) -> tuple[float, float]:
 # ---- collectives -------------------------------------------------------------------
 
 def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, device=None,
-                        progress: Progress | None = None) -> tuple[CollectiveCost, CollectiveCost]:
+                        progress: Progress | None = None, noisy: set | None = None) -> tuple[CollectiveCost, CollectiveCost]:
     """Fit alpha/beta of all-gather and of the gradient reduction on ``group`` (all ranks
     call): the reduction is timed with the collective the runtime uses on this device
-    (reduce-scatter, or all-reduce on gloo: contract.gradient_collective)."""
+    (reduce-scatter, or all-reduce on gloo: contract.gradient_collective). Noisy sizes
+    are re-measured (``profile_cache.steady``, all ranks together); ``noisy`` collects
+    ``"comm"`` when one stayed noisy."""
     world = dist.get_world_size(group)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     all_reduce = gradient_collective(torch.device(device).type) == "all_reduce"
@@ -119,20 +121,21 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
             elems = max(world, size // 4 // world * world)
             full = torch.zeros(elems, device=device)
             shard = torch.zeros(elems // world, device=device)
-            samples = []
-            for rep in range(repeats + 1):
-                dist.barrier(group)
-                _sync(device)
-                start = time.perf_counter()
+            def once(op=op, full=full, shard=shard):
                 if op == "all_gather":
                     all_gather_flat(full, shard, group=group)
                 elif all_reduce:
                     dist.all_reduce(full, group=group)
                 else:
                     reduce_scatter_flat(shard, full, group=group)
-                _sync(device)
-                if rep:  # the first run warms up buffers and connections
-                    samples.append(time.perf_counter() - start)
+
+            # the first run warms up buffers and connections (timed_samples drops it)
+            kept = steady(lambda once=once: timed_samples(once, repeats, sync=lambda: _sync(device),
+                                                          before=lambda: dist.barrier(group)),
+                          f"{op} of {format_bytes(elems * 4)}", agree=lambda s: _max_over(s, group))
+            if kept.noisy and noisy is not None:
+                noisy.add("comm")
+            samples = list(kept.samples)
             # the slowest rank decides when a collective is done for everyone
             t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
@@ -145,6 +148,13 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
     return fits[0], fits[1]
 
 
+def _max_over(value: float, group) -> float:
+    """The max of ``value`` over the ranks of ``group`` (so that all decide alike)."""
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
 # ---- compute -----------------------------------------------------------------------
 
 def _unit_modules(model: nn.Module, desc: ModelDesc) -> list[tuple[str, nn.Module]]:
@@ -153,10 +163,11 @@ def _unit_modules(model: nn.Module, desc: ModelDesc) -> list[tuple[str, nn.Modul
 
 
 def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3,
-               example_batch: int | None = None) -> dict[str, tuple[float, float]]:
+               example_batch: int | None = None, totals: list | None = None) -> dict[str, tuple[float, float]]:
     """Median (forward_s, backward_s) per unit for one forward + backward of ``inputs``
     (example inputs, see [Note: example inputs and the loss]; the loss as describe's).
-    ``example_batch``: the batch ``loss_fn`` was written for (for its error message)."""
+    ``example_batch``: the batch ``loss_fn`` was written for (for its error message).
+    ``totals``: gets each repeat's forward + backward seconds (for the noise check)."""
     inputs = as_example_inputs(inputs)
     batch = inputs.batch_size()
     units = _unit_modules(model, desc)
@@ -188,6 +199,8 @@ def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3,
             _sync(device)
             if not rep:
                 continue
+            if totals is not None and stamps_f:
+                totals.append(time.perf_counter() - min(stamps_f.values()))
             order = [n for n, _ in units if n in stamps_f]
             order.sort(key=stamps_f.__getitem__)
             for i, name in enumerate(order):
@@ -207,14 +220,26 @@ def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3,
 
 
 def profile_compute(model, example_inputs, desc: ModelDesc, batches, loss_fn=None, repeats=3,
-                    skip_keys=(), progress: Progress | None = None) -> dict[str, ComputeFit]:
-    """Fits per shape key (units of equal shape pooled) for keys not in ``skip_keys``."""
+                    skip_keys=(), progress: Progress | None = None, noisy: set | None = None) -> dict[str, ComputeFit]:
+    """Fits per shape key (units of equal shape pooled) for keys not in ``skip_keys``.
+    A batch whose repeats are noisy is re-measured (``profile_cache.steady``, local:
+    no collective); ``noisy`` collects ``"compute"`` when one stayed noisy."""
     example_inputs = as_example_inputs(example_inputs)
     example_batch = example_inputs.batch_size()
     per_batch = {}
     for b in batches:
         inputs = example_inputs if b == example_batch else example_inputs.with_batch(b)
-        per_batch[b] = time_units(model, inputs, desc, loss_fn, repeats, example_batch)
+        attempts = []
+
+        def measure(inputs=inputs, attempts=attempts):
+            totals = []
+            attempts.append(time_units(model, inputs, desc, loss_fn, repeats, example_batch, totals))
+            return totals
+
+        kept = steady(measure, f"compute at batch {b}")
+        per_batch[b] = attempts[kept.index]
+        if kept.noisy and noisy is not None:
+            noisy.add("compute")
         if progress:
             progress.step(f"compute at batch {b}")
     by_key: dict[str, list[str]] = {}
@@ -237,10 +262,11 @@ def profile_compute(model, example_inputs, desc: ModelDesc, batches, loss_fn=Non
 
 def profile_split_efficiency(in_features: int, out_features: int, tokens: int, slices=(2, 4, 8, 16),
                              device=None, dtype=torch.float32, repeats: int = 5,
-                             split_op: str = "linear_in_features") -> dict[str, float]:
+                             split_op: str = "linear_in_features", noisy: set | None = None) -> dict[str, float]:
     """Forward + backward time of a matmul split by ``split_op`` (a registered
     ``osdp.ops`` op; its own slice math and kernels: fp32 accumulate, slices as views)
-    relative to the unsplit one, per slice count."""
+    relative to the unsplit one, per slice count; ``noisy`` collects ``"split"`` when a
+    timing stayed noisy after re-measures (``profile_cache.steady``)."""
     from ..ops import registered_split_ops
 
     op = registered_split_ops()[split_op or "linear_in_features"]
@@ -259,15 +285,10 @@ def profile_split_efficiency(in_features: int, out_features: int, tokens: int, s
         op.timed_step(x, w, dy, g)
 
     def timed(fn):
-        samples = []
-        for rep in range(repeats + 1):
-            _sync(device)
-            start = time.perf_counter()
-            fn()
-            _sync(device)
-            if rep:
-                samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+        kept = steady(lambda: timed_samples(fn, repeats, sync=lambda: _sync(device)), f"split timing of {split_op}")
+        if kept.noisy and noisy is not None:
+            noisy.add("split")
+        return kept.median
 
     base = timed(unsplit)
     return {str(g): timed(lambda g=g: split(g)) / base for g in slices if g <= axis}
@@ -281,29 +302,20 @@ def _device_label(device: torch.device) -> str:
     return f"cpu-{os.cpu_count()}cores"
 
 
-def _cache_path(cache_dir) -> Path:
-    root = Path(cache_dir or os.environ.get("OSDP_CACHE_DIR") or Path.home() / ".cache" / "osdp")
-    return root / "profile-cache.json"
-
-
-def _load_cache(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-        if data.get("version") == CACHE_VERSION:
-            return data
-        log.warning("ignoring profile cache %s of version %s", path, data.get("version"))
-    except FileNotFoundError:
-        pass
-    except (json.JSONDecodeError, AttributeError):
-        log.warning("profile cache %s is unreadable; measuring again", path)
-    return {"version": CACHE_VERSION, "comm": {}, "compute": {}, "split": {}}
-
-
-def _save_cache(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)  # atomic: a crash never leaves half a cache
+def _cached(cache: ProfileCache, rank: int, process_group, distributed: bool, wanted) -> dict:
+    """``{(section, key): value}`` of the ``wanted`` (section, key) pairs the cache holds,
+    read on rank 0 and broadcast: every rank then measures the same things (an entry
+    expiring between two ranks' reads would otherwise make them issue different
+    collectives)."""
+    found = None
+    if rank == 0:
+        found = {(section, key): v for section, key in wanted if (v := cache.get(section, key)) is not None}
+    if distributed:
+        box = [found]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0,
+                                   group=process_group)
+        found = box[0]
+    return found
 
 
 class Profiled(NamedTuple):
@@ -332,6 +344,7 @@ def profile(
     repeats: int = 3,
     cache_dir=None,
     use_cache: bool = True,
+    reprofile: bool = False,
     progress: bool = True,
 ) -> Profiled:
     """Describe ``model`` and measure this cluster: ``(desc, cluster, run)``, see
@@ -344,7 +357,10 @@ def profile(
     ``{"input_ids": x, "labels": y}`` for a Hugging Face model) or
     ``ExampleInputs(args, kwargs)``; ``loss_fn(output) -> scalar`` when the output is
     neither a tensor nor has a ``.loss``. describe and the compute timing run backward on
-    the same loss; see [Note: example inputs and the loss] in ``osdp/planner/inputs.py``."""
+    the same loss; see [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
+
+    ``cache_dir`` / ``use_cache`` / ``reprofile`` (or ``$OSDP_REPROFILE=1``): the
+    profile cache, see [Note: profile cache] in ``osdp/planner/profile_cache.py``."""
     inputs = as_example_inputs(example_inputs)
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(process_group) if distributed else 1
@@ -366,25 +382,29 @@ def profile(
     batches = tuple(batches or sorted({max(1, example_batch // 4), max(1, example_batch // 2), example_batch}))
     comm_sizes = tuple(comm_sizes or (FULL_COMM_SIZES if device.type == "cuda" else DEFAULT_COMM_SIZES))
 
-    path = _cache_path(cache_dir)
-    cache = _load_cache(path) if use_cache else _load_cache(Path("/nonexistent"))
-    comm_key = f"{label}|{backend}|world={world}|{gradient_collective(torch.device(device).type)}"
-    compute_key = f"{label}|{dtype}"
-    cached_fits = {k: ComputeFit(**v) for k, v in cache["compute"].get(compute_key, {}).items()} if use_cache else {}
-    todo_keys = {shape_key(op) for op in desc.ops} - set(cached_fits)
-    need_comm = world > 1 and comm_key not in cache["comm"]
+    cache = ProfileCache.open(cache_dir, enabled=use_cache and rank == 0, reprofile=reprofile)
+    compute_key = machine_key(device, dtype, backend)  # see [Note: profile cache]
+    comm_key = f"{compute_key}|world={world}|{gradient_collective(torch.device(device).type)}"
+    shape_keys = sorted({shape_key(op) for op in desc.ops})
+    found = _cached(cache, rank, process_group, distributed,
+                    [("comm", comm_key)] + [("compute", f"{compute_key}|{key}") for key in shape_keys])
+    cached_fits = {key: ComputeFit(**found[("compute", f"{compute_key}|{key}")]) for key in shape_keys
+                   if ("compute", f"{compute_key}|{key}") in found}
+    todo_keys = set(shape_keys) - set(cached_fits)
+    need_comm = world > 1 and ("comm", comm_key) not in found
     steps = (2 * len(comm_sizes) if need_comm else 0) + (len(batches) if todo_keys else 0) + 1
     bar = Progress(steps, "osdp profile", enabled=progress and rank == 0)
+    noisy: set[str] = set()  # measurements that stayed noisy: used, not cached
 
     if need_comm:
-        ag, rs = profile_collectives(process_group, comm_sizes, repeats, device, bar)
+        ag, rs = profile_collectives(process_group, comm_sizes, repeats, device, bar, noisy)
         comm = {"all_gather": ag.__dict__, "reduce_scatter": rs.__dict__}
     else:
-        comm = cache["comm"].get(comm_key, {"all_gather": {"alpha_s": 0.0, "beta_s_per_byte": 0.0},
-                                            "reduce_scatter": {"alpha_s": 0.0, "beta_s_per_byte": 0.0}})
+        comm = found.get(("comm", comm_key), {"all_gather": {"alpha_s": 0.0, "beta_s_per_byte": 0.0},
+                                             "reduce_scatter": {"alpha_s": 0.0, "beta_s_per_byte": 0.0}})
     fits = dict(cached_fits)
     if todo_keys:
-        fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar))
+        fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar, noisy))
     from ..ops import MatmulSplit, registered_split_ops as _ops
 
     # split efficiency is a matmul's: ops split otherwise (an embedding's rows) are left out
@@ -398,9 +418,12 @@ def profile(
         axis, other = widest.in_features, widest.param_count // widest.in_features
         k, n = (axis, other) if registered_split_ops()[widest.split_op or "linear_in_features"].cut == "in" else (other, axis)
     split_key = f"{compute_key}|{widest.split_op}|{k}x{n}x{tokens}" if widest else ""
-    split = cache["split"].get(split_key) if widest else {}
-    if split is None:
-        split = profile_split_efficiency(k, n, tokens, device=device, split_op=widest.split_op)
+    split = {}
+    if widest:
+        split = _cached(cache, rank, process_group, distributed, [("split", split_key)]).get(("split", split_key))
+    split_measured = split is None
+    if split_measured:
+        split = profile_split_efficiency(k, n, tokens, device=device, split_op=widest.split_op, noisy=noisy)
     bar.step("split efficiency")
 
     total_flops = sum(op.flops_per_sample for op in desc.ops)
@@ -425,12 +448,14 @@ def profile(
         box = [measured]
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group)
         measured = box[0]
-    if rank == 0 and use_cache:
-        if world > 1:
-            cache["comm"][comm_key] = dict(measured["links"]["intra"])
-        cache["compute"].setdefault(compute_key, {}).update(measured["op_compute"])
-        if split_key:
-            cache["split"][split_key] = measured["split_efficiency"]
-        _save_cache(path, cache)
+    if rank == 0 and use_cache:  # rank 0's numbers, as broadcast; noisy ones are not kept
+        if need_comm and "comm" not in noisy:
+            cache.put("comm", comm_key, dict(measured["links"]["intra"]))
+        if "compute" not in noisy:
+            for key in todo_keys:
+                cache.put("compute", f"{compute_key}|{key}", measured["op_compute"][key])
+        if split_measured and "split" not in noisy:
+            cache.put("split", split_key, measured["split_efficiency"])
+        cache.save()
     return Profiled(desc, ClusterProfile.from_dict(measured, where="measured profile"), RunSettings(world, limit))
 

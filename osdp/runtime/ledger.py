@@ -19,6 +19,10 @@ class MemoryLedger:
         self.current_grad_bytes = 0
         self.all_gathers: dict[str, int] = defaultdict(int)  # unit -> count since reset
         self.reduce_scatters: dict[str, int] = defaultdict(int)
+        # what computes now, (unit, phase): ("h.0", "forward"), ("", "optimizer step");
+        # read by the step peak monitor at every new maximum (osdp/runtime/peak.py)
+        self.in_flight: tuple[str, str] = ("", "")
+        self.use_listeners: list = []  # called after every note_use (CUDA peak sampling)
         self.reset()
 
     def reset(self) -> None:
@@ -59,6 +63,13 @@ class MemoryLedger:
         self.grads[unit] -= nbytes
         if not self.grads[unit]:
             del self.grads[unit]
+
+    def note_use(self, unit: str, phase: str) -> None:
+        """A use of ``unit`` (``phase``: forward, recompute, backward) begins computing;
+        ``unit=""`` for a phase outside units (optimizer step)."""
+        self.in_flight = (unit, phase)
+        for listener in self.use_listeners:
+            listener()
 
     def reduce_scattered(self, unit: str) -> None:
         self.reduce_scatters[unit] += 1

@@ -154,12 +154,14 @@ class Scheduler:
             was_gathered = unit.state is not GatherState.SHARDED
             self.prefetch.gather_for_forward(unit, in_forward=False)
             life.wait_for_unshard(unit)
+            life.ledger.note_use(unit.name, "recompute")
             return Use(unit, UseState.RECOMPUTE, frees_after=not was_gathered)
         if life.is_stale(unit):
             life.reshard(unit)  # weights were updated since this copy was gathered
         self.prefetch.gather_for_forward(unit, in_forward=self._in_forward)
         life.wait_for_unshard(unit)
         life.begin_forward_use(unit)
+        life.ledger.note_use(unit.name, "forward")
         use = Use(unit)
         if self._in_forward:
             use.entry = self.prefetch.record_forward_use(unit)
@@ -199,6 +201,7 @@ class Scheduler:
         self.prefetch.record_backward_use(unit)
         self.prefetch.gather_for_backward(unit)
         self.lifecycle.wait_for_unshard(unit)
+        self.lifecycle.ledger.note_use(unit.name, "backward")
 
     def grad_buffer(self, unit: ShardUnit) -> tuple[list[torch.Tensor], bool]:
         """Views of ``unit``'s unsharded gradient and whether they hold one already."""
@@ -243,6 +246,7 @@ class Scheduler:
         self.lifecycle.reshard_where(lambda unit: unit.n_active == 0)
         self.prefetch.end_backward()
         self._in_backward = False
+        self.lifecycle.ledger.note_use("", "after backward")
 
     # ---- outside a step ----------------------------------------------------------------
     def recover(self) -> None:

@@ -1,0 +1,324 @@
+"""The per-step peak memory check (osdp/runtime/peak.py, [Note: measured peak]).
+
+The tracker is compared with the reference ``osdp.memtrack.LiveBytesTracker`` (which
+re-reads every live storage after every operator: slow, independent); the 8- and
+64-rank plans run in one process on ``torch.testing._internal.distributed.fake_pg``
+(real compute and memory, collectives that move no data), with the plan from the
+planner (describe -> make_plan) and the promise measured peak <= the plan's budget.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
+
+import osdp
+from osdp.errors import MemoryFragmentationWarning, MemoryLimitExceeded, OSDPError
+from osdp.memtrack import LiveBytesTracker, StepPeakTracker
+from osdp.models import GPT, example_batch, get_preset
+from osdp.planner import make_plan
+from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
+from osdp.planner.cost_model import PlannerSettings
+from osdp.planner.description import describe
+from osdp.planner.run import RunSettings
+from osdp.runtime.ledger import MemoryLedger
+from osdp.runtime.peak import CudaPeakMonitor, StepMemory, check_step
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def fake_world(request):
+    """A fake process group of ``request.param`` ranks, destroyed after the test."""
+    assert not dist.is_initialized(), "a process group leaked from another test module"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+
+
+def _planned_gpt(world: int, limit_bytes: int, preset: str = "small"):
+    """A GPT preset and the planner's plan for ``world`` ranks at ``limit_bytes``,
+    priced from describe's measured activations (the CLI's path minus the GPT formula)."""
+    config = get_preset(preset)
+    torch.manual_seed(0)
+    desc = describe(GPT(config), example_batch(config, 2))
+    # a CPU process has no allocator slack or context to pay for: constant 0
+    cluster = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0)
+    device = cluster.for_run(RunSettings(world_size=world, memory_limit_bytes=limit_bytes))
+    plan = make_plan(desc, device, PlannerSettings(max_slices=4))
+    torch.manual_seed(0)
+    return config, GPT(config), plan
+
+
+def _train_step(model, optim, config, batch, seed):
+    idx, targets = example_batch(config, batch, seed=seed)
+    loss = model(idx, targets)
+    loss.backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+
+
+# ---- the tracker against the reference ------------------------------------------------
+
+def test_step_tracker_matches_reference_on_a_plain_training_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 64)
+    model(x).square().mean().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    state = [t for s in optim.state.values() for t in s.values() if torch.is_tensor(t)]
+    start = list(model.parameters()) + state + [x]
+    with LiveBytesTracker(start) as reference:
+        model(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    tracker = StepPeakTracker()
+    tracker.track(start)
+    with tracker:
+        model(x).square().mean().backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    assert tracker.peak_bytes == reference.peak_bytes
+    assert tracker.operators > 10
+
+
+def test_step_tracker_follows_frees_in_place_resizes_and_external_bytes():
+    external = {"bytes": 0}
+    tracker = StepPeakTracker(external=lambda: external["bytes"], where=lambda: ("u", "forward"))
+    with tracker:
+        a = torch.empty(1000)  # 4000 B
+        b = torch.empty(0)
+        b.resize_(500)  # a written argument grows: 2000 B
+        assert tracker.current_bytes == 6000
+        del a
+        assert tracker.current_bytes == 2000
+        outside = torch.empty(0)
+        tracker.ignore(outside.untyped_storage())  # resized outside the dispatcher: the caller counts it
+        outside.untyped_storage().resize_(4096)
+        external["bytes"] = 4096
+        torch.empty(1)  # the next operator samples
+    assert tracker.peak_bytes == 2000 + 4 + 4096  # b, the 1-element result, the external bytes
+    assert tracker.peak_where == ("u", "forward")
+
+
+# ---- the check -------------------------------------------------------------------------
+
+def _step(peak, limit=100, predicted=90, reserved=None):
+    return StepMemory(3, peak, "blocks.1.mlp.c_fc", "backward", limit, predicted, "live tensors (cpu)", reserved)
+
+
+def test_over_the_limit_is_an_error_naming_unit_peak_limit_prediction_and_what_to_do():
+    with pytest.raises(MemoryLimitExceeded) as info:
+        check_step(_step(120 * MiB, limit=100 * MiB, predicted=90 * MiB))
+    text = str(info.value)
+    assert "step 3" in text and "120.00 MiB" in text and "100.00 MiB" in text and "90.00 MiB" in text
+    assert "'blocks.1.mlp.c_fc' (backward)" in text
+    assert "+33.3%" in text  # measured against predicted
+    # the suggested limit scales the limit by predicted/measured: floor(100 MiB * 90 / 120)
+    assert f"memory_limit={math.floor(100 * MiB * 90 / 120)}" in text
+    assert "Lower the batch size" in text
+    assert info.value.step.peak_bytes == 120 * MiB
+    assert isinstance(info.value, OSDPError)
+
+
+def test_at_the_limit_passes_and_reserved_over_the_limit_warns():
+    check_step(_step(100, limit=100))
+    with pytest.warns(MemoryFragmentationWarning, match="reserved"):
+        check_step(_step(90, limit=100, reserved=101))
+
+
+class _FakeCuda:
+    """The four allocator reads the CUDA monitor makes, scripted."""
+
+    def __init__(self):
+        self.allocated = 0
+        self.max_allocated = 0
+        self.max_reserved = 0
+        self.resets = 0
+
+    def reset_peak_memory_stats(self, device):
+        self.resets += 1
+        self.max_allocated = self.allocated
+
+    def memory_allocated(self, device):
+        return self.allocated
+
+    def max_memory_allocated(self, device):
+        return self.max_allocated
+
+    def max_memory_reserved(self, device):
+        return self.max_reserved
+
+
+def test_cuda_monitor_reads_the_allocator_and_attributes_the_peak_to_the_unit_sampled_highest():
+    """UNVERIFIED on a GPU: the allocator is a script here."""
+    ledger = MemoryLedger(torch.device("cpu"))
+    cuda = _FakeCuda()
+    monitor = CudaPeakMonitor(ledger, 10 * MiB, 8 * MiB, torch.device("cuda", 0), cuda)
+    monitor.open()
+    assert cuda.resets == 1
+    for unit, phase, allocated in (("a", "forward", 2), ("b", "forward", 5), ("b", "backward", 7), ("a", "backward", 4)):
+        cuda.allocated = allocated * MiB
+        ledger.note_use(unit, phase)
+    cuda.max_allocated, cuda.max_reserved = 9 * MiB, 12 * MiB
+    step = monitor.close()
+    assert (step.peak_bytes, step.reserved_peak_bytes) == (9 * MiB, 12 * MiB)
+    assert (step.unit_at_peak, step.phase_at_peak) == ("b", "backward")
+    assert step.source == "cuda allocator"
+    with pytest.warns(MemoryFragmentationWarning):
+        check_step(step)
+    monitor.open()
+    cuda.max_allocated = 11 * MiB
+    with pytest.raises(MemoryLimitExceeded, match="11.00 MiB"):
+        check_step(monitor.close())
+
+
+# ---- the runtime, 8 and 64 ranks in one process -----------------------------------------
+
+_OVERRUN = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 11 item 4: measured 4.22 KiB over the 4 MiB limit, 0.7% above the predicted peak (the memory "
+    "model misses the transients of blocks.3.mlp.c_proj's backward); the learned margin of calibration "
+    "should make it pass: then drop this mark"))
+
+
+@pytest.mark.parametrize("fake_world, preset, limit_mib", [
+    (8, "small", 40), (64, "small", 40), (8, "small", 28), (64, "small", 20), (64, "tiny-ic", 4),
+    pytest.param(8, "tiny-ic", 4, marks=_OVERRUN),
+], indirect=["fake_world"])
+def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset, limit_mib):
+    config, model, plan = _planned_gpt(fake_world, limit_mib * MiB, preset)
+    assert plan.world_size == fake_world
+    # the check itself stays out of the way: the budget is asserted below, from its measurement
+    wrapped = osdp.OSDP(model, plan=plan, memory_limit=plan.memory_limit_bytes * 2)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    _train_step(wrapped, optim, config, plan.batch_size, seed=0)  # creates the optimizer state
+    first = wrapped.step_memory()
+    assert first is not None and first.step == 0  # closed by the optimizer step's post-hook
+    state = [t for s in optim.state.values() for t in s.values() if torch.is_tensor(t)]
+    with LiveBytesTracker(list(wrapped.parameters()) + state) as reference:
+        _train_step(wrapped, optim, config, plan.batch_size, seed=1)
+    step = wrapped.step_memory()
+    assert step.step == 1 and step.complete
+    assert step.limit_bytes == 2 * plan.memory_limit_bytes
+    assert step.predicted_peak_bytes == plan.predicted.peak_bytes
+    # the same step measured by the independent (slow) tracker
+    assert abs(step.peak_bytes - reference.peak_bytes) <= 0.01 * reference.peak_bytes
+    assert step.unit_at_peak in wrapped.unit_names()
+    # the model's promise: the plan fits
+    assert step.peak_bytes <= plan.memory_limit_bytes
+    print(f"\nworld {fake_world} {preset}: batch {plan.batch_size}, measured peak {step.peak_bytes} B {step.where}, "
+          f"predicted {plan.predicted.peak_bytes:.0f} B ({step.prediction_error:+.2%}), "
+          f"limit {plan.memory_limit_bytes:.0f} B")
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_a_step_over_the_limit_raises_at_the_optimizer_step(fake_world):
+    config, model, plan = _planned_gpt(fake_world, 40 * MiB)
+    # the limit the model is wrapped with is far below what the plan needs
+    wrapped = osdp.OSDP(model, plan=plan, memory_limit=4 * MiB)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    idx, targets = example_batch(config, plan.batch_size)
+    wrapped(idx, targets).backward()
+    with pytest.raises(MemoryLimitExceeded) as info:
+        optim.step()
+    step = info.value.step
+    assert step.limit_bytes == 4 * MiB and step.peak_bytes > 4 * MiB
+    assert step.unit_at_peak in wrapped.unit_names()
+    assert f"'{step.unit_at_peak}'" in str(info.value)
+    assert wrapped.step_memory() is step
+    # the model keeps working (a smaller batch would be the fix): the next step measures anew
+    optim.zero_grad(set_to_none=True)
+    wrapped(idx[:1], targets[:1]).backward()
+    with pytest.raises(MemoryLimitExceeded):
+        wrapped.end_step()  # no optimizer: the step is ended by hand
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_without_an_optimizer_the_next_forward_checks_the_step_before(fake_world):
+    config, model, plan = _planned_gpt(fake_world, 40 * MiB)
+    wrapped = osdp.OSDP(model, plan=plan, memory_limit=4 * MiB)
+    idx, targets = example_batch(config, 1)
+    wrapped(idx, targets).backward()
+    assert wrapped.step_memory() is None  # the step has not ended
+    with pytest.raises(MemoryLimitExceeded):
+        wrapped(idx, targets)
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_no_limit_or_check_off_measures_nothing(fake_world, monkeypatch):
+    config, model, plan = _planned_gpt(fake_world, 40 * MiB)
+    wrapped = osdp.OSDP(model, plan=plan, memory_check=False)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    _train_step(wrapped, optim, config, 1, seed=0)
+    assert wrapped.step_memory() is None and wrapped.end_step() is None
+    # modes without a plan and without memory_limit: no limit to check against
+    torch.manual_seed(0)
+    bare = osdp.OSDP(GPT(config), default_mode="zdp")
+    _train_step(bare, torch.optim.AdamW(bare.parameters()), config, 1, seed=0)
+    assert bare.step_memory() is None
+    monkeypatch.setenv("OSDP_MEMORY_CHECK", "0")
+    torch.manual_seed(0)
+    off = osdp.OSDP(GPT(config), plan=plan)
+    _train_step(off, torch.optim.AdamW(off.parameters()), config, 1, seed=0)
+    assert off.step_memory() is None
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_fake_group_runs_the_reduce_scatter_path_too(fake_world, monkeypatch):
+    """On CPU gradients are all-reduced (contract.gradient_collective); the runtime's
+    reduce-scatter path (CUDA's) also runs on the fake group."""
+    monkeypatch.setenv("OSDP_GLOO_REDUCE_SCATTER", "1")
+    config, model, plan = _planned_gpt(fake_world, 40 * MiB)
+    wrapped = osdp.OSDP(model, plan=plan)
+    calls = {"all_gather_coalesced": 0, "reduce_scatter_coalesced": 0, "reduce_scatter": 0}
+    for name in calls:  # spies: count the calls, results untouched
+        real = getattr(wrapped._comm, name)
+
+        def spy(*a, real=real, name=name, **k):
+            calls[name] += 1
+            return real(*a, **k)
+
+        setattr(wrapped._comm, name, spy)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    for seed in range(2):  # the second step prefetches in recorded order (coalesced gathers)
+        _train_step(wrapped, optim, config, plan.batch_size, seed=seed)
+    assert sum(wrapped.memory_stats()["reduce_scatters"].values()) > 0
+    assert all(n > 0 for n in calls.values()), calls  # single and coalesced collectives all ran
+    assert wrapped.step_memory().peak_bytes <= plan.memory_limit_bytes
+
+
+class _NoopMode(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_the_tracker_never_pops_another_mode_and_a_failed_forward_pops_it(fake_world):
+    config, model, plan = _planned_gpt(fake_world, 40 * MiB)
+    wrapped = osdp.OSDP(model, plan=plan)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    idx, targets = example_batch(config, 1)
+    loss = wrapped(idx, targets)
+    user = _NoopMode()
+    with user:  # entered inside the window, left after the step ended
+        loss.backward()
+        optim.step()  # the window closes here, under the user's mode
+        assert _get_current_dispatch_mode_stack()[-1] is user
+    step = wrapped.step_memory()
+    assert not step.complete and step.peak_bytes > 0
+    assert user not in _get_current_dispatch_mode_stack()  # the user's exit popped the user's mode
+    optim.zero_grad(set_to_none=True)
+    _train_step(wrapped, optim, config, 1, seed=1)  # the next step is measured whole again
+    assert wrapped.step_memory().complete
+    assert _get_current_dispatch_mode_stack() == []
+    with pytest.raises(Exception):
+        wrapped(idx.float(), targets)  # an embedding of float indices fails inside the forward
+    assert _get_current_dispatch_mode_stack() == []  # the window ended with the failed forward
+    _train_step(wrapped, optim, config, 1, seed=2)
+    assert wrapped.step_memory().complete
