@@ -270,16 +270,20 @@ class OnlineLSE:
             if bool(bad.any()):
                 raise IndexError(f"Target {int(t[bad][0])} is out of bounds: targets must lie in [0, {V}) "
                                  f"or equal ignore_index={self.ignore_index}")
-        lse = self.m + torch.log(self.s)
-        per_token = torch.where(valid, lse - self.target_logit, torch.zeros_like(lse))
+        log_s = torch.log(self.s)
+        lse = self.m + log_s
+        # (m - target) + log s: the two logits are subtracted before the O(log V) term is
+        # added, and the [tokens] reduction runs in fp64 (a vector, so it costs nothing):
+        # the loss then carries the rounding of one fp32 token loss, not of their sum.
+        per_token = torch.where(valid, (self.m - self.target_logit) + log_s, torch.zeros_like(lse))
         n_valid = valid.sum()
         if reduction == "none":
             loss = per_token
         elif reduction == "sum":
-            loss = per_token.sum()
+            loss = per_token.double().sum()
         else:
-            loss = per_token.sum() / n_valid
-        return HeadCEResult(loss, lse, n_valid)
+            loss = per_token.double().sum() / n_valid
+        return HeadCEResult(loss.to(self.x.dtype), lse, n_valid)
 
 
 def row_scale(targets: torch.Tensor, grad_out: torch.Tensor, n_valid: torch.Tensor, *, reduction: str = "mean",

@@ -134,16 +134,18 @@ def test_backward_fp32_within_1e6_of_cross_entropy(shape):
     for r0, rs in _bounds(sizes):
         _, dw = K.head_ce_backward_slice(x, W[r0:r0 + rs], r0, t, lse, scale, dx_out=dx, chunk_tokens=16)
         dws.append(dw)
-    loss = ((lse - tgt)[t != IGNORE]).mean()
+    # per-token loss from the kernels' fp32 state, reduced as OnlineLSE.finish does (fp64 mean)
+    loss = (((m - tgt) + torch.log(s))[t != IGNORE]).double().mean().float()
     _, _, loss64, dx64, dw64 = _fp64_head(x, W, t)
     xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
     loss_pt = F.cross_entropy(xr @ Wr.T, t, ignore_index=IGNORE)
     loss_pt.backward()
     for got, pt, ref, what in [(loss, loss_pt.detach(), loss64, "loss"), (dx, xr.grad, dx64, "dX"),
                                (torch.cat(dws), Wr.grad, dw64, "dW")]:
-        err, err_pt = (got.double() - ref).abs().max().item(), (pt.double() - ref).abs().max().item()
-        assert err <= 1e-6, f"{what}: {err:.2e} from fp64 (torch fp32: {err_pt:.2e})"
-        assert (got - pt).abs().max().item() <= 1e-6, what
+        # against fp64, not torch's fp32 result (its own loss error can pass 1e-6)
+        err = (got.double() - ref).abs().max().item()
+        assert err <= 1e-6, f"{what}: {err:.2e} from fp64"
+        assert_within_2x_torch(got, ref, pt, what)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
