@@ -349,33 +349,46 @@ def slice_backward(x: torch.Tensor, w_slice: torch.Tensor, row0: int, lse: torch
 # The user-facing loss
 # ---------------------------------------------------------------------------------------
 class _SplitHeadCrossEntropy(torch.autograd.Function):
+    """forward(x [M, H], targets [M], opts, *weights): ``weights`` is either the whole
+    head weight [V, H] with ``opts.sizes`` its slice rows (its gradient is then written
+    slice by slice into one [V, H] tensor, no concatenation), or the slice tensors."""
+
     @staticmethod
-    def forward(ctx, x, targets, opts, *slices):
-        reduction, ignore_index, backend, chunk_tokens = opts
+    def forward(ctx, x, targets, opts, *weights):
+        reduction, ignore_index, backend, chunk_tokens, sizes = opts
+        slices = weights[0].split(sizes, dim=0) if sizes is not None else weights
         state = OnlineLSE.start(x, targets, ignore_index=ignore_index, backend=backend, chunk_tokens=chunk_tokens)
         row0 = 0
         for w in slices:
             state.update(w, row0)
             row0 += w.shape[0]
         res = state.finish(reduction, vocab_size=row0)
-        ctx.save_for_backward(x, targets, res.lse, res.n_valid, *slices)
-        ctx.opts = (reduction, ignore_index, state.backend, chunk_tokens)
+        ctx.save_for_backward(x, targets, res.lse, res.n_valid, *weights)
+        ctx.opts = (reduction, ignore_index, state.backend, chunk_tokens, sizes)
         return res.loss
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
-        x, targets, lse, n_valid, *slices = ctx.saved_tensors
-        reduction, ignore_index, backend, chunk_tokens = ctx.opts
+        x, targets, lse, n_valid, *weights = ctx.saved_tensors
+        reduction, ignore_index, backend, chunk_tokens, sizes = ctx.opts
         scale = row_scale(targets, grad_out, n_valid, reduction=reduction, ignore_index=ignore_index,
                           dtype=_acc_dtype(x.dtype))
+        if sizes is not None:
+            slices = weights[0].split(sizes, dim=0)
+            dweight = torch.empty_like(weights[0], memory_format=torch.contiguous_format)
+            dw_outs = dweight.split(sizes, dim=0)  # row blocks of one tensor: written in place
+        else:
+            slices, dw_outs = weights, [None] * len(weights)
         dx = None
         dws, row0 = [], 0
-        for w in slices:
-            dx, dw = slice_backward(x, w, row0, lse, targets, scale, dx_out=dx, backend=backend,
+        for w, dw_out in zip(slices, dw_outs):
+            dx, dw = slice_backward(x, w, row0, lse, targets, scale, dx_out=dx, dw_out=dw_out, backend=backend,
                                     chunk_tokens=chunk_tokens)
             dws.append(dw)
             row0 += w.shape[0]
+        if sizes is not None:
+            dws = [dweight]
         return (dx.to(x.dtype) if ctx.needs_input_grad[0] else None), None, None, *dws
 
 
@@ -432,18 +445,18 @@ def split_head_cross_entropy(x: torch.Tensor, weight: torch.Tensor | Sequence[to
             if isinstance(g, bool) or not isinstance(g, int) or not 1 <= g <= V:
                 raise ConfigError(f"num_slices must be an int in [1, {V}] (the vocabulary size), got {num_slices!r}")
             sizes = split_sizes(V, g)
-        slices = tuple(weight.split(sizes, dim=0))
+        weights = (weight,)
     elif isinstance(weight, (list, tuple)) and weight and all(isinstance(w, torch.Tensor) for w in weight):
         if num_slices is not None or slice_sizes is not None:
             raise ConfigError("weight is already a list of slices; do not pass num_slices / slice_sizes")
-        slices = tuple(weight)
+        weights, sizes = tuple(weight), None
     else:
         raise ConfigError(f"weight must be a [vocab, hidden] tensor or a non-empty list of slice tensors, "
                           f"got {a_type(weight)}")
     H = x.shape[-1]
     x2 = x.reshape(-1, H)
     t2 = targets.reshape(-1)
-    loss = _SplitHeadCrossEntropy.apply(x2, t2, (reduction, ignore_index, backend, chunk_tokens), *slices)
+    loss = _SplitHeadCrossEntropy.apply(x2, t2, (reduction, ignore_index, backend, chunk_tokens, sizes), *weights)
     return loss.reshape(targets.shape) if reduction == "none" else loss
 
 

@@ -228,3 +228,24 @@ def test_no_tokens_by_vocab_tensor_is_ever_allocated():
     with _LargestAllocation() as unfused:  # the probe sees the logits when they exist
         F.cross_entropy(xr @ Wr.T, t).backward()
     assert unfused.largest_bytes >= logits_bytes
+
+
+def test_peak_live_bytes_stay_below_the_logits():
+    """Peak of all live tensors (osdp.memtrack) during forward + backward, above the
+    inputs: the fused loss holds dW, dX and one chunk, under half the logits' bytes;
+    the unfused loss holds at least the logits."""
+    from osdp.memtrack import LiveBytesTracker
+
+    M, H, V = 512, 128, 4096
+    x, W, t = _case(M, H, V)
+    logits_bytes = M * V * 4
+    peaks = {}
+    for name, fn in [("fused", lambda a, b: split_head_cross_entropy(a, b, t, num_slices=4)),
+                     ("unfused", lambda a, b: F.cross_entropy(a @ b.T, t))]:
+        xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
+        with LiveBytesTracker(initial=[xr, Wr, t]) as tracker:
+            base = tracker.current_bytes
+            fn(xr, Wr).backward()
+        peaks[name] = tracker.peak_bytes - base
+    assert peaks["unfused"] >= logits_bytes
+    assert peaks["fused"] * 2 <= logits_bytes, peaks
