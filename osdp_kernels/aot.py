@@ -108,7 +108,8 @@ def _dw_example(dtype):
 
 
 def _hce_fwd_example(dtype):
-    # the slice's rows start at EX_K in the vocabulary; int64 targets, fp32 m/s/target_logit
+    # the slice's rows start at EX_K in the vocabulary; int64 targets, fp32 m/s/target_logit;
+    # the in-place variant (n_split = 1): it holds m/s reads on top of the loop's registers
     return _hce._fwd_triton_args(_e(EX_M, EX_K, dtype=dtype), _e(EX_N, EX_K, dtype=dtype), EX_K,
                                  torch.empty(EX_M, dtype=torch.int64), _e(EX_M), _e(EX_M), _e(EX_M))
 

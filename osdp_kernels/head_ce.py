@@ -47,15 +47,22 @@ INDEX_DTYPES = (torch.int64, torch.int32)
 # ---------------------------------------------------------------------------------------
 @triton.jit
 def _head_ce_fwd_kernel(
-    x_ptr, w_ptr, t_ptr, m_ptr, s_ptr, tgt_ptr,
-    M, N, K, row0,  # x [M, K], w_slice [N, K]; the slice's rows are vocabulary rows row0..row0+N
+    x_ptr, w_ptr, t_ptr, m_ptr, s_ptr, tgt_ptr, part_m_ptr, part_s_ptr,
+    M, N, K, row0, NSPLIT,  # x [M, K], w_slice [N, K]: vocabulary rows row0..row0+N, in NSPLIT column ranges
     stride_xm, stride_xk, stride_wn, stride_wk, stride_t,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    IN_PLACE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # One program owns BLOCK_M tokens and walks every row of the slice, so its update of
-    # m/s/target_logit is a plain read-modify-write (no other program touches them).
+    # Program (pid_m, pid_s) owns BLOCK_M tokens and the pid_s-th of NSPLIT ranges of the
+    # slice's rows ([Note: forward split]). With IN_PLACE (NSPLIT == 1) it folds its result
+    # into m/s itself (a plain read-modify-write: no other program has these tokens);
+    # otherwise it writes its partial max/sum to row pid_s of part_m/part_s.
     pid_m = tl.program_id(0)
+    pid_s = tl.program_id(1)
+    n_blocks = tl.cdiv(N, BLOCK_N)
+    per_split = tl.cdiv(n_blocks, NSPLIT)
+    b0 = pid_s * per_split
+    b1 = tl.minimum(b0 + per_split, n_blocks)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     rows = offs_m.to(tl.int64)
@@ -64,7 +71,7 @@ def _head_ce_fwd_kernel(
     m_run = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s_run = tl.zeros((BLOCK_M,), tl.float32)
     tgt = tl.zeros((BLOCK_M,), tl.float32)
-    for pid_n in range(0, tl.cdiv(N, BLOCK_N)):
+    for pid_n in range(b0, b1):
         # B[k, n] = w[n, k]: the transpose is a swap of strides.
         z = C.tile_matmul(x_ptr, w_ptr, M, N, K, stride_xm, stride_xk, stride_wk, stride_wn,
                           pid_m, pid_n, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, PRECISION)
@@ -74,14 +81,20 @@ def _head_ce_fwd_kernel(
         s_run = s_run * tl.exp(m_run - m_new) + tl.sum(tl.exp(z - m_new[:, None]), axis=1)
         m_run = m_new
         tgt += tl.sum(tl.where(offs_n[None, :].to(tl.int64) == col[:, None], z, 0.0), axis=1)
-    # fold this slice into the state of the slices seen before (m = -inf, s = 0 at start)
-    m_old = tl.load(m_ptr + offs_m, mask=row_ok, other=float("-inf"))
-    s_old = tl.load(s_ptr + offs_m, mask=row_ok, other=0.0)
-    m_new = tl.maximum(m_old, m_run)
-    s_new = s_old * tl.exp(m_old - m_new) + s_run * tl.exp(m_run - m_new)
-    tl.store(m_ptr + offs_m, m_new, mask=row_ok)
-    tl.store(s_ptr + offs_m, s_new, mask=row_ok)
-    tl.store(tgt_ptr + offs_m, tgt, mask=row_ok & (col >= 0) & (col < N))
+    here = row_ok & (col >= b0 * BLOCK_N) & (col < tl.minimum(b1 * BLOCK_N, N))
+    tl.store(tgt_ptr + offs_m, tgt, mask=here)
+    if IN_PLACE:
+        # fold this slice into the state of the slices seen before (m = -inf, s = 0 at start)
+        m_old = tl.load(m_ptr + offs_m, mask=row_ok, other=float("-inf"))
+        s_old = tl.load(s_ptr + offs_m, mask=row_ok, other=0.0)
+        m_new = tl.maximum(m_old, m_run)
+        s_new = s_old * tl.exp(m_old - m_new) + s_run * tl.exp(m_run - m_new)
+        tl.store(m_ptr + offs_m, m_new, mask=row_ok)
+        tl.store(s_ptr + offs_m, s_new, mask=row_ok)
+    else:  # an empty range leaves m = -inf, s = 0: it adds nothing when folded in
+        part = pid_s.to(tl.int64) * M + offs_m
+        tl.store(part_m_ptr + part, m_run, mask=row_ok)
+        tl.store(part_s_ptr + part, s_run, mask=row_ok)
 
 
 @triton.jit
@@ -167,14 +180,31 @@ def reference_backward_slice(x, w_slice, row0, targets, lse, row_scale, dx_out, 
 # ---------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------
-def _fwd_triton_args(x, w_slice, row0, targets, m, s, target_logit):
-    """(positional args, constexpr flags) of one forward launch (also what `aot` compiles)."""
+def _fwd_triton_args(x, w_slice, row0, targets, m, s, target_logit, part_m=None, part_s=None):
+    """(positional args, constexpr flags) of one forward launch (also what `aot` compiles).
+    part_m/part_s: [n_split, M] fp32 partials when the slice's rows are split."""
     M, K = x.shape
     N = w_slice.shape[0]
-    args = (x, w_slice, targets, m, s, target_logit, M, N, K, row0,
+    n_split = 1 if part_m is None else part_m.shape[0]
+    args = (x, w_slice, targets, m, s, target_logit, m if part_m is None else part_m,
+            s if part_s is None else part_s, M, N, K, row0, n_split,
             *x.stride(), *w_slice.stride(), targets.stride(0))
-    flags = dict(UPCAST=C.needs_upcast(x.dtype), PRECISION=C.dot_precision(x.dtype))
+    flags = dict(IN_PLACE=part_m is None, UPCAST=C.needs_upcast(x.dtype), PRECISION=C.dot_precision(x.dtype))
     return args, flags
+
+
+# [Note: forward split] One program per token tile walks all of the slice's rows, so a
+# batch of M tokens gives only cdiv(M, BLOCK_M) programs: 64 for 8192 tokens at
+# BLOCK_M=128, half an H100. The slice's rows are then cut into n_split ranges, one
+# program each, whose partial (max, sum) land in an [n_split, M] fp32 scratch and are
+# folded into m/s by a few [n_split, M] torch ops; the target logit is written by the
+# one program whose range holds it. n_split aims at two programs per SM at BLOCK_M=128.
+def default_n_split(M: int, N: int, device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    m_tiles = triton.cdiv(M, 128)
+    return max(1, min(triton.cdiv(N, 128), triton.cdiv(2 * sms, m_tiles)))
 
 
 def _grad_triton_args(g, x, w_slice, row0, targets, lse, row_scale):
@@ -188,14 +218,22 @@ def _grad_triton_args(g, x, w_slice, row0, targets, lse, row_scale):
     return args, flags
 
 
-def _launch_fwd(x, w_slice, row0, targets, m, s, target_logit):
+def _launch_fwd(x, w_slice, row0, targets, m, s, target_logit, n_split):
     M = x.shape[0]
-    args, flags = _fwd_triton_args(x, w_slice, row0, targets, m, s, target_logit)
+    part_m = part_s = None
+    if n_split > 1:
+        part_m = torch.empty((n_split, M), dtype=torch.float32, device=x.device)
+        part_s = torch.empty((n_split, M), dtype=torch.float32, device=x.device)
+    args, flags = _fwd_triton_args(x, w_slice, row0, targets, m, s, target_logit, part_m, part_s)
     if C.INTERPRET:
         cfg = C.INTERPRET_CONFIG
-        _head_ce_fwd_kernel[(triton.cdiv(M, cfg["BLOCK_M"]),)](*args, **flags, **cfg)
+        _head_ce_fwd_kernel[(triton.cdiv(M, cfg["BLOCK_M"]), n_split)](*args, **flags, **cfg)
     else:
-        _head_ce_fwd_tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]),)](*args, **flags)
+        _head_ce_fwd_tuned[lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), n_split)](*args, **flags)
+    if n_split > 1:  # fold the partials in: [n_split, M] vectors, m/s updated in place
+        m_new = torch.maximum(m, part_m.max(dim=0).values)
+        s.mul_(torch.exp(m - m_new)).add_((part_s * torch.exp(part_m - m_new)).sum(dim=0))
+        m.copy_(m_new)
 
 
 def _launch_grad(g, x, w_slice, row0, targets, lse, row_scale):
@@ -240,7 +278,7 @@ def _check_head(x, w_slice, row0, targets):
 # ---------------------------------------------------------------------------------------
 def head_ce_forward_slice_(x: torch.Tensor, w_slice: torch.Tensor, row0: int, targets: torch.Tensor,
                            m: torch.Tensor, s: torch.Tensor, target_logit: torch.Tensor, *,
-                           backend: str | None = None) -> None:
+                           n_split: int | None = None, backend: str | None = None) -> None:
     """Fold one vocabulary slice into the online log-sum-exp state, in place.
 
     Args:
@@ -252,10 +290,14 @@ def head_ce_forward_slice_(x: torch.Tensor, w_slice: torch.Tensor, row0: int, ta
         m, s: fp32 [M] running max and running sum of exp(logit - m); start at -inf and 0.
         target_logit: fp32 [M]; entries whose target lies in this slice are written
             (fp32 accumulated logit), the others are left untouched.
+        n_split: ranges the slice's rows are cut into, one program each per token tile
+            ([Note: forward split]); None: `default_n_split` (1 off CUDA).
         backend: "triton" | "torch" | None (auto, see `_common.resolve_backend`).
     """
     _check_head(x, w_slice, row0, targets)
     M = x.shape[0]
+    if n_split is not None and (isinstance(n_split, bool) or not isinstance(n_split, int) or n_split < 1):
+        raise ValueError(f"n_split must be a positive int or None, got {n_split!r}")
     for name, t in (("m", m), ("s", s), ("target_logit", target_logit)):
         _check_vector(name, t, M)
     device = C.check_same_device(x=x, w_slice=w_slice, targets=targets, m=m, s=s, target_logit=target_logit)
@@ -267,7 +309,8 @@ def head_ce_forward_slice_(x: torch.Tensor, w_slice: torch.Tensor, row0: int, ta
     if backend == "torch":
         reference_forward_slice(x, w_slice, row0, targets, m, s, target_logit)
     else:
-        _launch_fwd(x, w_slice, row0, targets, m, s, target_logit)
+        _launch_fwd(x, w_slice, row0, targets, m, s, target_logit,
+                    n_split or default_n_split(M, w_slice.shape[0], x.device))
 
 
 def head_ce_grad_logits(x: torch.Tensor, w_slice: torch.Tensor, row0: int, targets: torch.Tensor,

@@ -56,6 +56,7 @@ import torch
 
 from ..contract import split_sizes
 from ..errors import ConfigError, a_type
+from .kernels import kernels_module
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("triton", "torch")
@@ -64,11 +65,7 @@ MIN_CHUNK_TOKENS = 64
 
 
 def _kernels():
-    try:  # another package (needs triton); the torch path works without it
-        import osdp_kernels
-    except Exception:  # noqa: BLE001 - any import failure means "not available"
-        return None
-    return osdp_kernels
+    return kernels_module()  # another package (needs triton); the torch path works without it
 
 
 def resolve_backend(backend: str | None, x: torch.Tensor) -> str:

@@ -48,7 +48,7 @@ def _fp64_head(x, W, t):
     return torch.logsumexp(z.detach(), dim=1), tl, loss.detach(), x64.grad, W64.grad
 
 
-def _forward(x, W, t, sizes, order=None, backend=None):
+def _forward(x, W, t, sizes, order=None, backend=None, n_split=None):
     M = x.shape[0]
     m = torch.full((M,), float("-inf"), device=DEVICE)
     s = torch.zeros(M, device=DEVICE)
@@ -56,7 +56,7 @@ def _forward(x, W, t, sizes, order=None, backend=None):
     bounds = list(_bounds(sizes))
     for i in (order or range(len(bounds))):
         r0, rs = bounds[i]
-        K.head_ce_forward_slice_(x, W[r0:r0 + rs], r0, t, m, s, tgt, backend=backend)
+        K.head_ce_forward_slice_(x, W[r0:r0 + rs], r0, t, m, s, tgt, n_split=n_split, backend=backend)
     return m, s, tgt
 
 
@@ -78,6 +78,25 @@ def test_forward_lse_and_target_logit(dtype, shape):
     pt_tl = z_pt.float().gather(1, t.clamp(min=0)[:, None]).squeeze(1)
     assert_within_2x_torch(tgt[valid], tl64[valid], pt_tl[valid], "target logit")
     assert torch.isnan(tgt[~valid]).all()  # ignored targets are never picked up
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("n_split", [2, 4])
+def test_forward_split_rows_match_one_range(dtype, n_split):
+    """[Note: forward split]: the slice's rows cut into ranges (some empty: 4 ranges of a
+    2-block slice) give the same state as one program walking them all."""
+    M, H, sizes = 70, 130, [65, 64]
+    x, W, t = _case(M, H, sizes, dtype)
+    one = _forward(x, W, t, sizes, n_split=1)
+    split = _forward(x, W, t, sizes, n_split=n_split)
+    torch.testing.assert_close(split[0], one[0], rtol=0, atol=0)  # max is exact
+    torch.testing.assert_close(split[1], one[1], rtol=1e-6, atol=0)
+    valid = t != IGNORE
+    torch.testing.assert_close(split[2][valid], one[2][valid], rtol=0, atol=0)  # the same dot, written once
+    assert torch.isnan(split[2][~valid]).all()
+    lse64, *_ = _fp64_head(x, W, t)
+    pt = torch.logsumexp((x @ W.T).float(), dim=1)
+    assert_within_2x_torch(split[0] + torch.log(split[1]), lse64, pt, "lse")
 
 
 def test_slices_fold_in_any_order():
@@ -248,6 +267,8 @@ def test_errors_say_what_is_wrong():
         K.head_ce_forward_slice_(x, W, 0, t.float(), m, s, tgt)
     with pytest.raises(ValueError, match=r"m must have shape \(8,\)"):
         K.head_ce_forward_slice_(x, W, 0, t, torch.zeros(9, device=DEVICE), s, tgt)
+    with pytest.raises(ValueError, match="n_split must be a positive int or None, got 0"):
+        K.head_ce_forward_slice_(x, W, 0, t, m, s, tgt, n_split=0)
     with pytest.raises(ValueError, match="row0 must be a non-negative int"):
         K.head_ce_forward_slice_(x, W, -1, t, m, s, tgt)
     with pytest.raises(ValueError, match="accumulate_dw=True needs dw_out="):
