@@ -215,8 +215,9 @@ class OnlineLSE:
         m = torch.full((M,), float("-inf"), dtype=acc, device=x.device)
         s = torch.zeros(M, dtype=acc, device=x.device)
         tgt = torch.full((M,), float("nan"), dtype=acc, device=x.device)  # NaN: no slice held the target
-        return cls(x, targets.long() if backend == "torch" else targets, m, s, tgt, ignore_index, backend,
-                   chunk_tokens)
+        if backend == "torch" or targets.dtype not in (torch.int64, torch.int32):
+            targets = targets.long()  # the kernels read int64 or int32 ids
+        return cls(x, targets, m, s, tgt, ignore_index, backend, chunk_tokens)
 
     @property
     def rows_seen(self) -> int:
@@ -320,6 +321,8 @@ def slice_backward(x: torch.Tensor, w_slice: torch.Tensor, row0: int, lse: torch
     acc = _acc_dtype(x.dtype)
     chunk = chunk_tokens or chunk_tokens_for(M, H, rs)
     if backend == "triton":
+        if targets.dtype not in (torch.int64, torch.int32):
+            targets = targets.long()
         return _kernels().head_ce_backward_slice(x, w_slice, row0, targets, lse.float(), scale.float(), dx_out,
                                                  dw_out, accumulate_dw, chunk_tokens=chunk, backend="triton")
     if dx_out is None:
