@@ -39,7 +39,7 @@ Backward, per slice, with lse from the forward and a per-token weight c_n
 
 :func:`slice_backward` recomputes the slice's logits instead of keeping them; G_i exists
 only for a chunk of tokens at a time ([Note: backward chunk] in osdp_kernels/head_ce.py),
-sized by :func:`chunk_tokens_for` to about the bytes of X. dX is summed over the slices
+sized by :func:`chunk_tokens_for` to about the bytes of X (at least 2**23 elements). dX is summed over the slices
 in an fp32 accumulator and cast once; dW_i is accumulated in fp32 and cast once.
 
 What the runtime keeps between forward and backward: X, the targets and lse ([tokens]
@@ -62,6 +62,10 @@ REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("triton", "torch")
 BACKEND_ENV = "OSDP_HEAD_CE_BACKEND"
 MIN_CHUNK_TOKENS = 64
+# Floor of a chunk's logits, in elements (32 MiB in fp32): on a narrow head (hidden much
+# smaller than vocab) the "as large as X" rule gives chunks so thin that dW's rank-chunk
+# updates dominate (CPU, 1024 x 256 x 32768: 64-token chunks 3x slower than 256).
+MIN_CHUNK_ELEMENTS = 2**23
 
 
 def _kernels():
@@ -88,10 +92,11 @@ def resolve_backend(backend: str | None, x: torch.Tensor) -> str:
 
 
 def chunk_tokens_for(tokens: int, hidden: int, slice_rows: int) -> int:
-    """Tokens per backward chunk: the chunk's [chunk, slice_rows] logits hold about as
-    many elements as X [tokens, hidden] (at least MIN_CHUNK_TOKENS tokens, at most all)."""
-    chunk = -(-tokens * hidden // max(slice_rows, 1))
-    chunk = -(-chunk // MIN_CHUNK_TOKENS) * MIN_CHUNK_TOKENS  # whole multiples of 64 rows
+    """Tokens per chunk: the chunk's [chunk, slice_rows] logits hold at most as many
+    elements as X [tokens, hidden], or MIN_CHUNK_ELEMENTS if more (a multiple of
+    MIN_CHUNK_TOKENS, at least that many tokens, at most all)."""
+    chunk = max(tokens * hidden, MIN_CHUNK_ELEMENTS) // max(slice_rows, 1)
+    chunk = chunk // MIN_CHUNK_TOKENS * MIN_CHUNK_TOKENS  # whole multiples of 64 rows, within the budget
     return max(1, min(tokens, max(MIN_CHUNK_TOKENS, chunk)))
 
 

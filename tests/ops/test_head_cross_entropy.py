@@ -209,22 +209,23 @@ class _LargestAllocation(TorchDispatchMode):
         return out
 
 
+# a head whose fp32 logits (128 MiB) are 4x the chunk floor and 16x W
+M_BIG, H_BIG, V_BIG = 2048, 128, 16384
+
+
 def test_no_tokens_by_vocab_tensor_is_ever_allocated():
-    """Forward and backward of a head whose logits (tokens x vocab fp32) would be 8 MiB:
-    the largest tensor any op makes stays at most the size of W (its gradient), a
-    quarter of the logits, while the unfused loss allocates the logits."""
-    M, H, V = 512, 128, 4096
-    x, W, t = _case(M, H, V)
-    logits_bytes = M * V * 4
+    """Forward and backward: the largest tensor any op makes is W's gradient or one chunk
+    of logits (hce.MIN_CHUNK_ELEMENTS here, X being small), a quarter of the logits,
+    with one slice or several, while the unfused loss allocates the logits."""
+    x, W, t = _case(M_BIG, H_BIG, V_BIG)
+    logits_bytes = M_BIG * V_BIG * 4
+    bound = max(x.nbytes, W.nbytes, hce.MIN_CHUNK_ELEMENTS * 4)
+    assert bound * 4 <= logits_bytes
     xr, Wr = x.clone().requires_grad_(), W.clone().requires_grad_()
-    with _LargestAllocation() as probe:
-        split_head_cross_entropy(xr, Wr, t, num_slices=2).backward()
-    assert probe.largest_bytes <= max(x.nbytes, W.nbytes), (probe.largest_bytes, probe.largest_op)
-    assert probe.largest_bytes * 4 <= logits_bytes
-    # the bound holds for one slice too: the chunks keep the transient near X's size
-    with _LargestAllocation() as one:
-        split_head_cross_entropy(xr, Wr, t).backward()
-    assert one.largest_bytes <= max(x.nbytes, W.nbytes), (one.largest_bytes, one.largest_op)
+    for g in (1, 3):
+        with _LargestAllocation() as probe:
+            split_head_cross_entropy(xr, Wr, t, num_slices=g).backward()
+        assert probe.largest_bytes <= bound, (g, probe.largest_bytes, probe.largest_op)
     with _LargestAllocation() as unfused:  # the probe sees the logits when they exist
         F.cross_entropy(xr @ Wr.T, t).backward()
     assert unfused.largest_bytes >= logits_bytes
@@ -236,9 +237,8 @@ def test_peak_live_bytes_stay_below_the_logits():
     the unfused loss holds at least the logits."""
     from osdp.memtrack import LiveBytesTracker
 
-    M, H, V = 512, 128, 4096
-    x, W, t = _case(M, H, V)
-    logits_bytes = M * V * 4
+    x, W, t = _case(M_BIG, H_BIG, V_BIG)
+    logits_bytes = M_BIG * V_BIG * 4
     peaks = {}
     for name, fn in [("fused", lambda a, b: split_head_cross_entropy(a, b, t, num_slices=4)),
                      ("unfused", lambda a, b: F.cross_entropy(a @ b.T, t))]:
