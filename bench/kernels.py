@@ -179,18 +179,34 @@ def variants(H, T, g, backends):
 
 
 def head_ce_grid():
-    """(tokens, hidden, vocab, slices) of the --head-ce run."""
+    """[(tokens, hidden, vocab), ...] and the slice counts of the --head-ce run."""
     if args.dry_run:
         shapes = dict(tokens=[64], hidden=[32], vocab=[500], slices=[1, 2])
     elif HAVE_CUDA:
         shapes = dict(tokens=[8192], hidden=[4096], vocab=[50304, 128256], slices=[1, 4])
-    else:  # sized for two shared CPU cores: a few seconds per step
+    else:  # sized for two shared CPU cores: about a second per step
         shapes = dict(tokens=[1024], hidden=[256], vocab=[32768], slices=[1, 4])
     for key in ("tokens", "hidden", "vocab", "slices"):
         if getattr(args, key, None):
             shapes[key] = getattr(args, key)
-    return [(t, h, v, g) for t in shapes["tokens"] for h in shapes["hidden"] for v in shapes["vocab"]
-            for g in shapes["slices"]]
+    return [(t, h, v) for t in shapes["tokens"] for h in shapes["hidden"] for v in shapes["vocab"]], shapes["slices"]
+
+
+def interleaved_median_ms(fns: dict) -> dict:
+    """Median ms of each fn, the repeats taken round-robin so that load changing on a
+    shared machine hits every method alike."""
+    for fn in fns.values():
+        for _ in range(args.warmup):
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(1 if args.dry_run else args.repeats):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def head_ce_peak_bytes(fn, inputs) -> int:
@@ -227,8 +243,8 @@ def main_head_ce():
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
-        unfused_ms = {}
-        for T, H, V, g in head_ce_grid():
+        shapes, slice_counts = head_ce_grid()
+        for T, H, V in shapes:
             gen = torch.Generator().manual_seed(0)
             x = torch.randn(T, H, generator=gen).to(DEVICE, dtype).requires_grad_()
             W = (torch.randn(V, H, generator=gen) / H**0.5).to(DEVICE, dtype).requires_grad_()
@@ -238,26 +254,24 @@ def main_head_ce():
                 x.grad = W.grad = None
                 F.cross_entropy(x @ W.T, t).backward()
 
-            def fused():
-                x.grad = W.grad = None
-                split_head_cross_entropy(x, W, t, num_slices=g).backward()
+            def fused(g):
+                def run():
+                    x.grad = W.grad = None
+                    split_head_cross_entropy(x, W, t, num_slices=g).backward()
+                return run
 
-            methods = {"fused": fused}
-            if (T, H, V) not in unfused_ms:
-                methods = {"unfused": unfused, **methods}
-            for method, fn in methods.items():
-                ms = median_ms(fn)
+            fns = {("unfused", 1): unfused, **{("fused", g): fused(g) for g in slice_counts}}
+            ms = interleaved_median_ms(fns)  # warm-up first: Triton autotuning stays out of the memory probe
+            for (method, g), fn in fns.items():
                 peak = head_ce_peak_bytes(fn, [x, W, t])
-                if method == "unfused":
-                    unfused_ms[(T, H, V)] = ms
                 row = dict(device=device_name, dtype=str(dtype).replace("torch.", ""), tokens=T, hidden=H, vocab=V,
-                           slices=g if method == "fused" else 1, method=method,
-                           backend=fused_backend if method == "fused" else "torch", ms=round(ms, 3),
-                           peak_mib=round(peak / 2**20, 1), logits_mib=round(T * V * dtype.itemsize / 2**20, 1),
-                           vs_unfused_ms=round(unfused_ms[(T, H, V)] / ms, 3))
+                           slices=g, method=method, backend=fused_backend if method == "fused" else "torch",
+                           ms=round(ms[(method, g)], 3), peak_mib=round(peak / 2**20, 1),
+                           logits_mib=round(T * V * dtype.itemsize / 2**20, 1),
+                           vs_unfused_ms=round(ms[("unfused", 1)] / ms[(method, g)], 3))
                 w.writerow(row)
                 f.flush()
-                print(f"{T:6} {H:6} {V:7} {row['slices']:3} {method:8} {ms:9.2f} {row['peak_mib']:9.1f} "
+                print(f"{T:6} {H:6} {V:7} {g:3} {method:8} {row['ms']:9.2f} {row['peak_mib']:9.1f} "
                       f"{row['logits_mib']:10.1f} {row['vs_unfused_ms']:9.3f}")
             if HAVE_CUDA:
                 torch.cuda.empty_cache()

@@ -122,6 +122,7 @@ def _torch_update(x, w, row0, targets, m, s, target_logit, chunk):
         z.sub_(m_new[:, None])
         sc.mul_(torch.exp(mc - m_new)).add_(z.exp_().sum(dim=1))
         mc.copy_(m_new)
+        del z  # before the next chunk's logits exist: one chunk alive at a time
 
 
 def _torch_backward(x, w, row0, targets, lse, scale, dx_out, dw_out, accumulate_dw, chunk):
@@ -144,6 +145,7 @@ def _torch_backward(x, w, row0, targets, lse, scale, dx_out, dw_out, accumulate_
             dw_acc.addmm_(g.t(), xc)
         else:
             torch.mm(g.t(), xc, out=dw_acc)
+        del g, xc  # one chunk alive at a time
     if dw_acc is not dw_out:
         dw_out.copy_(dw_acc)
     return dx_out, dw_out
