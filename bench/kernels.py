@@ -15,6 +15,14 @@ cuBLAS measured in the same run, and the extra peak memory of each variant
                                         # Triton interpreter): proves the script runs
 Writes bench/results/kernels_<device>.csv (rows flushed as they come, so a run cut
 short keeps what it measured) and, if matplotlib imports, kernels_<device>.png.
+
+    python bench/kernels.py --head-ce   # the LM head + cross-entropy, forward + backward:
+                                        # fused (osdp.ops.split_head_cross_entropy: Triton
+                                        # on CUDA, the torch path on CPU) vs unfused
+                                        # (x @ W.T, F.cross_entropy); runs on CPU too
+Writes bench/results/head_ce_<device>.csv: median step time and the peak bytes of live
+tensors above the inputs (CUDA: max_memory_allocated; CPU: osdp.memtrack.LiveBytesTracker),
+beside the bytes the [tokens, vocab] logits would take.
 """
 from __future__ import annotations
 
@@ -43,6 +51,9 @@ def parse_args():
     p.add_argument("--budget-s", type=float, default=540.0, help="stop starting new shapes after this")
     p.add_argument("--out-dir", type=Path, default=None, help="default bench/results (dry run: a temp dir)")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--head-ce", action="store_true", help="benchmark the fused LM head + cross-entropy instead")
+    p.add_argument("--vocab", type=int, nargs="*", help="--head-ce vocabulary sizes")
+    p.add_argument("--slices", type=int, nargs="*", help="--head-ce vocabulary slices (default 1 4)")
     return p.parse_args()
 
 
@@ -52,7 +63,7 @@ import torch  # noqa: E402
 HAVE_CUDA = torch.cuda.is_available()
 if args.dry_run and not HAVE_CUDA:
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the kernels' import
-elif not HAVE_CUDA:
+elif not HAVE_CUDA and not args.head_ce:
     print("bench/kernels.py: no CUDA device here, nothing to measure "
           "(use --dry-run to check the script on CPU).")
     sys.exit(0)
@@ -167,7 +178,109 @@ def variants(H, T, g, backends):
     return out
 
 
+def head_ce_grid():
+    """[(tokens, hidden, vocab), ...] and the slice counts of the --head-ce run."""
+    if args.dry_run:
+        shapes = dict(tokens=[64], hidden=[32], vocab=[500], slices=[1, 2])
+    elif HAVE_CUDA:
+        shapes = dict(tokens=[8192], hidden=[4096], vocab=[50304, 128256], slices=[1, 4])
+    else:  # sized for two shared CPU cores: about a second per step
+        shapes = dict(tokens=[1024], hidden=[256], vocab=[32768], slices=[1, 4])
+    for key in ("tokens", "hidden", "vocab", "slices"):
+        if getattr(args, key, None):
+            shapes[key] = getattr(args, key)
+    return [(t, h, v) for t in shapes["tokens"] for h in shapes["hidden"] for v in shapes["vocab"]], shapes["slices"]
+
+
+def interleaved_median_ms(fns: dict) -> dict:
+    """Median ms of each fn, the repeats taken round-robin so that load changing on a
+    shared machine hits every method alike."""
+    for fn in fns.values():
+        for _ in range(args.warmup):
+            fn()
+    times = {k: [] for k in fns}
+    for _ in range(1 if args.dry_run else args.repeats):
+        for k, fn in fns.items():
+            sync()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            times[k].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def head_ce_peak_bytes(fn, inputs) -> int:
+    """Peak bytes of live tensors during one call, above what `inputs` hold."""
+    if HAVE_CUDA:
+        sync()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        sync()
+        return torch.cuda.max_memory_allocated() - base
+    from osdp.memtrack import LiveBytesTracker
+
+    with LiveBytesTracker(initial=inputs) as tracker:
+        base = tracker.current_bytes
+        fn()
+    return tracker.peak_bytes - base
+
+
+def main_head_ce():
+    from osdp.ops import split_head_cross_entropy
+
+    dtype = torch.bfloat16 if HAVE_CUDA else torch.float32
+    device_name = torch.cuda.get_device_name() if HAVE_CUDA else ("cpu-dry-run" if args.dry_run else "cpu")
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_")
+    out_dir = args.out_dir or (Path("/tmp/osdp_kernels_dryrun") if args.dry_run else ROOT / "bench" / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path = out_dir / f"head_ce_{tag}.csv"
+    fields = ["device", "dtype", "tokens", "hidden", "vocab", "slices", "method", "backend", "ms",
+              "peak_mib", "logits_mib", "vs_unfused_ms"]
+    fused_backend = "triton" if HAVE_CUDA else "torch"
+    print(f"device: {device_name}  dtype: {dtype}  torch {torch.__version__}  fused backend: {fused_backend}")
+    print(f"{'T':>6} {'H':>6} {'V':>7} {'g':>3} {'method':8} {'ms':>9} {'peak MiB':>9} {'logits MiB':>10} {'x unfused':>9}")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        shapes, slice_counts = head_ce_grid()
+        for T, H, V in shapes:
+            gen = torch.Generator().manual_seed(0)
+            x = torch.randn(T, H, generator=gen).to(DEVICE, dtype).requires_grad_()
+            W = (torch.randn(V, H, generator=gen) / H**0.5).to(DEVICE, dtype).requires_grad_()
+            t = torch.randint(0, V, (T,), generator=gen).to(DEVICE)
+
+            def unfused():
+                x.grad = W.grad = None
+                F.cross_entropy(x @ W.T, t).backward()
+
+            def fused(g):
+                def run():
+                    x.grad = W.grad = None
+                    split_head_cross_entropy(x, W, t, num_slices=g).backward()
+                return run
+
+            fns = {("unfused", 1): unfused, **{("fused", g): fused(g) for g in slice_counts}}
+            ms = interleaved_median_ms(fns)  # warm-up first: Triton autotuning stays out of the memory probe
+            for (method, g), fn in fns.items():
+                peak = head_ce_peak_bytes(fn, [x, W, t])
+                row = dict(device=device_name, dtype=str(dtype).replace("torch.", ""), tokens=T, hidden=H, vocab=V,
+                           slices=g, method=method, backend=fused_backend if method == "fused" else "torch",
+                           ms=round(ms[(method, g)], 3), peak_mib=round(peak / 2**20, 1),
+                           logits_mib=round(T * V * dtype.itemsize / 2**20, 1),
+                           vs_unfused_ms=round(ms[("unfused", 1)] / ms[(method, g)], 3))
+                w.writerow(row)
+                f.flush()
+                print(f"{T:6} {H:6} {V:7} {g:3} {method:8} {row['ms']:9.2f} {row['peak_mib']:9.1f} "
+                      f"{row['logits_mib']:10.1f} {row['vs_unfused_ms']:9.3f}")
+            if HAVE_CUDA:
+                torch.cuda.empty_cache()
+    print(f"wrote {csv_path}")
+
+
 def main():
+    if args.head_ce:
+        return main_head_ce()
     backends = ["triton"] + (["cuda"] if HAVE_CUDA and K.cuda_available() else [])
     if HAVE_CUDA and not K.cuda_available():
         print("note: osdp_kernels._cuda is not built; the 'cuda' column is skipped")

@@ -29,7 +29,10 @@ Rules (`drop_reason`):
      every output-shaped fp32 tile the epilogue reads back (`epilogue_tiles`: the
      addmm accumulator, slice_dw's main grad), must stay within EPILOGUE_REG_BUDGET;
      fp32 operands (no tensor cores: an FMA loop whose operand fragments are registers
-     too) keep the accumulators within FMA_ACC_REG_BUDGET.
+     too) keep the accumulators within FMA_ACC_REG_BUDGET, or within the kernel's own
+     lower `fma_acc_budget` when its loop body holds more fp32 tiles than the matmul
+     (head_ce_fwd: the online softmax's exp tile every step; 32, measured by `aot`: every
+     fp32 config with 64 accumulators spilled there, in 16-bit none did).
 fp32 is compiled by the report as torch runs it by default (TF32 off: PRECISION "ieee",
 see _common.dot_precision); with TF32 on, rule 1 counts wgmma buffering and rule 3 keeps
 the FMA budget, both the larger estimates, and the report does not cover that variant.
@@ -119,7 +122,7 @@ def acc_regs_per_thread(config: triton.Config) -> int:
 
 
 def drop_reason(config: triton.Config, arch: str | int, dtype: torch.dtype, epilogue_tiles: int = 0,
-                precision: str | None = None) -> str | None:
+                precision: str | None = None, fma_acc_budget: int = FMA_ACC_REG_BUDGET) -> str | None:
     """Why `config` must not run on `arch` for `dtype` operands (rules in the Note), or
     None if it may. `epilogue_tiles`: output-shaped fp32 tiles the kernel's epilogue
     reads back while the accumulators are live; `precision`: the PRECISION flag."""
@@ -137,19 +140,19 @@ def drop_reason(config: triton.Config, arch: str | int, dtype: torch.dtype, epil
         read_back = f" + {epilogue_tiles * acc} read back in the epilogue" if epilogue_tiles else ""
         return (f"{acc} fp32 accumulators per thread{read_back} = {live} registers > {EPILOGUE_REG_BUDGET}: "
                 "spills")
-    if dtype == torch.float32 and acc > FMA_ACC_REG_BUDGET:
-        return f"{acc} fp32 accumulators per thread in an FMA loop > {FMA_ACC_REG_BUDGET}: spills"
+    if dtype == torch.float32 and acc > fma_acc_budget:
+        return f"{acc} fp32 accumulators per thread in an FMA loop > {fma_acc_budget}: spills"
     return None
 
 
 def configs_for(configs, arch: str | int, dtype: torch.dtype, epilogue_tiles: int = 0,
-                precision: str | None = None):
+                precision: str | None = None, fma_acc_budget: int = FMA_ACC_REG_BUDGET):
     """(kept, dropped) where dropped is [(config, reason)]. Never keeps nothing: if every
     config is dropped the one with the least shared memory is kept (the autotuner needs
     one, and the compiler's own resource check then says what is wrong)."""
     kept, dropped = [], []
     for c in configs:
-        reason = drop_reason(c, arch, dtype, epilogue_tiles, precision)
+        reason = drop_reason(c, arch, dtype, epilogue_tiles, precision, fma_acc_budget)
         (dropped.append((c, reason)) if reason else kept.append(c))
     if not kept and configs:
         least = min(configs, key=lambda c: smem_estimate_bytes(c, arch, dtype, precision))
@@ -163,12 +166,13 @@ class ArchPruner:
     the launch's PRECISION flag. Architectures without an `ARCH_LIMITS` entry keep the
     whole list (Triton's own out-of-resources check still skips what does not fit)."""
 
-    def __init__(self, operand_arg: str, epilogue_tiles: int):
+    def __init__(self, operand_arg: str, epilogue_tiles: int, fma_acc_budget: int = FMA_ACC_REG_BUDGET):
         self.operand_arg = operand_arg
         self.epilogue_tiles = epilogue_tiles
+        self.fma_acc_budget = fma_acc_budget
 
     def drop_reason(self, config, arch, dtype, precision: str | None = None) -> str | None:
-        return drop_reason(config, arch, dtype, self.epilogue_tiles, precision)
+        return drop_reason(config, arch, dtype, self.epilogue_tiles, precision, self.fma_acc_budget)
 
     def __call__(self, configs, named_args, **kwargs):
         t = named_args[self.operand_arg]
@@ -176,4 +180,5 @@ class ArchPruner:
         arch = f"sm_{major}{minor}"
         if arch not in ARCH_LIMITS:
             return configs
-        return configs_for(configs, arch, t.dtype, self.epilogue_tiles, kwargs.get("PRECISION"))[0]
+        return configs_for(configs, arch, t.dtype, self.epilogue_tiles, kwargs.get("PRECISION"),
+                           self.fma_acc_budget)[0]

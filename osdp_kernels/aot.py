@@ -60,6 +60,7 @@ from . import _configs
 _addmm = importlib.import_module(".addmm_slice", __package__)
 _dx = importlib.import_module(".slice_dx", __package__)
 _dw = importlib.import_module(".slice_dw", __package__)
+_hce = importlib.import_module(".head_ce", __package__)
 
 ANALYSIS_VERSION = 1  # bump when the cached analysis changes shape
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -106,11 +107,28 @@ def _dw_example(dtype):
     return _dw._triton_args(_e(EX_M, EX_N), _e(EX_K, EX_M, dtype=dtype), x[:, EX_N:], True)
 
 
+def _hce_fwd_example(dtype):
+    # the slice's rows start at EX_K in the vocabulary; int64 targets, fp32 m/s/target_logit;
+    # the in-place variant (n_split = 1): it holds m/s reads on top of the loop's registers
+    return _hce._fwd_triton_args(_e(EX_M, EX_K, dtype=dtype), _e(EX_N, EX_K, dtype=dtype), EX_K,
+                                 torch.empty(EX_M, dtype=torch.int64), _e(EX_M), _e(EX_M), _e(EX_M))
+
+
+def _hce_grad_example(dtype):
+    return _hce._grad_triton_args(_e(EX_M, EX_N, dtype=dtype), _e(EX_M, EX_K, dtype=dtype),
+                                  _e(EX_N, EX_K, dtype=dtype), EX_K, torch.empty(EX_M, dtype=torch.int64),
+                                  _e(EX_M), _e(EX_M))
+
+
 KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec("addmm_slice", _addmm._addmm_slice_kernel, _addmm._addmm_slice_tuned, _addmm_example,
                "bias + fp32 accumulate + cast copy"),
     KernelSpec("slice_dx", _dx._slice_dx_kernel, _dx._slice_dx_tuned, _dx_example, "cast into dx block"),
     KernelSpec("slice_dw", _dw._slice_dw_kernel, _dw._slice_dw_tuned, _dw_example, "accumulate into fp32 main grad"),
+    KernelSpec("head_ce_fwd", _hce._head_ce_fwd_kernel, _hce._head_ce_fwd_tuned, _hce_fwd_example,
+               "online log-sum-exp over the slice + target logit"),
+    KernelSpec("head_ce_grad", _hce._head_ce_grad_kernel, _hce._head_ce_grad_tuned, _hce_grad_example,
+               "softmax - onehot, scaled, cast"),
 )
 
 
@@ -426,7 +444,7 @@ def format_triton_table(rows, arch) -> str:
     lim = _configs.arch_limits(arch)
     head = (f"Triton kernels, {arch} ({lim.example_gpu}; smem limit {lim.max_smem_per_block_bytes // 1024} KiB, "
             f"16-bit matmul must use {lim.triton_tc_opcode})")
-    cols = (f"{'kernel':<11} {'dtype':<5} {'config':<17} {'smem':>5} {'est':>5} {'regs':>4} {'spill st/ld':>11} "
+    cols = (f"{'kernel':<12} {'dtype':<5} {'config':<17} {'smem':>5} {'est':>5} {'regs':>4} {'spill st/ld':>11} "
             f"{'STL/LDL':>7} {'tensor cores':<13} {'launch':<13} compiled")
     lines = [head, cols, "-" * (len(cols) + 6)]
     rules, notes = {}, {}
@@ -436,19 +454,19 @@ def format_triton_table(rows, arch) -> str:
             rules.setdefault(_rule(r["drop_reason"]), r["drop_reason"])
         label = r["config"] + ("*" if r["extra"] else "")
         if r.get("error"):
-            lines.append(f"{r['kernel']:<11} {r['dtype']:<5} {label:<17} {'':>5} {_kib(r['smem_estimate_bytes']):>5} "
+            lines.append(f"{r['kernel']:<12} {r['dtype']:<5} {label:<17} {'':>5} {_kib(r['smem_estimate_bytes']):>5} "
                          f"compile error: {r['error']}  {launch}")
             continue
         spill = f"{r['spill_store_bytes']}/{r['spill_load_bytes']}"
         local = f"{r['local_mem_ops'].get('STL', 0)}/{r['local_mem_ops'].get('LDL', 0)}"
-        lines.append(f"{r['kernel']:<11} {r['dtype']:<5} {label:<17} {_kib(r['smem_bytes']):>5} "
+        lines.append(f"{r['kernel']:<12} {r['dtype']:<5} {label:<17} {_kib(r['smem_bytes']):>5} "
                      f"{_kib(r['smem_estimate_bytes']):>5} {r['regs']:>4} {spill:>11} {local:>7} "
                      f"{_ops(r['tensor_core_ops']):<13} {launch:<13} {_measured(r['problems'])}"
                      + (" [ptxas note]" if r["ptxas_notes"] else ""))
         for n in r["ptxas_notes"]:
             notes.setdefault(n, []).append(f"{r['kernel']} {r['dtype']} {r['config']}")
         if r["status"] == "FAIL":
-            lines += [f"{'':<11}   x {p}" for p in r["problems"]]
+            lines += [f"{'':<12}   x {p}" for p in r["problems"]]
     lines.append("smem: compiled dynamic + static shared memory; est: the launch filter's estimate; "
                  "* = --extra-config (not in the autotune list)")
     for key, example in rules.items():

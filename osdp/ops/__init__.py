@@ -21,6 +21,7 @@ from . import split_embedding as _split_embedding  # noqa: F401,E402
 from . import split_linear as _split_linear  # noqa: F401,E402
 from . import split_linear_out as _split_linear_out  # noqa: F401,E402
 from .matmul_split import MatmulSplit  # noqa: E402
+from .head_cross_entropy import split_head_cross_entropy  # noqa: E402
 
 # [Note: lazily registered ops]
 # Hugging Face's Conv1D lives in `transformers`, which osdp does not import (it is an
@@ -57,5 +58,5 @@ def split_op_of(module):
 
 __all__ = [
     "MatmulSplit", "SplitModule", "default_split_op_for_kind", "get_split_op", "register_split_op",
-    "registered_split_ops", "split_op_of", "split_sizes", "unregister_split_op",
+    "registered_split_ops", "split_head_cross_entropy", "split_op_of", "split_sizes", "unregister_split_op",
 ]

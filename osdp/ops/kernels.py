@@ -20,6 +20,12 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     _kernels = None
 
 
+def kernels_module():
+    """``osdp_kernels`` when it imported (it needs triton), else None; the vocabulary-split
+    head loss (``head_cross_entropy.py``) dispatches through it too."""
+    return _kernels
+
+
 def _kernel(name: str, tensor: torch.Tensor):
     if _kernels is None or not tensor.is_cuda:
         return None

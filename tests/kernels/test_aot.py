@@ -25,7 +25,7 @@ LIMIT = {"sm_80": A100_SMEM, "sm_90": H100_SMEM}
 TC_OPCODE = {"sm_80": "HMMA", "sm_90": "HGMMA"}
 TC_PTX = {"sm_80": "mma.sync.aligned", "sm_90": "wgmma.mma_async"}
 ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
-KERNELS = {"addmm_slice", "slice_dx", "slice_dw"}
+KERNELS = {"addmm_slice", "slice_dx", "slice_dw", "head_ce_fwd", "head_ce_grad"}
 TOO_BIG = (64, 64, 256, 8, 4)    # one stage of A+B bf16 tiles is 64 KiB: 7 buffers > 227 KiB
 SPILLS = (128, 256, 32, 2, 4)    # 128*256 fp32 accumulators over 128 threads = 256 > 255 registers
 
@@ -161,7 +161,8 @@ def test_launch_filter_is_the_reported_one(monkeypatch, capability, dtype):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     arch = f"sm_{capability[0]}{capability[1]}"
     for mod, name, arg in [("addmm_slice", "_addmm_slice_tuned", "x_ptr"), ("slice_dx", "_slice_dx_tuned", "dy_ptr"),
-                           ("slice_dw", "_slice_dw_tuned", "dy_ptr")]:
+                           ("slice_dw", "_slice_dw_tuned", "dy_ptr"), ("head_ce", "_head_ce_fwd_tuned", "x_ptr"),
+                           ("head_ce", "_head_ce_grad_tuned", "x_ptr")]:
         tuner = getattr(importlib.import_module(f"osdp_kernels.{mod}"), name)
         pruner = tuner.early_config_prune
         assert isinstance(pruner, _configs.ArchPruner) and pruner.operand_arg == arg
@@ -215,7 +216,7 @@ def test_every_config_every_dtype_both_archs(request, tmp_path):
     proc, report = run_aot(tmp_path, "--arch", "sm_80,sm_90", "--jobs", str(min(2, os.cpu_count() or 1)))
     assert proc.returncode == 0, proc.stdout[-5000:]
     rows = report["triton"]
-    assert len(rows) == 3 * 3 * 2 * 8
+    assert len(rows) == len(KERNELS) * 3 * 2 * 8
     for r in rows:
         assert r["smem_estimate_bytes"] >= r["smem_bytes"], r  # the filter never under-estimates
         if r["status"] == "ok" and r["dtype"] != "fp32":
