@@ -271,8 +271,9 @@ def check_plan_layout(plan: RuntimeConfig, layout) -> None:
              f"nodes of {node})")
     if plan_world is not None and plan_world != world:
         raise PlanMismatchError(
-            f"this plan was made for world size {plan_world}, {given}: pass a process_group= or mesh= of "
-            f"{plan_world} ranks, or plan again for {world}"
+            f"this plan was made for world size {plan_world}, the process group has {world} ranks: plan again "
+            f"for {world}, or pass a process_group= or mesh= of {plan_world} ranks (the layout given: "
+            f"{replicas} replica(s) x shard group of {shard})"
         )
     if plan_layout == LAYOUT_FULL and replicas > 1:
         raise PlanMismatchError(

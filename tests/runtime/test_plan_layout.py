@@ -111,7 +111,7 @@ def test_mismatched_layouts_are_refused_naming_what_to_pass():
         check_plan_layout(full, _layout(4, 4, 1))
     with pytest.raises(PlanMismatchError, match=r"all 4 ranks \(layout 'full'\).*2 replica\(s\).*process_group="):
         check_plan_layout(full, _layout(4, 2, 2))  # a full plan on an HSDP mesh
-    with pytest.raises(PlanMismatchError, match=r"world size 4, the layout given has 8 ranks.*of 4 ranks"):
+    with pytest.raises(PlanMismatchError, match=r"world size 4, the process group has 8 ranks: plan again for 8, or pass .*mesh= of 4 ranks"):
         check_plan_layout(full, _layout(8, 8, 2))
 
 
