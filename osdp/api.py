@@ -95,7 +95,9 @@ class OSDP(nn.Module):
     ``node_size``: ranks per node within the shard group, for ``"hpz"`` units (default
     from ``LOCAL_WORLD_SIZE``; see [Note: shard layout] in ``osdp/runtime/mesh.py`` and
     [Note: modes per level] in ``osdp/contract.py``). A plan's ``world_size`` is the
-    layout's rank count (replicas included).
+    layout's rank count (replicas included); a plan runs only on the layout it was made
+    for (its ``layout`` and ``node_size``: [Note: plan and layout] in ``osdp/contract.py``),
+    and auto mode plans for the layout given.
 
     Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
     unsharded fp32 gradients across micro-batches (no reduce-scatter) until a backward
