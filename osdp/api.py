@@ -18,7 +18,7 @@ from .runtime.args import device_arg
 from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
-from .runtime.config import check_plan_matches_model, own_param_counts, resolve_config
+from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
 from .runtime.ledger import MemoryLedger
@@ -98,7 +98,9 @@ class OSDP(nn.Module):
     ``node_size``: ranks per node within the shard group, for ``"hpz"`` units (default
     from ``LOCAL_WORLD_SIZE``; see [Note: shard layout] in ``osdp/runtime/mesh.py`` and
     [Note: modes per level] in ``osdp/contract.py``). A plan's ``world_size`` is the
-    layout's rank count (replicas included).
+    layout's rank count (replicas included); a plan runs only on the layout it was made
+    for (its ``layout`` and ``node_size``: [Note: plan and layout] in ``osdp/contract.py``),
+    and auto mode plans for the layout given.
 
     Memory check: with a memory limit (``memory_limit``, else the plan's), every step's
     measured peak is checked at the end of the step and going over raises
@@ -187,12 +189,14 @@ class OSDP(nn.Module):
         plan = plan_from_arg(plan)  # a Plan, or the path of a plan file (loaded), or a dict
         if plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None):
             plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision,
-                              {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {})})
+                              {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {}),
+                               "layout": self.layout})
         run = _runtime_config(plan)
         if run is not None:
             check_plan_matches_model(module, run)
             param_bytes = next((p.element_size() for p in module.parameters() if p.is_floating_point()), 4)
             check_plan_dtypes(run, mixed_precision, param_bytes)
+            check_plan_layout(run, self.layout)  # [Note: plan and layout] in contract.py
         self.plan = plan  # what the user gave (or auto mode made); the runtime reads self._run
         self._run = run
         self.mixed_precision = mixed_precision

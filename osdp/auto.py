@@ -30,6 +30,24 @@ def check_same_plan(plan: Plan, group=None) -> None:
         )
 
 
+def for_layout(device, settings: PlannerSettings | None, layout):
+    """The measured run as the planner must see it on ``layout`` (a ShardLayout): its
+    world size, its nodes and the layout ("hsdp" on a 2-D mesh with replicas, else
+    "full"); see [Note: plan and layout] in osdp/contract.py. The profiler measured one
+    ring over all ranks; that α/β is used for both levels (within and across nodes): on
+    CPU/gloo every rank talks over the same loopback, so it is what both levels cost;
+    across real nodes it is the flat ring's measured cost, and a cluster profile with its
+    own "inter" link prices them apart. The planner's "hsdp" shards within a node, so
+    there the node is the shard group."""
+    settings = settings if settings is not None else PlannerSettings()
+    hsdp = layout.replicate.size > 1
+    node = layout.shard.size if hsdp else layout.node.size
+    device = device.with_(world_size=layout.world.size, node_size=node,
+                          inter_all_gather=device.inter_all_gather or device.all_gather,
+                          inter_reduce_scatter=device.inter_reduce_scatter or device.reduce_scatter)
+    return device, settings.with_(layout="hsdp" if hsdp else "full")
+
+
 def auto_plan(
     model,
     example_inputs,
@@ -43,6 +61,7 @@ def auto_plan(
     backend: str = "auto",
     cache_dir=None,
     progress: bool = True,
+    layout=None,
     **profile_kwargs,
 ) -> Plan:
     """Measure this cluster, then plan for the most samples per second within
@@ -68,7 +87,9 @@ def auto_plan(
 
     ``batch``: plan at this per-device batch instead of sweeping for the fastest;
     ``global_batch``: samples per optimizer step over all ranks (the plan picks the
-    micro-batch and ``accumulation_steps``). Other keyword arguments go to
+    micro-batch and ``accumulation_steps``). ``layout``: the runtime's ShardLayout
+    (``osdp.OSDP`` passes its own): the plan is made for it (:func:`for_layout`). Other
+    keyword arguments go to
     :func:`osdp.planner.profile` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
     """
     if batch is not None and global_batch is not None:
@@ -76,9 +97,13 @@ def auto_plan(
             f"auto_plan got batch={batch} and global_batch={global_batch}: give the per-device "
             "batch or the samples per optimizer step over all ranks, not both"
         )
+    if layout is not None and process_group is None and layout.world.group is not dist.group.WORLD:
+        process_group = layout.world.group  # a mesh over some of the ranks
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
     device = cluster.for_run(run)
+    if layout is not None:
+        device, settings = for_layout(device, settings, layout)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     outcome = None

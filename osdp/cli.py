@@ -92,6 +92,7 @@ def _settings(args):
         param_dtype_bytes=2 if args.mixed_precision else None,
         reduce_dtype_bytes=4 if args.mixed_precision else None,
         gradient_sync=args.gradient_sync,
+        layout=getattr(args, "layout", "full"),
     )
 
 
@@ -227,6 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-slices", type=int, default=16, help="largest split granularity (1 disables splitting)")
     p.add_argument("--checkpointing", default="none", choices=("none", "auto", "all"),
                    help="activation checkpointing: none, per block chosen by the planner, or every block")
+    p.add_argument("--layout", default="full", choices=("full", "hsdp", "auto"),
+                   help="full: shard over all ranks (hpz re-gathers within nodes); hsdp: shard within a node, "
+                        "replicate across nodes (run on a 2-D mesh); auto: the faster of the two")
     p.add_argument("--mixed-precision", action="store_true",
                    help="gather and compute in 16-bit (bf16/fp16), reduce gradients in fp32, fp32 master shards")
     p.add_argument("--global-batch", type=int,

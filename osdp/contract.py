@@ -8,6 +8,8 @@ depends on is written here, once).
 - which small units share one collective;
 - which collective reduces gradients on which backend;
 - the runtime's default prefetch window when no plan gives one;
+- the sharding layouts a plan is made for (``LAYOUTS``) and how a plan's layout must
+  match the one it runs on, [Note: plan and layout];
 - :class:`RuntimeConfig`: the typed description of a plan that the runtime executes;
 - how a weight shared by two modules (a tied embedding and LM head) is named and split,
   [Note: tied row split].
@@ -45,6 +47,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .errors import ConfigError
+
 MODE_DP = "dp"  # keep the gathered weights from forward to backward
 MODE_ZDP = "zdp"  # free them after forward, gather again for backward
 MODE_HPZ = "hpz"  # keep a copy sharded within the node, gather from it for backward
@@ -78,6 +82,34 @@ def effective_mode(mode: str, node_size: int, shard_size: int) -> str:
     if node_size <= 1:
         return MODE_DP
     return MODE_HPZ
+
+# [Note: plan and layout]
+# A plan is made for one layout (planner/collective_cost.py's [Note: sharding layouts]):
+# "full", one shard group of all ``world_size`` ranks, or "hsdp", shard groups of
+# ``node_size`` ranks (one node each) replicated ``world_size / node_size`` times; and for
+# nodes of ``node_size`` ranks within its shard group (where ``hpz`` re-gathers). The
+# runtime's layout (runtime/mesh.py ShardLayout) must be that one:
+# - world: the layout's rank count (replicas included) is the plan's ``world_size``;
+# - shard group: "full" needs a layout without replicas (a process group or a 1-D mesh);
+#   "hsdp" a 2-D mesh ("replicate", "shard") whose shard dim is the plan's ``shard_size``
+#   (with one replica, shard = world, any layout of ``world_size`` ranks is that one);
+# - node: where a "full" plan knows its ``node_size`` (None: a plan from before layouts,
+#   or one priced on a flat network), the layout's node size must equal it; give it with
+#   ``node_size=`` (default: LOCAL_WORLD_SIZE, else the shard group is one node). An
+#   "hsdp" plan's node is its shard group (checked above); it has no hpz units.
+# Any mismatch is a PlanMismatchError naming both values and the argument to pass. Where
+# the plan does not fix the node size, ``hpz`` units whose mode is trivial on the given
+# layout (``effective_mode``) run as what they become (``zdp`` or ``dp``), with a warning.
+LAYOUT_FULL = "full"
+LAYOUT_HSDP = "hsdp"
+LAYOUTS = (LAYOUT_FULL, LAYOUT_HSDP)
+
+
+def plan_shard_size(layout: str, world_size: int | None, node_size: int | None) -> int | None:
+    """Ranks a plan shards every unit over: all of them ("full"), a node ("hsdp");
+    None where unknown (an "hsdp" plan without its node size)."""
+    return world_size if layout == LAYOUT_FULL else node_size
+
 
 # [Note: unsharded gradients] in runtime/reduce.py: issuing a reduce-scatter beyond this
 # waits for the oldest, so at most MAX_INFLIGHT_REDUCE_SCATTERS + 1 units' unsharded
@@ -136,3 +168,16 @@ class RuntimeConfig:
     unit_param_bytes: dict[str, int] = field(default_factory=dict)  # what the plan priced
     param_dtype_bytes: int | None = None  # None: the model's own dtype
     reduce_dtype_bytes: int | None = None
+    # the layout the plan was made for, [Note: plan and layout]: "full" or "hsdp"; ranks
+    # per node within the shard group (None: any); ranks per shard group (None: unknown)
+    layout: str = LAYOUT_FULL
+    node_size: int | None = None
+    shard_size: int | None = None
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"RuntimeConfig.layout {self.layout!r} unknown; use one of {LAYOUTS}")
+        for name in ("node_size", "shard_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"RuntimeConfig.{name} must be an integer >= 1 or None, got {value!r}")

@@ -64,10 +64,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..contract import LAYOUTS  # [Note: sharding layouts]
 from ..errors import OSDPError
 from .device import CollectiveCost, DeviceInfo
 
-LAYOUTS = ("full", "hsdp")  # [Note: sharding layouts]
 
 
 def ring_s(cost: CollectiveCost, nbytes: float, ranks: int) -> float:

@@ -11,6 +11,11 @@ A plan file may be edited by hand; ``from_dict`` checks every field it reads and
 the one that is wrong (``units[3].modes``, ``batch_size``). Each unit is stored with its
 ``slices`` beside its per-slice ``modes``: an edit that changes one without the other is
 refused, as is a slice count above the plan's ``settings.max_slices``.
+
+The layout a plan was made for is ``settings.layout`` ("full" or "hsdp") with
+``node_size``, the ranks per node within the shard group the plan priced (for "hsdp" the
+shard group). A plan file from before layouts has neither: it is a "full" plan for any
+node size ([Note: plan and layout] in osdp/contract.py).
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..contract import MODES, RuntimeConfig
+from ..contract import LAYOUT_FULL, LAYOUTS, MODES, RuntimeConfig, plan_shard_size
 from ..errors import OSDPError, PlanMismatchError, a_type
 from ..sizes import format_bytes
 from .checks import read_json_file
@@ -98,6 +103,19 @@ class Plan:
     version: int = PLAN_VERSION
     # candidates priced by the step simulation and the one picked (planner/rerank.py)
     rerank: dict = field(default_factory=dict)
+    # ranks per node within the shard group the plan priced; None: any (a flat network,
+    # or a plan from before layouts). The layout is settings["layout"].
+    node_size: int | None = None
+
+    @property
+    def layout(self) -> str:
+        """"full" or "hsdp" ([Note: plan and layout] in osdp/contract.py)."""
+        return self.settings.get("layout", LAYOUT_FULL)
+
+    @property
+    def shard_size(self) -> int | None:
+        """Ranks every unit is sharded over (None: an "hsdp" plan without its node size)."""
+        return plan_shard_size(self.layout, self.world_size, self.node_size)
 
     # ---- what the runtime reads -------------------------------------------------
     def unit_modes(self) -> dict[str, tuple[str, ...]]:
@@ -124,6 +142,9 @@ class Plan:
             unit_param_bytes={u.name: u.param_bytes for u in self.units},
             param_dtype_bytes=self.settings.get("param_dtype_bytes"),
             reduce_dtype_bytes=self.settings.get("reduce_dtype_bytes"),
+            layout=self.layout,
+            node_size=self.node_size,
+            shard_size=self.shard_size,
         )
 
     @property
@@ -141,6 +162,7 @@ class Plan:
             "units": [(u.name, u.modes) + ((u.split_op,) if u.slices > 1 and u.split_op else ()) for u in self.units],
             "checkpoint_blocks": list(self.checkpoint_blocks),
             "accumulation": [self.accumulation_steps, self.gradient_sync],
+            "layout": [self.layout, self.node_size],
         }
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -206,6 +228,7 @@ class Plan:
             raise OSDPError(f"plan field 'gradient_sync' must be 'every' or 'last', got {data['gradient_sync']!r}")
         if fields_["predicted"] is None:
             raise OSDPError("plan field 'predicted' is missing")
+        _check_layout(fields_)
         return cls(**fields_)
 
     def save(self, path) -> None:
@@ -317,6 +340,22 @@ def _size(data: dict, name: str, positive: bool, where: str = "plan field") -> f
     return float(value)
 
 
+def _check_layout(fields_: dict) -> None:
+    """``settings.layout`` and ``node_size`` ([Note: plan and layout]); both may be
+    missing (a plan from before layouts: "full", any node size)."""
+    layout = fields_["settings"].get("layout", LAYOUT_FULL)
+    if layout not in LAYOUTS:
+        raise OSDPError(f"plan field 'settings.layout' must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}")
+    if fields_.get("node_size") is None:
+        fields_["node_size"] = None
+        return
+    node = fields_["node_size"] = _count(fields_, "node_size", minimum=1)
+    world = fields_["world_size"]
+    if world % node:
+        raise OSDPError(f"plan field 'node_size' is {node}, which does not divide the plan's world_size {world} "
+                        "into whole nodes")
+
+
 def _unit(raw, i: int, max_slices) -> UnitDecision:
     where = f"units[{i}]"
     if not isinstance(raw, dict):
@@ -383,6 +422,8 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
         f"  predicted: step {p.step_s * 1e3:.2f} ms, {p.samples_per_s:.2f} samples/s, "
         f"peak {format_bytes(p.peak_bytes)} at {p.peak_op}",
     ]
+    if plan.node_size is not None or plan.layout != LAYOUT_FULL:
+        lines.append("  layout: " + layout_label(plan.layout, plan.world_size, plan.node_size))
     if p.breakdown:
         lines.append("  peak breakdown: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in p.breakdown.items()))
     if p.simulated_step_s is not None:
@@ -417,6 +458,17 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more rows")
     return "\n".join(lines)
+
+
+def layout_label(layout: str, world_size: int, node_size: int | None) -> str:
+    """How a plan's layout reads, with the arguments that run it ([Note: plan and layout])."""
+    if layout == LAYOUT_FULL:
+        nodes = "" if node_size is None else f", {world_size // node_size} node(s) of {node_size} (node_size={node_size})"
+        return f"full shard over {world_size} ranks{nodes}"
+    shard = "?" if node_size is None else node_size
+    replicas = "?" if node_size is None else world_size // node_size
+    return (f"hsdp: {replicas} replicas x shard groups of {shard} (mesh=init_device_mesh(device, "
+            f"({replicas}, {shard}), mesh_dim_names=('replicate', 'shard')))")
 
 
 def _collapse(units):

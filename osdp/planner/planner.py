@@ -6,6 +6,7 @@ from dataclasses import asdict, replace
 from ..contract import MODE_DP, MODE_HPZ, MODE_ZDP
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
+from .collective_cost import collectives
 from .cost_model import PlannerSettings
 from .description import ModelDesc
 from .device import DeviceInfo
@@ -71,7 +72,16 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple
         accumulation_steps=t.settings.accumulation_steps,
         gradient_sync=t.settings.gradient_sync,
         notes=tuple(notes) + _capped_note(s),
+        node_size=_plan_node_size(t.device, t.settings.layout),
     )
+
+
+def _plan_node_size(device: DeviceInfo, layout: str) -> int | None:
+    """Ranks per node within the shard group, as the plan priced them (None: a flat
+    network, any node size); "hsdp": the shard group. See [Note: plan and layout]."""
+    if device.node_size is None and layout == "full":
+        return None
+    return collectives(device, layout).per_node
 
 
 def _capped_note(s: Scheduled) -> tuple[str, ...]:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import difflib
 import numbers
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from ..contract import RuntimeConfig
+from ..contract import LAYOUT_FULL, MODE_HPZ, RuntimeConfig, effective_mode
 from ..errors import OSDPError, PlanMismatchError
 from .args import mapping_arg, names_arg
 from .modes import Mode, parse_mode
@@ -255,3 +256,52 @@ def check_plan_matches_model(model: nn.Module, plan: RuntimeConfig) -> None:
                 f"({each} parameters), the model's module {name!r} owns {have} parameters: this plan was "
                 "made for another model (or another size of it); make a plan for this one"
             )
+
+
+def check_plan_layout(plan: RuntimeConfig, layout) -> None:
+    """A plan made for one layout runs only on that one: [Note: plan and layout] in
+    osdp/contract.py. ``layout``: the runtime's ShardLayout (world, shard, replicate and
+    node levels). PlanMismatchError names the plan's value, the layout's, and what to
+    pass; ``hpz`` units trivial on the layout are run as what they become, with a warning."""
+    world, shard, replicas, node = layout.world.size, layout.shard.size, layout.replicate.size, layout.node.size
+    plan_layout = getattr(plan, "layout", LAYOUT_FULL)
+    plan_world, plan_node = plan.world_size, getattr(plan, "node_size", None)
+    plan_shard = getattr(plan, "shard_size", None)
+    given = (f"the layout given has {world} ranks ({replicas} replica(s) x shard group of {shard}, "
+             f"nodes of {node})")
+    if plan_world is not None and plan_world != world:
+        raise PlanMismatchError(
+            f"this plan was made for world size {plan_world}, the process group has {world} ranks: plan again "
+            f"for {world}, or pass a process_group= or mesh= of {plan_world} ranks (the layout given: "
+            f"{replicas} replica(s) x shard group of {shard})"
+        )
+    if plan_layout == LAYOUT_FULL and replicas > 1:
+        raise PlanMismatchError(
+            f"this plan shards every unit over all {plan_world or world} ranks (layout 'full'), {given}: pass "
+            f"process_group= (or a 1-D mesh) instead of the 2-D mesh, or plan with PlannerSettings(layout='hsdp')"
+        )
+    if plan_layout != LAYOUT_FULL and plan_shard is not None and plan_shard != shard:
+        replicate = (plan_world or world) // plan_shard
+        raise PlanMismatchError(
+            f"this plan is an 'hsdp' plan with shard groups of {plan_shard} ranks ({replicate} replicas), {given}: "
+            f"pass mesh=init_device_mesh(device, ({replicate}, {plan_shard}), mesh_dim_names=('replicate', 'shard'))"
+        )
+    if plan_layout == LAYOUT_FULL and plan_node is not None and plan_node != node:
+        raise PlanMismatchError(
+            f"this plan was made for nodes of {plan_node} ranks within the shard group (node_size={plan_node}), "
+            f"{given}: pass node_size={plan_node} (or run under torchrun with {plan_node} ranks per node, "
+            f"LOCAL_WORLD_SIZE={plan_node}), or plan again for node_size={node}"
+        )
+    trivial = {name: effective_mode(MODE_HPZ, node, shard) for name, modes in plan.unit_modes.items()
+               if MODE_HPZ in modes and effective_mode(MODE_HPZ, node, shard) != MODE_HPZ}
+    if trivial:
+        becomes = next(iter(trivial.values()))
+        why = ("the shard group is one node" if becomes != "dp" else "every node is one rank")
+        names = sorted(trivial)
+        warnings.warn(
+            f"the plan's hpz units ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}; {len(names)} in all) "
+            f"run as {becomes} on this layout: node_size={node} and a shard group of {shard} ranks, so {why} "
+            "([Note: modes per level] in osdp/contract.py); pass node_size= (ranks per node) to re-gather within "
+            "the node",
+            stacklevel=4,  # the OSDP(...) call
+        )
