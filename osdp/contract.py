@@ -148,6 +148,21 @@ def default_prefetch_bytes(largest_unit_gathered_bytes: int) -> int:
     return 2 * int(largest_unit_gathered_bytes)
 
 
+
+# [Note: fused head loss]
+# A model whose loss runs through its vocabulary-split head's fused cross-entropy (the
+# head's ``cross_entropy``: no [tokens, vocab] logits once the head is split) says so with
+# a true class attribute ``osdp_fuses_head_loss``. The planner counts the logits saving
+# of a split head only for such a model (describe's [Note: the vocabulary head]); a model
+# that computes the logits itself (a stock Hugging Face LM) holds them, split or not.
+FUSES_HEAD_LOSS_ATTR = "osdp_fuses_head_loss"
+
+
+def fuses_head_loss(model) -> bool:
+    """Whether ``model`` computes its loss through a split head's fused cross-entropy."""
+    return bool(getattr(model, FUSES_HEAD_LOSS_ATTR, False))
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     """A plan as the runtime executes it (``Plan.runtime_config()``); built by hand for

@@ -26,7 +26,8 @@ The last unit to run, when it is an ``nn.Linear`` whose out_features equal the r
 an ``nn.Embedding`` of the model (tied to it or not), is the vocabulary head: it is cut
 along its output features (the registered planned Linear op with that axis), and its
 output bytes per sample are its ``logits_bytes_per_sample`` when the described forward
-saved at least that much for it (the loss ran in the forward), so that the cost model
+saved at least that much for it (the loss ran in the forward) and the model fuses its
+loss into the split head ([Note: fused head loss] in osdp/contract.py), so that the cost model
 counts what a fused vocabulary-split loss saves. A tied use splits only along its
 owner's axis (rows of the same weight); else neither use splits.
 """
@@ -39,6 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn as nn
 
+from ..contract import fuses_head_loss
 from ..errors import OSDPError
 from ..ops import registered_split_ops, split_op_of
 from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
@@ -440,7 +442,10 @@ def describe(
     ops = []
     head = _vocab_head(order, by_path)
     # the head's logits: its last output in the forward (the Linear hooks ran in order)
-    logits = head_out[-1] / batch_size if head is not None and head_out else 0.0
+    # only a model whose loss runs through the split head's fused cross-entropy never
+    # holds them ([Note: fused head loss] in osdp/contract.py)
+    fused_loss = fuses_head_loss(model)
+    logits = head_out[-1] / batch_size if head is not None and head_out and fused_loss else 0.0
     axes = {}
     for path in order:
         module = by_path[path]
@@ -475,8 +480,8 @@ def describe(
                 split_op=split_op if splittable else "",
                 # what a vocabulary split never holds: the logits, when the described
                 # forward saved them (its loss ran); see [Note: the vocabulary head]
-                logits_bytes_per_sample=logits if path == head and splittable and per_sample.get(path, 0.0) >= logits
-                else 0.0,
+                logits_bytes_per_sample=logits if logits and path == head and splittable
+                and per_sample.get(path, 0.0) >= logits else 0.0,
             )
         )
     block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})

@@ -195,7 +195,7 @@ def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset,
     config, model, plan = _planned_gpt(fake_world, limit_mib * MiB, preset)
     assert plan.world_size == fake_world
     # the check itself stays out of the way: the budget is asserted below, from its measurement
-    wrapped = osdp.OSDP(model, plan=plan, memory_limit=plan.memory_limit_bytes * 2)
+    wrapped = osdp.OSDP(model, plan=plan, node_size=plan.node_size, memory_limit=plan.memory_limit_bytes * 2)
     optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     _train_step(wrapped, optim, config, plan.batch_size, seed=0)  # creates the optimizer state
     first = wrapped.step_memory()
@@ -221,7 +221,7 @@ def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset,
 def test_a_step_over_the_limit_raises_at_the_optimizer_step(fake_world):
     config, model, plan = _planned_gpt(fake_world, 40 * MiB)
     # the limit the model is wrapped with is far below what the plan needs
-    wrapped = osdp.OSDP(model, plan=plan, memory_limit=4 * MiB)
+    wrapped = osdp.OSDP(model, plan=plan, node_size=plan.node_size, memory_limit=4 * MiB)
     optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     idx, targets = example_batch(config, plan.batch_size)
     wrapped(idx, targets).backward()
@@ -242,7 +242,7 @@ def test_a_step_over_the_limit_raises_at_the_optimizer_step(fake_world):
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_without_an_optimizer_the_next_forward_checks_the_step_before(fake_world):
     config, model, plan = _planned_gpt(fake_world, 40 * MiB)
-    wrapped = osdp.OSDP(model, plan=plan, memory_limit=4 * MiB)
+    wrapped = osdp.OSDP(model, plan=plan, node_size=plan.node_size, memory_limit=4 * MiB)
     idx, targets = example_batch(config, 1)
     wrapped(idx, targets).backward()
     assert wrapped.step_memory() is None  # the step has not ended
@@ -253,7 +253,7 @@ def test_without_an_optimizer_the_next_forward_checks_the_step_before(fake_world
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_no_limit_or_check_off_measures_nothing(fake_world, monkeypatch):
     config, model, plan = _planned_gpt(fake_world, 40 * MiB)
-    wrapped = osdp.OSDP(model, plan=plan, memory_check=False)
+    wrapped = osdp.OSDP(model, plan=plan, node_size=plan.node_size, memory_check=False)
     optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     _train_step(wrapped, optim, config, 1, seed=0)
     assert wrapped.step_memory() is None and wrapped.end_step() is None
@@ -275,7 +275,7 @@ def test_fake_group_runs_the_reduce_scatter_path_too(fake_world, monkeypatch):
     reduce-scatter path (CUDA's) also runs on the fake group."""
     monkeypatch.setenv("OSDP_GLOO_REDUCE_SCATTER", "1")
     config, model, plan = _planned_gpt(fake_world, 40 * MiB)
-    wrapped = osdp.OSDP(model, plan=plan)
+    wrapped = osdp.OSDP(model, plan=plan, node_size=plan.node_size)
     calls = {"all_gather_coalesced": 0, "reduce_scatter_coalesced": 0, "reduce_scatter": 0}
     for name in calls:  # spies: count the calls, results untouched
         real = getattr(wrapped._comm, name)
@@ -301,7 +301,7 @@ class _NoopMode(TorchDispatchMode):
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_the_tracker_never_pops_another_mode_and_a_failed_forward_pops_it(fake_world):
     config, model, plan = _planned_gpt(fake_world, 40 * MiB)
-    wrapped = osdp.OSDP(model, plan=plan)
+    wrapped = osdp.OSDP(model, plan=plan, node_size=plan.node_size)
     optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     idx, targets = example_batch(config, 1)
     loss = wrapped(idx, targets)
