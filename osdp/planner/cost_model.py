@@ -25,6 +25,12 @@ max per op rather than over the whole step is what keeps the objective additive,
 so the search exact; it is pessimistic where a comm-bound op could borrow idle comm
 time from a compute-bound neighbour. step_sim.py prices a finished plan as the runtime
 schedules it (from these same per-op numbers); make_plan re-ranks a few plans by it.
+Small units share one collective's latency per coalesced group, as the runtime issues
+them ([Note: coalesced latency]). ``DeviceInfo.calibration`` (fitted from measured steps
+of the wrapped model, [Note: what the profiler fits] in calibration.py) scales the
+compute, adds the runtime's overhead per unit use, and charges (1 - overlap efficiency)
+of the smaller of compute and comm on top of the max; with intercepts and comm >= 0
+each term stays of the form the batch sweep's bound needs (time / b never increases).
 
 [Note: memory model]
 Static (paid by every plan): the 1/N shards of parameters and optimizer state (in the
@@ -55,7 +61,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..contract import UNSHARDED_GRADS_LIVE
+from ..contract import DEFAULT_COALESCE_BYTES, UNSHARDED_GRADS_LIVE, is_small_unit
 from ..errors import OSDPError
 from .description import ModelDesc, OpDesc
 from .device import DeviceInfo
@@ -103,6 +109,9 @@ class PlannerSettings:
     # many batch sizes (by the cost model's samples/s) contribute their best plan
     rerank: bool = True
     rerank_batches: int = 3
+    # the runtime's OSDP(coalesce_bytes=...): small units share collectives up to this
+    # many bytes ([Note: coalesced latency]); 0: off
+    coalesce_bytes: int = DEFAULT_COALESCE_BYTES
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -131,6 +140,8 @@ class PlannerSettings:
                 raise OSDPError(f"{name} must be 1, 2, 4 or 8 bytes, got {value!r}")
         if self.gradient_sync not in ("every", "last"):
             raise OSDPError(f"gradient_sync must be 'every' or 'last', got {self.gradient_sync!r}")
+        if isinstance(self.coalesce_bytes, bool) or not isinstance(self.coalesce_bytes, int) or self.coalesce_bytes < 0:
+            raise OSDPError(f"coalesce_bytes must be an integer >= 0 (bytes; 0: off), got {self.coalesce_bytes!r}")
         if isinstance(self.rerank_batches, bool) or not isinstance(self.rerank_batches, int) or self.rerank_batches < 1:
             raise OSDPError(f"rerank_batches must be a positive integer, got {self.rerank_batches!r}")
 
@@ -361,9 +372,48 @@ def _owner_bytes(desc: ModelDesc, op: OpDesc, settings: PlannerSettings) -> floa
     return gathered_bytes(desc.ops[desc.op_index(op.tied_to)], settings) if op.tied_to else 0.0
 
 
-def _option_rows(desc, op, device, settings, checkpointed, window, after_i, before_i) -> list[tuple]:
+def coalesced_latency_shares(desc: ModelDesc, settings: PlannerSettings) -> tuple[float, float]:
+    """[Note: coalesced latency] The runtime gathers small whole-module units together
+    (``contract.is_small_unit``; [Note: coalesced small units] in runtime/prefetch.py):
+    the next small units of the use order ride along in ONE all-gather of up to
+    ``coalesce_bytes``, and their gradients are reduced together in ONE collective of up
+    to ``coalesce_bytes``. So the small units share one latency per group, not one each.
+    The additive model charges each small unit the fraction (groups / small units) of
+    one collective's latency, groups packed in use order as the runtime packs them
+    (greedy, each group closed when the next unit would overflow ``coalesce_bytes``);
+    the bandwidth term stays per unit (``settings.coalesce_bytes``: the runtime's). Returns (gather share, reduction share); 1.0 when
+    nothing is small. The share does not depend on the plan (which units are ``zdp``
+    changes which ones gather again in backward; the forward packing stands for both),
+    so the objective stays additive. Splitting a unit makes its slices not small."""
+    def share(sizes):
+        if not sizes:
+            return 1.0
+        groups, room = 0, 0.0
+        for size in sizes:
+            if size > room:
+                groups, room = groups + 1, float(coalesce_bytes)
+            room -= size
+        return groups / len(sizes)
+
+    coalesce_bytes = settings.coalesce_bytes
+    small = [op for op in desc.ops if not op.tied_to and op.param_count
+             and is_small_unit(gathered_bytes(op, settings), coalesce_bytes, is_slice=False)]
+    return (share([gathered_bytes(op, settings) for op in small]),
+            share([reduced_bytes(op, settings) for op in small]))
+
+
+def _collective_s(cost, nbytes: float, n: int, latency_share: float) -> float:
+    """``cost.time_s`` with only ``latency_share`` of its latency ([Note: coalesced latency])."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    return cost.time_s(nbytes, n) - (1.0 - latency_share) * (n - 1) * cost.alpha_s
+
+
+def _option_rows(desc, op, device, settings, checkpointed, window, after_i, before_i,
+                 shares=(1.0, 1.0)) -> list[tuple]:
     """(g, k, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
-    split efficiency) for every option of one op (see the Notes at the top)."""
+    split efficiency) for every option of one op (see the Notes at the top).
+    ``shares``: the latency shares of small units ([Note: coalesced latency])."""
     n = device.world_size
     full_grad = reduced_bytes(op, settings)
     rows = []
@@ -379,11 +429,12 @@ def _option_rows(desc, op, device, settings, checkpointed, window, after_i, befo
             else:
                 s = gathered_bytes(op, settings) / g
                 held = (g - k) * s
-                ag = device.all_gather.time_s(s, n)
+                small = is_small_unit(s, settings.coalesce_bytes, is_slice=g > 1)
+                ag = _collective_s(device.all_gather, s, n, shares[0] if small else 1.0)
                 grad = full_grad / g
                 comm_f = g * ag
                 gather_b = k * ag * (2 if checkpointed else 1)
-                reduce_b = g * device.reduce_scatter.time_s(grad, n)
+                reduce_b = g * _collective_s(device.reduce_scatter, grad, n, shares[1] if small else 1.0)
             # backward gathers only the zdp slices (dp ones are kept, and counted in
             # held); the window fills with the units ahead
             own_b = s if (k > 0 or op.tied_to) else 0.0
@@ -407,6 +458,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     window = prefetch_window(desc, settings, budget)
     segments = _segments(desc, settings)
     after, before = _ahead_bytes(desc, window, settings)
+    shares = coalesced_latency_shares(desc, settings)
     # [Note: memory quantization] in search_problem.py: enough buckets that rounding
     # up every accumulating term costs at most memory_tolerance of the budget.
     terms = len(desc.ops) + len(segments)
@@ -427,7 +479,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                 rows = cache.get(key)
                 if rows is None:
                     rows = cache[key] = _option_rows(desc, op, device, settings, checkpointed,
-                                                     window, after[i], before[i])
+                                                     window, after[i], before[i], shares)
                 begin[i, variant] = len(cols["op"])
                 cols["op"].extend([i] * len(rows))
                 cols["variant"].extend([variant] * len(rows))
@@ -472,22 +524,40 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     )
 
 
+def option_unit_uses(t: ProblemTemplate) -> np.ndarray:
+    """Unit uses per option and phase: its slice count for an op that is a unit or uses
+    one (a tied second use: its owner's), 0 for an op without parameters."""
+    is_unit = np.array([bool(op.param_count or op.tied_to) for op in t.desc.ops])
+    return np.where(is_unit[t.opt_op], t.opt_slices, 0)
+
+
 def option_compute_s(t: ProblemTemplate, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward compute seconds of one micro-batch per option, all slices
-    of the op together (the backward without a checkpoint's recompute)."""
+    of the op together (the backward without a checkpoint's recompute): the fits scaled
+    by the calibration's ``compute_scale``, plus its ``unit_overhead_s`` per unit use
+    (``DeviceInfo.calibration``; the defaults add nothing)."""
     op = t.opt_op
+    cal = t.device.calibration
     comp_f = (t.fwd_intercept_s[op] + t.fwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
     comp_b = (t.bwd_intercept_s[op] + t.bwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
+    if cal.compute_scale != 1.0 or cal.unit_overhead_s:
+        runtime = cal.unit_overhead_s * option_unit_uses(t)
+        comp_f = comp_f * cal.compute_scale + runtime
+        comp_b = comp_b * cal.compute_scale + runtime
     return comp_f, comp_b
 
 
 def _phase_times(t: ProblemTemplate, batch: int, reduce: bool) -> np.ndarray:
     """Forward + backward time of one micro-batch per option, with or without the
-    reduce-scatter of its gradients."""
+    reduce-scatter of its gradients. Overlapped, a phase costs max(compute, comm) plus
+    the part (1 - overlap_efficiency) of the smaller one that is not really hidden."""
     comp_f, comp_b = option_compute_s(t, batch)
     comp_b = comp_b + comp_f * t.opt_checkpointed  # recompute of a checkpointed block
     comm_b = t.opt_gather_b_s + (t.opt_reduce_b_s if reduce else 0.0)
+    lost = 1.0 - t.device.calibration.overlap_efficiency
     overlapped = np.maximum(comp_f, t.opt_comm_f_s) + np.maximum(comp_b, comm_b)
+    if lost:
+        overlapped = overlapped + lost * (np.minimum(comp_f, t.opt_comm_f_s) + np.minimum(comp_b, comm_b))
     serial = comp_f + t.opt_comm_f_s + comp_b + comm_b
     return np.where(t.opt_overlap, overlapped, serial)
 
