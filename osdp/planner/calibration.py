@@ -1,0 +1,409 @@
+"""Calibration: fit the few global factors of the time and memory model to measured
+steps of the wrapped model, and decide whether a plan must be made again.
+
+Pure (no runtime import): the measurement itself is ``osdp.profiler`` (it wraps a copy
+of the model with ``osdp.OSDP`` and times real training steps); auto mode
+(``osdp/auto.py``) drives plan -> measure -> refit -> re-plan once.
+
+[Note: what the profiler fits]
+Two kinds of numbers feed the cost model, from two kinds of measurement:
+
+1. hardware, per op and per collective (``osdp.planner.profile``): α/β of all-gather and
+   of the gradient collective the runtime uses on this backend, timed as bare
+   collectives over message sizes; per-unit forward/backward compute fitted over the
+   batch, timed with hooks on the UNWRAPPED model; the split matmul's efficiency.
+2. the runtime as it runs (``osdp.profiler.measure_plan``): a copy of the model wrapped
+   by ``osdp.OSDP`` with the plan (real scheduler, prefetch window, coalescing of small
+   units, reduction queue), trained for a few steps with AdamW on the example batch;
+   measured per step: forward, backward and optimizer wall time (medians, max over
+   ranks) and the peak memory of one step (live tensors on CPU, the allocator on CUDA).
+
+From (2) ``fit_factors`` fits, by least squares over the forward and backward phases of
+every measured plan (relative errors, each factor kept in its range), the linear model
+
+    measured_phase = compute_scale * C + unit_overhead_s * U + W + (1 - overlap_efficiency) * H
+
+where, for that plan as the step simulation plays it (``step_sim.py``): C is the phase's
+fitted compute (the per-op fits of (1), recomputes included), U its unit uses (one per
+slice per use; hooks, bookkeeping and collective issue run on the compute stream), W the
+time compute waited for communication, H the communication that ran beside compute.
+W and H depend on the factors, so the fit is repeated a few times with W and H
+simulated at the last factors. Fewer than three phase equations fit only compute_scale
+and unit_overhead_s; a factor whose column is zero everywhere (no hidden comm: H = 0)
+keeps its prior. The optimizer phase is fitted on its own: memory bandwidth (the cost
+model's optimizer is bandwidth bound) scaled by predicted / measured. The memory
+constant is the largest (measured peak - predicted peak) over the measured plans, added
+to ``DeviceInfo.constant_bytes``: a re-plan is handed out with the margin the
+measurement showed (``memory_constant_bytes`` says how much of the constant was learned).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+
+import numpy as np
+
+from ..errors import OSDPError
+from .cost_model import PlannerSettings, ProblemTemplate, build_template, evaluate, option_compute_s, option_unit_uses
+from .description import ModelDesc
+from .device import Calibration, DeviceInfo
+
+STEP_TOLERANCE = 0.05  # re-plan when the step is predicted further off than this
+COMPUTE_SCALE_RANGE = (0.1, 10.0)
+FIT_ROUNDS = 3
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """Measured steps of one plan on the runtime (``osdp.profiler.measure_plan``):
+    medians over ``steps`` timed steps, max over ranks; ``peak_bytes`` of one steady
+    step (``peak_source`` says how it was read). ``groups``: unit group (module path
+    with layer indices as ``*``) -> measured forward seconds per step, summed over the
+    group's units (from the first unit's forward to the next unit's)."""
+
+    step_s: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    peak_bytes: float
+    batch_size: int
+    steps: int = 0
+    peak_source: str = ""
+    groups: dict = field(default_factory=dict)
+
+    def samples_per_s(self, world_size: int, accumulation_steps: int = 1) -> float:
+        return self.batch_size * accumulation_steps * world_size / self.step_s
+
+    def phase_s(self, phase: str) -> float:
+        return getattr(self, f"{phase}_s")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data, where: str = "measurement") -> "Measurement":
+        if not isinstance(data, dict):
+            raise OSDPError(f"{where} must be an object, got {data!r}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise OSDPError(f"{where} has unknown fields {unknown}; known: {sorted(known)}")
+        try:
+            return cls(**data)
+        except TypeError as exc:
+            raise OSDPError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True)
+class PhaseTerms:
+    """One measured phase and the terms of [Note: what the profiler fits]."""
+
+    phase: str
+    measured_s: float
+    compute_s: float  # C: fitted compute, scale 1, no runtime overhead
+    unit_uses: float  # U
+    waited_s: float  # W
+    hidden_s: float  # H
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """A plan as option indices of a template (what the cost model prices)."""
+
+    template: ProblemTemplate
+    batch: int
+    option_index: tuple
+    variant: tuple
+
+
+def settings_of(plan) -> PlannerSettings:
+    """The settings a plan was made with (a plan from an older OSDP may lack some)."""
+    known = {f.name for f in fields(PlannerSettings)}
+    return PlannerSettings(**{k: v for k, v in (plan.settings or {}).items() if k in known})
+
+
+def assignment_of(desc: ModelDesc, device: DeviceInfo, plan, settings: PlannerSettings | None = None) -> Assignment:
+    """The option indices of ``plan``'s units (slices and zdp slices) and its
+    checkpointed blocks, in a template of ``desc`` on ``device``."""
+    settings = settings or settings_of(plan)
+    t = build_template(desc, device, settings)
+    decisions = {u.name: u for u in plan.units}
+    blocks = set(plan.checkpoint_blocks)
+    variant = []
+    for seg in t.segments:
+        want = seg.name in blocks
+        variant.append(next((v for v, ck in enumerate(seg.variants) if ck == want), 0))
+    option_index = []
+    for i, op in enumerate(desc.ops):
+        s = next(s for s, seg in enumerate(t.segments) if i in seg.ops)
+        v = variant[s]
+        u = decisions.get(op.name)
+        g, k = (1, 0) if u is None else (u.slices, u.zdp_slices)
+        options = range(t.opt_begin[i, v], t.opt_end[i, v])
+        match = [o for o in options if op.tied_to or (int(t.opt_slices[o]), int(t.opt_zdp[o])) == (g, k)]
+        if not match:
+            raise OSDPError(f"the plan's unit {op.name!r} ({g} slices, {k} zdp) is not an option of the cost model "
+                            "under the plan's settings")
+        option_index.append(match[0])
+    return Assignment(t, plan.batch_size, tuple(option_index), tuple(variant))
+
+
+def _raw_compute(a: Assignment) -> dict[str, tuple[float, float]]:
+    """(C, U) per phase for one optimizer step, at compute scale 1 without overhead."""
+    t = a.template
+    bare = replace(t, device=t.device.with_(calibration=Calibration()))
+    comp_f, comp_b = option_compute_s(bare, a.batch)
+    uses = option_unit_uses(t)
+    o = np.asarray(a.option_index)
+    ckpt = t.opt_checkpointed[o]
+    steps = t.settings.accumulation_steps
+    forward = (float(comp_f[o].sum()) * steps, float(uses[o].sum()) * steps)
+    backward = (float((comp_b[o] + comp_f[o] * ckpt).sum()) * steps, float((uses[o] * (1 + ckpt)).sum()) * steps)
+    return {"forward": forward, "backward": backward}
+
+
+def simulate(a: Assignment, device: DeviceInfo):
+    """The step simulation of the assignment on ``device`` (its calibration)."""
+    from .step_sim import simulate_step
+
+    return simulate_step(replace(a.template, device=device), a.batch, a.option_index, a.variant)
+
+
+def phase_terms(a: Assignment, device: DeviceInfo, measured: Measurement) -> list[PhaseTerms]:
+    """Forward and backward terms of ``measured`` with W and H simulated on ``device``
+    at full overlap (the lost part of the overlap is what the fit finds)."""
+    full = device.with_(calibration=replace(device.calibration, overlap_efficiency=1.0))
+    sim = simulate(a, full)
+    raw = _raw_compute(a)
+    rows = []
+    for phase in ("forward", "backward"):
+        p = sim.phases[phase]
+        waited = p.duration_s - p.compute_s
+        hidden = min(max(0.0, p.comm_s - waited), p.compute_s)
+        rows.append(PhaseTerms(phase, measured.phase_s(phase), raw[phase][0], raw[phase][1], waited, hidden))
+    return rows
+
+
+def fit_factors(rows: list[PhaseTerms], prior: Calibration = Calibration()) -> Calibration:
+    """Least squares of [Note: what the profiler fits] over ``rows``, relative errors,
+    with compute_scale in COMPUTE_SCALE_RANGE, unit_overhead_s >= 0 and
+    overlap_efficiency in [0, 1] (exact box-constrained solution: every combination of
+    factors at a bound or free is solved, the best feasible one kept)."""
+    if not rows:
+        return prior
+    # y = c C + u U - e H   with   y = measured - W - H
+    a = np.array([[r.compute_s, r.unit_uses, -r.hidden_s] for r in rows], dtype=np.float64)
+    y = np.array([r.measured_s - r.waited_s - r.hidden_s for r in rows], dtype=np.float64)
+    w = 1.0 / np.maximum(np.array([r.measured_s for r in rows]), 1e-12)
+    a, y = a * w[:, None], y * w
+    names = ["compute_scale", "unit_overhead_s", "overlap_efficiency"]
+    prior_x = np.array([prior.compute_scale, prior.unit_overhead_s, prior.overlap_efficiency])
+    bounds = [COMPUTE_SCALE_RANGE, (0.0, math.inf), (0.0, 1.0)]
+    fit = [j for j in range(3) if np.abs(a[:, j]).max() > 0]
+    if len(rows) < 3:
+        fit = [j for j in fit if j != 2]
+    fixed_x = prior_x.copy()
+    best, best_err = None, math.inf
+    # each fitted factor: free (0), at its lower bound (1) or upper bound (2)
+    for states in itertools.product((0, 1, 2), repeat=len(fit)):
+        x = fixed_x.copy()
+        free = []
+        for j, st in zip(fit, states):
+            if st == 0:
+                free.append(j)
+            else:
+                bound = bounds[j][st - 1]
+                if not math.isfinite(bound):
+                    break
+                x[j] = bound
+        else:
+            rest = y - a @ np.where(np.isin(np.arange(3), free), 0.0, x)
+            if free:
+                sub = a[:, free]
+                if np.linalg.matrix_rank(sub) < len(free):
+                    continue
+                x[free] = np.linalg.lstsq(sub, rest, rcond=None)[0]
+            if any(not (bounds[j][0] - 1e-12 <= x[j] <= bounds[j][1] + 1e-12) for j in fit):
+                continue
+            err = float(np.sum((a @ x - y) ** 2))
+            if err < best_err - 1e-15:
+                best, best_err = x, err
+    if best is None:
+        return prior
+    values = {n: float(v) for n, v in zip(names, best)}
+    values["overlap_efficiency"] = min(1.0, max(0.0, values["overlap_efficiency"]))
+    values["unit_overhead_s"] = max(0.0, values["unit_overhead_s"])
+    return replace(prior, **values)
+
+
+def fit_memory(observations: list[tuple[Assignment, Measurement]], device: DeviceInfo) -> float:
+    """The largest (measured - predicted) peak over the measured plans, bytes."""
+    deltas = []
+    for a, m in observations:
+        t = replace(a.template, device=device)
+        predicted = evaluate(t, a.batch, a.option_index, a.variant).peak_bytes
+        deltas.append(m.peak_bytes - predicted)
+    return max(deltas, default=0.0)
+
+
+def fit_optimizer(observations: list[tuple[Assignment, Measurement]], device: DeviceInfo) -> float:
+    """Memory bandwidth that makes the optimizer phase take what it measured (median
+    over the plans; the optimizer does the same work in every plan)."""
+    from .cost_model import optimizer_step_s
+
+    ratios = []
+    for a, m in observations:
+        predicted = optimizer_step_s(a.template.desc, device, a.template.settings)
+        if predicted > 0 and m.optimizer_s > 0:
+            ratios.append(predicted / m.optimizer_s)
+    if not ratios:
+        return device.memory_bandwidth_bytes_per_s
+    return device.memory_bandwidth_bytes_per_s * float(np.median(ratios))
+
+
+def apply(device: DeviceInfo, calibration: Calibration, memory_delta_bytes: float = 0.0,
+          memory_bandwidth_bytes_per_s: float | None = None) -> DeviceInfo:
+    """``device`` with ``calibration`` and the learned memory constant (never below 0)."""
+    constant = max(0.0, device.constant_bytes + memory_delta_bytes)
+    learned = calibration.memory_constant_bytes + (constant - device.constant_bytes)
+    return device.with_(calibration=replace(calibration, memory_constant_bytes=learned), constant_bytes=constant,
+                        memory_bandwidth_bytes_per_s=memory_bandwidth_bytes_per_s)
+
+
+def refit(desc: ModelDesc, device: DeviceInfo, observations: list[tuple[object, Measurement]],
+          rounds: int = FIT_ROUNDS) -> DeviceInfo:
+    """``device`` with every factor refitted to ``observations`` ((plan, measurement)
+    pairs; see [Note: what the profiler fits])."""
+    assigned = [(assignment_of(desc, device, plan), m) for plan, m in observations]
+    calibration = device.calibration
+    bandwidth = fit_optimizer(assigned, device)
+    fitted = device.with_(memory_bandwidth_bytes_per_s=bandwidth)
+    for _ in range(rounds):
+        rows = [row for a, m in assigned for row in phase_terms(a, fitted, m)]
+        calibration = fit_factors(rows, calibration)
+        fitted = fitted.with_(calibration=calibration)
+    sources = "; ".join(f"{plan.model_name} batch {m.batch_size}: measured step {m.step_s * 1e3:.1f} ms"
+                        for plan, m in observations)
+    calibration = replace(calibration, source=f"fitted by osdp.planner.calibration.refit to {sources}")
+    return apply(device.with_(memory_bandwidth_bytes_per_s=bandwidth), calibration, fit_memory(assigned, fitted))
+
+
+def predicted_step_s(plan) -> float:
+    """What a plan predicts for its step: the simulated step when it has one."""
+    p = plan.predicted
+    return p.simulated_step_s if p.simulated_step_s is not None else p.step_s
+
+
+def reasons_to_refit(plan, measured: Measurement, margin_fraction: float,
+                     tolerance: float = STEP_TOLERANCE) -> list[str]:
+    """Why the model must be refitted (empty: it predicted this plan well enough):
+    step time off by more than ``tolerance``, or the measured peak within
+    ``margin_fraction`` of the limit (or over it)."""
+    reasons = []
+    predicted = predicted_step_s(plan)
+    error = predicted / measured.step_s - 1
+    if abs(error) > tolerance:
+        reasons.append(f"step time predicted {predicted * 1e3:.1f} ms, measured {measured.step_s * 1e3:.1f} ms "
+                       f"({error:+.1%}, more than {tolerance:.0%} off)")
+    limit = plan.memory_limit_bytes
+    if measured.peak_bytes > limit * (1 - margin_fraction):
+        reasons.append(f"measured peak {measured.peak_bytes / 2**20:.1f} MiB is within {margin_fraction:.0%} of the "
+                       f"limit {limit / 2**20:.1f} MiB")
+    return reasons
+
+
+def better(first: tuple[object, Measurement], second: tuple[object, Measurement], margin_fraction: float):
+    """The better of two measured plans: one whose measured peak stays below the limit
+    less the margin over one that does not, then the most measured samples/s; ties keep
+    ``first``."""
+    def key(pair):
+        plan, m = pair
+        fits = m.peak_bytes <= plan.memory_limit_bytes * (1 - margin_fraction)
+        return (fits, m.samples_per_s(plan.world_size, plan.accumulation_steps))
+
+    return second if key(second) > key(first) else first
+
+
+def predicted_phases(plan) -> dict:
+    """Predicted seconds per phase of a plan ({} when it was not simulated)."""
+    return dict(getattr(plan.predicted, "phases", None) or {})
+
+
+def group_of(name: str) -> str:
+    """A unit's group: its module path with layer indices as ``*`` (``blocks.*.mlp.fc``)."""
+    name = re.sub(r"\[\d+\]$", "", name)
+    return re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", name)
+
+
+def predicted_groups(a: Assignment, device: DeviceInfo) -> dict[str, float]:
+    """Predicted forward seconds per unit group: each forward compute of the simulated
+    step with the waits for communication just before it."""
+    sim = simulate_step_timeline(a, device)
+    out: dict[str, float] = {}
+    pending = 0.0
+    for ev in sim.timeline:
+        if ev.resource != "compute" or ev.phase != "forward" or ev.micro_batch != 0:
+            continue
+        if ev.kind == "wait":
+            pending += ev.end_s - ev.start_s
+        elif ev.kind == "forward":
+            g = group_of(ev.what)
+            out[g] = out.get(g, 0.0) + ev.end_s - ev.start_s + pending
+            pending = 0.0
+    return out
+
+
+def simulate_step_timeline(a: Assignment, device: DeviceInfo):
+    from .step_sim import simulate_step
+
+    return simulate_step(replace(a.template, device=device), a.batch, a.option_index, a.variant, timeline=True)
+
+
+def format_report(plan) -> str:
+    """Predicted beside measured, per phase and per unit group (``OSDP.report()``)."""
+    from ..sizes import format_bytes
+
+    if plan is None:
+        return "no plan: nothing was predicted (OSDP was given modes by hand)"
+    info = plan.calibration or {}
+    measured = plan.measured or {}
+    phases = info.get("predicted_phases") or predicted_phases(plan)
+    step = info.get("predicted_step_s") or predicted_step_s(plan)
+    lines = [f"OSDP report for {plan.model_name}: batch {plan.batch_size}/device, world size {plan.world_size}"]
+    if info.get("decision"):
+        lines.append(f"  calibration: {info['decision']}")
+    for reason in info.get("reasons", []):
+        lines.append(f"    why: {reason}")
+    if info.get("factors"):
+        f = info["factors"]
+        lines.append(f"  fitted: compute scale {f['compute_scale']:.3f}, unit overhead {f['unit_overhead_s'] * 1e6:.1f} us, "
+                     f"overlap efficiency {f['overlap_efficiency']:.2f}, learned memory constant "
+                     f"{format_bytes(f['memory_constant_bytes'])}")
+    if not measured:
+        lines.append("  not measured (plans made with calibrate=True in auto mode carry a measurement)")
+
+    def row(name, pred, meas):
+        p = f"{pred * 1e3:10.2f}" if pred is not None else f"{'-':>10}"
+        m = f"{meas * 1e3:10.2f}" if meas is not None else f"{'-':>10}"
+        err = f"{pred / meas - 1:+8.1%}" if pred is not None and meas else f"{'':>8}"
+        return f"  {name:<30} {p} {m} {err}"
+
+    lines.append(f"  {'phase (ms per step)':<30} {'predicted':>10} {'measured':>10} {'error':>8}")
+    for phase in PHASES:
+        lines.append(row(phase, phases.get(phase), measured.get(f"{phase}_s")))
+    lines.append(row("step", step, measured.get("step_s")))
+    peak = measured.get("peak_bytes")
+    lines.append(f"  {'peak memory':<30} {format_bytes(plan.predicted.peak_bytes):>10} "
+                 f"{format_bytes(peak) if peak is not None else '-':>10} "
+                 + (f"{plan.predicted.peak_bytes / peak - 1:+8.1%}" if peak else "")
+                 + f"   (limit {format_bytes(plan.memory_limit_bytes)})")
+    groups_p = info.get("predicted_groups") or {}
+    groups_m = measured.get("groups") or {}
+    if groups_p or groups_m:
+        lines.append(f"  {'unit group (forward ms)':<30} {'predicted':>10} {'measured':>10} {'error':>8}")
+        for g in sorted(set(groups_p) | set(groups_m)):
+            lines.append(row(g, groups_p.get(g), groups_m.get(g)))
+    return "\n".join(lines)
