@@ -21,16 +21,21 @@ Two kinds of numbers feed the cost model, from two kinds of measurement:
 From (2) ``fit_factors`` fits, by least squares over the forward and backward phases of
 every measured plan (relative errors, each factor kept in its range), the linear model
 
-    measured_phase = compute_scale * C + unit_overhead_s * U + W + (1 - overlap_efficiency) * H
+    measured_phase = compute_scale * F + backward_compute_scale * B + unit_overhead_s * U
+                     + W + (1 - overlap_efficiency) * H
 
-where, for that plan as the step simulation plays it (``step_sim.py``): C is the phase's
-fitted compute (the per-op fits of (1), recomputes included), U its unit uses (one per
+where, for that plan as the step simulation plays it (``step_sim.py``): F and B are the
+phase's fitted forward and backward compute (the per-op fits of (1); F in the backward
+phase is the recompute of checkpointed blocks), U its unit uses (one per
 slice per use; hooks, bookkeeping and collective issue run on the compute stream), W the
 time compute waited for communication, H the communication that ran beside compute.
 W and H depend on the factors, so the fit is repeated a few times with W and H
-simulated at the last factors. Fewer than three phase equations fit only compute_scale
-and unit_overhead_s; a factor whose column is zero everywhere (no hidden comm: H = 0)
-keeps its prior. The optimizer phase is fitted on its own: memory bandwidth (the cost
+simulated at the last factors, then polished on the simulation itself
+(``fit_by_simulation``: Levenberg-Marquardt, the simulated phases against the measured). The factors are fitted in the order compute_scale,
+backward_compute_scale, unit_overhead_s, overlap_efficiency, as many as there are phase
+equations (one measured plan: the two compute scales; two: all four); a factor whose
+column is zero everywhere (no hidden comm: H = 0) or that the others explain keeps its
+prior. The optimizer phase is fitted on its own: memory bandwidth (the cost
 model's optimizer is bandwidth bound) scaled by predicted / measured. The memory
 constant is the largest (measured peak - predicted peak) over the measured plans, added
 to ``DeviceInfo.constant_bytes``: a re-plan is handed out with the margin the
@@ -53,6 +58,7 @@ from .device import Calibration, DeviceInfo
 STEP_TOLERANCE = 0.05  # re-plan when the step is predicted further off than this
 COMPUTE_SCALE_RANGE = (0.1, 10.0)
 FIT_ROUNDS = 3
+RIDGE = 1e-6
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -103,7 +109,8 @@ class PhaseTerms:
 
     phase: str
     measured_s: float
-    compute_s: float  # C: fitted compute, scale 1, no runtime overhead
+    forward_compute_s: float  # F: fitted forward compute, scale 1, no runtime overhead
+    backward_compute_s: float  # B: fitted backward compute, likewise
     unit_uses: float  # U
     waited_s: float  # W
     hidden_s: float  # H
@@ -127,8 +134,14 @@ def settings_of(plan) -> PlannerSettings:
 
 def assignment_of(desc: ModelDesc, device: DeviceInfo, plan, settings: PlannerSettings | None = None) -> Assignment:
     """The option indices of ``plan``'s units (slices and zdp slices) and its
-    checkpointed blocks, in a template of ``desc`` on ``device``."""
+    checkpointed blocks, in a template of ``desc`` on ``device``: the plan's settings
+    widened to every option (policy "osdp", its slice counts, checkpointing when it
+    checkpoints), its prefetch window as the runtime runs it."""
     settings = settings or settings_of(plan)
+    settings = settings.with_(
+        policy="osdp", prefetch_bytes=float(plan.prefetch_bytes),
+        max_slices=max([settings.max_slices] + [u.slices for u in plan.units]),
+        checkpointing="auto" if plan.checkpoint_blocks else settings.checkpointing)
     t = build_template(desc, device, settings)
     decisions = {u.name: u for u in plan.units}
     blocks = set(plan.checkpoint_blocks)
@@ -151,8 +164,8 @@ def assignment_of(desc: ModelDesc, device: DeviceInfo, plan, settings: PlannerSe
     return Assignment(t, plan.batch_size, tuple(option_index), tuple(variant))
 
 
-def _raw_compute(a: Assignment) -> dict[str, tuple[float, float]]:
-    """(C, U) per phase for one optimizer step, at compute scale 1 without overhead."""
+def _raw_compute(a: Assignment) -> dict[str, tuple[float, float, float]]:
+    """(F, B, U) per phase for one optimizer step, at compute scale 1 without overhead."""
     t = a.template
     bare = replace(t, device=t.device.with_(calibration=Calibration()))
     comp_f, comp_b = option_compute_s(bare, a.batch)
@@ -160,8 +173,9 @@ def _raw_compute(a: Assignment) -> dict[str, tuple[float, float]]:
     o = np.asarray(a.option_index)
     ckpt = t.opt_checkpointed[o]
     steps = t.settings.accumulation_steps
-    forward = (float(comp_f[o].sum()) * steps, float(uses[o].sum()) * steps)
-    backward = (float((comp_b[o] + comp_f[o] * ckpt).sum()) * steps, float((uses[o] * (1 + ckpt)).sum()) * steps)
+    forward = (float(comp_f[o].sum()) * steps, 0.0, float(uses[o].sum()) * steps)
+    backward = (float((comp_f[o] * ckpt).sum()) * steps, float(comp_b[o].sum()) * steps,
+                float((uses[o] * (1 + ckpt)).sum()) * steps)
     return {"forward": forward, "backward": backward}
 
 
@@ -183,60 +197,134 @@ def phase_terms(a: Assignment, device: DeviceInfo, measured: Measurement) -> lis
         p = sim.phases[phase]
         waited = p.duration_s - p.compute_s
         hidden = min(max(0.0, p.comm_s - waited), p.compute_s)
-        rows.append(PhaseTerms(phase, measured.phase_s(phase), raw[phase][0], raw[phase][1], waited, hidden))
+        rows.append(PhaseTerms(phase, measured.phase_s(phase), *raw[phase], waited, hidden))
     return rows
 
 
-def fit_factors(rows: list[PhaseTerms], prior: Calibration = Calibration()) -> Calibration:
-    """Least squares of [Note: what the profiler fits] over ``rows``, relative errors,
-    with compute_scale in COMPUTE_SCALE_RANGE, unit_overhead_s >= 0 and
-    overlap_efficiency in [0, 1] (exact box-constrained solution: every combination of
-    factors at a bound or free is solved, the best feasible one kept)."""
-    if not rows:
-        return prior
-    # y = c C + u U - e H   with   y = measured - W - H
-    a = np.array([[r.compute_s, r.unit_uses, -r.hidden_s] for r in rows], dtype=np.float64)
-    y = np.array([r.measured_s - r.waited_s - r.hidden_s for r in rows], dtype=np.float64)
-    w = 1.0 / np.maximum(np.array([r.measured_s for r in rows]), 1e-12)
-    a, y = a * w[:, None], y * w
-    names = ["compute_scale", "unit_overhead_s", "overlap_efficiency"]
-    prior_x = np.array([prior.compute_scale, prior.unit_overhead_s, prior.overlap_efficiency])
-    bounds = [COMPUTE_SCALE_RANGE, (0.0, math.inf), (0.0, 1.0)]
-    fit = [j for j in range(3) if np.abs(a[:, j]).max() > 0]
-    if len(rows) < 3:
-        fit = [j for j in fit if j != 2]
-    fixed_x = prior_x.copy()
+FACTORS = ("compute_scale", "backward_compute_scale", "unit_overhead_s", "overlap_efficiency")
+BOUNDS = (COMPUTE_SCALE_RANGE, COMPUTE_SCALE_RANGE, (0.0, math.inf), (0.0, 1.0))
+
+
+def box_lstsq(a: np.ndarray, b: np.ndarray, lo, hi) -> np.ndarray | None:
+    """argmin ||a z - b|| with lo <= z <= hi, exactly: every combination of variables
+    free or at a (finite) bound is solved and the best feasible one kept (fine for the
+    few factors here: 3^4 = 81 small solves). None when no combination is feasible."""
+    k = a.shape[1]
     best, best_err = None, math.inf
-    # each fitted factor: free (0), at its lower bound (1) or upper bound (2)
-    for states in itertools.product((0, 1, 2), repeat=len(fit)):
-        x = fixed_x.copy()
+    for states in itertools.product((0, 1, 2), repeat=k):
+        z = np.zeros(k)
         free = []
-        for j, st in zip(fit, states):
+        for j, st in enumerate(states):
             if st == 0:
                 free.append(j)
-            else:
-                bound = bounds[j][st - 1]
-                if not math.isfinite(bound):
-                    break
-                x[j] = bound
+                continue
+            bound = (lo[j], hi[j])[st - 1]
+            if not math.isfinite(bound):
+                break
+            z[j] = bound
         else:
-            rest = y - a @ np.where(np.isin(np.arange(3), free), 0.0, x)
             if free:
                 sub = a[:, free]
                 if np.linalg.matrix_rank(sub) < len(free):
                     continue
-                x[free] = np.linalg.lstsq(sub, rest, rcond=None)[0]
-            if any(not (bounds[j][0] - 1e-12 <= x[j] <= bounds[j][1] + 1e-12) for j in fit):
+                z[free] = np.linalg.lstsq(sub, b - a @ z, rcond=None)[0]
+            if any(not (lo[j] - 1e-12 <= z[j] <= hi[j] + 1e-12) for j in range(k)):
                 continue
-            err = float(np.sum((a @ x - y) ** 2))
-            if err < best_err - 1e-15:
-                best, best_err = x, err
-    if best is None:
+            err = float(np.sum((a @ z - b) ** 2))
+            if err < best_err - 1e-18:
+                best, best_err = np.clip(z, lo, hi), err
+    return best
+
+
+def _fitted(columns: np.ndarray, rows: int) -> list[int]:
+    """Factors to fit: those with a nonzero column, at most one per equation, in order."""
+    return [j for j in range(len(FACTORS)) if np.abs(columns[:, j]).max() > 0][:rows]
+
+
+def fit_factors(rows: list[PhaseTerms], prior: Calibration = Calibration()) -> Calibration:
+    """Least squares of the linear model of [Note: what the profiler fits] over
+    ``rows`` with W and H as given, relative errors, each factor in its range (the
+    compute scales in COMPUTE_SCALE_RANGE, unit_overhead_s >= 0, overlap_efficiency in
+    [0, 1]). At most as many factors as rows are fitted, in the order of ``FACTORS``;
+    the others keep ``prior``. A weak pull toward the prior (RIDGE of each column's
+    size) makes the fit unique where the measurements cannot tell factors apart (e.g.
+    every plan measured has as many unit uses per FLOP): there they stay where they were."""
+    if not rows:
         return prior
-    values = {n: float(v) for n, v in zip(names, best)}
-    values["overlap_efficiency"] = min(1.0, max(0.0, values["overlap_efficiency"]))
-    values["unit_overhead_s"] = max(0.0, values["unit_overhead_s"])
-    return replace(prior, **values)
+    # y = cf F + cb B + u U - e H   with   y = measured - W - H
+    a = np.array([[r.forward_compute_s, r.backward_compute_s, r.unit_uses, -r.hidden_s] for r in rows],
+                 dtype=np.float64)
+    y = np.array([r.measured_s - r.waited_s - r.hidden_s for r in rows], dtype=np.float64)
+    w = 1.0 / np.maximum(np.array([r.measured_s for r in rows]), 1e-12)
+    a, y = a * w[:, None], y * w
+    x = np.array([getattr(prior, n) for n in FACTORS], dtype=np.float64)
+    fit = _fitted(a, len(rows))
+    if not fit:
+        return prior
+    ridge = np.diag([RIDGE * np.linalg.norm(a[:, j]) for j in fit])
+    sub = np.vstack([a[:, fit], ridge])
+    rhs = np.concatenate([y - np.delete(a, fit, axis=1) @ np.delete(x, fit), ridge @ x[fit]])
+    z = box_lstsq(sub, rhs, [BOUNDS[j][0] for j in fit], [BOUNDS[j][1] for j in fit])
+    if z is None:
+        return prior
+    x[fit] = z
+    return replace(prior, **{n: float(v) for n, v in zip(FACTORS, x)})
+
+
+def fit_by_simulation(assigned: list[tuple[Assignment, Measurement]], device: DeviceInfo,
+                      start: Calibration, iterations: int = 20) -> tuple[Calibration, float]:
+    """Polish ``start`` so that the step SIMULATION (not its linearization) meets the
+    measured forward and backward phases: Levenberg-Marquardt on relative errors with
+    a finite-difference Jacobian, every step box-constrained (``box_lstsq``); the
+    factors fitted are those ``fit_factors`` fits. A step is taken only if it lowers
+    the error. Returns the factors and the sum of squared relative errors."""
+    measured = np.array([m.phase_s(p) for _, m in assigned for p in ("forward", "backward")])
+
+    def residuals(x) -> np.ndarray:
+        cal = replace(start, **{n: float(v) for n, v in zip(FACTORS, x)})
+        dev = device.with_(calibration=cal)
+        out = []
+        for a, _ in assigned:
+            sim = simulate(a, dev)
+            out += [sim.phases["forward"].duration_s, sim.phases["backward"].duration_s]
+        return np.array(out) / measured - 1.0
+
+    rows = [row for a, m in assigned for row in phase_terms(a, device.with_(calibration=start), m)]
+    columns = np.array([[r.forward_compute_s, r.backward_compute_s, r.unit_uses, r.hidden_s] for r in rows])
+    fit = _fitted(columns, len(rows))
+    x = np.array([getattr(start, n) for n in FACTORS], dtype=np.float64)
+    if not fit:
+        return start, float(residuals(x) @ residuals(x))
+    lo, hi = np.array([BOUNDS[j][0] for j in fit]), np.array([BOUNDS[j][1] for j in fit])
+    r = residuals(x)
+    cost, damping = float(r @ r), 1e-3
+    for _ in range(iterations):
+        jac = np.zeros((len(r), len(fit)))
+        for c, j in enumerate(fit):
+            h = 1e-4 * max(abs(x[j]), 1e-2 if j != 2 else 1e-5)
+            step = h if x[j] + h <= BOUNDS[j][1] else -h
+            xh = x.copy()
+            xh[j] += step
+            jac[:, c] = (residuals(xh) - r) / step
+        scale = np.maximum(np.linalg.norm(jac, axis=0), 1e-12)
+        improved = False
+        while damping < 1e6:
+            a = np.vstack([jac, np.diag(np.sqrt(damping) * scale)])
+            b = np.concatenate([-r, np.zeros(len(fit))])
+            d = box_lstsq(a, b, lo - x[fit], hi - x[fit])
+            if d is None:
+                break
+            trial = x.copy()
+            trial[fit] = np.clip(x[fit] + d, lo, hi)
+            rt = residuals(trial)
+            if float(rt @ rt) < cost:
+                x, r, cost, improved = trial, rt, float(rt @ rt), True
+                damping = max(damping / 10, 1e-9)
+                break
+            damping *= 10
+        if not improved or cost < 1e-20:
+            break
+    return replace(start, **{n: float(v) for n, v in zip(FACTORS, x)}), cost
 
 
 def fit_memory(observations: list[tuple[Assignment, Measurement]], device: DeviceInfo) -> float:
@@ -285,6 +373,10 @@ def refit(desc: ModelDesc, device: DeviceInfo, observations: list[tuple[object, 
         rows = [row for a, m in assigned for row in phase_terms(a, fitted, m)]
         calibration = fit_factors(rows, calibration)
         fitted = fitted.with_(calibration=calibration)
+    # polished from the linear fit and from the prior; the better one is kept
+    tries = [fit_by_simulation(assigned, fitted, start) for start in (calibration, device.calibration)]
+    calibration = min(tries, key=lambda pair: pair[1])[0]
+    fitted = fitted.with_(calibration=calibration)
     sources = "; ".join(f"{plan.model_name} batch {m.batch_size}: measured step {m.step_s * 1e3:.1f} ms"
                         for plan, m in observations)
     calibration = replace(calibration, source=f"fitted by osdp.planner.calibration.refit to {sources}")
@@ -378,8 +470,9 @@ def format_report(plan) -> str:
     for reason in info.get("reasons", []):
         lines.append(f"    why: {reason}")
     if info.get("factors"):
-        f = info["factors"]
-        lines.append(f"  fitted: compute scale {f['compute_scale']:.3f}, unit overhead {f['unit_overhead_s'] * 1e6:.1f} us, "
+        f = {**asdict(Calibration()), **info["factors"]}
+        lines.append(f"  fitted: compute scale {f['compute_scale']:.3f} forward, "
+                     f"{f['backward_compute_scale']:.3f} backward, unit overhead {f['unit_overhead_s'] * 1e6:.1f} us, "
                      f"overlap efficiency {f['overlap_efficiency']:.2f}, learned memory constant "
                      f"{format_bytes(f['memory_constant_bytes'])}")
     if not measured:

@@ -534,16 +534,17 @@ def option_unit_uses(t: ProblemTemplate) -> np.ndarray:
 def option_compute_s(t: ProblemTemplate, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward compute seconds of one micro-batch per option, all slices
     of the op together (the backward without a checkpoint's recompute): the fits scaled
-    by the calibration's ``compute_scale``, plus its ``unit_overhead_s`` per unit use
-    (``DeviceInfo.calibration``; the defaults add nothing)."""
+    by the calibration's ``compute_scale`` (forward) and ``backward_compute_scale``,
+    plus its ``unit_overhead_s`` per unit use (``DeviceInfo.calibration``; the defaults
+    add nothing)."""
     op = t.opt_op
     cal = t.device.calibration
     comp_f = (t.fwd_intercept_s[op] + t.fwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
     comp_b = (t.bwd_intercept_s[op] + t.bwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
-    if cal.compute_scale != 1.0 or cal.unit_overhead_s:
+    if cal.compute_scale != 1.0 or cal.backward_compute_scale != 1.0 or cal.unit_overhead_s:
         runtime = cal.unit_overhead_s * option_unit_uses(t)
         comp_f = comp_f * cal.compute_scale + runtime
-        comp_b = comp_b * cal.compute_scale + runtime
+        comp_b = comp_b * cal.backward_compute_scale + runtime
     return comp_f, comp_b
 
 

@@ -86,8 +86,10 @@ class Calibration:
     ``overlap_efficiency``: the fraction of the communication that runs beside compute
     that is really hidden (1: fully; 0: it adds up as if serial; gloo on CPU shares the
     cores between compute and the collectives' threads).
-    ``compute_scale``: measured compute / the fitted per-op compute (the fits are taken
-    on the unwrapped model, one process at a time per unit).
+    ``compute_scale`` / ``backward_compute_scale``: measured forward / backward compute
+    over the fitted per-op compute (the fits are taken with hooks on the unwrapped
+    model, the backward ones from gradient-accumulation hooks, which see less of the
+    backward than a step does: two scales).
     ``memory_constant_bytes``: what the measured peak held beyond the prediction, learned
     from a measurement (already added to ``DeviceInfo.constant_bytes`` by
     ``calibration.apply``; kept here to say where that part of the constant came from).
@@ -96,12 +98,14 @@ class Calibration:
     unit_overhead_s: float = 0.0
     overlap_efficiency: float = 1.0
     compute_scale: float = 1.0
+    backward_compute_scale: float = 1.0
     memory_constant_bytes: float = 0.0
     source: str = ""
 
     def __post_init__(self):
         check_number(self.unit_overhead_s, "calibration.unit_overhead_s", positive=False)
         check_number(self.compute_scale, "calibration.compute_scale", positive=True)
+        check_number(self.backward_compute_scale, "calibration.backward_compute_scale", positive=True)
         check_number(self.overlap_efficiency, "calibration.overlap_efficiency", positive=False)
         if self.overlap_efficiency > 1:
             raise OSDPError(f"calibration.overlap_efficiency is a fraction in [0, 1], got {self.overlap_efficiency!r}")
