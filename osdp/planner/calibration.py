@@ -51,6 +51,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import numpy as np
 
 from ..errors import OSDPError
+from ..sizes import format_bytes
 from .cost_model import PlannerSettings, ProblemTemplate, build_template, evaluate, option_compute_s, option_unit_uses
 from .description import ModelDesc
 from .device import Calibration, DeviceInfo
@@ -402,8 +403,8 @@ def reasons_to_refit(plan, measured: Measurement, margin_fraction: float,
                        f"({error:+.1%}, more than {tolerance:.0%} off)")
     limit = plan.memory_limit_bytes
     if measured.peak_bytes > limit * (1 - margin_fraction):
-        reasons.append(f"measured peak {measured.peak_bytes / 2**20:.1f} MiB is within {margin_fraction:.0%} of the "
-                       f"limit {limit / 2**20:.1f} MiB")
+        reasons.append(f"measured peak {format_bytes(measured.peak_bytes)} is within {margin_fraction:.0%} of the "
+                       f"limit {format_bytes(limit)}")
     return reasons
 
 
@@ -456,8 +457,6 @@ def simulate_step_timeline(a: Assignment, device: DeviceInfo):
 
 def format_report(plan) -> str:
     """Predicted beside measured, per phase and per unit group (``OSDP.report()``)."""
-    from ..sizes import format_bytes
-
     if plan is None:
         return "no plan: nothing was predicted (OSDP was given modes by hand)"
     info = plan.calibration or {}

@@ -191,6 +191,8 @@ class DeviceInfo:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["op_compute"] = {k: asdict(v) if not isinstance(v, dict) else v for k, v in self.op_compute.items()}
+        if self.calibration == Calibration():
+            del data["calibration"]  # uncalibrated: the form written before calibration existed
         return data
 
     @classmethod

@@ -7,8 +7,10 @@ cost model prices; lr 0, the copy is thrown away) on the example inputs repeated
 to the plan's batch: ``warmup`` steps (the first records the use order and creates the
 optimizer state), then ``steps`` timed steps, then one step under the peak-memory
 tracker (live tensors on CPU, which slows it, so it is not timed; the allocator's peak
-on CUDA). Every rank measures; the result is the max over ranks (the slowest rank
-decides when a step is done), so every rank holds the same ``Measurement``.
+on CUDA). Every rank measures; the step reported is the median timed step with its own
+phases (so forward + backward + optimizer = step), taken from the slowest rank (it
+decides when a step is done for everyone); peak and group times are maxima over ranks.
+Every rank holds the same ``Measurement``.
 """
 from __future__ import annotations
 
@@ -121,13 +123,19 @@ def measure_plan(module, plan, example_inputs, *, loss_fn=None, steps: int = 3, 
             one_step(None)
         peak = tracker.peak_bytes
         peak_source = "live tensors (osdp.memtrack.LiveBytesTracker)"
-    medians = [statistics.median(col) for col in list(zip(*timed))[:4]]
+    # the median step with its own phases (so they add up to it), then the slowest
+    # rank's: it decides when a step is done for everyone
+    median_step = sorted(timed)[(len(timed) - 1) // 2][:4]
     group_names = sorted({g for groups in per_group for g in groups})
     group_medians = [statistics.median(groups.get(g, 0.0) for groups in per_group) for g in group_names]
-    values = torch.tensor(medians + [float(peak)] + group_medians, dtype=torch.float64)
+    row = torch.tensor(list(median_step) + [float(peak)] + group_medians, dtype=torch.float64)
     if dist.is_initialized():
-        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=group)
-    values = values.tolist()
+        rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(rows, row, group=group)
+        slowest = max(rows, key=lambda r: float(r[0]))
+        highest = torch.stack(rows).max(dim=0).values  # peak and group times: max over ranks
+        row = torch.cat([slowest[:4], highest[4:]])
+    values = row.tolist()
     del model, optim, replica
     return Measurement(
         step_s=values[0], forward_s=values[1], backward_s=values[2], optimizer_s=values[3], peak_bytes=values[4],

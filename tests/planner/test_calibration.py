@@ -200,3 +200,77 @@ def test_calibration_round_trips_through_device_json():
     old = dev.to_dict()
     del old["calibration"]
     assert DeviceInfo.from_dict(old).calibration == Calibration()
+
+
+# ---- auto mode on 2 gloo ranks ---------------------------------------------------------------
+
+def _auto_ranks(rank, world, cache_dir):
+    import io
+
+    import torch
+
+    import osdp
+    from osdp.auto import calibrate_plan
+    from osdp.models import GPT, example_batch, get_preset
+    from osdp.planner.profiler import profile
+
+    torch.manual_seed(0)
+    config = get_preset("tiny")
+    inputs = example_batch(config, 4)
+    kwargs = dict(cache_dir=cache_dir, comm_sizes=(4096, 65536, 1 << 20), repeats=1, progress=False)
+    model = osdp.OSDP(GPT(config), memory_limit="64MiB", example_inputs=inputs, auto_kwargs=kwargs)
+    buf = io.StringIO()
+    out = {"report": model.report(file=buf), "printed": buf.getvalue(), "plan": model.plan.to_dict(),
+           "hash": model.plan.plan_hash()}
+    # the re-plan path, driven by measurements made up per plan: the first plan measures
+    # twice as slow as predicted, so the model is refitted, planned again and the
+    # re-plan measured; the faster one is kept, the same on every rank
+    torch.manual_seed(0)
+    fresh = GPT(config)
+    desc, cluster, run = profile(fresh, inputs, memory_limit="64MiB", **kwargs)
+    device = cluster.for_run(run)
+    first = osdp.Plan.from_dict({**out["plan"], "measured": {}, "calibration": {}})
+    seen = []
+
+    def measure(plan):
+        seen.append(plan.plan_hash())
+        step = 0.2 if len(seen) == 1 else 0.05  # the first plan is slow, the others fast
+        return Measurement(step, step / 3, step / 2, step / 6, 2**20, plan.batch_size)  # 1 MiB: room to grow
+
+    chosen = calibrate_plan(fresh, inputs, desc, device, replace(first, batch_size=first.batch_size // 2),
+                            measure=measure)
+    out["seen"], out["chosen"] = seen, chosen.to_dict()
+    return out
+
+
+@pytest.mark.slow
+def test_auto_mode_calibrates_on_every_rank_alike(tmp_path):
+    from runtime.dist_harness import spawn
+
+    a, b = spawn(_auto_ranks, 2, str(tmp_path))
+    assert a["hash"] == b["hash"] and a["plan"] == b["plan"]
+    plan = Plan.from_dict(a["plan"])
+    m = Measurement.from_dict(plan.measured)
+    assert m.step_s > 0 and m.forward_s > 0 and m.backward_s > 0 and m.optimizer_s > 0 and m.peak_bytes > 0
+    assert m.step_s == pytest.approx(m.forward_s + m.backward_s + m.optimizer_s)  # one step's phases
+    assert m.batch_size == plan.batch_size and m.groups
+    assert plan.calibration["decision"]
+    # the report prints predicted and measured side by side, per phase and unit group
+    assert a["report"] == a["printed"].rstrip("\n")
+    for phase in ("forward", "backward", "optimizer", "step"):
+        line = next(ln for ln in a["report"].splitlines() if ln.strip().startswith(phase))
+        assert len([w for w in line.split() if w.replace(".", "").lstrip("+-").rstrip("%").isdigit()]) >= 2, line
+    assert f"{m.step_s * 1e3:.2f}" in a["report"]
+    assert "blocks.*.attn.c_attn" in a["report"]
+    # the made-up measurements: refit, re-plan, measure it, keep the faster, on both ranks
+    assert a["chosen"] == b["chosen"] and a["seen"] == b["seen"]
+    chosen = Plan.from_dict(a["chosen"])
+    info = chosen.calibration
+    assert info["reasons"] and "factors" in info
+    assert info["factors"]["compute_scale"] != 1.0 or info["factors"]["backward_compute_scale"] != 1.0
+    # the first plan (half the batch) measured 200 ms, the re-plan 50 ms: the re-plan is
+    # a different plan, measured, and kept (more samples/s)
+    assert len(a["seen"]) == 3 and len(set(a["seen"])) == 3  # plan, FSDP reference, re-plan
+    assert info["decision"].startswith("re-planned"), info["decision"]
+    assert chosen.plan_hash() == a["seen"][-1] and chosen.measured and "other" in info
+    assert info["predicted_phases"] and info["predicted_groups"]
