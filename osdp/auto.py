@@ -94,9 +94,18 @@ def auto_plan(
         )
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
-    device = cluster.for_run(run)
+    device = hardware = cluster.for_run(run)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
+    calibrate = calibrate and distributed
+    if calibrate:  # [Note: calibrate and re-plan] step 1
+        measure = runtime_measure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
+                                  steps=calibration_steps, mixed_precision=mixed_precision)
+        from .planner.inputs import as_example_inputs
+
+        device, reference = runtime_profile(desc, device, settings or PlannerSettings(),
+                                            as_example_inputs(example_inputs).batch_size(), measure,
+                                            process_group=process_group, backend=backend)
     outcome = None
     if rank == 0:
         try:
@@ -113,103 +122,130 @@ def auto_plan(
         raise OSDPError(outcome["message"])
     plan = Plan.from_dict(outcome)
     plan.check_model(desc.fingerprint(), device.world_size)
-    if calibrate and distributed:
-        plan = calibrate_plan(model, example_inputs, desc, device, plan, settings=settings, batch=batch,
-                              global_batch=global_batch, backend=backend, loss_fn=loss_fn,
-                              process_group=process_group, steps=calibration_steps, mixed_precision=mixed_precision)
+    if calibrate:
+        plan = calibrate_plan(desc, hardware, device, plan, measure, reference=reference, settings=settings,
+                              batch=batch, global_batch=global_batch, backend=backend, process_group=process_group)
     check_same_plan(plan, process_group)
     return plan
 
 
 # ---- calibration -------------------------------------------------------------------------
 
-def calibrate_plan(model, example_inputs, desc, device, plan: Plan, *, settings=None, batch=None, global_batch=None,
-                   backend: str = "auto", loss_fn=None, process_group=None, steps: int = 3,
-                   mixed_precision=None, measure=None) -> Plan:
+def runtime_measure(model, example_inputs, *, loss_fn=None, process_group=None, steps: int = 3,
+                    mixed_precision=None):
+    """``plan -> Measurement``: ``osdp.profiler.measure_plan`` of ``model`` (a copy)."""
+    from .profiler import measure_plan
+
+    def measure(plan):
+        return measure_plan(model, plan, example_inputs, loss_fn=loss_fn, steps=steps, process_group=process_group,
+                            mixed_precision=mixed_precision)
+
+    return measure
+
+
+def _share(obj, group):
+    return _broadcast(obj, group) if dist.is_available() and dist.is_initialized() else obj
+
+
+def _is_rank0(group) -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
+
+
+def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,
+                    backend: str = "auto"):
+    """Step 1 of [Note: calibrate and re-plan]: FSDP full shard (all ``zdp``, no
+    checkpointing: the plan every model can run) at ``batch`` measured on the runtime,
+    the factors refitted to it. Returns the refitted device and (that plan, its
+    measurement), or ``device`` and None when FSDP does not fit at ``batch``."""
+    from .planner import calibration as cal
+    from .planner.device import DeviceInfo
+
+    ref = None
+    if _is_rank0(process_group):
+        try:
+            ref = make_plan(desc, device, settings.with_(policy="zdp", checkpointing="none", rerank=False,
+                                                         accumulation_steps=1),
+                            batch=batch, backend=backend, baselines=False).to_dict()
+        except OSDPError:
+            ref = None
+    ref = _share(ref, process_group)
+    if ref is None:
+        return device, None
+    ref = Plan.from_dict(ref)
+    measured = measure(ref)
+    fitted = None
+    if _is_rank0(process_group):
+        try:
+            fitted = cal.refit(desc, device, [(ref, measured)]).to_dict()
+        except OSDPError as exc:
+            log.warning("could not fit the runtime's factors (%s); planning on the profile alone", exc)
+    fitted = _share(fitted, process_group)
+    return (device if fitted is None else DeviceInfo.from_dict(fitted, "calibrated device")), (ref, measured)
+
+
+def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=None, settings=None, batch=None,
+                   global_batch=None, backend: str = "auto", process_group=None) -> Plan:
     """[Note: calibrate and re-plan]
-    1. The plan is measured on the runtime (``osdp.profiler.measure_plan``: a copy of
-       the model wrapped with it, a few AdamW steps; max over ranks, so every rank holds
-       the same numbers).
-    2. Rank 0 compares it with the prediction (``calibration.reasons_to_refit``): step
-       time off by more than 5%, or the measured peak within the memory tolerance of
-       the limit. If neither, the plan stays, with its measurement beside it.
-    3. Otherwise the factors are refitted (``calibration.refit``: compute scale, unit
-       overhead, overlap efficiency, optimizer bandwidth, memory constant) to the plan's
-       measurement and, for enough equations, to that of FSDP full shard (all ``zdp``) at
-       the same batch when it fits, measured too. Rank 0 plans again on the refitted
-       device (the learned memory constant makes the margin) and broadcasts it.
+    1. (``runtime_profile``) FSDP full shard at the example batch is measured on the
+       runtime (``osdp.profiler.measure_plan``: a copy of the model wrapped by
+       ``osdp.OSDP``, a few AdamW steps; the slowest rank's, so every rank holds the
+       same numbers) and the factors are fitted to it (``calibration.refit``: the two
+       compute scales, optimizer bandwidth, memory constant). The plan is made on that
+       ``device``: a plan is only handed out with the memory margin the measurement
+       taught (the learned constant).
+    2. The plan is measured and rank 0 compares it with its prediction
+       (``calibration.reasons_to_refit``): step time off by more than 5%, or the
+       measured peak within the memory tolerance of the limit. If neither, it stays,
+       with its measurement beside it.
+    3. Otherwise every factor is refitted from the ``hardware`` profile to both
+       measurements (four phase equations: compute scales, unit overhead, overlap
+       efficiency; optimizer bandwidth; memory constant), rank 0 plans again on it and
+       broadcasts the re-plan.
     4. A re-plan that differs is measured; it is kept only if it measured better
        (``calibration.better``: within the limit less the margin first, then samples/s).
-       Rank 0 decides and broadcasts the plan that is returned on every rank.
-    ``measure(plan) -> Measurement``: the measurement (default ``measure_plan``)."""
+       Rank 0 decides and broadcasts the plan returned on every rank.
+    ``measure(plan) -> Measurement`` (``runtime_measure``); ``reference``: step 1's
+    (plan, measurement), or None."""
     from .planner import calibration as cal
+    from .planner.device import DeviceInfo
 
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(process_group) if distributed else 0
+    group = process_group
     settings = settings or PlannerSettings()
     margin = settings.memory_tolerance
-    if measure is None:
-        from .profiler import measure_plan
-
-        def measure(p):
-            return measure_plan(model, p, example_inputs, loss_fn=loss_fn, steps=steps, process_group=process_group,
-                                mixed_precision=mixed_precision)
-
-    def share(obj):
-        return _broadcast(obj, process_group) if distributed else obj
-
-    first = measure(plan)
-    # 2. rank 0 decides whether to refit, and names the reference plan to measure
-    step = None
-    if rank == 0:
-        step = {"reasons": cal.reasons_to_refit(plan, first, margin), "reference": None}
-        if step["reasons"] and not all(m == "zdp" for u in plan.units for m in u.modes):
-            try:
-                ref = make_plan(desc, device, settings.with_(policy="zdp", checkpointing="none", rerank=False),
-                                batch=plan.batch_size, backend=backend, baselines=False)
-                if ref.accumulation_steps == plan.accumulation_steps:
-                    step["reference"] = ref.to_dict()
-            except OSDPError:
-                pass  # FSDP does not fit at this batch: refit from the plan alone
-    step = share(step)
-    if not step["reasons"]:
-        return _annotated(plan, first, {"decision": "kept: the model predicted it within 5% and with room below the "
-                                                    "limit", "reasons": [], **_predictions(cal, desc, device, plan)})
-    observations = [(plan, first)]
-    if step["reference"] is not None:
-        ref = Plan.from_dict(step["reference"])
-        observations.append((ref, measure(ref)))
-    # 3. rank 0 refits and plans again
+    first = reference[1] if reference is not None and reference[0].plan_hash() == plan.plan_hash() else measure(plan)
+    observations = [(plan, first)] + ([reference] if reference is not None and reference[1] is not first else [])
+    info = {"factors": asdict(device.calibration), "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s,
+            "constant_bytes": device.constant_bytes}
+    reasons = _share(cal.reasons_to_refit(plan, first, margin) if _is_rank0(group) else None, group)
+    info["reasons"] = reasons
+    info["observations"] = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "measured": m.to_dict()}
+                            for p, m in observations]
+    if not reasons:
+        return _annotated(plan, first, {**info, "decision": "kept: the model predicted it within 5% and with room "
+                                                            "below the limit", **_predictions(cal, desc, device, plan)})
     outcome = None
-    if rank == 0:
+    if _is_rank0(group):
         try:
-            fitted = cal.refit(desc, device, observations)
+            fitted = cal.refit(desc, hardware, observations)
             replan = make_plan(desc, fitted, settings, batch=batch, backend=backend, global_batch=global_batch)
             outcome = {"device": fitted.to_dict(), "replan": replan.to_dict()}
         except OSDPError as exc:
             outcome = {"error": str(exc)}
-    outcome = share(outcome)
-    info = {"reasons": step["reasons"],
-            "observations": [{"plan": p.plan_hash(), "measured": m.to_dict(), **_predictions(cal, desc, device, p)}
-                             for p, m in observations]}
+    outcome = _share(outcome, group)
     if "error" in outcome:
         log.warning("calibration could not re-plan (%s); keeping the plan", outcome["error"])
-        return _annotated(plan, first, {**info, "decision": f"kept: re-planning failed ({outcome['error']})"})
-    from .planner.device import DeviceInfo
-
+        return _annotated(plan, first, {**info, "decision": f"kept: re-planning failed ({outcome['error']})",
+                                        **_predictions(cal, desc, device, plan)})
     fitted = DeviceInfo.from_dict(outcome["device"], "calibrated device")
-    info["factors"] = asdict(fitted.calibration)
-    info["memory_bandwidth_bytes_per_s"] = fitted.memory_bandwidth_bytes_per_s
-    info["constant_bytes"] = fitted.constant_bytes
+    info.update(factors=asdict(fitted.calibration), memory_bandwidth_bytes_per_s=fitted.memory_bandwidth_bytes_per_s,
+                constant_bytes=fitted.constant_bytes)
     replan = Plan.from_dict(outcome["replan"])
     if replan.plan_hash() == plan.plan_hash():
-        decision = "kept: the re-plan on the refitted model is the same plan"
-        return _annotated(replace(replan, notes=plan.notes), first,
-                          {**info, "decision": decision, **_predictions(cal, desc, fitted, replan)})
-    # 4. measure the re-plan; rank 0 keeps the better one
+        return _annotated(replan, first, {**info, "decision": "kept: the re-plan on the refitted model is the same plan",
+                                          **_predictions(cal, desc, fitted, replan)})
     second = measure(replan)
     keep = None
-    if rank == 0:
+    if _is_rank0(group):
         keep_replan = cal.better((plan, first), (replan, second), margin)[0] is replan
         chosen, other = ((replan, second), (plan, first)) if keep_replan else ((plan, first), (replan, second))
         samples = [m.samples_per_s(p.world_size, p.accumulation_steps) for p, m in (chosen, other)]
@@ -219,7 +255,7 @@ def calibrate_plan(model, example_inputs, desc, device, plan: Plan, *, settings=
         extra = {**info, "decision": decision, "other": {"plan": other[0].to_dict(), "measured": other[1].to_dict()},
                  **_predictions(cal, desc, fitted, chosen[0])}
         keep = _annotated(chosen[0], chosen[1], extra).to_dict()
-    return Plan.from_dict(share(keep))
+    return Plan.from_dict(_share(keep, group))
 
 
 def _predictions(cal, desc, device, plan) -> dict:
