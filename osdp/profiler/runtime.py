@@ -51,10 +51,19 @@ def measure_plan(module, plan, example_inputs, *, loss_fn=None, steps: int = 3, 
                  process_group=None, device=None, mixed_precision=None, coalesce_bytes=None,
                  group_times: bool = True) -> Measurement:
     """Train a copy of ``module`` wrapped with ``plan`` for a few steps and return what
-    was measured (every rank calls it; all get the same numbers). ``module`` itself is
-    not changed. ``group_times``: also time the forward of every unit group (module
+    was measured (every rank calls it; all get the same numbers). Neither ``module`` nor
+    the random number generators' states change (dropout in the copy draws from a
+    forked state). ``group_times``: also time the forward of every unit group (module
     hooks that read the clock; on CUDA they do not synchronize, so group times there
     are launch times)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        return _measure(module, plan, example_inputs, loss_fn, steps, warmup, process_group, device,
+                        mixed_precision, coalesce_bytes, group_times)
+
+
+def _measure(module, plan, example_inputs, loss_fn, steps, warmup, process_group, device, mixed_precision,
+             coalesce_bytes, group_times) -> Measurement:
     from ..api import OSDP
     from ..memtrack import LiveBytesTracker
 
