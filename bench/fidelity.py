@@ -85,7 +85,7 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
     from osdp.models import GPT, example_batch
     from osdp.planner import calibration as cal
     from osdp.planner.profiler import profile
-    from osdp.profiler import measure_plan
+    from osdp.profiler import measure_plans
 
     config = MODELS[model_name]
     torch.manual_seed(0)
@@ -96,9 +96,11 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
                                  repeats=2)
     device = cluster.for_run(run)
     plans = {kind: plan_of_kind(desc, device, kind, BATCH) for kind in KINDS}
-    # every plan measured on the runtime (osdp.profiler.measure_plan: the wrapped model,
-    # real scheduler and coalescing; median step, max over ranks; peak of one step)
-    measured = {kind: measure_plan(model, plans[kind], inputs, steps=steps, group_times=False) for kind in KINDS}
+    # every plan measured on the runtime (osdp.profiler.measure_plans: the wrapped model,
+    # real scheduler and coalescing; steps interleaved across the plans; median step,
+    # slowest rank; peak of one step)
+    measured = dict(zip(KINDS, measure_plans(model, [plans[k] for k in KINDS], inputs, steps=steps,
+                                             group_times=False)))
     # calibration as auto mode does it: refit to the measured plans of ``calibrate_on``
     # (the others are out of sample)
     calibrated = cal.refit(desc, device, [(plans[k], measured[k]) for k in calibrate_on]) if calibrate_on else None

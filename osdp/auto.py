@@ -154,66 +154,71 @@ def _is_rank0(group) -> bool:
 def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,
                     backend: str = "auto"):
     """Step 1 of [Note: calibrate and re-plan]: FSDP full shard (all ``zdp``, no
-    checkpointing: the plan every model can run) at ``batch`` measured on the runtime,
-    the factors refitted to it. Returns the refitted device and (that plan, its
-    measurement), or ``device`` and None when FSDP does not fit at ``batch``."""
+    checkpointing: the plan every model can run) measured on the runtime at ``batch``
+    and at half of it (compute grows with the batch, the runtime's per-unit overhead and
+    the collectives do not, which tells them apart), the factors refitted to both.
+    Returns the refitted device and the [(plan, measurement)] it was fitted to ([] and
+    ``device`` when FSDP does not fit at ``batch``)."""
     from .planner import calibration as cal
     from .planner.device import DeviceInfo
 
-    ref = None
+    refs = None
     if _is_rank0(process_group):
-        try:
-            ref = make_plan(desc, device, settings.with_(policy="zdp", checkpointing="none", rerank=False,
-                                                         accumulation_steps=1),
-                            batch=batch, backend=backend, baselines=False).to_dict()
-        except OSDPError:
-            ref = None
-    ref = _share(ref, process_group)
-    if ref is None:
-        return device, None
-    ref = Plan.from_dict(ref)
-    measured = measure(ref)
+        refs = []
+        for b in sorted({batch, max(1, batch // 2)}, reverse=True):
+            try:
+                refs.append(make_plan(desc, device, settings.with_(policy="zdp", checkpointing="none", rerank=False,
+                                                                   accumulation_steps=1),
+                                      batch=b, backend=backend, baselines=False).to_dict())
+            except OSDPError:
+                continue
+    refs = [Plan.from_dict(r) for r in _share(refs, process_group)]
+    if not refs:
+        return device, []
+    observations = [(ref, measure(ref)) for ref in refs]
     fitted = None
     if _is_rank0(process_group):
         try:
-            fitted = cal.refit(desc, device, [(ref, measured)]).to_dict()
+            fitted = cal.refit(desc, device, observations).to_dict()
         except OSDPError as exc:
             log.warning("could not fit the runtime's factors (%s); planning on the profile alone", exc)
     fitted = _share(fitted, process_group)
-    return (device if fitted is None else DeviceInfo.from_dict(fitted, "calibrated device")), (ref, measured)
+    return (device if fitted is None else DeviceInfo.from_dict(fitted, "calibrated device")), observations
 
 
 def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=None, settings=None, batch=None,
                    global_batch=None, backend: str = "auto", process_group=None) -> Plan:
     """[Note: calibrate and re-plan]
-    1. (``runtime_profile``) FSDP full shard at the example batch is measured on the
-       runtime (``osdp.profiler.measure_plan``: a copy of the model wrapped by
-       ``osdp.OSDP``, a few AdamW steps; the slowest rank's, so every rank holds the
-       same numbers) and the factors are fitted to it (``calibration.refit``: the two
-       compute scales, optimizer bandwidth, memory constant). The plan is made on that
+    1. (``runtime_profile``) FSDP full shard at the example batch and at half of it is
+       measured on the runtime (``osdp.profiler.measure_plan``: a copy of the model
+       wrapped by ``osdp.OSDP``, a few AdamW steps; the slowest rank's, so every rank
+       holds the same numbers) and the factors are fitted to it (``calibration.refit``:
+       compute scales, unit overhead, overlap efficiency, optimizer bandwidth, memory
+       constant). The plan is made on that
        ``device``: a plan is only handed out with the memory margin the measurement
        taught (the learned constant).
     2. The plan is measured and rank 0 compares it with its prediction
        (``calibration.reasons_to_refit``): step time off by more than 5%, or the
        measured peak within the memory tolerance of the limit. If neither, it stays,
        with its measurement beside it.
-    3. Otherwise every factor is refitted from the ``hardware`` profile to both
-       measurements (four phase equations: compute scales, unit overhead, overlap
-       efficiency; optimizer bandwidth; memory constant), rank 0 plans again on it and
-       broadcasts the re-plan.
+    3. Otherwise every factor is refitted from the ``hardware`` profile to all the
+       measurements (two phase equations each), rank 0 plans again on it and broadcasts
+       the re-plan.
     4. A re-plan that differs is measured; it is kept only if it measured better
        (``calibration.better``: within the limit less the margin first, then samples/s).
        Rank 0 decides and broadcasts the plan returned on every rank.
     ``measure(plan) -> Measurement`` (``runtime_measure``); ``reference``: step 1's
-    (plan, measurement), or None."""
+    [(plan, measurement)]."""
     from .planner import calibration as cal
     from .planner.device import DeviceInfo
 
     group = process_group
     settings = settings or PlannerSettings()
     margin = settings.memory_tolerance
-    first = reference[1] if reference is not None and reference[0].plan_hash() == plan.plan_hash() else measure(plan)
-    observations = [(plan, first)] + ([reference] if reference is not None and reference[1] is not first else [])
+    reference = list(reference or [])
+    same = [m for p, m in reference if p.plan_hash() == plan.plan_hash()]
+    first = same[0] if same else measure(plan)
+    observations = [(plan, first)] + [(p, m) for p, m in reference if m is not first]
     info = {"factors": asdict(device.calibration), "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s,
             "constant_bytes": device.constant_bytes}
     reasons = _share(cal.reasons_to_refit(plan, first, margin) if _is_rank0(group) else None, group)

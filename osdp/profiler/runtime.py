@@ -24,6 +24,8 @@ import torch.distributed as dist
 from ..planner.calibration import Measurement, group_of
 from ..planner.inputs import as_example_inputs, batch_loss
 
+__all__ = ["measure_plan", "measure_plans"]
+
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
@@ -47,107 +49,144 @@ def _group_stamps(model, names):
     return stamps, handles
 
 
-def measure_plan(module, plan, example_inputs, *, loss_fn=None, steps: int = 3, warmup: int = 2,
-                 process_group=None, device=None, mixed_precision=None, coalesce_bytes=None,
-                 group_times: bool = True) -> Measurement:
+def measure_plan(module, plan, example_inputs, **kwargs) -> Measurement:
     """Train a copy of ``module`` wrapped with ``plan`` for a few steps and return what
-    was measured (every rank calls it; all get the same numbers). Neither ``module`` nor
-    the random number generators' states change (dropout in the copy draws from a
-    forked state). ``group_times``: also time the forward of every unit group (module
-    hooks that read the clock; on CUDA they do not synchronize, so group times there
-    are launch times)."""
+    was measured (every rank calls it; all get the same numbers); ``measure_plans`` of
+    one plan, see there for the keyword arguments."""
+    return measure_plans(module, [plan], example_inputs, **kwargs)[0]
+
+
+def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3, warmup: int = 2,
+                  process_group=None, device=None, mixed_precision=None, coalesce_bytes=None,
+                  group_times: bool = True) -> list[Measurement]:
+    """Measure several plans, each on its own copy of ``module``, their timed steps
+    interleaved (plan 1, plan 2, ..., plan 1, ...) so that a machine whose load drifts
+    slows them alike: their ratios hold even where their absolute times do not. Neither
+    ``module`` nor the random number generators' states change (dropout in the copies
+    draws from a forked state). ``group_times``: also time the forward of every unit
+    group (module hooks that read the clock; on CUDA they do not synchronize, so group
+    times there are launch times)."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        return _measure(module, plan, example_inputs, loss_fn, steps, warmup, process_group, device,
-                        mixed_precision, coalesce_bytes, group_times)
+        trials = [_Trial(module, plan, example_inputs, loss_fn, process_group, device, mixed_precision,
+                         coalesce_bytes) for plan in plans]
+        for trial in trials:
+            for _ in range(warmup):
+                trial.step()
+        for trial in trials:
+            if group_times:
+                trial.hook_groups()
+        try:
+            for _ in range(steps):
+                for trial in trials:
+                    trial.timed_step()
+        finally:
+            for trial in trials:
+                trial.unhook()
+        out = []
+        for trial in trials:
+            out.append(trial.result(steps))
+            trial.close()
+        return out
 
 
-def _measure(module, plan, example_inputs, loss_fn, steps, warmup, process_group, device, mixed_precision,
-             coalesce_bytes, group_times) -> Measurement:
-    from ..api import OSDP
-    from ..memtrack import LiveBytesTracker
+class _Trial:
+    """One plan on its own wrapped copy of the model, with its optimizer and inputs."""
 
-    inputs = as_example_inputs(example_inputs)
-    example_batch = inputs.batch_size()
-    batch = plan.batch_size
-    inputs = inputs if batch == example_batch else inputs.with_batch(batch)
-    cuda = torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda")
-    if cuda:
-        _sync(torch.device("cuda"))
-        base_bytes = torch.cuda.memory_allocated()
-    replica = copy.deepcopy(module)
-    model = OSDP(replica, plan=plan, process_group=process_group, device=device, mixed_precision=mixed_precision,
-                 coalesce_bytes=coalesce_bytes)
-    dev = model.device
-    inputs = inputs.map_batched(lambda t: t.to(dev))
-    optim = torch.optim.AdamW(model.parameters(), lr=0.0)
-    group = process_group
+    def __init__(self, module, plan, example_inputs, loss_fn, group, device, mixed_precision, coalesce_bytes):
+        from ..api import OSDP
 
-    def one_step(timed: list | None, stamps=None) -> None:
-        dist.barrier(group)
-        _sync(dev)
-        if stamps is not None:
-            stamps.clear()
+        inputs = as_example_inputs(example_inputs)
+        self.example_batch = inputs.batch_size()
+        self.plan, self.batch, self.loss_fn, self.group = plan, plan.batch_size, loss_fn, group
+        inputs = inputs if self.batch == self.example_batch else inputs.with_batch(self.batch)
+        self.model = OSDP(copy.deepcopy(module), plan=plan, process_group=group, device=device,
+                          mixed_precision=mixed_precision, coalesce_bytes=coalesce_bytes)
+        self.dev = self.model.device
+        self.inputs = inputs.map_batched(lambda t: t.to(self.dev))
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.0)
+        self.timed: list[tuple] = []
+        self.per_group: list[dict] = []
+        self.stamps: dict[str, float] | None = None
+        self.handles: list = []
+
+    def step(self) -> tuple:
+        dist.barrier(self.group)
+        _sync(self.dev)
+        if self.stamps is not None:
+            self.stamps.clear()
         t0 = time.perf_counter()
-        loss = batch_loss(inputs.call(model), loss_fn, batch, example_batch)
-        _sync(dev)
+        loss = batch_loss(self.inputs.call(self.model), self.loss_fn, self.batch, self.example_batch)
+        _sync(self.dev)
         t1 = time.perf_counter()
         loss.backward()
-        _sync(dev)
+        _sync(self.dev)
         t2 = time.perf_counter()
-        optim.step()
-        optim.zero_grad(set_to_none=True)
-        _sync(dev)
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        _sync(self.dev)
         t3 = time.perf_counter()
-        if timed is not None:
-            timed.append((t3 - t0, t1 - t0, t2 - t1, t3 - t2, t1))
+        return t3 - t0, t1 - t0, t2 - t1, t3 - t2, t1
 
-    for _ in range(warmup):
-        one_step(None)
-    names = [u.name for u in plan.units]
-    stamps, handles = _group_stamps(model, names) if group_times else ({}, [])
-    timed, per_group = [], []
-    try:
-        for _ in range(steps):
-            one_step(timed, stamps)
-            order = sorted(stamps, key=stamps.__getitem__)
+    def hook_groups(self) -> None:
+        self.stamps, self.handles = _group_stamps(self.model, [u.name for u in self.plan.units])
+
+    def unhook(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.stamps = [], None
+
+    def timed_step(self) -> None:
+        row = self.step()
+        self.timed.append(row)
+        if self.stamps is not None:
+            order = sorted(self.stamps, key=self.stamps.__getitem__)
             groups: dict[str, float] = {}
             for i, name in enumerate(order):
-                end = stamps[order[i + 1]] if i + 1 < len(order) else timed[-1][4]
-                groups[group_of(name)] = groups.get(group_of(name), 0.0) + end - stamps[name]
-            per_group.append(groups)
-    finally:
-        for h in handles:
-            h.remove()
-    # peak of one steady step
-    if cuda:
-        _sync(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        one_step(None)
-        peak = torch.cuda.max_memory_allocated(dev) - base_bytes
-        peak_source = "torch.cuda.max_memory_allocated (less what was allocated before the copy)"
-    else:
-        state = [t for st in optim.state.values() for t in st.values() if torch.is_tensor(t)]
-        with LiveBytesTracker(list(model.parameters()) + list(model.buffers()) + state) as tracker:
-            one_step(None)
-        peak = tracker.peak_bytes
-        peak_source = "live tensors (osdp.memtrack.LiveBytesTracker)"
-    # the median step with its own phases (so they add up to it), then the slowest
-    # rank's: it decides when a step is done for everyone
-    median_step = sorted(timed)[(len(timed) - 1) // 2][:4]
-    group_names = sorted({g for groups in per_group for g in groups})
-    group_medians = [statistics.median(groups.get(g, 0.0) for groups in per_group) for g in group_names]
-    row = torch.tensor(list(median_step) + [float(peak)] + group_medians, dtype=torch.float64)
-    if dist.is_initialized():
-        rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(rows, row, group=group)
-        slowest = max(rows, key=lambda r: float(r[0]))
-        highest = torch.stack(rows).max(dim=0).values  # peak and group times: max over ranks
-        row = torch.cat([slowest[:4], highest[4:]])
-    values = row.tolist()
-    del model, optim, replica
-    return Measurement(
-        step_s=values[0], forward_s=values[1], backward_s=values[2], optimizer_s=values[3], peak_bytes=values[4],
-        batch_size=int(batch), steps=int(steps), peak_source=peak_source,
-        groups=dict(zip(group_names, values[5:])),
-    )
+                end = self.stamps[order[i + 1]] if i + 1 < len(order) else row[4]
+                groups[group_of(name)] = groups.get(group_of(name), 0.0) + end - self.stamps[name]
+            self.per_group.append(groups)
+
+    def _resident(self) -> list[torch.Tensor]:
+        state = [t for st in self.optim.state.values() for t in st.values() if torch.is_tensor(t)]
+        return list(self.model.parameters()) + list(self.model.buffers()) + state
+
+    def peak(self) -> tuple[float, str]:
+        """Peak bytes of one steady step: this copy's states and what the step adds."""
+        from ..memtrack import LiveBytesTracker
+
+        if self.dev.type == "cuda":
+            _sync(self.dev)
+            own = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in self._resident()}.values())
+            base = torch.cuda.memory_allocated(self.dev) - own
+            torch.cuda.reset_peak_memory_stats(self.dev)
+            self.step()
+            return (torch.cuda.max_memory_allocated(self.dev) - base,
+                    "torch.cuda.max_memory_allocated (less what other tensors held before the step)")
+        with LiveBytesTracker(self._resident()) as tracker:
+            self.step()
+        return tracker.peak_bytes, "live tensors (osdp.memtrack.LiveBytesTracker)"
+
+    def result(self, steps: int) -> Measurement:
+        peak, peak_source = self.peak()
+        # the median step with its own phases (so they add up to it), then the slowest
+        # rank's: it decides when a step is done for everyone
+        median_step = sorted(self.timed)[(len(self.timed) - 1) // 2][:4]
+        group_names = sorted({g for groups in self.per_group for g in groups})
+        group_medians = [statistics.median(groups.get(g, 0.0) for groups in self.per_group) for g in group_names]
+        row = torch.tensor(list(median_step) + [float(peak)] + group_medians, dtype=torch.float64)
+        if dist.is_initialized():
+            rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(rows, row, group=self.group)
+            slowest = max(rows, key=lambda r: float(r[0]))
+            highest = torch.stack(rows).max(dim=0).values  # peak and group times: max over ranks
+            row = torch.cat([slowest[:4], highest[4:]])
+        values = row.tolist()
+        return Measurement(
+            step_s=values[0], forward_s=values[1], backward_s=values[2], optimizer_s=values[3],
+            peak_bytes=values[4], batch_size=int(self.batch), steps=int(steps), peak_source=peak_source,
+            groups=dict(zip(group_names, values[5:])),
+        )
+
+    def close(self) -> None:
+        del self.model, self.optim
