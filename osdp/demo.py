@@ -28,6 +28,7 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False):
     from osdp.memtrack import LiveBytesTracker
     from osdp.models import GPT, example_batch, get_preset
     from osdp.models.gpt import counting_batch
+    from osdp.planner.calibration import format_report
     from osdp.planner.cost_model import PlannerSettings
 
     say = (lambda *_: None) if quiet else (lambda text="": _say(rank, text))
@@ -84,6 +85,9 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False):
     say(f"peak memory   {format_bytes(peak):>12}  predicted {format_bytes(p.peak_bytes):>12} "
         f"(limit {format_bytes(plan.memory_limit_bytes)})")
     say(f"OSDP buffers  {format_bytes(ledger['peak_total_bytes']):>12} peak of gathered weights + unsharded grads")
+    if plan.measured:
+        say("\n-- auto mode's calibration (model.report(): predicted vs measured before training)")
+        say(format_report(plan))
     return {"losses": losses, "step_s": measured_s, "peak_bytes": peak, "plan": plan.to_dict()}
 
 
