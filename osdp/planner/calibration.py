@@ -68,8 +68,9 @@ class Measurement:
     """Measured steps of one plan on the runtime (``osdp.profiler.measure_plan``):
     medians over ``steps`` timed steps, max over ranks; ``peak_bytes`` of one steady
     step (``peak_source`` says how it was read). ``groups``: unit group (module path
-    with layer indices as ``*``) -> measured forward seconds per step, summed over the
-    group's units (from the first unit's forward to the next unit's)."""
+    with layer indices as ``*``) -> measured forward seconds of a step's first
+    micro-batch, summed over the group's units (each from its forward pre-hook to the
+    next unit's: its compute, the work attributed to it, and waits for the next gather)."""
 
     step_s: float
     forward_s: float

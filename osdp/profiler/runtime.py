@@ -4,7 +4,7 @@ A deep copy of the (unwrapped) model is wrapped by ``osdp.OSDP`` with the plan, 
 is measured is what training runs: the real scheduler, prefetch window, coalescing of
 small units, reduction queue and split ops. It trains with AdamW (the optimizer the
 cost model prices; lr 0, the copy is thrown away) on the example inputs repeated or cut
-to the plan's batch: ``warmup`` steps (the first records the use order and creates the
+to the plan's batch, ``accumulation_steps`` micro-batches per step (``OSDP.micro_batch``): ``warmup`` steps (the first records the use order and creates the
 optimizer state), then ``steps`` timed steps, then one step under the peak-memory
 tracker (live tensors on CPU, which slows it, so it is not timed; the allocator's peak
 on CUDA). Every rank measures; the step reported is the median timed step with its own
@@ -116,17 +116,25 @@ class _Trial:
         if self.stamps is not None:
             self.stamps.clear()
         t0 = time.perf_counter()
-        loss = batch_loss(self.inputs.call(self.model), self.loss_fn, self.batch, self.example_batch)
-        _sync(self.dev)
-        t1 = time.perf_counter()
-        loss.backward()
-        _sync(self.dev)
+        forward_s = backward_s = 0.0
+        first_t1 = t0
+        for i in range(self.model.accumulation_steps):  # the plan's micro-batches, its gradient sync
+            start = time.perf_counter()
+            with self.model.micro_batch(i):
+                loss = batch_loss(self.inputs.call(self.model), self.loss_fn, self.batch, self.example_batch)
+                _sync(self.dev)
+                t1 = time.perf_counter()
+                loss.backward()
+                _sync(self.dev)
+            forward_s += t1 - start
+            backward_s += time.perf_counter() - t1
+            first_t1 = t1 if i == 0 else first_t1  # group times: the first micro-batch's forward
         t2 = time.perf_counter()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         _sync(self.dev)
         t3 = time.perf_counter()
-        return t3 - t0, t1 - t0, t2 - t1, t3 - t2, t1
+        return t3 - t0, forward_s, backward_s, t3 - t2, first_t1
 
     def hook_groups(self) -> None:
         self.stamps, self.handles = _group_stamps(self.model, [u.name for u in self.plan.units])
