@@ -115,21 +115,21 @@ class _Trial:
         _sync(self.dev)
         if self.stamps is not None:
             self.stamps.clear()
-        t0 = time.perf_counter()
+        t0 = mark = time.perf_counter()
         forward_s = backward_s = 0.0
         first_t1 = t0
         for i in range(self.model.accumulation_steps):  # the plan's micro-batches, its gradient sync
-            start = time.perf_counter()
             with self.model.micro_batch(i):
                 loss = batch_loss(self.inputs.call(self.model), self.loss_fn, self.batch, self.example_batch)
                 _sync(self.dev)
                 t1 = time.perf_counter()
                 loss.backward()
                 _sync(self.dev)
-            forward_s += t1 - start
-            backward_s += time.perf_counter() - t1
+            t2 = time.perf_counter()
+            forward_s += t1 - mark  # contiguous intervals: the phases add up to the step
+            backward_s += t2 - t1
+            mark = t2
             first_t1 = t1 if i == 0 else first_t1  # group times: the first micro-batch's forward
-        t2 = time.perf_counter()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         _sync(self.dev)
