@@ -69,9 +69,9 @@ def test_one_plan_fits_the_two_compute_scales_and_keeps_the_rest():
 
 
 def test_factors_stay_in_their_ranges():
-    """A measurement below what waiting alone takes would need a negative overlap
-    loss; the fit stops at the bound (forward 0.02 with W 0.01: cf 0.1 -> 0.01 / 0.1 =
-    0.1, the lower bound of the compute scale, exactly)."""
+    """Forward 0.02 s with W 0.01 s and F 0.1 s: cf = 0.01 / 0.1 = 0.1, the lower bound
+    of the compute scale, exactly; backward 0.001 s with B 0.2 s would need cb 0.005,
+    below the bound: the fit stops at 0.1."""
     rows = [PhaseTerms("forward", 0.02, 0.1, 0.0, 0, 0.01, 0.0), PhaseTerms("backward", 0.001, 0.0, 0.2, 0, 0.0, 0.0)]
     fitted = fit_factors(rows)
     assert fitted.compute_scale == pytest.approx(0.1)
