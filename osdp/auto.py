@@ -133,12 +133,13 @@ def auto_plan(
 
 def runtime_measure(model, example_inputs, *, loss_fn=None, process_group=None, steps: int = 3,
                     mixed_precision=None):
-    """``plan -> Measurement``: ``osdp.profiler.measure_plan`` of ``model`` (a copy)."""
-    from .profiler import measure_plan
+    """``[plan, ...] -> [Measurement, ...]``: ``osdp.profiler.measure_plans`` of
+    ``model`` (a copy per plan, their steps interleaved)."""
+    from .profiler import measure_plans
 
-    def measure(plan):
-        return measure_plan(model, plan, example_inputs, loss_fn=loss_fn, steps=steps, process_group=process_group,
-                            mixed_precision=mixed_precision)
+    def measure(plans):
+        return measure_plans(model, plans, example_inputs, loss_fn=loss_fn, steps=steps,
+                             process_group=process_group, mixed_precision=mixed_precision)
 
     return measure
 
@@ -175,7 +176,7 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
     refs = [Plan.from_dict(r) for r in _share(refs, process_group)]
     if not refs:
         return device, []
-    observations = [(ref, measure(ref)) for ref in refs]
+    observations = list(zip(refs, measure(refs)))
     fitted = None
     if _is_rank0(process_group):
         try:
@@ -204,10 +205,11 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     3. Otherwise every factor is refitted from the ``hardware`` profile to all the
        measurements (two phase equations each), rank 0 plans again on it and broadcasts
        the re-plan.
-    4. A re-plan that differs is measured; it is kept only if it measured better
-       (``calibration.better``: within the limit less the margin first, then samples/s).
+    4. A re-plan that differs is measured beside the plan (their steps interleaved);
+       it is kept only if it measured better (``calibration.better``: within the limit
+       less the margin first, then samples/s).
        Rank 0 decides and broadcasts the plan returned on every rank.
-    ``measure(plan) -> Measurement`` (``runtime_measure``); ``reference``: step 1's
+    ``measure([plan, ...]) -> [Measurement, ...]`` (``runtime_measure``); ``reference``: step 1's
     [(plan, measurement)]."""
     from .planner import calibration as cal
     from .planner.device import DeviceInfo
@@ -217,7 +219,7 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     margin = settings.memory_tolerance
     reference = list(reference or [])
     same = [m for p, m in reference if p.plan_hash() == plan.plan_hash()]
-    first = same[0] if same else measure(plan)
+    first = same[0] if same else measure([plan])[0]
     observations = [(plan, first)] + [(p, m) for p, m in reference if m is not first]
     info = {"factors": asdict(device.calibration), "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s,
             "constant_bytes": device.constant_bytes}
@@ -248,7 +250,9 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     if replan.plan_hash() == plan.plan_hash():
         return _annotated(replan, first, {**info, "decision": "kept: the re-plan on the refitted model is the same plan",
                                           **_predictions(cal, desc, fitted, replan)})
-    second = measure(replan)
+    # both measured again, their steps interleaved: a load that drifts since the first
+    # measurement slows both alike ("measured better" is a ratio taken in one run)
+    first, second = measure([plan, replan])
     keep = None
     if _is_rank0(group):
         keep_replan = cal.better((plan, first), (replan, second), margin)[0] is replan
