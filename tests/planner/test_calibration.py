@@ -236,7 +236,9 @@ def _auto_ranks(rank, world, cache_dir):
         out = []
         for plan in plans:
             seen.append(plan.plan_hash())
-            step = 0.2 if plan.plan_hash() == seen[0] else 0.05  # the first plan is slow, the others fast
+            # the first plan 3x slower than its prediction, the others 20x faster than it
+            slow = 3 * cal.predicted_step_s(first)
+            step = slow if plan.plan_hash() == seen[0] else slow / 20
             out.append(Measurement(step, step / 3, step / 2, step / 6, 2**20, plan.batch_size))  # 1 MiB: room
         return out
 
@@ -272,8 +274,8 @@ def test_auto_mode_calibrates_on_every_rank_alike(tmp_path):
     info = chosen.calibration
     assert info["reasons"] and "factors" in info
     assert info["factors"]["compute_scale"] != 1.0 or info["factors"]["backward_compute_scale"] != 1.0
-    # the first plan (half the batch) measured 200 ms, the re-plan 50 ms: the re-plan is
-    # a different plan, measured, and kept (more samples/s)
+    # the first plan (half the batch) measured 20x slower than the re-plan: the re-plan
+    # is a different plan, measured, and kept (more samples/s)
     # the plan; then the plan and the re-plan side by side
     assert len(a["seen"]) == 3 and len(set(a["seen"])) == 2 and a["seen"][0] == a["seen"][1]
     assert info["decision"].startswith("re-planned"), info["decision"]
