@@ -203,8 +203,8 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
        measured peak within the memory tolerance of the limit. If neither, it stays,
        with its measurement beside it.
     3. Otherwise every factor is refitted from the ``hardware`` profile to the plan's
-       measurement and those of step 1 taken within 2x of its batch (two phase
-       equations each), rank 0 plans again on it and broadcasts the re-plan.
+       measurement and those of step 1 (two phase equations each), rank 0 plans again
+       on it and broadcasts the re-plan.
     4. A re-plan that differs is measured beside the plan (their steps interleaved);
        it is kept only if it measured better (``calibration.better``: within the limit
        less the margin first, then samples/s).
@@ -220,11 +220,9 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     reference = list(reference or [])
     same = [m for p, m in reference if p.plan_hash() == plan.plan_hash()]
     first = same[0] if same else measure([plan])[0]
-    # compute does not scale with the batch exactly as the per-op fits say: references
-    # measured at a batch far from the plan's (more than 2x) would pull the refit away
-    # from the plan's own operating point, so they are left out of step 3
-    observations = [(plan, first)] + [(p, m) for p, m in reference if m is not first
-                                      and max(p.batch_size, plan.batch_size) <= 2 * min(p.batch_size, plan.batch_size)]
+    # every measurement at its own batch: compute grows with the batch, the runtime's
+    # per-unit overhead does not, so measurements at several batches tell them apart
+    observations = [(plan, first)] + [(p, m) for p, m in reference if m is not first]
     info = {"factors": asdict(device.calibration), "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s,
             "constant_bytes": device.constant_bytes}
     reasons = _share(cal.reasons_to_refit(plan, first, margin) if _is_rank0(group) else None, group)
