@@ -36,6 +36,7 @@ MODELS = {
                                block_hidden=(128, 512) * 3),
 }
 KINDS = ("all_dp", "all_zdp", "searched", "split4_mixed")
+HALF = "all_zdp@half"  # FSDP at half the batch: a calibration reference, not a row of the table
 BATCH = 4
 
 
@@ -96,11 +97,13 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
                                  repeats=2)
     device = cluster.for_run(run)
     plans = {kind: plan_of_kind(desc, device, kind, BATCH) for kind in KINDS}
+    # auto mode's references also measure FSDP at half the batch (it tells the runtime's
+    # per-unit overhead from compute); measured here for the calibration only
+    plans[HALF] = plan_of_kind(desc, device, "all_zdp", max(1, BATCH // 2))
     # every plan measured on the runtime (osdp.profiler.measure_plans: the wrapped model,
     # real scheduler and coalescing; steps interleaved across the plans; median step,
     # slowest rank; peak of one step)
-    measured = dict(zip(KINDS, measure_plans(model, [plans[k] for k in KINDS], inputs, steps=steps,
-                                             group_times=False)))
+    measured = dict(zip(plans, measure_plans(model, list(plans.values()), inputs, steps=steps, group_times=False)))
     # calibration as auto mode does it: refit to the measured plans of ``calibrate_on``
     # (the others are out of sample)
     calibrated = cal.refit(desc, device, [(plans[k], measured[k]) for k in calibrate_on]) if calibrate_on else None
@@ -130,9 +133,9 @@ def main(argv=None):
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--budget-s", type=float, default=None, help="start no new model after this many seconds")
     parser.add_argument("--models", nargs="*", default=None, help=f"model names (default all): {list(MODELS)}")
-    parser.add_argument("--calibrate-on", nargs="*", default=["searched", "all_zdp"],
-                        help="plan kinds whose measurements calibrate the model (as auto mode: its plan and FSDP); "
-                             "none: no calibration")
+    parser.add_argument("--calibrate-on", nargs="*", default=["searched", "all_zdp", HALF],
+                        help=f"plan kinds whose measurements calibrate the model (as auto mode: its plan and FSDP at "
+                             f"the batch and at half of it, {HALF!r}); none: no calibration")
     args = parser.parse_args(argv)
     # measured_peak_bytes (common.py): the allocator's peak on CUDA, live tensors on CPU
     peak_source = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "live_tensors"

@@ -57,7 +57,7 @@ from .description import ModelDesc
 from .device import Calibration, DeviceInfo
 
 STEP_TOLERANCE = 0.05  # re-plan when the step is predicted further off than this
-COMPUTE_SCALE_RANGE = (0.02, 50.0)  # per-op fits from a loaded machine can be 10x off
+COMPUTE_SCALE_RANGE = (0.1, 10.0)
 FIT_ROUNDS = 3
 RIDGE = 1e-6
 PHASES = ("forward", "backward", "optimizer")

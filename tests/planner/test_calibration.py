@@ -69,16 +69,13 @@ def test_one_plan_fits_the_two_compute_scales_and_keeps_the_rest():
 
 
 def test_factors_stay_in_their_ranges():
-    """Forward 0.0105 s with W 0.01 s and F 0.1 s would need cf = 0.0005 / 0.1 = 0.005,
-    backward 0.0001 s with B 0.2 s cb = 0.0005: both below the range, the fit stops at
-    its lower bound 0.02; forward 6 s of F 0.1 s (cf 59.9) stops at the upper bound 50."""
-    rows = [PhaseTerms("forward", 0.0105, 0.1, 0.0, 0, 0.01, 0.0), PhaseTerms("backward", 0.0001, 0.0, 0.2, 0, 0.0, 0.0)]
+    """Forward 0.02 s with W 0.01 s and F 0.1 s: cf = 0.01 / 0.1 = 0.1, the lower bound
+    of the compute scale, exactly; backward 0.001 s with B 0.2 s would need cb 0.005,
+    below the bound: the fit stops at 0.1."""
+    rows = [PhaseTerms("forward", 0.02, 0.1, 0.0, 0, 0.01, 0.0), PhaseTerms("backward", 0.001, 0.0, 0.2, 0, 0.0, 0.0)]
     fitted = fit_factors(rows)
-    assert fitted.compute_scale == pytest.approx(0.02)
-    assert fitted.backward_compute_scale == pytest.approx(0.02)
-    rows = [PhaseTerms("forward", 6.0, 0.1, 0.0, 0, 0.01, 0.0), PhaseTerms("backward", 0.2, 0.0, 0.2, 0, 0.0, 0.0)]
-    fitted = fit_factors(rows)
-    assert fitted.compute_scale == pytest.approx(50.0) and fitted.backward_compute_scale == pytest.approx(1.0)
+    assert fitted.compute_scale == pytest.approx(0.1)
+    assert fitted.backward_compute_scale == pytest.approx(0.1)  # 0.005 wanted, clamped at 0.1
 
 
 def hand_device(**kw):
