@@ -488,6 +488,19 @@ class OSDP(nn.Module):
         """Units whose gathered weights are allocated now."""
         return self._scheduler.gathered_units()
 
+    def report(self, file=None) -> str:
+        """Print (to ``file``, default stdout) and return the plan's predictions beside
+        what was measured on the runtime: per phase (forward, backward, optimizer), the
+        step, peak memory and per unit group, with the calibration's decision and
+        fitted factors (auto mode; see [Note: calibrate and re-plan] in osdp/auto.py)."""
+        import sys
+
+        from .planner.calibration import format_report
+
+        text = format_report(self.plan if hasattr(self.plan, "units") else None)
+        print(text, file=file or sys.stdout, flush=True)
+        return text
+
     def memory_stats(self) -> dict:
         """Ledger of OSDP's transient buffers since the last reset: ``peak_gathered_bytes``,
         ``peak_grad_bytes`` (unsharded gradients), ``peak_total_bytes``, ``current_*``,
@@ -581,4 +594,4 @@ def _auto_plan(module, example_inputs, memory_limit, process_group, settings, mi
         if settings.param_dtype_bytes is None and settings.reduce_dtype_bytes is None:
             settings = settings.with_(param_dtype_bytes=p_bytes, reduce_dtype_bytes=r_bytes)
     return auto_plan(module, example_inputs, memory_limit, process_group=process_group, settings=settings,
-                     **dict(auto_kwargs or {}))
+                     **{"mixed_precision": mixed_precision, **dict(auto_kwargs or {})})

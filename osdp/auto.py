@@ -1,5 +1,10 @@
-"""Auto mode: profile, plan on rank 0, broadcast, check by hash on every rank."""
+"""Auto mode: profile, plan on rank 0, broadcast, check by hash on every rank; then
+calibrate: measure the plan on the runtime, refit and re-plan once when the model was
+off (see [Note: calibrate and re-plan])."""
 from __future__ import annotations
+
+import logging
+from dataclasses import asdict, replace
 
 import torch.distributed as dist
 
@@ -8,6 +13,8 @@ from .planner.cost_model import PlannerSettings
 from .planner.plan import Plan
 from .planner.planner import make_plan
 from .planner.profiler import profile
+
+log = logging.getLogger("osdp.auto")
 
 
 def _broadcast(obj, group):
@@ -62,6 +69,9 @@ def auto_plan(
     cache_dir=None,
     progress: bool = True,
     layout=None,
+    calibrate: bool = True,
+    calibration_steps: int = 3,
+    mixed_precision=None,
     **profile_kwargs,
 ) -> Plan:
     """Measure this cluster, then plan for the most samples per second within
@@ -91,6 +101,12 @@ def auto_plan(
     (``osdp.OSDP`` passes its own): the plan is made for it (:func:`for_layout`). Other
     keyword arguments go to
     :func:`osdp.planner.profile` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
+
+    ``calibrate`` (default on, with a process group): the plan is then measured on the
+    runtime (a copy of ``model`` wrapped with it, ``calibration_steps`` timed steps) and,
+    when the model was off, refitted and planned again once; see [Note: calibrate and
+    re-plan]. The returned plan carries ``measured`` and ``calibration``.
+    ``mixed_precision``: the policy the model will be wrapped with (for that measurement).
     """
     if batch is not None and global_batch is not None:
         raise OSDPError(
@@ -101,11 +117,20 @@ def auto_plan(
         process_group = layout.world.group  # a mesh over some of the ranks
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
-    device = cluster.for_run(run)
+    device = hardware = cluster.for_run(run)
     if layout is not None:
         device, settings = for_layout(device, settings, layout)
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
+    calibrate = calibrate and distributed
+    if calibrate:  # [Note: calibrate and re-plan] step 1
+        measure = runtime_measure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
+                                  steps=calibration_steps, mixed_precision=mixed_precision)
+        from .planner.inputs import as_example_inputs
+
+        device, reference = runtime_profile(desc, device, settings or PlannerSettings(),
+                                            as_example_inputs(example_inputs).batch_size(), measure,
+                                            process_group=process_group, backend=backend)
     outcome = None
     if rank == 0:
         try:
@@ -122,5 +147,166 @@ def auto_plan(
         raise OSDPError(outcome["message"])
     plan = Plan.from_dict(outcome)
     plan.check_model(desc.fingerprint(), device.world_size)
+    if calibrate:
+        plan = calibrate_plan(desc, hardware, device, plan, measure, reference=reference, settings=settings,
+                              batch=batch, global_batch=global_batch, backend=backend, process_group=process_group)
     check_same_plan(plan, process_group)
     return plan
+
+
+# ---- calibration -------------------------------------------------------------------------
+
+def runtime_measure(model, example_inputs, *, loss_fn=None, process_group=None, steps: int = 3,
+                    mixed_precision=None):
+    """``[plan, ...] -> [Measurement, ...]``: ``osdp.profiler.measure_plans`` of
+    ``model`` (a copy per plan, their steps interleaved)."""
+    from .profiler import measure_plans
+
+    def measure(plans):
+        return measure_plans(model, plans, example_inputs, loss_fn=loss_fn, steps=steps,
+                             process_group=process_group, mixed_precision=mixed_precision)
+
+    return measure
+
+
+def _share(obj, group):
+    return _broadcast(obj, group) if dist.is_available() and dist.is_initialized() else obj
+
+
+def _is_rank0(group) -> bool:
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
+
+
+def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,
+                    backend: str = "auto"):
+    """Step 1 of [Note: calibrate and re-plan]: FSDP full shard (all ``zdp``, no
+    checkpointing: the plan every model can run) measured on the runtime at ``batch``
+    and at half of it (compute grows with the batch, the runtime's per-unit overhead and
+    the collectives do not, which tells them apart), the factors refitted to both.
+    Returns the refitted device and the [(plan, measurement)] it was fitted to ([] and
+    ``device`` when FSDP does not fit at ``batch``)."""
+    from .planner import calibration as cal
+    from .planner.device import DeviceInfo
+
+    refs = None
+    if _is_rank0(process_group):
+        refs = []
+        for b in sorted({batch, max(1, batch // 2)}, reverse=True):
+            try:
+                refs.append(make_plan(desc, device, settings.with_(policy="zdp", checkpointing="none", rerank=False,
+                                                                   accumulation_steps=1),
+                                      batch=b, backend=backend, baselines=False).to_dict())
+            except OSDPError:
+                continue
+    refs = [Plan.from_dict(r) for r in _share(refs, process_group)]
+    if not refs:
+        return device, []
+    observations = list(zip(refs, measure(refs)))
+    fitted = None
+    if _is_rank0(process_group):
+        try:
+            fitted = cal.refit(desc, device, observations).to_dict()
+        except OSDPError as exc:
+            log.warning("could not fit the runtime's factors (%s); planning on the profile alone", exc)
+    fitted = _share(fitted, process_group)
+    return (device if fitted is None else DeviceInfo.from_dict(fitted, "calibrated device")), observations
+
+
+def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=None, settings=None, batch=None,
+                   global_batch=None, backend: str = "auto", process_group=None) -> Plan:
+    """[Note: calibrate and re-plan]
+    1. (``runtime_profile``) FSDP full shard at the example batch and at half of it is
+       measured on the runtime (``osdp.profiler.measure_plan``: a copy of the model
+       wrapped by ``osdp.OSDP``, a few AdamW steps; the slowest rank's, so every rank
+       holds the same numbers) and the factors are fitted to it (``calibration.refit``:
+       compute scales, unit overhead, overlap efficiency, optimizer bandwidth, memory
+       constant). The plan is made on that
+       ``device``: a plan is only handed out with the memory margin the measurement
+       taught (the learned constant).
+    2. The plan is measured and rank 0 compares it with its prediction
+       (``calibration.reasons_to_refit``): step time off by more than 5%, or the
+       measured peak within the memory tolerance of the limit. If neither, it stays,
+       with its measurement beside it.
+    3. Otherwise every factor is refitted from the ``hardware`` profile to the plan's
+       measurement and those of step 1 (two phase equations each), rank 0 plans again
+       on it and broadcasts the re-plan.
+    4. A re-plan that differs is measured beside the plan (their steps interleaved);
+       it is kept only if it measured better (``calibration.better``: within the limit
+       less the margin first, then samples/s).
+       Rank 0 decides and broadcasts the plan returned on every rank.
+    ``measure([plan, ...]) -> [Measurement, ...]`` (``runtime_measure``); ``reference``: step 1's
+    [(plan, measurement)]."""
+    from .planner import calibration as cal
+    from .planner.device import DeviceInfo
+
+    group = process_group
+    settings = settings or PlannerSettings()
+    margin = settings.memory_tolerance
+    reference = list(reference or [])
+    same = [m for p, m in reference if p.plan_hash() == plan.plan_hash()]
+    first = same[0] if same else measure([plan])[0]
+    # every measurement at its own batch: compute grows with the batch, the runtime's
+    # per-unit overhead does not, so measurements at several batches tell them apart
+    observations = [(plan, first)] + [(p, m) for p, m in reference if m is not first]
+    info = {"factors": asdict(device.calibration), "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s,
+            "constant_bytes": device.constant_bytes}
+    reasons = _share(cal.reasons_to_refit(plan, first, margin) if _is_rank0(group) else None, group)
+    info["reasons"] = reasons
+    used = {id(m) for _, m in observations}
+    info["observations"] = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "measured": m.to_dict(),
+                             "refitted_to": id(m) in used}
+                            for p, m in [(plan, first)] + [(p, m) for p, m in reference if m is not first]]
+    if not reasons:
+        return _annotated(plan, first, {**info, "decision": "kept: the model predicted it within 5% and with room "
+                                                            "below the limit", **_predictions(cal, desc, device, plan)})
+    outcome = None
+    if _is_rank0(group):
+        try:
+            fitted = cal.refit(desc, hardware, observations)
+            replan = make_plan(desc, fitted, settings, batch=batch, backend=backend, global_batch=global_batch)
+            outcome = {"device": fitted.to_dict(), "replan": replan.to_dict()}
+        except OSDPError as exc:
+            outcome = {"error": str(exc)}
+    outcome = _share(outcome, group)
+    if "error" in outcome:
+        log.warning("calibration could not re-plan (%s); keeping the plan", outcome["error"])
+        return _annotated(plan, first, {**info, "decision": f"kept: re-planning failed ({outcome['error']})",
+                                        **_predictions(cal, desc, device, plan)})
+    fitted = DeviceInfo.from_dict(outcome["device"], "calibrated device")
+    info.update(factors=asdict(fitted.calibration), memory_bandwidth_bytes_per_s=fitted.memory_bandwidth_bytes_per_s,
+                constant_bytes=fitted.constant_bytes)
+    replan = Plan.from_dict(outcome["replan"])
+    if replan.plan_hash() == plan.plan_hash():
+        return _annotated(replan, first, {**info, "decision": "kept: the re-plan on the refitted model is the same plan",
+                                          **_predictions(cal, desc, fitted, replan)})
+    # both measured again, their steps interleaved: a load that drifts since the first
+    # measurement slows both alike ("measured better" is a ratio taken in one run)
+    first, second = measure([plan, replan])
+    keep = None
+    if _is_rank0(group):
+        keep_replan = cal.better((plan, first), (replan, second), margin)[0] is replan
+        chosen, other = ((replan, second), (plan, first)) if keep_replan else ((plan, first), (replan, second))
+        samples = [m.samples_per_s(p.world_size, p.accumulation_steps) for p, m in (chosen, other)]
+        decision = (f"re-planned: the re-plan measured {samples[0]:.2f} samples/s against {samples[1]:.2f}"
+                    if keep_replan else
+                    f"kept: the re-plan measured {samples[1]:.2f} samples/s against the plan's {samples[0]:.2f}")
+        extra = {**info, "decision": decision, "other": {"plan": other[0].to_dict(), "measured": other[1].to_dict()},
+                 **_predictions(cal, desc, fitted, chosen[0])}
+        keep = _annotated(chosen[0], chosen[1], extra).to_dict()
+    return Plan.from_dict(_share(keep, group))
+
+
+def _predictions(cal, desc, device, plan) -> dict:
+    """Predicted seconds per phase and per unit group of ``plan`` on ``device``."""
+    try:
+        a = cal.assignment_of(desc, device, plan)
+        sim = cal.simulate(a, device)
+        return {"predicted_phases": {k: v.duration_s for k, v in sim.phases.items()},
+                "predicted_step_s": sim.step_s,
+                "predicted_groups": cal.predicted_groups(a, device)}
+    except OSDPError as exc:
+        return {"predicted_error": str(exc)}
+
+
+def _annotated(plan: Plan, measured, calibration: dict) -> Plan:
+    return replace(plan, measured=measured.to_dict(), calibration=calibration)

@@ -28,6 +28,7 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False, 
     from osdp.memtrack import LiveBytesTracker
     from osdp.models import GPT, example_batch, get_preset
     from osdp.models.gpt import counting_batch
+    from osdp.planner.calibration import format_report
     from osdp.planner.cost_model import PlannerSettings
 
     say = (lambda *_: None) if quiet else (lambda text="": _say(rank, text))
@@ -92,6 +93,9 @@ def train_with_plan(rank, world, preset, memory, steps, cache_dir, quiet=False, 
     if checked is not None:
         say(f"memory check  every step within the limit; the last step peaked at {format_bytes(checked.peak_bytes)} "
             f"{checked.where} ({checked.source})")
+    if plan.measured:
+        say("\n-- auto mode's calibration (model.report(): predicted vs measured before training)")
+        say(format_report(plan))
     return {"losses": losses, "step_s": measured_s, "peak_bytes": peak, "plan": plan.to_dict()}
 
 

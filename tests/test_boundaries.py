@@ -10,7 +10,7 @@ import pytest
 
 PLANNER = ["osdp.planner." + m for m in (
     "description", "gpt_desc", "checks", "cluster", "run", "device", "cost_model", "search", "search_problem",
-    "scheduler", "plan", "planner", "profiler", "step_sim", "rerank", "inputs",
+    "scheduler", "plan", "planner", "profiler", "step_sim", "rerank", "inputs", "calibration",
 )]
 
 

@@ -25,6 +25,12 @@ max per op rather than over the whole step is what keeps the objective additive,
 so the search exact; it is pessimistic where a comm-bound op could borrow idle comm
 time from a compute-bound neighbour. step_sim.py prices a finished plan as the runtime
 schedules it (from these same per-op numbers); make_plan re-ranks a few plans by it.
+Small units share one collective's latency per coalesced group, as the runtime issues
+them ([Note: coalesced latency]). ``DeviceInfo.calibration`` (fitted from measured steps
+of the wrapped model, [Note: what the profiler fits] in calibration.py) scales the
+compute, adds the runtime's overhead per unit use, and charges (1 - overlap efficiency)
+of the smaller of compute and comm on top of the max; with intercepts and comm >= 0
+each term stays of the form the batch sweep's bound needs (time / b never increases).
 
 [Note: memory model]
 Static (paid by every plan): the 1/N shards of parameters and optimizer state (in the
@@ -112,7 +118,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..contract import UNSHARDED_GRADS_LIVE
+from ..contract import DEFAULT_COALESCE_BYTES, UNSHARDED_GRADS_LIVE, is_small_unit
 from ..errors import OSDPError
 from .collective_cost import LAYOUTS, Collectives
 from .description import ModelDesc, OpDesc
@@ -166,6 +172,9 @@ class PlannerSettings:
     rerank: bool = True
     rerank_batches: int = 3
     layout: str = "full"
+    # the runtime's OSDP(coalesce_bytes=...): small units share collectives up to this
+    # many bytes ([Note: coalesced latency]); 0: off
+    coalesce_bytes: int = DEFAULT_COALESCE_BYTES
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -196,6 +205,8 @@ class PlannerSettings:
                 raise OSDPError(f"{name} must be 1, 2, 4 or 8 bytes, got {value!r}")
         if self.gradient_sync not in ("every", "last"):
             raise OSDPError(f"gradient_sync must be 'every' or 'last', got {self.gradient_sync!r}")
+        if isinstance(self.coalesce_bytes, bool) or not isinstance(self.coalesce_bytes, int) or self.coalesce_bytes < 0:
+            raise OSDPError(f"coalesce_bytes must be an integer >= 0 (bytes; 0: off), got {self.coalesce_bytes!r}")
         if isinstance(self.rerank_batches, bool) or not isinstance(self.rerank_batches, int) or self.rerank_batches < 1:
             raise OSDPError(f"rerank_batches must be a positive integer, got {self.rerank_batches!r}")
 
@@ -460,6 +471,46 @@ def backward_needs_weights(op: OpDesc, g: int) -> bool:
     return True if split is None else bool(split.needs_weights_in_backward)
 
 
+def coalesced_latency_shares(desc: ModelDesc, settings: PlannerSettings) -> tuple[float, float]:
+    """[Note: coalesced latency] The runtime gathers small whole-module units together
+    (``contract.is_small_unit``; [Note: coalesced small units] in runtime/prefetch.py):
+    the next small units of the use order ride along in ONE all-gather of up to
+    ``coalesce_bytes``, and their gradients are reduced together in ONE collective of up
+    to ``coalesce_bytes``. So the small units share one latency per group, not one each.
+    The additive model charges each small unit the fraction (groups / small units) of
+    one collective's latency, groups packed in use order as the runtime packs them
+    (greedy, each group closed when the next unit would overflow ``coalesce_bytes``);
+    the bandwidth term stays per unit (``settings.coalesce_bytes``: the runtime's). Returns (gather share, reduction share); 1.0 when
+    nothing is small. The share does not depend on the plan (which units are ``zdp``
+    changes which ones gather again in backward; the forward packing stands for both),
+    so the objective stays additive. Splitting a unit makes its slices not small."""
+    def share(sizes):
+        if not sizes:
+            return 1.0
+        groups, room = 0, 0.0
+        for size in sizes:
+            if size > room:
+                groups, room = groups + 1, float(coalesce_bytes)
+            room -= size
+        return groups / len(sizes)
+
+    coalesce_bytes = settings.coalesce_bytes
+    small = [op for op in desc.ops if not op.tied_to and op.param_count
+             and is_small_unit(gathered_bytes(op, settings), coalesce_bytes, is_slice=False)]
+    return (share([gathered_bytes(op, settings) for op in small]),
+            share([reduced_bytes(op, settings) for op in small]))
+
+
+def _shared_latency_s(time_s: float, cost, ranks: int, latency_share: float) -> float:
+    """A collective's ``time_s`` with only ``latency_share`` of its latency ([Note:
+    coalesced latency]): ``(ranks - 1) * cost.alpha_s`` is the latency of a ring over the
+    shard group on ``cost``'s link (across nodes the inter-node latency is left whole:
+    conservative)."""
+    if time_s <= 0:
+        return 0.0
+    return max(0.0, time_s - (1.0 - latency_share) * (ranks - 1) * cost.alpha_s)
+
+
 def tied_groups(desc: ModelDesc) -> list[tuple[int, ...]]:
     """Ops that use one unit's weights, owner first, in op order: one tuple per tied unit
     (``OpDesc.tied_to``). They share one slicing and one mode per slice: [Note: tied
@@ -489,10 +540,12 @@ def _group_of(desc: ModelDesc, i: int) -> tuple[int, ...]:
     return (i,)
 
 
-def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i) -> list[tuple]:
+def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i,
+                 shares=(1.0, 1.0)) -> list[tuple]:
     """(g, k, h, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
     split efficiency, logits saved, logits grads) for every option of op ``i`` (see the
-    Notes at the top, [Note: hpz mode] and [Note: tied weights])."""
+    Notes at the top, [Note: hpz mode] and [Note: tied weights]). ``shares``: the latency
+    shares of small units ([Note: coalesced latency])."""
     coll = layout_collectives(device, settings)
     op = desc.ops[i]
     group = _group_of(desc, i)
@@ -509,6 +562,10 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
         s = gathered_bytes(owner, settings) / g
         ag, ag_node = coll.gather_s(s), coll.node_gather_s(s)
         grad = full_grad / g
+        grad_s = coll.grad_s(grad)
+        if len(group) == 1 and is_small_unit(s, settings.coalesce_bytes, is_slice=g > 1):
+            ag = _shared_latency_s(ag, device.all_gather, coll.shard_ranks, shares[0])
+            grad_s = _shared_latency_s(grad_s, device.reduce_scatter, coll.shard_ranks, shares[1])
         # hpz needs a backward that reads the weights; a tied unit's uses share plain
         # dp/zdp modes (tied_choices enumerates (g, k) only)
         choices = reshard_choices(g, settings, coll.hpz_available and len(group) == 1 and weights_b)
@@ -523,7 +580,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             comm_f = gathered_f * ag
             gather_b = regather_b + recompute
             # gradients are reduced after the last use in backward: the first in op order
-            reduce_b = g * coll.grad_s(grad) if i == group[0] else 0.0
+            reduce_b = g * grad_s if i == group[0] else 0.0
             own_f = s if gathered_f else 0.0
             own_b = s if (weights_b and k + h > 0) else 0.0
             if s > window:
@@ -561,6 +618,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     window = prefetch_window(desc, settings, budget)
     segments = _segments(desc, settings)
     after, before = _ahead_bytes(desc, window, settings)
+    shares = coalesced_latency_shares(desc, settings)
     # [Note: memory quantization] in search_problem.py: enough buckets that rounding
     # up every accumulating term costs at most memory_tolerance of the budget.
     terms = len(desc.ops) + len(segments)
@@ -584,7 +642,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                 rows = cache.get(key)
                 if rows is None:
                     rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
-                                                     window, after[i], before[i])
+                                                     window, after[i], before[i], shares)
                 begin[i, variant] = len(cols["op"])
                 cols["op"].extend([i] * len(rows))
                 cols["variant"].extend([variant] * len(rows))
@@ -716,24 +774,41 @@ def align_tied(t: ProblemTemplate, option_index, variant) -> tuple[int, ...]:
                                 f"with {g} slices, {k} zdp")
             chosen[i] = rows[0]
     return tuple(chosen)
+def option_unit_uses(t: ProblemTemplate) -> np.ndarray:
+    """Unit uses per option and phase: its slice count for an op that is a unit or uses
+    one (a tied second use: its owner's), 0 for an op without parameters."""
+    is_unit = np.array([bool(op.param_count or op.tied_to) for op in t.desc.ops])
+    return np.where(is_unit[t.opt_op], t.opt_slices, 0)
 
 
 def option_compute_s(t: ProblemTemplate, batch: int) -> tuple[np.ndarray, np.ndarray]:
     """Forward and backward compute seconds of one micro-batch per option, all slices
-    of the op together (the backward without a checkpoint's recompute)."""
+    of the op together (the backward without a checkpoint's recompute): the fits scaled
+    by the calibration's ``compute_scale`` (forward) and ``backward_compute_scale``,
+    plus its ``unit_overhead_s`` per unit use (``DeviceInfo.calibration``; the defaults
+    add nothing)."""
     op = t.opt_op
+    cal = t.device.calibration
     comp_f = (t.fwd_intercept_s[op] + t.fwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
     comp_b = (t.bwd_intercept_s[op] + t.bwd_per_sample_s[op] * batch) * t.opt_split_eff + t.opt_split_overhead_s
+    if cal.compute_scale != 1.0 or cal.backward_compute_scale != 1.0 or cal.unit_overhead_s:
+        runtime = cal.unit_overhead_s * option_unit_uses(t)
+        comp_f = comp_f * cal.compute_scale + runtime
+        comp_b = comp_b * cal.backward_compute_scale + runtime
     return comp_f, comp_b
 
 
 def _phase_times(t: ProblemTemplate, batch: int, reduce: bool) -> np.ndarray:
     """Forward + backward time of one micro-batch per option, with or without the
-    reduce-scatter of its gradients."""
+    reduce-scatter of its gradients. Overlapped, a phase costs max(compute, comm) plus
+    the part (1 - overlap_efficiency) of the smaller one that is not really hidden."""
     comp_f, comp_b = option_compute_s(t, batch)
     comp_b = comp_b + comp_f * t.opt_checkpointed  # recompute of a checkpointed block
     comm_b = t.opt_gather_b_s + (t.opt_reduce_b_s if reduce else 0.0)
+    lost = 1.0 - t.device.calibration.overlap_efficiency
     overlapped = np.maximum(comp_f, t.opt_comm_f_s) + np.maximum(comp_b, comm_b)
+    if lost:
+        overlapped = overlapped + lost * (np.minimum(comp_f, t.opt_comm_f_s) + np.minimum(comp_b, comm_b))
     serial = comp_f + t.opt_comm_f_s + comp_b + comm_b
     return np.where(t.opt_overlap, overlapped, serial)
 

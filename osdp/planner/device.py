@@ -74,6 +74,53 @@ class ComputeFit:
                       for k, v in entry.items()})
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """Global factors fitted from measured steps of the wrapped model (``osdp.profiler``,
+    ``osdp/planner/calibration.py``): what the per-op fits and α/β leave out. The
+    defaults change nothing. See [Note: what the profiler fits] in calibration.py.
+
+    ``unit_overhead_s``: the runtime's own seconds on the compute stream per unit use and
+    phase (hooks, gather/free bookkeeping, issuing collectives), added to every op that
+    is a unit (or uses one) once per slice, in forward and in backward.
+    ``overlap_efficiency``: the fraction of the communication that runs beside compute
+    that is really hidden (1: fully; 0: it adds up as if serial; gloo on CPU shares the
+    cores between compute and the collectives' threads).
+    ``compute_scale`` / ``backward_compute_scale``: measured forward / backward compute
+    over the fitted per-op compute (the fits are taken with hooks on the unwrapped
+    model, the backward ones from gradient-accumulation hooks, which see less of the
+    backward than a step does: two scales).
+    ``memory_constant_bytes``: what the measured peak held beyond the prediction, learned
+    from a measurement (already added to ``DeviceInfo.constant_bytes`` by
+    ``calibration.apply``; kept here to say where that part of the constant came from).
+    ``source``: the measurements it was fitted from, in words."""
+
+    unit_overhead_s: float = 0.0
+    overlap_efficiency: float = 1.0
+    compute_scale: float = 1.0
+    backward_compute_scale: float = 1.0
+    memory_constant_bytes: float = 0.0
+    source: str = ""
+
+    def __post_init__(self):
+        check_number(self.unit_overhead_s, "calibration.unit_overhead_s", positive=False)
+        check_number(self.compute_scale, "calibration.compute_scale", positive=True)
+        check_number(self.backward_compute_scale, "calibration.backward_compute_scale", positive=True)
+        check_number(self.overlap_efficiency, "calibration.overlap_efficiency", positive=False)
+        if self.overlap_efficiency > 1:
+            raise OSDPError(f"calibration.overlap_efficiency is a fraction in [0, 1], got {self.overlap_efficiency!r}")
+        if not isinstance(self.memory_constant_bytes, (int, float)) or isinstance(self.memory_constant_bytes, bool):
+            raise OSDPError(f"calibration.memory_constant_bytes must be a number of bytes, got {self.memory_constant_bytes!r}")
+        if not isinstance(self.source, str):
+            raise OSDPError(f"calibration.source must be a string, got {self.source!r}")
+
+    @classmethod
+    def from_dict(cls, data, name: str = "calibration") -> "Calibration":
+        known = tuple(f.name for f in fields(cls))
+        entry = check_object(data, name, (), known)
+        return cls(**entry)
+
+
 # the fields a DeviceInfo takes from the hardware's compute side (ClusterProfile has the same)
 COMPUTE_FIELDS = ("flops_per_s", "op_overhead_s", "slice_overhead_s", "memory_bandwidth_bytes_per_s",
                   "constant_bytes", "op_compute", "split_efficiency")
@@ -127,8 +174,12 @@ class DeviceInfo:
     node_size: int | None = None
     inter_all_gather: CollectiveCost | None = None
     inter_reduce_scatter: CollectiveCost | None = None
+    # fitted from measured steps of the wrapped model; the defaults change nothing
+    calibration: Calibration = field(default_factory=Calibration)
 
     def __post_init__(self):
+        if not isinstance(self.calibration, Calibration):
+            raise OSDPError(f"calibration must be a Calibration, got {self.calibration!r}")
         if not isinstance(self.name, str):
             raise OSDPError(f"name must be a string, got {self.name!r} ({a_type(self.name)})")
         check_number(self.world_size, "world_size", positive=True, integer=True, unit=WORLD_SIZE_UNIT)
@@ -160,6 +211,8 @@ class DeviceInfo:
             if data[name] is None:  # one flat network: written as before two levels existed
                 del data[name]
         data["op_compute"] = {k: asdict(v) if not isinstance(v, dict) else v for k, v in self.op_compute.items()}
+        if self.calibration == Calibration():
+            del data["calibration"]  # uncalibrated: the form written before calibration existed
         return data
 
     @classmethod
@@ -183,6 +236,8 @@ class DeviceInfo:
                 if data.get(name) is not None:
                     values[name] = CollectiveCost.from_dict(data[name], name)
             values.update(compute_fields_from_dict(data))
+            if "calibration" in data:
+                values["calibration"] = Calibration.from_dict(data["calibration"])
             return cls(**values)
         except OSDPError as exc:
             raise OSDPError(f"{where}: {exc}") from None

@@ -77,6 +77,8 @@ class Prediction:
     # the step as the runtime schedules it (planner/step_sim.py); None: not simulated
     simulated_step_s: float | None = None
     simulated_samples_per_s: float | None = None
+    # simulated seconds per phase of one optimizer step ("forward", "backward", "optimizer")
+    phases: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,14 @@ class Plan:
     # ranks per node within the shard group the plan priced; None: any (a flat network,
     # or a plan from before layouts). The layout is settings["layout"].
     node_size: int | None = None
+
+    # [Note: measured beside predicted] what the runtime measured running this plan
+    # (osdp.profiler.measure_plan: Measurement.to_dict(): step_s, forward_s, backward_s,
+    # optimizer_s, peak_bytes, batch_size, steps, peak_source, groups); {}: not measured
+    measured: dict = field(default_factory=dict)
+    # auto mode's calibration (osdp/auto.py): the factors fitted, why, the predictions
+    # per phase and unit group, and the other plan measured when a re-plan was tried
+    calibration: dict = field(default_factory=dict)
 
     @property
     def layout(self) -> str:
@@ -224,6 +234,12 @@ class Plan:
             quantum_bytes=_size(data, "quantum_bytes", False) if "quantum_bytes" in data else 0.0,
             rounding_bound_bytes=_size(data, "rounding_bound_bytes", False) if "rounding_bound_bytes" in data else 0.0,
         )
+        for name in ("measured", "calibration"):
+            fields_[name] = _field(data, name, dict, "an object", default={})
+        if fields_["measured"]:
+            from .calibration import Measurement
+
+            Measurement.from_dict(fields_["measured"], "plan field 'measured'")  # checked, kept as JSON
         if fields_.get("gradient_sync", "last") not in ("every", "last"):
             raise OSDPError(f"plan field 'gradient_sync' must be 'every' or 'last', got {data['gradient_sync']!r}")
         if fields_["predicted"] is None:
@@ -432,6 +448,13 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
                      f"{p.simulated_samples_per_s:.2f} samples/s"
                      + (f" (re-ranked: {picked!r} picked among {len(plan.rerank.get('candidates', []))} candidates)"
                         if picked else ""))
+    if plan.measured:
+        m = plan.measured
+        lines.append(f"  measured on the runtime: step {m['step_s'] * 1e3:.2f} ms "
+                     f"({plan.batch_size * plan.accumulation_steps * plan.world_size / m['step_s']:.2f} samples/s), "
+                     f"peak {format_bytes(m['peak_bytes'])}" + (f" ({m['peak_source']})" if m.get("peak_source") else ""))
+    if plan.calibration.get("decision"):
+        lines.append(f"  calibration: {plan.calibration['decision']}")
     for key, label in (("fsdp", "FSDP full shard (all zdp)"), ("shard_grad_op", "shard-grad-op (all dp)"),
                        ("fsdp_ckpt", "FSDP + checkpointing")):
         if key not in plan.baselines:

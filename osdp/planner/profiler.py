@@ -18,6 +18,12 @@ measured links are one level, ``links["intra"]``, over the ranks of the group
   (the runtime's slice ops) relative to the unsplit matmul;
 * activation bytes per sample: through ``describe`` (saved-tensor hooks).
 
+These are the hardware's numbers, timed apart from the runtime. What the runtime adds on
+top (its per-unit overhead, how much communication it really hides, the compute of a
+step as the wrapped model runs it, the memory a step really peaks at) is fitted from
+steps of the wrapped model (``osdp.profiler.measure_plan``; auto mode does it): see
+[Note: what the profiler fits] in ``calibration.py``.
+
 Every rank measures (so contention is real) and rank 0's numbers are broadcast: all
 ranks plan from identical inputs. Results are cached on disk (``profile_cache.py``,
 [Note: profile cache]: ``$OSDP_CACHE_DIR`` or ~/.cache/osdp, keyed by machine, torch

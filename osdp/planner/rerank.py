@@ -207,4 +207,5 @@ def with_simulation(prediction, sim: StepSim, scheduled: Scheduled):
     """A plan ``Prediction`` with the simulated step beside the cost model's."""
     s = scheduled
     rate = s.batch * s.accumulation_steps * s.template.device.world_size / sim.step_s
-    return replace(prediction, simulated_step_s=float(sim.step_s), simulated_samples_per_s=float(rate))
+    phases = {name: float(p.duration_s) for name, p in sim.phases.items()}
+    return replace(prediction, simulated_step_s=float(sim.step_s), simulated_samples_per_s=float(rate), phases=phases)

@@ -59,6 +59,11 @@ recorded; small units are coalesced):
   each does. Every micro-batch starts with every unit sharded (the end of backward
   frees all). Then the optimizer step runs on the compute stream.
 
+- calibration (``DeviceInfo.calibration``): compute and the runtime's per-unit overhead
+  come in through ``option_compute_s``; a phase's comm that ran beside compute is
+  hidden only to ``overlap_efficiency``: (1 - it) x min(hidden comm, compute busy) is
+  added to the phase ([Note: imperfect overlap]).
+
 Not modelled: the first step (order not yet recorded: no coalescing), host-side launch
 or Python overhead and CPU contention between compute and gloo's threads, NCCL's two
 comm streams (all-gather and reduce-scatter can overlap on CUDA; here they share one),
@@ -493,15 +498,18 @@ def simulate_step(
     option_index,
     variant,
     *,
-    coalesce_bytes: int = RUNTIME_COALESCE_BYTES,
+    coalesce_bytes: int | None = None,
     all_reduce: bool = False,
     timeline: bool = False,
 ) -> StepSim:
     """Simulate one optimizer step of the plan given as option indices (per op) and
     variants (per segment) of ``template`` at ``batch``; see [Note: step simulation].
-    ``coalesce_bytes``: the runtime's (``OSDP(coalesce_bytes=...)``; 0: off).
+    ``coalesce_bytes``: the runtime's (``OSDP(coalesce_bytes=...)``; 0: off); None: the
+    template's ``settings.coalesce_bytes`` (default ``RUNTIME_COALESCE_BYTES``).
     ``timeline``: keep every interval (``StepSim.timeline``) for debugging and plots."""
     t = template
+    if coalesce_bytes is None:
+        coalesce_bytes = getattr(t.settings, "coalesce_bytes", RUNTIME_COALESCE_BYTES)
     coalesce = int(coalesce_bytes) if t.device.world_size > 1 else 0
     steps, order, no_weights_b = _program(t, batch, option_index, variant, coalesce)
     sim = _Sim(t, steps, order, coalesce, all_reduce, timeline, no_weights_b)
@@ -518,15 +526,22 @@ def simulate_step(
         optimizer_s = t._optimizer_step_s = optimizer_step_s(t.desc, t.device, settings)
     sim.compute("optimizer", "optimizer step", optimizer_s)
     sim.duration["optimizer"] += sim.compute_t - start
+    # [Note: imperfect overlap] comm that ran beside compute is hidden only in part:
+    # (1 - overlap_efficiency) of it is added to the phase (DeviceInfo.calibration)
+    lost = 1.0 - t.device.calibration.overlap_efficiency
+    for p in PHASES:
+        hidden = max(0.0, sim.comm[p] - (sim.duration[p] - sim.busy[p]))
+        sim.duration[p] += lost * min(hidden, sim.busy[p])
     phases = {
         p: PhaseTime(sim.duration[p], sim.busy[p], sim.comm[p], sim.duration[p] - sim.busy[p]) for p in PHASES
     }
     busy = sum(sim.busy.values())
+    step_s = sum(sim.duration.values())
     return StepSim(
-        step_s=sim.compute_t,
+        step_s=step_s,
         compute_busy_s=busy,
         comm_busy_s=sum(sim.comm.values()),
-        exposed_comm_s=sim.compute_t - busy,
+        exposed_comm_s=step_s - busy,
         phases=phases,
         all_gathers=sim.n_gathers,
         reductions=sim.n_reductions,

@@ -299,9 +299,9 @@ def test_without_prefetch_all_zdp_is_the_cost_models_serial_sum():
                 for i in range(5))
     desc = ModelDesc("uneven", ops)
     dev = device(ag=(1e-4, 3e-9), rs=(2e-4, 5e-9), bandwidth=1e9)
-    t = build_template(desc, dev, PlannerSettings(prefetch_bytes=0))
+    t = build_template(desc, dev, PlannerSettings(prefetch_bytes=0, coalesce_bytes=0))
     choice = [option(t, i, 1, 1) for i in range(5)]
-    sim = simulate_step(t, 3, choice, [0] * 5, coalesce_bytes=0)
+    sim = simulate_step(t, 3, choice, [0] * 5)
     assert sim.step_s == pytest.approx(evaluate(t, 3, choice, [0] * 5).step_s, rel=1e-12)
     assert sim.comm_busy_s == pytest.approx(sim.exposed_comm_s, rel=1e-12)
 

@@ -1,0 +1,200 @@
+"""``measure_plan``: time a plan on the runtime that will run it.
+
+A deep copy of the (unwrapped) model is wrapped by ``osdp.OSDP`` with the plan, so what
+is measured is what training runs: the real scheduler, prefetch window, coalescing of
+small units, reduction queue and split ops. It trains with AdamW (the optimizer the
+cost model prices; lr 0, the copy is thrown away) on the example inputs repeated or cut
+to the plan's batch, ``accumulation_steps`` micro-batches per step (``OSDP.micro_batch``): ``warmup`` steps (the first records the use order and creates the
+optimizer state), then ``steps`` timed steps, then one step under the peak-memory
+tracker (live tensors on CPU, which slows it, so it is not timed; the allocator's peak
+on CUDA). Every rank measures; the step reported is the median timed step with its own
+phases (so forward + backward + optimizer = step), taken from the slowest rank (it
+decides when a step is done for everyone); peak and group times are maxima over ranks.
+Every rank holds the same ``Measurement``.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..planner.calibration import Measurement, group_of
+from ..planner.inputs import as_example_inputs, batch_loss
+
+__all__ = ["measure_plan", "measure_plans"]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _group_stamps(model, names):
+    """Forward pre-hooks on the plan's unit modules: a stamp per module per step."""
+    modules = dict(model.unwrapped.named_modules())
+    stamps: dict[str, float] = {}
+    handles = []
+    for name in names:
+        module = modules.get(name)
+        if module is None:
+            continue
+
+        def hook(*_, name=name):  # returns None: a pre-hook's value would replace the inputs
+            stamps.setdefault(name, time.perf_counter())
+
+        handles.append(module.register_forward_pre_hook(hook))
+    return stamps, handles
+
+
+def measure_plan(module, plan, example_inputs, **kwargs) -> Measurement:
+    """Train a copy of ``module`` wrapped with ``plan`` for a few steps and return what
+    was measured (every rank calls it; all get the same numbers); ``measure_plans`` of
+    one plan, see there for the keyword arguments."""
+    return measure_plans(module, [plan], example_inputs, **kwargs)[0]
+
+
+def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3, warmup: int = 2,
+                  process_group=None, device=None, mixed_precision=None, coalesce_bytes=None,
+                  group_times: bool = True) -> list[Measurement]:
+    """Measure several plans, each on its own copy of ``module``, their timed steps
+    interleaved (plan 1, plan 2, ..., plan 1, ...) so that a machine whose load drifts
+    slows them alike: their ratios hold even where their absolute times do not. Neither
+    ``module`` nor the random number generators' states change (dropout in the copies
+    draws from a forked state). ``group_times``: also time the forward of every unit
+    group (module hooks that read the clock; on CUDA they do not synchronize, so group
+    times there are launch times)."""
+    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):
+        trials = [_Trial(module, plan, example_inputs, loss_fn, process_group, device, mixed_precision,
+                         coalesce_bytes) for plan in plans]
+        for trial in trials:
+            for _ in range(warmup):
+                trial.step()
+        for trial in trials:
+            if group_times:
+                trial.hook_groups()
+        try:
+            for _ in range(steps):
+                for trial in trials:
+                    trial.timed_step()
+        finally:
+            for trial in trials:
+                trial.unhook()
+        out = []
+        for trial in trials:
+            out.append(trial.result(steps))
+            trial.close()
+        return out
+
+
+class _Trial:
+    """One plan on its own wrapped copy of the model, with its optimizer and inputs."""
+
+    def __init__(self, module, plan, example_inputs, loss_fn, group, device, mixed_precision, coalesce_bytes):
+        from ..api import OSDP
+
+        inputs = as_example_inputs(example_inputs)
+        self.example_batch = inputs.batch_size()
+        self.plan, self.batch, self.loss_fn, self.group = plan, plan.batch_size, loss_fn, group
+        inputs = inputs if self.batch == self.example_batch else inputs.with_batch(self.batch)
+        self.model = OSDP(copy.deepcopy(module), plan=plan, process_group=group, device=device,
+                          mixed_precision=mixed_precision, coalesce_bytes=coalesce_bytes)
+        self.dev = self.model.device
+        self.inputs = inputs.map_batched(lambda t: t.to(self.dev))
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.0)
+        self.timed: list[tuple] = []
+        self.per_group: list[dict] = []
+        self.stamps: dict[str, float] | None = None
+        self.handles: list = []
+
+    def step(self) -> tuple:
+        dist.barrier(self.group)
+        _sync(self.dev)
+        if self.stamps is not None:
+            self.stamps.clear()
+        t0 = mark = time.perf_counter()
+        forward_s = backward_s = 0.0
+        first_t1 = t0
+        for i in range(self.model.accumulation_steps):  # the plan's micro-batches, its gradient sync
+            with self.model.micro_batch(i):
+                loss = batch_loss(self.inputs.call(self.model), self.loss_fn, self.batch, self.example_batch)
+                _sync(self.dev)
+                t1 = time.perf_counter()
+                loss.backward()
+                _sync(self.dev)
+            t2 = time.perf_counter()
+            forward_s += t1 - mark  # contiguous intervals: the phases add up to the step
+            backward_s += t2 - t1
+            mark = t2
+            first_t1 = t1 if i == 0 else first_t1  # group times: the first micro-batch's forward
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        _sync(self.dev)
+        t3 = time.perf_counter()
+        return t3 - t0, forward_s, backward_s, t3 - t2, first_t1
+
+    def hook_groups(self) -> None:
+        self.stamps, self.handles = _group_stamps(self.model, [u.name for u in self.plan.units])
+
+    def unhook(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles, self.stamps = [], None
+
+    def timed_step(self) -> None:
+        row = self.step()
+        self.timed.append(row)
+        if self.stamps is not None:
+            order = sorted(self.stamps, key=self.stamps.__getitem__)
+            groups: dict[str, float] = {}
+            for i, name in enumerate(order):
+                end = self.stamps[order[i + 1]] if i + 1 < len(order) else row[4]
+                groups[group_of(name)] = groups.get(group_of(name), 0.0) + end - self.stamps[name]
+            self.per_group.append(groups)
+
+    def _resident(self) -> list[torch.Tensor]:
+        state = [t for st in self.optim.state.values() for t in st.values() if torch.is_tensor(t)]
+        return list(self.model.parameters()) + list(self.model.buffers()) + state
+
+    def peak(self) -> tuple[float, str]:
+        """Peak bytes of one steady step: this copy's states and what the step adds."""
+        from ..memtrack import LiveBytesTracker
+
+        if self.dev.type == "cuda":
+            _sync(self.dev)
+            own = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in self._resident()}.values())
+            base = torch.cuda.memory_allocated(self.dev) - own
+            torch.cuda.reset_peak_memory_stats(self.dev)
+            self.step()
+            return (torch.cuda.max_memory_allocated(self.dev) - base,
+                    "torch.cuda.max_memory_allocated (less what other tensors held before the step)")
+        with LiveBytesTracker(self._resident()) as tracker:
+            self.step()
+        return tracker.peak_bytes, "live tensors (osdp.memtrack.LiveBytesTracker)"
+
+    def result(self, steps: int) -> Measurement:
+        peak, peak_source = self.peak()
+        # the median step with its own phases (so they add up to it), then the slowest
+        # rank's: it decides when a step is done for everyone
+        median_step = sorted(self.timed)[(len(self.timed) - 1) // 2][:4]
+        group_names = sorted({g for groups in self.per_group for g in groups})
+        group_medians = [statistics.median(groups.get(g, 0.0) for groups in self.per_group) for g in group_names]
+        row = torch.tensor(list(median_step) + [float(peak)] + group_medians, dtype=torch.float64)
+        if dist.is_initialized():
+            rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(rows, row, group=self.group)
+            slowest = max(rows, key=lambda r: float(r[0]))
+            highest = torch.stack(rows).max(dim=0).values  # peak and group times: max over ranks
+            row = torch.cat([slowest[:4], highest[4:]])
+        values = row.tolist()
+        return Measurement(
+            step_s=values[0], forward_s=values[1], backward_s=values[2], optimizer_s=values[3],
+            peak_bytes=values[4], batch_size=int(self.batch), steps=int(steps), peak_source=peak_source,
+            groups=dict(zip(group_names, values[5:])),
+        )
+
+    def close(self) -> None:
+        del self.model, self.optim
