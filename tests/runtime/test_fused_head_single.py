@@ -135,3 +135,32 @@ def test_a_biased_head_or_label_smoothing_is_refused_by_name():
     plain = osdp.OSDP(BareHead(), modes={"lm_head": ("dp", "dp")}, split_ops={"lm_head": "linear_out_features"})
     with pytest.raises(ConfigError, match="label_smoothing"):
         plain(x, targets, label_smoothing=0.1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_hugging_face_narrowed_forward_uses_the_fused_loss(family):
+    hf = pytest.importorskip("osdp.models.hf")
+    pytest.importorskip("transformers")
+    build = {"llama": lambda: hf.llama_model(vocab_size=1009), "gpt2": lambda: hf.gpt2_model(vocab_size=1009)}[family]
+    # Llama: untied head split along vocabulary; GPT-2: the tied wte/lm_head pair split by rows
+    kwargs = (dict(modes={"lm_head": ("zdp", "dp", "zdp")}, split_ops={"lm_head": "linear_out_features"})
+              if family == "llama" else dict(modes={"transformer.wte": ("dp", "zdp")}))
+    idx, targets = hf.example_batch(1009, batch_size=3, seq_len=8)
+    torch.manual_seed(0)
+    ref = build()
+    ref_loss = hf.hf_loss(ref, idx, targets)
+    ref_loss.backward()
+    torch.manual_seed(0)
+    model = osdp.OSDP(build(), default_mode="zdp", **kwargs)
+    assert hasattr(model.module.lm_head, "cross_entropy")
+    logits_bytes = idx.numel() * 1009 * 4
+    with LargestAllocation() as fused:
+        loss = hf.hf_loss(model, idx, targets)
+        loss.backward()
+    assert fused.bytes < logits_bytes, (fused.bytes, fused.op)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    torch.optim.SGD(ref.parameters(), lr=1.0).step()
+    state = model.full_state_dict()
+    for key, value in ref.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{key}: {m}")
