@@ -102,7 +102,8 @@ class GPT(nn.Module):
     """Token + position embeddings, blocks (with width bridges), final LayerNorm, head.
 
     ``forward(idx, targets=None)`` returns logits, or the mean cross-entropy loss when
-    targets are given.
+    targets are given (fused with the head, no logits kept, when the runtime replaced
+    ``lm_head`` by a vocabulary-split op: anything with a ``cross_entropy`` method).
     """
 
     def __init__(self, config: GPTConfig):
@@ -140,7 +141,12 @@ class GPT(nn.Module):
         x = self.wte(idx) + self.wpe(pos)
         for bridge, block in zip(self.bridges, self.blocks):
             x = block(bridge(x))
-        logits = self.lm_head(self.ln_f(x))
+        x = self.ln_f(x)
+        if targets is not None and hasattr(self.lm_head, "cross_entropy"):
+            # the head split along vocabulary (by OSDP's runtime): the loss slice by slice,
+            # no [batch, seq, vocab] logits ([Note: fused head on split slices])
+            return self.lm_head.cross_entropy(x, targets)
+        logits = self.lm_head(x)
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))

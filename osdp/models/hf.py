@@ -6,7 +6,10 @@ subclass of ``GPT2LMHeadModel`` / ``LlamaForCausalLM``), so module paths, parame
 names and the state dict are Hugging Face's (``transformer.h.0.mlp.c_fc``,
 ``model.layers.0.self_attn.q_proj``, ...); only ``forward`` is narrowed to what
 ``osdp.planner.describe`` and the trainers call: ``model(idx, targets=None)`` returns the mean
-next-token cross-entropy when ``targets`` are given, else the logits.
+next-token cross-entropy when ``targets`` are given, else the logits. With the LM head
+split along the vocabulary by OSDP, that loss is fused with the head (no logits); the
+stock Hugging Face ``forward(input_ids, labels=...)`` (and :func:`hf_loss` on a model
+not built here) still computes the whole logits itself.
 
 ``transformers`` is imported lazily; a clear ImportError says what to install.
 
@@ -73,6 +76,12 @@ class _LossForward:
     """Mixin placed before a Hugging Face ``*ForCausalLM`` class in the MRO."""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        head = getattr(self, "lm_head", None)
+        if targets is not None and hasattr(head, "cross_entropy"):
+            # the head split along vocabulary by OSDP's runtime: the loss slice by slice from
+            # the base model's last hidden states, no logits ([Note: fused head on split slices])
+            hidden = self.base_model(input_ids=idx, use_cache=False)[0]
+            return head.cross_entropy(hidden, targets)
         logits = super().forward(input_ids=idx, use_cache=False).logits
         return logits if targets is None else causal_lm_loss(logits, targets)
 
@@ -112,8 +121,11 @@ def llama_model(**config_overrides) -> nn.Module:
 
 def hf_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean next-token loss of any Hugging Face causal LM (or an ``OSDP`` wrapping one):
-    ``model(input_ids=idx).logits`` (``model(idx)`` for the models built here)."""
-    out = model(input_ids=idx, use_cache=False) if not _narrowed(model) else model(idx)
+    ``model(input_ids=idx).logits``; for the models built here ``model(idx, targets)``
+    (fused with the head when OSDP split it along the vocabulary)."""
+    if _narrowed(model):
+        return model(idx, targets)  # fused with a vocabulary-split head
+    out = model(input_ids=idx, use_cache=False)
     logits = out if isinstance(out, torch.Tensor) else out.logits
     return causal_lm_loss(logits, targets)
 

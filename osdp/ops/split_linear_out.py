@@ -9,12 +9,14 @@ Not the default for nn.Linear: chosen by name (``split_ops={name:
 ``matmul_split.py``. It is also the op of a tied LM head whose weight is a row-split
 embedding's (the slices are the embedding's units; see [Note: tied row split] in
 ``osdp/contract.py``); a per-slice consumer (a fused loss) drives it through
-``forward_slices`` / ``backward_slices``.
+``forward_slices`` / ``backward_slices``: :meth:`SplitLinearOut.cross_entropy`, see
+[Note: fused head on split slices] in ``fused_head.py``.
 """
 from __future__ import annotations
 
 import torch.nn as nn
 
+from .fused_head import fused_head_cross_entropy
 from .matmul_split import MatmulSplit
 from .registry import register_split_op
 
@@ -30,3 +32,10 @@ class SplitLinearOut(MatmulSplit):
     default_for_type = False
     # an Embedding tied to the split weight looks up the same rows, slice for slice
     tied_use_op = "embedding_rows"
+
+    def cross_entropy(self, x, targets, *, ignore_index: int = -100, reduction: str = "mean",
+                      label_smoothing: float = 0.0):
+        """``F.cross_entropy`` of this head's logits without building them: see [Note:
+        fused head on split slices] in ``fused_head.py``."""
+        return fused_head_cross_entropy(self, x, targets, ignore_index=ignore_index, reduction=reduction,
+                                        label_smoothing=label_smoothing)
