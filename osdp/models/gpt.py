@@ -106,6 +106,9 @@ class GPT(nn.Module):
     ``lm_head`` by a vocabulary-split op: anything with a ``cross_entropy`` method).
     """
 
+    # the planner counts the logits a split head never holds ([Note: fused head loss])
+    osdp_fuses_head_loss = True
+
     def __init__(self, config: GPTConfig):
         super().__init__()
         self.config = config

@@ -75,6 +75,10 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class _LossForward:
     """Mixin placed before a Hugging Face ``*ForCausalLM`` class in the MRO."""
 
+    # model(idx, targets) fuses the loss into a split head ([Note: fused head loss]);
+    # a stock Hugging Face model (forward(input_ids, labels=...)) does not
+    osdp_fuses_head_loss = True
+
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         head = getattr(self, "lm_head", None)
         if targets is not None and hasattr(head, "cross_entropy"):
