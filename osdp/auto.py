@@ -117,15 +117,16 @@ def auto_plan(
         process_group = layout.world.group  # a mesh over some of the ranks
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
-    device = hardware = cluster.for_run(run)
+    device = cluster.for_run(run)
     if layout is not None:
         device, settings = for_layout(device, settings, layout)
+    hardware = device  # the profile on this layout, before calibration refits it
     distributed = dist.is_available() and dist.is_initialized()
     rank = dist.get_rank(process_group) if distributed else 0
     calibrate = calibrate and distributed
     if calibrate:  # [Note: calibrate and re-plan] step 1
         measure = runtime_measure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
-                                  steps=calibration_steps, mixed_precision=mixed_precision)
+                                  steps=calibration_steps, mixed_precision=mixed_precision, layout=layout)
         from .planner.inputs import as_example_inputs
 
         device, reference = runtime_profile(desc, device, settings or PlannerSettings(),
@@ -157,14 +158,14 @@ def auto_plan(
 # ---- calibration -------------------------------------------------------------------------
 
 def runtime_measure(model, example_inputs, *, loss_fn=None, process_group=None, steps: int = 3,
-                    mixed_precision=None):
+                    mixed_precision=None, layout=None):
     """``[plan, ...] -> [Measurement, ...]``: ``osdp.profiler.measure_plans`` of
     ``model`` (a copy per plan, their steps interleaved)."""
     from .profiler import measure_plans
 
     def measure(plans):
         return measure_plans(model, plans, example_inputs, loss_fn=loss_fn, steps=steps,
-                             process_group=process_group, mixed_precision=mixed_precision)
+                             process_group=process_group, mixed_precision=mixed_precision, layout=layout)
 
     return measure
 

@@ -57,7 +57,7 @@ def measure_plan(module, plan, example_inputs, **kwargs) -> Measurement:
 
 
 def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3, warmup: int = 2,
-                  process_group=None, device=None, mixed_precision=None, coalesce_bytes=None,
+                  process_group=None, device=None, mixed_precision=None, coalesce_bytes=None, layout=None,
                   group_times: bool = True) -> list[Measurement]:
     """Measure several plans, each on its own copy of ``module``, their timed steps
     interleaved (plan 1, plan 2, ..., plan 1, ...) so that a machine whose load drifts
@@ -68,7 +68,7 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
     times there are launch times)."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        trials = [_Trial(module, plan, example_inputs, loss_fn, process_group, device, mixed_precision,
+        trials = [_Trial(module, plan, example_inputs, loss_fn, process_group, layout, device, mixed_precision,
                          coalesce_bytes) for plan in plans]
         for trial in trials:
             for _ in range(warmup):
@@ -93,15 +93,19 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
 class _Trial:
     """One plan on its own wrapped copy of the model, with its optimizer and inputs."""
 
-    def __init__(self, module, plan, example_inputs, loss_fn, group, device, mixed_precision, coalesce_bytes):
+    def __init__(self, module, plan, example_inputs, loss_fn, group, layout, device, mixed_precision, coalesce_bytes):
         from ..api import OSDP
 
         inputs = as_example_inputs(example_inputs)
         self.example_batch = inputs.batch_size()
         self.plan, self.batch, self.loss_fn, self.group = plan, plan.batch_size, loss_fn, group
         inputs = inputs if self.batch == self.example_batch else inputs.with_batch(self.batch)
-        self.model = OSDP(copy.deepcopy(module), plan=plan, process_group=group, device=device,
-                          mixed_precision=mixed_precision, coalesce_bytes=coalesce_bytes)
+        # memory_check=False: the peak is measured below, in a step of its own; a plan
+        # over its limit is what calibration is there to find, not an error mid-measurement
+        # on the caller's layout (its mesh and node size) when it has one
+        where = {"mesh": layout} if layout is not None else {"process_group": group}
+        self.model = OSDP(copy.deepcopy(module), plan=plan, **where, device=device,
+                          mixed_precision=mixed_precision, coalesce_bytes=coalesce_bytes, memory_check=False)
         self.dev = self.model.device
         self.inputs = inputs.map_batched(lambda t: t.to(self.dev))
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.0)

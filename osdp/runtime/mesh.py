@@ -115,7 +115,10 @@ class ShardLayout:
     @classmethod
     def from_arg(cls, process_group=None, mesh=None, node_size: int | None = None) -> "ShardLayout":
         """The layout of ``mesh`` (a DeviceMesh) or ``process_group`` (None: the default
-        group); OSDPError for what cannot be a layout."""
+        group); OSDPError for what cannot be a layout. ``mesh`` may also be a ShardLayout
+        already built (the profiler wraps copies of a model on the layout it runs on)."""
+        if isinstance(mesh, ShardLayout) and process_group is None and node_size in (None, mesh.node_size):
+            return mesh
         if mesh is not None and process_group is not None:
             raise OSDPError("give either process_group= (1-D) or mesh= (a DeviceMesh), not both")
         if node_size is not None and (isinstance(node_size, bool) or not isinstance(node_size, int) or node_size < 1):

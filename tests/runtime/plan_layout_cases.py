@@ -45,8 +45,14 @@ def run(rank: int, world_size: int, full_path: str, hsdp_path: str, cache_dir: s
     import osdp
 
     out = {}
-    out["full"] = _train(osdp.OSDP(hc.make_model(hc.MODEL), plan=full_path, node_size=2), rank, world_size)
-    out["hsdp"] = _train(osdp.OSDP(hc.make_model(hc.MODEL), plan=hsdp_path, mesh=_mesh()), rank, world_size)
+    # parity, not the ~50 KB budget: the runtime measures 7.8% over the prediction there
+    # (3.6 KiB in the unsplit wte's backward, a gradient transient the memory model does
+    # not price); tests/runtime/test_peak.py tests the check
+    unchecked = {"memory_check": False}
+    out["full"] = _train(osdp.OSDP(hc.make_model(hc.MODEL), plan=full_path, node_size=2, **unchecked), rank,
+                         world_size)
+    out["hsdp"] = _train(osdp.OSDP(hc.make_model(hc.MODEL), plan=hsdp_path, mesh=_mesh(), **unchecked), rank,
+                         world_size)
     # the mismatches, on real layouts (nothing is wrapped: the checks run first)
     out["hsdp_on_1d"] = _error(lambda: osdp.OSDP(hc.make_model(hc.MODEL), plan=hsdp_path))
     out["full_on_2d"] = _error(lambda: osdp.OSDP(hc.make_model(hc.MODEL), plan=full_path, mesh=_mesh()))
