@@ -95,14 +95,7 @@ def run_simulation(cluster: str = DEFAULT_CLUSTER, backend: str = "auto", quick:
 # our cells is compared with the family's maximum when the paper names that cell as the
 # maximum, else with the family's average. W&S without splitting: "can hardly achieve
 # promising acceleration", no number.
-PAPER_COLUMNS = {  # our column -> (settings, baseline column)
-    "FSDP": (dict(policy="zdp", checkpointing="none"), None),
-    "OSDP": (dict(max_slices=1), "FSDP"),
-    "OSDP+split": (dict(), "FSDP"),
-    "FSDP+ckpt": (dict(policy="zdp", checkpointing="all"), None),
-    "OSDP+ckpt": (dict(max_slices=1, checkpointing="all"), "FSDP+ckpt"),
-    "OSDP+split+ckpt": (dict(checkpointing="all"), "FSDP+ckpt"),
-}
+PAPER_COLUMNS = {k: v for k, v in COLUMNS.items() if k != "OSDP+split+auto-ckpt"}  # the paper's six
 PAPER_FIGURES = {  # (family, column) -> (average, maximum, model the maximum was reached on)
     ("N&D", "OSDP"): (1.172, 1.18, "nd-96x1024"),
     ("N&D", "OSDP+split"): (1.22, 1.23, None),
