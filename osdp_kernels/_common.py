@@ -46,6 +46,24 @@ def check_matrix(name: str, t, dtypes=FLOAT_DTYPES) -> None:
         raise TypeError(f"{name} dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
 
 
+def grad_out_buffer(out, shape: tuple, dtype: torch.dtype, device, accumulate: bool, *, out_name: str,
+                    flag_name: str, shape_is: str):
+    """The weight-gradient output of a dW kernel: ``out`` checked (2-D, ``shape``, fp32
+    when ``accumulate``: the main-grad buffer added into), or a new ``dtype`` tensor.
+    ``out_name`` / ``flag_name`` name the caller's arguments in the errors; ``shape_is``
+    says where ``shape`` comes from (e.g. "w_slice's ")."""
+    if out is None:
+        if accumulate:
+            raise ValueError(f"{flag_name}=True needs {out_name}= (the fp32 main-grad buffer to add into)")
+        return torch.empty(shape, dtype=dtype, device=device)
+    check_matrix(out_name, out)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{out_name} shape {tuple(out.shape)} must be {shape_is}({shape[0]}, {shape[1]})")
+    if accumulate and out.dtype != torch.float32:
+        raise TypeError(f"{flag_name}=True needs an fp32 {out_name} (main grad), got {out.dtype}")
+    return out
+
+
 def check_same_device(**tensors) -> torch.device:
     devices = {n: t.device for n, t in tensors.items() if t is not None}
     first = next(iter(devices.values()))

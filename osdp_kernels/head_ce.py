@@ -381,16 +381,8 @@ def head_ce_backward_slice(x: torch.Tensor, w_slice: torch.Tensor, row0: int, ta
         C.check_matrix("dx_out", dx_out, (torch.float32,))
         if tuple(dx_out.shape) != (M, H):
             raise ValueError(f"dx_out shape {tuple(dx_out.shape)} must be x's ({M}, {H}) (an fp32 accumulator)")
-    if dw_out is None:
-        if accumulate_dw:
-            raise ValueError("accumulate_dw=True needs dw_out= (the fp32 main-grad buffer to add into)")
-        dw_out = torch.empty((rs, H), dtype=w_slice.dtype, device=x.device)
-    else:
-        C.check_matrix("dw_out", dw_out)
-        if tuple(dw_out.shape) != (rs, H):
-            raise ValueError(f"dw_out shape {tuple(dw_out.shape)} must be w_slice's ({rs}, {H})")
-        if accumulate_dw and dw_out.dtype != torch.float32:
-            raise TypeError(f"accumulate_dw=True needs an fp32 dw_out (main grad), got {dw_out.dtype}")
+    dw_out = C.grad_out_buffer(dw_out, (rs, H), w_slice.dtype, x.device, accumulate_dw, out_name="dw_out",
+                               flag_name="accumulate_dw", shape_is="w_slice's ")
     if chunk_tokens is not None and (isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int)
                                      or chunk_tokens < 1):
         raise ValueError(f"chunk_tokens must be a positive int or None, got {chunk_tokens!r}")

@@ -100,16 +100,8 @@ def slice_dw(dy: torch.Tensor, x: torch.Tensor, k0: int, ks: int, out: torch.Ten
     if isinstance(ks, bool) or not isinstance(ks, int):
         raise TypeError(f"ks must be an int, got {type(ks).__name__}")
     C.check_slice(k0, ks, x.shape[1], "x.shape[1]")
-    if out is None:
-        if accumulate:
-            raise ValueError("accumulate=True needs out= (the fp32 main-grad buffer to add into)")
-        out = torch.empty((N, ks), dtype=dy.dtype, device=dy.device)
-    else:
-        C.check_matrix("out", out)
-        if tuple(out.shape) != (N, ks):
-            raise ValueError(f"out shape {tuple(out.shape)} must be (N, ks) = ({N}, {ks})")
-        if accumulate and out.dtype != torch.float32:
-            raise TypeError(f"accumulate=True needs an fp32 out (main grad), got {out.dtype}")
+    out = C.grad_out_buffer(out, (N, ks), dy.dtype, dy.device, accumulate, out_name="out", flag_name="accumulate",
+                            shape_is="(N, ks) = ")
     device = C.check_same_device(dy=dy, x=x, out=out)
     backend = C.resolve_backend(backend, device)
 
