@@ -104,10 +104,21 @@ slice with an online log-sum-exp (osdp.ops.split_head_cross_entropy), so per sam
                                               stays, 1/V of L, not counted)
     backward transients 2 L (dlogprobs, dlogits) -> 2 L / g (one slice's logits and
                                               their gradient, recomputed in backward)
-These are per-option terms (``opt_logits_per_sample``, ``opt_logits_grad_per_sample``;
-breakdown "logits_and_grads") taken out of the op's choice-independent activations.
-Exact because the head is the last op: its saved bytes are seen by no later op (for a
-head that is not last, L is not taken out: no saving is claimed).
+These are per-option terms (``opt_logits_per_sample``, ``opt_loss_grad_per_sample``,
+``opt_logits_grad_per_sample``; breakdown "logits_and_grads") taken out of the op's
+choice-independent activations. Exact because the head is the last op: its saved bytes
+are seen by no later op (for a head that is not last, L is not taken out: no saving is
+claimed).
+
+Unsplit, the loss's backward runs BEFORE the head's: the saved log-probabilities, their
+gradient and the logits' gradient (3 L) are alive while none of the head's weights are
+gathered again and none of its gradient buffers exist yet; then the head's backward
+holds only the logits' gradient (L) beside its gathers and buffers. So the op's local
+bytes are the larger of the two moments (``option_local_bytes``), not their sum
+(measured, 2 gloo ranks, N&D 12x128 at batch 10: 3 L = 7.86 MB live at
+``_log_softmax_backward_data`` with no head weights; the sum over-counted 2.10 MB, 7%
+of the peak). Split and fused, the slices' logits live inside the head's backward,
+beside its gathers: the sum.
 """
 from __future__ import annotations
 
@@ -404,9 +415,11 @@ class ProblemTemplate:
     opt_overlap: np.ndarray = field(repr=False, default=None)
     opt_split_overhead_s: np.ndarray = field(repr=False, default=None)
     opt_split_eff: np.ndarray = field(repr=False, default=None)
-    # per sample: a vocabulary head's saved logits and logits gradients under this option
-    # ([Note: fused vocabulary-split loss]), apart from act_per_sample / act_grad_per_sample
+    # per sample: a vocabulary head's saved logits, the loss's backward transients before
+    # the head's backward and the logits gradients during it, under this option ([Note:
+    # fused vocabulary-split loss]), apart from act_per_sample / act_grad_per_sample
     opt_logits_per_sample: np.ndarray = field(repr=False, default=None)
+    opt_loss_grad_per_sample: np.ndarray = field(repr=False, default=None)
     opt_logits_grad_per_sample: np.ndarray = field(repr=False, default=None)
     opt_begin: np.ndarray = field(repr=False, default=None)
     opt_end: np.ndarray = field(repr=False, default=None)
@@ -543,7 +556,8 @@ def _group_of(desc: ModelDesc, i: int) -> tuple[int, ...]:
 def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i,
                  shares=(1.0, 1.0)) -> list[tuple]:
     """(g, k, h, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
-    split efficiency, logits saved, logits grads) for every option of op ``i`` (see the
+    split efficiency, logits saved, the loss's backward transients, logits grads in the
+    head's backward) for every option of op ``i`` (see the
     Notes at the top, [Note: hpz mode] and [Note: tied weights]). ``shares``: the latency
     shares of small units ([Note: coalesced latency])."""
     coll = layout_collectives(device, settings)
@@ -593,12 +607,15 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             # are summed over its uses first (tied_grads_bytes, choice-independent)
             grads_live = UNSHARDED_GRADS_LIVE * grad if len(group) == 1 else 0.0
             transient = max(gathers_f, gathers_b + grads_live)
-            # [Note: fused vocabulary-split loss]: split, the head never holds the logits
+            # [Note: fused vocabulary-split loss]: split, the head never holds the logits;
+            # unsplit, the loss's backward (3 L) comes before the head's (L of it left)
             fused = g > 1 and logits > 0
             logits_saved = 0.0 if fused else logits
-            logits_grads = 2.0 * logits / g
+            loss_grads = 0.0 if fused else 2.0 * logits
+            logits_grads = 2.0 * logits / g if fused else logits
             rows.append((g, k, h, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
-                         (g - 1) * device.slice_overhead_s, split_efficiency(g, device), logits_saved, logits_grads))
+                         (g - 1) * device.slice_overhead_s, split_efficiency(g, device), logits_saved, loss_grads,
+                         logits_grads))
     return rows
 
 
@@ -626,7 +643,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     quantum = max(budget, 1.0) / buckets
 
     names = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff",
-             "logits", "logits_grad")
+             "logits", "loss_grad", "logits_grad")
     cols = {k: [] for k in ("op", "variant", "ckpt") + names}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
@@ -676,6 +693,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         opt_split_overhead_s=arr("ovh"),
         opt_split_eff=arr("eff"),
         opt_logits_per_sample=arr("logits"),
+        opt_loss_grad_per_sample=arr("loss_grad"),
         opt_logits_grad_per_sample=arr("logits_grad"),
         opt_begin=begin,
         opt_end=end,
@@ -696,7 +714,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
 
 _COST_FIELDS = ("opt_held_bytes", "opt_transient_bytes", "opt_comm_f_s", "opt_gather_b_s", "opt_reduce_b_s",
                 "opt_overlap", "opt_split_overhead_s", "opt_split_eff", "opt_logits_per_sample",
-                "opt_logits_grad_per_sample")
+                "opt_loss_grad_per_sample", "opt_logits_grad_per_sample")
 _OPTION_FIELDS = ("opt_op", "opt_variant", "opt_checkpointed", "opt_slices", "opt_zdp", "opt_hpz") + _COST_FIELDS
 
 
@@ -825,6 +843,21 @@ def _option_times(t: ProblemTemplate, batch: int) -> np.ndarray:
     return (steps - 1) * _phase_times(t, batch, reduce=False) + full
 
 
+def _local_moments(t: ProblemTemplate, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per option, bytes local to its op at its own busiest moment (gathers, gradient
+    buffers, activation gradients, logits gradients inside the head's backward) and in
+    the loss's backward before it (saved log-probabilities and their gradients: [Note:
+    fused vocabulary-split loss]; 0 for every op but an unsplit head)."""
+    own = t.opt_transient_bytes + (t.act_grad_per_sample[t.opt_op] + t.opt_logits_grad_per_sample) * batch
+    loss = (t.opt_logits_per_sample + t.opt_loss_grad_per_sample) * batch
+    return own, loss
+
+
+def option_local_bytes(t: ProblemTemplate, batch: int) -> np.ndarray:
+    """Per option, the bytes its op adds on top of the kept prefix at its peak moment."""
+    return np.maximum(*_local_moments(t, batch))
+
+
 def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
     if not isinstance(batch, (int, np.integer)) or batch < 1:
         raise OSDPError(f"batch size must be a positive integer, got {batch!r}")
@@ -855,8 +888,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         opt_slices=t.opt_slices,
         opt_zdp_slices=t.opt_zdp,
         opt_held_q=held_q,
-        opt_local_bytes=t.opt_transient_bytes + (t.act_grad_per_sample[t.opt_op] + t.opt_logits_per_sample
-                                                 + t.opt_logits_grad_per_sample) * batch,
+        opt_local_bytes=option_local_bytes(t, batch),
         opt_time_s=_option_times(t, batch),
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
@@ -892,6 +924,7 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
     if "grad_accumulators" in t.static:
         static_parts["grad_accumulators"] = t.static["grad_accumulators"]
     held_prefix = act_prefix = 0.0
+    own_bytes, loss_bytes = _local_moments(t, batch)
     rows = []
     for s, seg in enumerate(t.segments):
         v = variant[s]
@@ -914,8 +947,12 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
             }
             if t.tied_grads[i]:
                 parts["tied_unsharded_grads"] = float(t.tied_grads[i])
-            if t.opt_logits_per_sample[o] or t.opt_logits_grad_per_sample[o]:
-                parts["logits_and_grads"] = float((t.opt_logits_per_sample[o] + t.opt_logits_grad_per_sample[o]) * batch)
+            own, loss = own_bytes[o], loss_bytes[o]
+            if loss > own:  # the loss's backward, before the head's: nothing of the op's own
+                parts.update(in_flight_and_grad_buffers=0.0, activation_grads=0.0)
+                parts["logits_and_grads"] = float(loss)
+            elif t.opt_logits_grad_per_sample[o]:
+                parts["logits_and_grads"] = float(t.opt_logits_grad_per_sample[o] * batch)
             rows.append((i, parts))
         act_prefix += kept if checkpointed else inside
     return rows

@@ -26,7 +26,7 @@ from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .collective_cost import LAYOUTS, spans_nodes
 from .cost_model import (Estimate, PlannerSettings, ProblemTemplate, _option_times, align_tied, build_template, evaluate,
-                         tied_choices)
+                         option_local_bytes, tied_choices)
 from .description import ModelDesc
 from .device import DeviceInfo
 from .search import search
@@ -69,35 +69,38 @@ def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto") -> Searc
     return result
 
 
-def memory_pareto_options(t: ProblemTemplate) -> np.ndarray:
-    """Indices of each op's memory-Pareto options: those no other option of the same op
-    and variant beats in both kept and transient bytes (time ignored). Batch-independent:
-    the batch adds the same bytes to every option of an op. Cached on the template."""
-    cached = getattr(t, "_memory_pareto", None)
-    if cached is not None:
-        return cached
+def memory_pareto_options(t: ProblemTemplate, batch: int) -> np.ndarray:
+    """Indices of each op's memory-Pareto options at ``batch``: those no other option of
+    the same op and variant beats in both kept and local bytes (time ignored). Per batch:
+    a vocabulary head's options differ in how their bytes grow with it ([Note: fused
+    vocabulary-split loss]). Cached on the template."""
+    cache = t.__dict__.setdefault("_memory_pareto", {})
+    if batch in cache:
+        return cache[batch]
+    local_all = option_local_bytes(t, batch)
     keep = []
     for i in range(len(t.desc.ops)):
         for v in range(2):
             lo, hi = t.opt_begin[i, v], t.opt_end[i, v]
-            held, local = t.opt_held_bytes[lo:hi], t.opt_transient_bytes[lo:hi]
+            held, local = t.opt_held_bytes[lo:hi], local_all[lo:hi]
             best_local = np.inf
             for j in np.lexsort((local, held)):  # by held, then local: a sweep keeps the frontier
                 if local[j] < best_local:
                     keep.append(lo + int(j))
                     best_local = local[j]
-    t._memory_pareto = np.array(sorted(keep), dtype=np.int64)
-    return t._memory_pareto
+    cache[batch] = np.array(sorted(keep), dtype=np.int64)
+    return cache[batch]
 
 
-def least_memory_problem(t: ProblemTemplate, problem: SearchProblem) -> SearchProblem:
-    """``problem`` with each op reduced to its memory-Pareto options.
+def least_memory_problem(t: ProblemTemplate, batch: int) -> SearchProblem:
+    """``t``'s problem at ``batch`` with each op reduced to its memory-Pareto options.
 
     Every memory constraint is monotone in held and local bytes, so any feasible plan
     stays feasible when each op takes a memory-Pareto option that dominates its own: the
     reduced problem is feasible exactly when the full one is, and it searches in a
     fraction of the time (a few options per op instead of dozens)."""
-    chosen = memory_pareto_options(t)
+    problem = t.problem(batch)
+    chosen = memory_pareto_options(t, batch)
     counts = np.zeros(problem.opt_begin.size, dtype=np.int64)  # per (op, variant), row-major
     slot = t.opt_op[chosen] * 2 + t.opt_variant[chosen]
     np.add.at(counts, slot, 1)
@@ -117,7 +120,7 @@ def least_memory_problem(t: ProblemTemplate, problem: SearchProblem) -> SearchPr
 
 def fits_at(t: ProblemTemplate, batch: int, backend: str = "auto") -> bool:
     """Whether any plan fits at ``batch`` (exact, through the least-memory problem)."""
-    return search(least_memory_problem(t, t.problem(batch)), backend=backend).feasible
+    return search(least_memory_problem(t, batch), backend=backend).feasible
 
 
 def _finish(t, batch, result, searches, started, batch_capped=False) -> Scheduled:
