@@ -2,6 +2,7 @@
 (OSDP, FSDP2 ZeRO-3 and ZeRO-2, DDP), one training step, and measured peak memory."""
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import sys
@@ -79,10 +80,12 @@ def _state_tensors(model, optim):
     return tensors
 
 
-def measured_peak_bytes(model, optim, config, batch: int) -> int:
+def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True) -> int:
     """Peak bytes of one steady-state training step (after a warm-up step that creates
-    the optimizer state), max over ranks: allocator peak on CUDA, live tensors on CPU."""
-    train_step(model, optim, config, batch, seed=1)
+    the optimizer state; ``warm_up=False`` when an earlier step of this model and
+    optimizer did), max over ranks: allocator peak on CUDA, live tensors on CPU."""
+    if warm_up:
+        train_step(model, optim, config, batch, seed=1)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -116,6 +119,31 @@ def median_step_s(model, optim, config, batch: int, steps: int) -> float:
     return float(t.item())
 
 
+def interleaved_step_s(runs, config, rounds: int) -> list[float]:
+    """Median wall time of one training step for each ``(model, optimizer, batch)`` in
+    ``runs``, their steps interleaved (run 1, run 2, ..., then from run 2; one warm-up each)
+    so that a load that drifts slows them alike: their ratios are taken in one run.
+    Max over ranks of each median."""
+    for model, optim, batch in runs:
+        train_step(model, optim, config, batch, seed=0)
+    times = [[] for _ in runs]
+    for r in range(rounds):
+        # each round starts at the next run: no run always follows the same one
+        order = [(i + r) % len(runs) for i in range(len(runs))]
+        for (model, optim, batch), out in ((runs[i], times[i]) for i in order):
+            dist.barrier()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            train_step(model, optim, config, batch, seed=10 + r)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            out.append(time.perf_counter() - start)
+    t = torch.tensor([statistics.median(x) for x in times])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def largest_fitting_batch(peer, config, budget_bytes, max_batch=256, checkpoint=False):
     """The largest batch whose measured peak fits ``budget_bytes`` for a peer (see
     :func:`largest_fitting_batch_of`)."""
@@ -123,29 +151,43 @@ def largest_fitting_batch(peer, config, budget_bytes, max_batch=256, checkpoint=
     return largest_fitting_batch_of(model, config, budget_bytes, max_batch)
 
 
-def largest_fitting_batch_of(model, config, budget_bytes, max_batch=256):
-    """The largest batch whose measured peak fits ``budget_bytes`` (doubling, then
-    bisection; one measured step per probe), with its peak; (0, peak at 1) if none."""
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    peaks = {}
+def largest_fitting_batch_of(model, config, budget_bytes, max_batch=256, optim=None, peaks=None):
+    """The largest batch whose measured peak fits ``budget_bytes``, with its peak; (0,
+    peak at 1) if none. One measured step per probe (plus one warm-up step in all). The
+    peak grows about linearly with the batch (activations), so the next probe is the
+    secant's guess through the last two measurements, and the answer is only taken once
+    ``b`` fits and ``b + 1`` was measured not to (or ``b`` is ``max_batch``): exact like
+    bisection, in about half the probes (4-6 instead of 8-10 between 1 and 32).
+    ``optim`` and ``peaks`` (batch -> measured peak) carry over between calls for the
+    same model: a second budget reuses the first one's probes."""
+    optim = optim if optim is not None else torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peaks = peaks if peaks is not None else {}
 
-    def fits(b):
-        peaks[b] = measured_peak_bytes(model, optim, config, b)
-        return peaks[b] <= budget_bytes
+    def peak(b):
+        if b not in peaks:
+            peaks[b] = measured_peak_bytes(model, optim, config, b, warm_up=not optim.state)
+        return peaks[b]
 
-    if not fits(1):
+    if peak(1) > budget_bytes:
         return 0, peaks[1]
-    lo, hi = 1, None
-    while hi is None and lo < max_batch:
-        nxt = min(lo * 2, max_batch)
-        if fits(nxt):
-            lo = nxt
+    lo, hi = 1, None  # lo fits; hi (when known) does not
+    last = (1, peaks[1])
+    guess = 2
+    while hi is None or hi - lo > 1:
+        guess = min(max(guess, lo + 1), max_batch if hi is None else hi - 1)
+        if guess <= lo:  # lo is max_batch
+            break
+        fits = peak(guess) <= budget_bytes
+        if fits:
+            lo = guess
         else:
-            hi = nxt
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
+            hi = guess
+        (b0, p0), last = last, (guess, peaks[guess])
+        slope = (peaks[guess] - p0) / (guess - b0) if guess != b0 else 0.0
+        if slope > 0:
+            guess = guess + math.floor((budget_bytes - peaks[guess]) / slope)
+            # the secant can stall next to the boundary: probe the neighbour instead
+            guess = guess if guess not in peaks else (lo + 1 if hi is None or guess < lo else (lo + hi) // 2)
         else:
-            hi = mid
+            guess = lo * 2 if hi is None else (lo + hi) // 2
     return lo, peaks[lo]

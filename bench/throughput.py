@@ -9,7 +9,8 @@ as multiples of the model's fp32 parameter bytes P), every peer runs at the larg
 batch whose *measured* peak fits the budget (live-tensor tracking on CPU, the allocator
 peak on CUDA); OSDP runs at the batch its plan chose (auto mode: profile + plan at the
 budget) and its measured peak is checked against the budget. Samples/s are medians over
-timed steps, all peers measured in the same run; ratios are OSDP / peer.
+timed steps, every peer's steps interleaved in one run (a drifting load slows them
+alike); ratios are OSDP / peer.
 Runs gloo on CPU, NCCL on GPU. Writes bench/results/throughput_<device>.csv and a PNG.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common import PEERS, ROOT, largest_fitting_batch, measured_peak_bytes, median_step_s, spawn, wrap_peer
+from common import PEERS, ROOT, interleaved_step_s, largest_fitting_batch, measured_peak_bytes, spawn, wrap_peer
 
 from osdp.models import GPTConfig
 
@@ -52,6 +53,7 @@ def _run(rank, world, model_name, budget_bytes, steps, cache_dir):
                                          progress=False, comm_sizes=(4096, 65536, 1 << 20, 8 << 20), repeats=2)
         except osdp.InfeasiblePlanError:
             plans[peer] = None
+    runs = []  # (row, model, optim) of every peer that fits, timed together below
     for peer in PEERS:
         start = time.perf_counter()
         if peer in plans:
@@ -71,12 +73,15 @@ def _run(rank, world, model_name, budget_bytes, steps, cache_dir):
                 continue
             model = wrap_peer(base, config, checkpoint=checkpoint)
             optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        step_s = median_step_s(model, optim, config, batch, steps)
-        rows.append(dict(peer=peer, batch=batch, peak_bytes=peak, step_s=step_s,
-                         samples_per_s=batch * world / step_s,
+        rows.append(dict(peer=peer, batch=batch, peak_bytes=peak,
                          predicted_samples_per_s=plans[peer].predicted.samples_per_s if peer in plans else "",
                          bench_s=time.perf_counter() - start))
-        del model, optim
+        runs.append((rows[-1], model, optim))
+    # every peer's steps interleaved: the ratios are taken in one run, so a load that
+    # drifts over the minutes the batch searches took slows them alike
+    step_times = interleaved_step_s([(m, o, r["batch"]) for r, m, o in runs], config, steps)
+    for (row, _, _), step_s in zip(runs, step_times):
+        row.update(step_s=step_s, samples_per_s=row["batch"] * world / step_s)
     return rows
 
 

@@ -1,6 +1,7 @@
 """Auto mode: profile, plan on rank 0, broadcast, check by hash on every rank; then
 calibrate: measure the plan on the runtime, refit and re-plan once when the model was
-off (see [Note: calibrate and re-plan])."""
+off (see [Note: calibrate and re-plan]), and measure the few alternatives the model
+could have mis-ranked beside it ([Note: measured choice])."""
 from __future__ import annotations
 
 import logging
@@ -12,6 +13,7 @@ from .errors import InfeasiblePlanError, OSDPError, PlanMismatchError
 from .planner.cost_model import PlannerSettings
 from .planner.plan import Plan
 from .planner.planner import make_plan
+from .measured_choice import measured_choice
 from .planner.profiler import profile
 
 log = logging.getLogger("osdp.auto")
@@ -151,6 +153,8 @@ def auto_plan(
     if calibrate:
         plan = calibrate_plan(desc, hardware, device, plan, measure, reference=reference, settings=settings,
                               batch=batch, global_batch=global_batch, backend=backend, process_group=process_group)
+        plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
+                               global_batch=global_batch, backend=backend, process_group=process_group)
     check_same_plan(plan, process_group)
     return plan
 
@@ -311,3 +315,4 @@ def _predictions(cal, desc, device, plan) -> dict:
 
 def _annotated(plan: Plan, measured, calibration: dict) -> Plan:
     return replace(plan, measured=measured.to_dict(), calibration=calibration)
+

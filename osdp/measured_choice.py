@@ -1,0 +1,151 @@
+"""[Note: measured choice]: after calibration, the few plans the cost model could have
+mis-ranked are measured beside the calibrated plan and the best measured one is kept."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .errors import OSDPError
+from .planner.cost_model import PlannerSettings
+from .planner.plan import Plan
+from .planner.planner import make_plan
+from .sizes import format_bytes
+
+
+def calibrated_device(device, plan: Plan):
+    """``device`` with the factors, optimizer bandwidth and memory constant that
+    calibration recorded on ``plan`` (the device the plan was made on)."""
+    from .planner.device import Calibration
+
+    info = plan.calibration or {}
+    if "factors" not in info:
+        return device
+    return device.with_(calibration=Calibration.from_dict(info["factors"]),
+                       memory_bandwidth_bytes_per_s=info["memory_bandwidth_bytes_per_s"],
+                       constant_bytes=info["constant_bytes"])
+
+
+def _plan_within(desc, device, settings, limit: float, planning_limit: float, note: str, **kwargs) -> Plan | None:
+    """``make_plan`` with the model's budget ``planning_limit``, handed out for the real
+    ``limit`` (which the runtime checks); None when nothing fits."""
+    try:
+        plan = make_plan(desc, device.with_(memory_limit_bytes=planning_limit), settings, baselines=False, **kwargs)
+    except OSDPError:
+        return None
+    return replace(plan, memory_limit_bytes=limit, notes=plan.notes + ((note,) if note else ()))
+
+
+def checkpointing_alternative(desc, device, plan: Plan, settings: PlannerSettings, **kwargs) -> Plan | None:
+    """The plan with the other checkpointing extreme (none when ``plan`` checkpoints,
+    every block when it does not); only when the user allowed checkpointing ("auto")."""
+    if settings.checkpointing != "auto" or settings.policy != "osdp":
+        return None
+    variant = settings.with_(checkpointing="none" if plan.checkpoint_blocks else "all")
+    limit = device.memory_limit_bytes
+    return _plan_within(desc, device, variant, limit, limit, "", **kwargs)
+
+
+def memory_corrected(desc, device, plan: Plan, measured, settings: PlannerSettings, **kwargs) -> Plan | None:
+    """``plan``'s settings planned again for the memory its measurement showed: the
+    model was off by ``delta = measured - predicted`` peak bytes on it, so a plan like
+    it fits in fact when the model predicts at most ``limit - delta``. None when the
+    model was within a quarter of the memory tolerance (nothing to correct)."""
+    limit = device.memory_limit_bytes
+    delta = measured.peak_bytes - plan.predicted.peak_bytes
+    if abs(delta) <= settings.memory_tolerance / 4 * limit:
+        return None
+    note = (f"planned for {format_bytes(limit - delta)}: the model predicted a plan like it "
+            f"{format_bytes(abs(delta))} {'below' if delta > 0 else 'above'} its measured peak; "
+            "kept only if its own measured peak fits")
+    # the measured plan's side of checkpointing (with "auto", a plan without checkpointed
+    # blocks stays without)
+    variant = settings if plan.checkpoint_blocks else settings.with_(checkpointing="none")
+    return _plan_within(desc, device, variant, limit, limit - delta, note, **kwargs)
+
+
+def faster_within_limit(first, second):
+    """The better of two measured (plan, measurement) pairs: one whose measured peak is
+    within its limit over one that is not, then the most measured samples/s; ties keep
+    ``first``. No margin below the limit: these are measured peaks of the very steps
+    training will run (fixed shapes: the same every step; on CUDA the allocator's
+    rounding is in them), not predictions."""
+    def key(pair):
+        plan, m = pair
+        return (m.peak_bytes <= plan.memory_limit_bytes, m.samples_per_s(plan.world_size, plan.accumulation_steps))
+
+    return second if key(second) > key(first) else first
+
+
+def _new(plans, seen) -> list[Plan]:
+    out = []
+    for p in plans:
+        if p is not None and p.plan_hash() not in seen:
+            seen.add(p.plan_hash())
+            out.append(p)
+    return out
+
+
+def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=None, global_batch=None,
+                    backend: str = "auto", process_group=None) -> Plan:
+    """[Note: measured choice]
+    The cost model ranks plans well but not perfectly, and its two most consequential
+    errors are ones a measurement settles at once:
+    * memory: the model errs high on some plans and low on others (the learned constant
+      covers the worst measured gap, so most plans are predicted above what they hold);
+    * recompute: whether checkpointing's larger batch pays for its extra forward depends
+      on how throughput grows with the batch, which the per-op fits extrapolate.
+    So, on the calibrated device:
+    1. the plan with the other checkpointing extreme (``checkpointing_alternative``; only
+       when the user allowed checkpointing, ``checkpointing="auto"``) is measured beside
+       the calibrated plan, their steps interleaved;
+    2. each of the two is planned again for the memory its own measurement showed
+       (``memory_corrected``: the budget moved by how far the model was off on it), and
+       those are measured beside the best so far.
+    The best by ``faster_within_limit`` is kept: a measured peak within the limit
+    first, then the most measured samples/s; an alternative is never kept over the
+    limit. Every plan handed out has been measured on this machine, at most five
+    measurements in all. Rank 0 decides and broadcasts."""
+    from .auto import _is_rank0, _share
+    from .planner import calibration as cal
+
+    if not plan.measured:
+        return plan
+    group = process_group
+    settings = settings or PlannerSettings()
+    device = calibrated_device(device, plan)
+    kwargs = dict(batch=batch, global_batch=global_batch, backend=backend)
+    seen = {plan.plan_hash()}
+    measured = [(plan, cal.Measurement.from_dict(plan.measured))]
+    best = measured[0]
+
+    def round_of(candidates):
+        nonlocal best
+        found = _share([p.to_dict() for p in candidates] if _is_rank0(group) else None, group)
+        found = [Plan.from_dict(p) for p in found]
+        if not found:
+            return []
+        # the best so far again: its steps interleaved with theirs
+        results = measure([best[0]] + found)
+        best = (best[0], results[0])
+        pairs = list(zip(found, results[1:]))
+        measured.extend(pairs)
+        for pair in pairs:
+            best = faster_within_limit(best, pair)
+        return pairs
+
+    first_round = round_of(_new([checkpointing_alternative(desc, device, plan, settings, **kwargs)], seen)
+                           if _is_rank0(group) else [])
+    corrected = []
+    if _is_rank0(group):
+        corrected = _new([memory_corrected(desc, device, p, m, settings, **kwargs)
+                          for p, m in [measured[0]] + first_round], seen)
+    round_of(corrected)
+    keep = None
+    if _is_rank0(group):
+        chosen, result = best
+        rows = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "checkpoint_blocks": len(p.checkpoint_blocks),
+                 "notes": list(p.notes), "samples_per_s": m.samples_per_s(p.world_size, p.accumulation_steps),
+                 "peak_bytes": m.peak_bytes} for p, m in measured]
+        info = dict(plan.calibration or {})
+        info["measured_choice"] = {"candidates": rows, "kept": chosen.plan_hash()}
+        keep = replace(chosen, measured=result.to_dict(), calibration=info).to_dict()
+    return Plan.from_dict(_share(keep, group))

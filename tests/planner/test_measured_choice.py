@@ -1,0 +1,102 @@
+"""[Note: measured choice] in osdp/measured_choice.py: which alternatives are measured beside the
+calibrated plan, and which plan is kept, driven by measurements made up per plan."""
+from dataclasses import replace
+
+import pytest
+
+from osdp.measured_choice import checkpointing_alternative, measured_choice, memory_corrected
+from osdp.models import GPTConfig
+from osdp.planner.calibration import Measurement
+from osdp.planner.cluster import load_cluster
+from osdp.planner.cost_model import PlannerSettings
+from osdp.planner.gpt_desc import describe_gpt
+from osdp.planner.planner import make_plan
+from osdp.planner.run import RunSettings
+
+CONFIG = GPTConfig(vocab_size=512, seq_len=64, num_layers=4, hidden=128, heads=4)
+LIMIT = 24 * 2**20
+
+
+def _setup(checkpointing="auto"):
+    desc = describe_gpt(CONFIG)
+    device = load_cluster("titan-rtx-pcie3").with_(constant_bytes=0).for_run(
+        RunSettings(world_size=4, memory_limit_bytes=LIMIT))
+    settings = PlannerSettings(max_slices=4, checkpointing=checkpointing)
+    plan = make_plan(desc, device, settings, backend="python", baselines=False)
+    return desc, device, settings, plan
+
+
+def _measured(plan, step_s, peak_bytes):
+    return Measurement(step_s, step_s / 3, step_s / 2, step_s / 6, peak_bytes, plan.batch_size)
+
+
+def test_memory_corrected_plans_for_the_room_or_the_shortfall_the_measurement_showed():
+    desc, device, settings, plan = _setup()
+    over = 0.1 * LIMIT  # the model predicted 10% of the limit more than was measured
+    roomy = memory_corrected(desc, device, plan, _measured(plan, 0.1, plan.predicted.peak_bytes - over), settings,
+                             backend="python")
+    assert roomy is not None and roomy.memory_limit_bytes == LIMIT  # runs (and is checked) at the real limit
+    assert "kept only if its own measured peak fits" in roomy.notes[-1]
+    assert roomy.batch_size >= plan.batch_size and roomy.predicted.peak_bytes > LIMIT
+    assert roomy.predicted.peak_bytes <= LIMIT + over
+    short = memory_corrected(desc, device, plan, _measured(plan, 0.1, plan.predicted.peak_bytes + over), settings,
+                             backend="python")
+    assert short is not None and short.predicted.peak_bytes <= LIMIT - over
+    assert short.batch_size <= plan.batch_size
+    # the model within a quarter of the tolerance: nothing to correct
+    assert memory_corrected(desc, device, plan, _measured(plan, 0.1, plan.predicted.peak_bytes), settings,
+                            backend="python") is None
+
+
+def test_the_checkpointing_alternative_only_when_checkpointing_is_allowed():
+    desc, device, settings, plan = _setup("auto")
+    other = checkpointing_alternative(desc, device, plan, settings, backend="python")
+    assert other is not None and bool(other.checkpoint_blocks) != bool(plan.checkpoint_blocks)
+    assert other.memory_limit_bytes == LIMIT and other.predicted.peak_bytes <= LIMIT
+    desc, device, settings, plan = _setup("none")
+    assert checkpointing_alternative(desc, device, plan, settings, backend="python") is None
+
+
+def _choose(measure_of):
+    desc, device, settings, plan = _setup()
+    first = _measured(plan, 0.1, plan.predicted.peak_bytes - 0.1 * LIMIT)
+    plan = replace(plan, measured=first.to_dict(), calibration={"decision": "kept"})
+    seen = []
+
+    def measure(plans):
+        seen.append([p.plan_hash() for p in plans])
+        return [measure_of(p, i) for i, p in enumerate(plans)]
+
+    chosen = measured_choice(desc, device, plan, measure, settings=settings, backend="python")
+    return plan, chosen, seen
+
+
+def test_a_faster_alternative_that_fits_by_measurement_is_kept():
+    plan, chosen, seen = _choose(lambda p, i: _measured(p, 0.1 if i == 0 else 0.05, 0.8 * LIMIT))
+    # round 1: the plan and its checkpointing alternative; round 2: the best so far and
+    # the memory-corrected plans (the plan's and the alternative's)
+    assert len(seen) == 2 and seen[0][0] == plan.plan_hash() and len(seen[0]) == 2 and len(seen[1]) >= 2
+    # every alternative measured twice as fast as the plan: the one with the most samples/s
+    record = chosen.calibration["measured_choice"]
+    best = max(record["candidates"][1:], key=lambda c: c["samples_per_s"])
+    assert chosen.plan_hash() == best["plan"] != plan.plan_hash()
+    assert best["samples_per_s"] > record["candidates"][0]["samples_per_s"]
+    assert chosen.memory_limit_bytes == LIMIT
+    assert Measurement.from_dict(chosen.measured).step_s == 0.05
+    assert record["kept"] == chosen.plan_hash()
+    assert len(record["candidates"]) == 1 + len(seen[0]) - 1 + len(seen[1]) - 1
+    assert chosen.calibration["decision"] == "kept"  # what calibration said stays
+
+
+def test_an_alternative_over_the_limit_by_measurement_is_never_kept():
+    plan, chosen, _ = _choose(lambda p, i: _measured(p, 0.1, 0.8 * LIMIT) if i == 0
+                              else _measured(p, 0.01, 1.01 * LIMIT))
+    assert chosen.plan_hash() == plan.plan_hash()
+    assert Measurement.from_dict(chosen.measured).step_s == pytest.approx(0.1)  # its measurement of this round
+
+
+def test_a_plan_measured_over_the_limit_gives_way_to_a_slower_one_within_it():
+    plan, chosen, _ = _choose(lambda p, i: _measured(p, 0.01, 1.01 * LIMIT) if p.notes == () and i == 0
+                              else _measured(p, 0.1, 0.9 * LIMIT))
+    assert chosen.plan_hash() != plan.plan_hash()
+    assert Measurement.from_dict(chosen.measured).peak_bytes <= LIMIT

@@ -1,0 +1,122 @@
+"""The benches' measuring helpers: the largest fitting batch (secant probes) against a
+brute-force scan, and the physical-limit pieces (local stand-ins for collectives, the
+recorded collectives of a step) on 2 gloo ranks."""
+from __future__ import annotations
+
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from runtime.dist_harness import spawn
+
+BENCH = str(Path(__file__).resolve().parent.parent / "bench")
+
+
+def _bench_modules():
+    """bench/common.py and bench/physical_limit.py, imported with bench/ on sys.path only
+    while importing (left on it, bench/kernels.py would shadow the ``kernels`` package
+    that transformers looks for), and without the benches' OSDP_MEMORY_CHECK=0 leaking
+    into the other tests of this process."""
+    check = os.environ.get("OSDP_MEMORY_CHECK")
+    sys.path.insert(0, BENCH)
+    try:
+        import common
+        import physical_limit
+    finally:
+        sys.path.remove(BENCH)
+        if check is None:
+            os.environ.pop("OSDP_MEMORY_CHECK", None)
+        else:
+            os.environ["OSDP_MEMORY_CHECK"] = check
+    return common, physical_limit
+
+
+common, _ = _bench_modules()
+
+
+def _largest_fitting(peaks, budget, max_batch, monkeypatch):
+    probes = []
+
+    def measured(model, optim, config, b, **_):
+        probes.append(b)
+        return peaks(b)
+
+    monkeypatch.setattr(common, "measured_peak_bytes", measured)
+    model = torch.nn.Linear(1, 1)
+    return common.largest_fitting_batch_of(model, None, budget, max_batch), probes
+
+
+def test_largest_fitting_batch_equals_a_scan_of_every_batch(monkeypatch):
+    rng = random.Random(0)
+    for _ in range(500):
+        base, per_sample = rng.uniform(10, 100), rng.uniform(0.1, 5)
+        curve = rng.choice([0.0, 0.01, 0.1])  # the peak op can change with the batch
+        max_batch = rng.choice([1, 8, 32, 128, 256])
+        budget = rng.uniform(base - 5, base + per_sample * 300)
+        peaks = lambda b, base=base, s=per_sample, c=curve: base + s * b + c * b * b  # noqa: E731
+        (batch, peak), probes = _largest_fitting(peaks, budget, max_batch, monkeypatch)
+        want = max((b for b in range(1, max_batch + 1) if peaks(b) <= budget), default=0)
+        assert batch == want, (budget, max_batch, probes)
+        assert peak == peaks(max(batch, 1))
+        # the answer is proven: b fits and b + 1 was measured not to (or b is the cap)
+        assert want == 0 or want == max_batch or want + 1 in probes
+        assert len(probes) <= 16
+
+
+def test_largest_fitting_batch_probes_few_batches_on_a_linear_peak(monkeypatch):
+    (batch, _), probes = _largest_fitting(lambda b: 1000 + 37 * b, 1000 + 37 * 21.5, 32, monkeypatch)
+    assert batch == 21
+    assert len(probes) <= 5, probes  # bisection from 1 to 32 takes 8
+
+
+def _physical_limit_worker(rank, world):
+    import osdp
+    from osdp.models import GPT, GPTConfig
+    from osdp.runtime import collectives
+
+    common, limits = _bench_modules()
+    local_collectives, physical_limit = limits.local_collectives, limits.physical_limit
+    recorded_collectives = limits.recorded_collectives
+
+    originals = collectives.all_gather_flat
+
+    config = GPTConfig(vocab_size=64, seq_len=16, num_layers=2, hidden=32, heads=2)
+    torch.manual_seed(0)
+    model = osdp.OSDP(GPT(config), default_mode="zdp", memory_check=False, timeout_s=2.0)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    common.train_step(model, optim, config, 2, seed=0)
+    first, second = [], []
+    with recorded_collectives(first):
+        common.train_step(model, optim, config, 2, seed=1)
+    with recorded_collectives(second):
+        common.train_step(model, optim, config, 2, seed=2)
+    # under the stand-ins the step talks to no one: rank 0 steps alone while rank 1
+    # waits at a barrier; a real collective would find no peer and time out (2 s)
+    loss = None
+    if rank == 0:
+        with local_collectives():
+            loss = common.train_step(model, optim, config, 2, seed=3)
+    torch.distributed.barrier()
+    limit = physical_limit(model, optim, config, 2, rounds=2)
+    return dict(first=[(n, s) for n, s, _, _ in first], second=[(n, s) for n, s, _, _ in second],
+                loss=loss, limit=limit, restored=collectives.all_gather_flat is originals)
+
+
+def test_physical_limit_records_a_steps_collectives_and_runs_the_step_without_them():
+    results = spawn(_physical_limit_worker, 2)
+    for r in results:
+        assert r["first"], "a zdp step issues collectives"
+        assert r["first"] == r["second"]  # the same collectives, sizes and order every step
+        kinds = {name for name, _ in r["first"]}
+        assert "all_gather_flat" in kinds
+        assert r["restored"]  # the runtime's entry points are its own again
+        limit = r["limit"]
+        assert limit["collectives"] == len(r["first"])
+        assert limit["step_s"] > 0 and limit["compute_only_s"] > 0 and limit["comm_only_s"] > 0
+        assert limit["ratio"] == pytest.approx(limit["step_s"] / max(limit["compute_only_s"], limit["comm_only_s"]))
+    assert results[0]["first"] == results[1]["first"]  # every rank issues the same sequence
+    assert results[0]["loss"] == pytest.approx(results[0]["loss"]) and abs(results[0]["loss"]) < 1e3  # finite
