@@ -103,20 +103,7 @@ def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True) 
 
 def median_step_s(model, optim, config, batch: int, steps: int) -> float:
     """Median wall time of ``steps`` training steps (after one warm-up), max over ranks."""
-    train_step(model, optim, config, batch, seed=0)
-    times = []
-    for s in range(steps):
-        dist.barrier()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        train_step(model, optim, config, batch, seed=10 + s)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times)])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return interleaved_step_s([(model, optim, batch)], config, steps)[0]
 
 
 def interleaved_step_s(runs, config, rounds: int) -> list[float]:
