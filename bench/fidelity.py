@@ -62,6 +62,9 @@ def plan_of_kind(desc, device, kind: str, batch: int):
         else:  # every splittable op in 4 slices, half of them zdp; the rest zdp
             want = (4, 2) if 4 in {int(t.opt_slices[o]) for o in options} else (1, 1)
         match = [o for o in options if (int(t.opt_slices[o]), int(t.opt_zdp[o])) == want or op.tied_to]
+        # a use whose backward reads no weights (the row-split embedding) has one option
+        # per slice count: both modes free its slices after forward
+        match = match or [o for o in options if int(t.opt_slices[o]) == want[0]]
         choice.append(match[0])
     variant = [0] * len(t.segments)
     problem = t.problem(batch)
