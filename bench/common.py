@@ -108,24 +108,29 @@ def median_step_s(model, optim, config, batch: int, steps: int) -> float:
 
 def interleaved_step_s(runs, config, rounds: int) -> list[float]:
     """Median wall time of one training step for each ``(model, optimizer, batch)`` in
-    ``runs``, their steps interleaved (run 1, run 2, ..., then from run 2; one warm-up each)
-    so that a load that drifts slows them alike: their ratios are taken in one run.
-    Max over ranks of each median."""
+    ``runs`` (one warm-up each), their steps interleaved (``timed_rounds``)."""
     for model, optim, batch in runs:
         train_step(model, optim, config, batch, seed=0)
-    times = [[] for _ in runs]
+    return timed_rounds([lambda r, m=model, o=optim, b=batch: train_step(m, o, config, b, seed=10 + r)
+                         for model, optim, batch in runs], rounds)
+
+
+def timed_rounds(fns, rounds: int) -> list[float]:
+    """Median wall time of each ``fn(round)`` in ``fns``, called in rounds, interleaved
+    (fn 1, fn 2, ..., then from fn 2: none always follows the same one) so that a load
+    that drifts slows them alike: their ratios are taken in one run. Every call starts
+    at a barrier and is timed to the device's completion. Max over ranks of each median."""
+    times = [[] for _ in fns]
     for r in range(rounds):
-        # each round starts at the next run: no run always follows the same one
-        order = [(i + r) % len(runs) for i in range(len(runs))]
-        for (model, optim, batch), out in ((runs[i], times[i]) for i in order):
+        for i in [(j + r) % len(fns) for j in range(len(fns))]:
             dist.barrier()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            train_step(model, optim, config, batch, seed=10 + r)
+            fns[i](r)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            out.append(time.perf_counter() - start)
+            times[i].append(time.perf_counter() - start)
     t = torch.tensor([statistics.median(x) for x in times])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()

@@ -16,19 +16,16 @@ the ratio says how much of the step the schedule and the runtime's overhead cost
   same order, sizes and groups, one after the other with no compute: the step if
   compute were free and nothing overlapped.
 
-The three are timed in rounds (real, compute-only, comm-only, real, ...) so that a load
-that drifts slows them alike; medians, the slowest rank's.
+The three are timed in interleaved rounds (``common.timed_rounds``) so that a load that
+drifts slows them alike; medians, the slowest rank's.
 """
 from __future__ import annotations
 
-import statistics
-import time
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 
-from common import train_step
+from common import timed_rounds, train_step
 
 _ENTRY_POINTS = ("all_gather_flat", "reduce_scatter_flat", "all_reduce_flat")
 
@@ -80,7 +77,8 @@ def local_collectives():
 @contextmanager
 def recorded_collectives(calls: list):
     """Within: every collective the runtime issues is appended to ``calls`` as
-    (entry point, [(numel, dtype) of each tensor argument], group), then issued."""
+    (entry point, [(numel, dtype, device) of each tensor argument], group, keyword
+    arguments), then issued."""
     from osdp.runtime import collectives
 
     originals = {name: getattr(collectives, name) for name in _ENTRY_POINTS}
@@ -89,7 +87,7 @@ def recorded_collectives(calls: list):
         def issue(*args, group=None, async_op=False, **kwargs):
             if name == "all_reduce_flat" and len(args) > 1:  # (tensor, group, async_op)
                 args, group, async_op = args[:1], args[1], (args[2] if len(args) > 2 else async_op)
-            calls.append((name, [(t.numel(), t.dtype) for t in args], group, kwargs))
+            calls.append((name, [(t.numel(), t.dtype, t.device) for t in args], group, kwargs))
             return originals[name](*args, group=group, async_op=async_op, **kwargs)
         return issue
 
@@ -113,25 +111,19 @@ def physical_limit(model, optim, config, batch: int, rounds: int) -> dict:
     calls: list = []
     with recorded_collectives(calls):
         train_step(model, optim, config, batch, seed=1)
-    buffers = [[torch.empty(numel, dtype=dtype) for numel, dtype in shapes] for _, shapes, _, _ in calls]
+    buffers = [[torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in shapes]
+               for _, shapes, _, _ in calls]
     with local_collectives():
         train_step(model, optim, config, batch, seed=2)  # warm-up of the compute-only path
-    times = {"step_s": [], "compute_only_s": [], "comm_only_s": []}
-    for r in range(rounds):
-        for key in times:
-            dist.barrier()
-            start = time.perf_counter()
-            if key == "comm_only_s":
-                _replay(calls, buffers)
-            elif key == "compute_only_s":
-                with local_collectives():
-                    train_step(model, optim, config, batch, seed=10 + r)
-            else:
-                train_step(model, optim, config, batch, seed=10 + r)
-            times[key].append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(times[k]) for k in times])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    out = dict(zip(times, t.tolist()))
+
+    def compute_only(r):
+        with local_collectives():
+            train_step(model, optim, config, batch, seed=10 + r)
+
+    steps = {"step_s": lambda r: train_step(model, optim, config, batch, seed=10 + r),
+             "compute_only_s": compute_only,
+             "comm_only_s": lambda r: _replay(calls, buffers)}
+    out = dict(zip(steps, timed_rounds(list(steps.values()), rounds)))
     out["ratio"] = out["step_s"] / max(out["compute_only_s"], out["comm_only_s"])
     out["collectives"] = len(calls)
     return out

@@ -10,10 +10,10 @@ from dataclasses import asdict, replace
 import torch.distributed as dist
 
 from .errors import InfeasiblePlanError, OSDPError, PlanMismatchError
+from .measured_choice import measured_choice
 from .planner.cost_model import PlannerSettings
 from .planner.plan import Plan
 from .planner.planner import make_plan
-from .measured_choice import measured_choice
 from .planner.profiler import profile
 
 log = logging.getLogger("osdp.auto")
@@ -315,4 +315,3 @@ def _predictions(cal, desc, device, plan) -> dict:
 
 def _annotated(plan: Plan, measured, calibration: dict) -> Plan:
     return replace(plan, measured=measured.to_dict(), calibration=calibration)
-
