@@ -52,7 +52,39 @@ from .errors import ConfigError
 MODE_DP = "dp"  # keep the gathered weights from forward to backward
 MODE_ZDP = "zdp"  # free them after forward, gather again for backward
 MODE_HPZ = "hpz"  # keep a copy sharded within the node, gather from it for backward
-MODES = (MODE_DP, MODE_ZDP, MODE_HPZ)
+MODE_REP = "rep"  # replicated, as DDP: whole on every rank, never gathered, all-reduced
+MODES = (MODE_DP, MODE_ZDP, MODE_HPZ, MODE_REP)
+SHARDED_MODES = (MODE_DP, MODE_ZDP, MODE_HPZ)  # the modes a slice of a split unit may take
+
+# [Note: replicated units]
+# A ``rep`` unit is not sharded: its flat buffer is whole on every rank of the layout
+# (replicas included), the ZeRO-0 / DDP arrangement, chosen per unit. What it holds and
+# does, per rank (P: its parameters in the model's own dtype, the master copy; G: its
+# gradient in reduce_dtype):
+# - at rest: P (not P/N), the optimizer's state for all of P (the user's optimizer steps
+#   the whole parameters on every rank; identical gradients keep the replicas identical),
+#   and the whole ``.grad`` (P bytes) where gradients persist between steps;
+# - forward and backward: nothing is gathered. Compute reads the master copy directly
+#   when param_dtype is the model's dtype; under mixed precision a param_dtype copy is
+#   cast locally at the unit's first use after an optimizer step and kept (static:
+#   P * param_dtype / dtype bytes);
+# - gradient: the unsharded gradient buffer (G) is allocated at its first backward use,
+#   as for any unit; after the unit's last backward use it joins the replicated bucket.
+#   A bucket is all-reduced (one collective, summed then averaged over every rank of the
+#   layout) once it holds >= REPLICATE_BUCKET_BYTES of gradients, and at the end of the
+#   backward pass; at most MAX_INFLIGHT_REPLICATE_BUCKETS buckets are in flight (issuing
+#   one more waits for the oldest). The bucket is reduced in one flat staging copy (its
+#   bytes, transient, alive while in flight). A finished bucket is averaged and added
+#   into ``.grad`` (in the parameters' dtype), then its gradient buffers are freed
+#   (where ``.grad`` was None and the dtypes agree, the buffer becomes ``.grad``).
+# - comm per step: no all-gather; one all-reduce of G per step, shared by the bucket
+#   (latency once per bucket); its collectives never mix with sharded units' ones.
+# - only whole (unsplit) units may be ``rep``: splitting exists to gather less, and a
+#   replicated unit gathers nothing. The mode is the same on every layout
+#   (``effective_mode`` keeps it), and checkpoints name original parameters only, so a
+#   checkpoint of a plan with ``rep`` units loads into any other plan and back.
+REPLICATE_BUCKET_BYTES = 4 * 2**20
+MAX_INFLIGHT_REPLICATE_BUCKETS = 1
 
 # [Note: modes per level]
 # | mode  | after forward                 | backward gather           | comm per step (shard level / node level) |

@@ -25,6 +25,11 @@ class Mode(str, enum.Enum):
     step. On a layout with one node per shard group it is ``zdp``, with one rank per
     node ``dp``: see [Note: modes per level] in ``osdp/contract.py``."""
 
+    REP = "rep"
+    """Replicated (DDP): whole parameters, gradients and optimizer state on every rank,
+    never gathered; the gradient is all-reduced in buckets. Whole units only: see
+    [Note: replicated units] in ``osdp/contract.py``."""
+
 
 class GatherState(enum.Enum):
     """Where a unit's unsharded (gathered) weights are."""
@@ -64,7 +69,7 @@ class UseState(enum.Enum):
 
 
 def parse_mode(value, where: str) -> Mode:
-    """``"dp"``/``"zdp"``/``"hpz"`` (any case) or a :class:`Mode`; anything else is an OSDPError."""
+    """``"dp"``/``"zdp"``/``"hpz"``/``"rep"`` (any case) or a :class:`Mode`; anything else is an OSDPError."""
     if isinstance(value, Mode):
         return value
     if isinstance(value, str):
@@ -72,4 +77,4 @@ def parse_mode(value, where: str) -> Mode:
             return Mode(value.lower())
         except ValueError:
             pass
-    raise OSDPError(f"{where}: mode {value!r} is not one of 'dp', 'zdp', 'hpz'")
+    raise OSDPError(f"{where}: mode {value!r} is not one of 'dp', 'zdp', 'hpz', 'rep'")
