@@ -22,6 +22,7 @@ from osdp.launch import spawn  # noqa: E402,F401  (re-exported for the scripts)
 # add its CPU tracking cost (~1.23x, bench/peak_overhead.py) to every timed OSDP step and
 # to none of FSDP2's. Spawned workers inherit this.
 os.environ.setdefault("OSDP_MEMORY_CHECK", "0")
+import osdp  # noqa: E402
 from osdp.memtrack import LiveBytesTracker  # noqa: E402
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
 
@@ -92,6 +93,12 @@ def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True) 
         train_step(model, optim, config, batch, seed=2)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
+    elif isinstance(model, osdp.OSDP):
+        # the runtime's incremental tracker: the same bytes as LiveBytesTracker (tests/
+        # runtime/test_peak.py), at about 1.2x a step instead of about 4x
+        with model.measuring_memory(optim) as measured:
+            train_step(model, optim, config, batch, seed=2)
+        peak = measured[0].peak_bytes
     else:
         with LiveBytesTracker(_state_tensors(model, optim)) as tracker:
             train_step(model, optim, config, batch, seed=2)

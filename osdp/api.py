@@ -257,11 +257,14 @@ class OSDP(nn.Module):
         self._memory_check = None
         if limit is None or not memory_check or os.environ.get("OSDP_MEMORY_CHECK", "1") == "0":
             return
+        self._memory_check = self._step_memory_check(limit, predicted)
+
+    def _step_memory_check(self, limit, predicted) -> StepMemoryCheck:
         units = self._built.units
         monitor = make_monitor(self._ledger, self.device, limit, predicted,
                                tensors=[u.shard for u in units] + list(self.module.buffers()),
                                ignored_storages=[u.gathered.untyped_storage() for u in units])
-        self._memory_check = StepMemoryCheck(monitor, [p for u in units for p in u.params] + [u.shard for u in units])
+        return StepMemoryCheck(monitor, [p for u in units for p in u.params] + [u.shard for u in units])
 
     def _check_same_config(self, config, param_counts, mixed_precision, coalesce_bytes) -> None:
         """All ranks must run the same plan on the same model: compare a hash of what each
@@ -519,6 +522,38 @@ class OSDP(nn.Module):
         optimizer step over this model's parameters, the next forward, or
         :meth:`end_step`; see [Note: measured peak] in ``osdp/runtime/peak.py``."""
         return None if self._memory_check is None else self._memory_check.monitor.last
+
+    @contextlib.contextmanager
+    def measuring_memory(self, optimizer=None):
+        """Measure the peak memory of the one step run inside (forward, backward and the
+        optimizer step), with the runtime's own tracker ([Note: measured peak]), whether
+        or not the per-step check is on; nothing is checked against a limit::
+
+            with model.measuring_memory(optim) as measured:
+                model(x).sum().backward(); optim.step()
+            measured[0].peak_bytes
+
+        Yields a list that holds the step's :class:`StepMemory` once the block exits.
+        ``optimizer``: its state made before the block (an earlier step) is counted.
+        For tools that measure a plan's memory without paying the check's cost on every
+        step (bench/regret.py); where the check is on, its own measurement is returned (and
+        checked against the limit)."""
+        measured: list[StepMemory] = []
+        own = self._memory_check is None
+        check = self._step_memory_check(None, None) if own else self._memory_check
+        if own and optimizer is not None:
+            check.monitor.track(t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t))
+        self._memory_check, steps_before = check, check.monitor.steps
+        try:
+            yield measured
+            check.end_step()  # the window closes here unless an optimizer step closed it
+        finally:
+            if own:
+                check.abort()
+                check.close()
+                self._memory_check = None
+        if check.monitor.steps > steps_before:
+            measured.append(check.monitor.last)
 
     def end_step(self) -> StepMemory | None:
         """End the step's memory measurement now and check it against the memory limit

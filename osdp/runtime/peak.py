@@ -275,7 +275,11 @@ class StepMemoryCheck:
 
         handles = [_optim.register_optimizer_step_pre_hook(pre),
                    _optim.register_optimizer_step_post_hook(post)]
-        weakref.finalize(self, _remove_hooks, handles)
+        self._finalizer = weakref.finalize(self, _remove_hooks, handles)
+
+    def close(self) -> None:
+        """Remove the global optimizer hooks now (else when this check is collected)."""
+        self._finalizer()
 
     def _ours(self, optimizer) -> bool:
         known = self._optimizers.get(optimizer)

@@ -326,3 +326,28 @@ def test_the_tracker_never_pops_another_mode_and_a_failed_forward_pops_it(fake_w
     assert _get_current_dispatch_mode_stack() == []  # the window ended with the failed forward
     _train_step(wrapped, optim, config, 1, seed=2)
     assert wrapped.step_memory().complete
+
+
+@pytest.mark.parametrize("fake_world", [8], indirect=True)
+def test_measuring_memory_with_the_check_off_matches_the_reference_and_leaves_nothing_behind(fake_world):
+    config, model, plan = _planned_gpt(fake_world, 40 * MiB)
+    wrapped = osdp.OSDP(model, plan=plan, node_size=plan.node_size, memory_check=False)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    _train_step(wrapped, optim, config, plan.batch_size, seed=0)  # optimizer state made outside any window
+    state = [t for s in optim.state.values() for t in s.values() if torch.is_tensor(t)]
+    state_bytes = sum(t.untyped_storage().nbytes() for t in state)
+    with LiveBytesTracker(list(wrapped.parameters()) + state) as reference:
+        with wrapped.measuring_memory(optim) as measured:
+            _train_step(wrapped, optim, config, plan.batch_size, seed=1)
+    (step,) = measured
+    assert step.limit_bytes is None and step.complete and step.unit_at_peak in wrapped.unit_names()
+    assert abs(step.peak_bytes - reference.peak_bytes) <= 0.01 * reference.peak_bytes
+    # without the optimizer, its state (made before the block, never written before the
+    # peak in backward) is missing from the peak
+    with wrapped.measuring_memory() as without_state:
+        _train_step(wrapped, optim, config, plan.batch_size, seed=1)
+    assert without_state[0].peak_bytes <= step.peak_bytes - 0.9 * state_bytes
+    # the check stays off afterwards: no window opens, no optimizer hook measures
+    _train_step(wrapped, optim, config, plan.batch_size, seed=2)
+    assert wrapped.step_memory() is None and wrapped.end_step() is None
+    assert not any(isinstance(m, StepPeakTracker) for m in _get_current_dispatch_mode_stack())
