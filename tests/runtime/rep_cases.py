@@ -480,3 +480,89 @@ def run_all(rank: int, world_size: int, root: str):
         out["acc_ref"] = fc._acc_reference(world_size)
         out["mp_ref"] = fc._mp_reference(world_size)
     return out
+
+
+# ---- 4 ranks: HSDP (2 x 2 mesh) and a full shard with hpz nodes ------------------------------
+def hsdp_rep_kwargs(model):
+    """hsdp_cases' mix (dp, zdp, hpz, split slices of each) with four whole units rep."""
+    from . import hsdp_cases as hc
+
+    modes = dict(hc.mix_kwargs(model)["modes"])
+    for unit in ("wpe", "blocks.0.ln_1", "blocks.1.mlp.c_fc", "lm_head"):
+        modes[unit] = "rep"
+    return {"modes": modes}
+
+
+def hsdp_train(layout: str, rank: int, world_size: int):
+    import osdp
+
+    from . import hsdp_cases as hc
+
+    model = pc.make_model(hc.MODEL)
+    wrapped = osdp.OSDP(model, **hsdp_rep_kwargs(model), **hc.layout_kwargs(layout))
+    opt = torch.optim.AdamW(wrapped.parameters(), lr=pc.LR, eps=pc.EPS)
+    probe = _rep_probe(wrapped)
+    log = CollectiveLog()
+    losses = []
+    try:
+        for step in range(hc.STEPS):
+            if step == 1:
+                wrapped.reset_memory_stats()
+                log.calls.clear()
+            loss = wrapped(*hc._local(pc.global_batch(hc.MODEL, step, world_size), rank))
+            loss.backward()
+            if step == 1:
+                stats = wrapped.memory_stats()
+                probe.update(calls=list(log.calls), all_gathers=stats["all_gathers"],
+                             reduce_scatters=stats["reduce_scatters"], all_reduces=stats["all_reduces"])
+            opt.step()
+            opt.zero_grad()
+            losses.append(hc._mean_loss(loss, world_size))
+    finally:
+        log.restore()
+    probe["rep_shards_end"] = {u.name: u.shard.detach().clone() for u in wrapped._built.units if u.replicated}
+    return losses, wrapped.full_state_dict(rank0_only=False), probe
+
+
+def hsdp_checkpoint(rank: int, world_size: int, root: str):
+    """2-D rep mix -> checkpoint -> 1-D all-zdp (4 ranks) -> checkpoint -> 2-D rep mix."""
+    from checkpoint import ckpt_cases as cc
+    from osdp import checkpoint
+
+    from . import hsdp_cases as hc
+
+    out = {}
+    a, opt_a = hc._wrap(hc.layout_kwargs("hsdp"), hsdp_rep_kwargs(pc.make_model(hc.MODEL)))
+    hc._train(a, opt_a, 3, 0, rank, world_size)
+    path_2d = os.path.join(root, "rep_2d")
+    checkpoint.save(a, opt_a, path_2d, step=3)
+    out["saved_2d"] = a.full_state_dict(rank0_only=False)
+    out["optim_2d"] = cc.optim_reference(a, opt_a)
+    b, opt_b = hc._wrap({}, {"default_mode": "zdp"})
+    checkpoint.load(b, opt_b, path_2d)
+    out["loaded_1d"] = b.full_state_dict(rank0_only=False)
+    out["optim_1d"] = cc.optim_reference(b, opt_b)
+    hc._train(a, opt_a, 2, 3, rank, world_size)
+    hc._train(b, opt_b, 2, 3, rank, world_size)
+    out["continued_2d"] = a.full_state_dict(rank0_only=False)
+    out["continued_1d"] = b.full_state_dict(rank0_only=False)
+    path_1d = os.path.join(root, "zdp_1d")
+    checkpoint.save(b, opt_b, path_1d, step=5)
+    c, opt_c = hc._wrap(hc.layout_kwargs("hsdp"), hsdp_rep_kwargs(pc.make_model(hc.MODEL)))
+    checkpoint.load(c, opt_c, path_1d)
+    out["saved_1d"] = b.full_state_dict(rank0_only=False)
+    out["loaded_2d"] = c.full_state_dict(rank0_only=False)
+    out["optim_1d_end"], out["optim_2d_loaded"] = cc.optim_reference(b, opt_b), cc.optim_reference(c, opt_c)
+    out["path_2d"] = path_2d
+    dist.barrier()
+    return out
+
+
+def run_hsdp(rank: int, world_size: int, root: str):
+    from . import hsdp_cases as hc
+
+    out = {"train": {layout: hsdp_train(layout, rank, world_size) for layout in ("hsdp", "full_node2")}}
+    out["ckpt"] = hsdp_checkpoint(rank, world_size, root)
+    if rank == 0:
+        out["ref"] = hc.train_reference()
+    return out
