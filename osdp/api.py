@@ -65,9 +65,10 @@ class OSDP(nn.Module):
     length is the slice count; slices take ``"dp"``/``"zdp"``/``"hpz"`` only); slice names
     ``"name[i]"`` may also be keys. ``"rep"`` replicates a whole unit as DDP does (its
     parameters whole and in their original shapes on every rank, never gathered, gradients
-    all-reduced in buckets): see [Note: replicated units] in ``osdp/contract.py``. ``splits``: unit name ->
-    slice count. ``split_ops``: unit name -> registered split op name (``osdp.ops``), for a
-    split unit cut another way than its type's default (e.g. ``"linear_out_features"``).
+    all-reduced in buckets): see [Note: replicated units] in ``osdp/contract.py``.
+    ``splits``: unit name -> slice count. ``split_ops``: unit name -> registered split op
+    name (``osdp.ops``), for a split unit cut another way than its type's default (e.g.
+    ``"linear_out_features"``).
     ``prefetch_bytes``: the prefetch window (default: twice the largest
     unit's gathered bytes).
 
@@ -115,8 +116,8 @@ class OSDP(nn.Module):
 
     Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
     unsharded fp32 gradients across micro-batches (no reduce-scatter, no rep bucket
-    all-reduce) until a backward runs with sync on; ``micro_batch(i)`` applies the plan's ``gradient_sync`` policy
-    over ``accumulation_steps`` micro-batches.
+    all-reduce) until a backward runs with sync on; ``micro_batch(i)`` applies the plan's
+    ``gradient_sync`` policy over ``accumulation_steps`` micro-batches.
     """
 
     def __init__(

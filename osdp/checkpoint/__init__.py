@@ -20,11 +20,11 @@ are written by the layout's rank 0, and so are the tensors of ``rep`` units (who
 every rank: contract.py [Note: replicated units]), parameters and element-wise
 optimizer state alike; every rank reads them whole. What is stored names original
 parameters only, so a checkpoint of a 2-D layout loads into 1-D layouts, any other 2-D
-layout or one rank, and the other way round: every rank (every replica) reads its boxes. Checkpoint
-collectives (DCP planning, agreement on errors, metadata) run over all the layout's
-ranks; boxes are computed from each unit's holder rank (its shard rank, 0 for a rep
-unit: [Note: holder rank] in ``osdp/runtime/shard_unit.py``), so a checkpoint saved
-with rep units loads into a plan without them and the other way round.
+layout or one rank, and the other way round: every rank (every replica) reads its
+boxes. Checkpoint collectives (DCP planning, agreement on errors, metadata) run over all
+the layout's ranks; boxes are computed from each unit's holder rank (its shard rank, 0
+for a rep unit: [Note: holder rank] in ``osdp/runtime/shard_unit.py``), so a checkpoint
+saved with rep units loads into a plan without them and the other way round.
 
 [Note: sharded checkpoint representation]
 The checkpoint is a directory in DCP format plus ``osdp_meta.pt``. Keys name ORIGINAL

@@ -221,7 +221,8 @@ class UnitLifecycle:
 
     def maybe_reshard(self, unit: ShardUnit) -> None:
         """See [Note: unit lifetime] and [Note: node copies]."""
-        if unit.replicated or unit.n_active > 0 or (unit.state is GatherState.SHARDED and unit not in self._node_copies):
+        if unit.replicated or unit.n_active > 0 or (
+                unit.state is GatherState.SHARDED and unit not in self._node_copies):
             return
         if unit.n_await_weights > 0:
             mode = self.mode_of(unit)

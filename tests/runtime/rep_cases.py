@@ -46,7 +46,10 @@ CASES = {
     "mix_checkpoint": ("uneven", {"modes": MIX, "checkpoint_blocks": ("blocks.0", "blocks.1")}),
     "tied_mix": ("tied", {"default_mode": "dp", "modes": TIED_MIX}),
     "mix_streams": ("uneven", {"modes": MIX}),  # through SimulatedStreams (the CUDA-stream path)
+    # blocks.0 and wpe frozen (parity_cases): frozen rep units compute, get no gradient
+    "frozen_mix": ("frozen", {"default_mode": "rep", "modes": {"blocks.0.attn.c_attn": "zdp", "blocks.1.ln_1": "dp"}}),
 }
+FROZEN = {"frozen": lambda unit: unit == "wpe" or unit.startswith("blocks.0.")}
 
 
 class CollectiveLog:
@@ -473,7 +476,7 @@ def run_all(rank: int, world_size: int, root: str):
     out["mp_fsdp2"] = fc._mp_fsdp2(rank, world_size)
     out["ckpt"] = ckpt_scenario(rank, world_size, root)
     if rank == 0:
-        for key in ("uneven", "tied"):
+        for key in ("uneven", "tied", "frozen"):
             out["ref"][key] = pc.train_reference(key, world_size)
         out["stack_ref"] = stack_reference(world_size)
         out["loop_ref"] = tc.reference(world_size)

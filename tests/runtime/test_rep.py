@@ -56,6 +56,13 @@ def _modes_of(name):
     return out
 
 
+def _trained(name):
+    """Units of the case that get gradients (not frozen)."""
+    key = rc.CASES[name][0]
+    frozen = rc.FROZEN.get(key, lambda unit: False)
+    return {u for u in _modes_of(name) if not frozen(u)}
+
+
 def _assert_states_close(state, ref, what):
     assert list(state) == list(ref), f"{what}: keys differ"
     for key in ref:
@@ -88,7 +95,8 @@ def test_replicas_stay_identical(results, name):
     assert set(a["rep_shards_end"]) == {u for u, m in _modes_of(name).items() if m == "rep"}
     for unit, shard in a["rep_shards_end"].items():
         assert torch.equal(shard, b["rep_shards_end"][unit]), unit
-        assert not torch.equal(shard, a["rep_shards"][unit]), f"{unit} did not train"
+        trained = not torch.equal(shard, a["rep_shards"][unit])
+        assert trained is (unit in _trained(name)), f"{unit} trained: {trained}"
 
 
 def test_all_rep_matches_ddp(results):
@@ -120,24 +128,27 @@ def test_rep_parameters_are_whole_with_original_shapes(results, name):
 
 @pytest.mark.parametrize("name", [n for n in rc.CASES if n != "mix_no_coalesce"])
 def test_ledger_rep_units_never_gathered_one_bucket_all_reduce(results, name):
-    modes = _modes_of(name)
+    modes, trained = _modes_of(name), _trained(name)
     rep = {u for u, m in modes.items() if m == "rep"}
     for rank in range(WORLD):
         probe = results[rank]["osdp"][name][2]
         assert not rep & set(probe["all_gathers"]), "a rep unit was gathered"
         assert not rep & set(probe["reduce_scatters"]), "a rep unit was reduce-scattered"
-        # every rep unit's gradient rode in exactly one bucket all-reduce per step (the
-        # tied wte too: both uses summed first)
-        assert probe["all_reduces"] == {u: 1 for u in rep}
+        # every trained rep unit's gradient rode in exactly one bucket all-reduce per step
+        # (the tied wte too: both uses summed first); a frozen one in none
+        assert probe["all_reduces"] == {u: 1 for u in rep & trained}
         for unit, mode in modes.items():
             if mode != "rep" and not unit.startswith("wte["):
-                assert probe["reduce_scatters"].get(unit) == 1, unit
+                assert probe["reduce_scatters"].get(unit) == (1 if unit in trained else None), unit
         # kept after forward: dp units awaiting their backward, never rep units
         assert set(probe["gathered_after_forward"]) == {u for u, m in modes.items() if m == "dp"}
         assert probe["gathered_after_backward"] == [] and probe["grad_bytes_after_backward"] == 0
-        for pname, (replicated, sharded) in probe["grad_flags"].items():
+        for pname in probe["param_shapes"]:
             unit = next(u for u in modes if pname.startswith(u + ".") or pname.startswith(u.split("[")[0] + "."))
-            assert (replicated, sharded) == ((True, False) if modes[unit] == "rep" else (False, True)), pname
+            assert (pname in probe["grad_flags"]) is (unit in trained), pname
+            if pname in probe["grad_flags"]:
+                flags = (True, False) if modes[unit] == "rep" else (False, True)  # (replicated, sharded)
+                assert probe["grad_flags"][pname] == flags, pname
 
 
 def test_collectives_of_a_mixed_plan_one_by_one(results):
