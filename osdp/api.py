@@ -50,19 +50,25 @@ class OSDP(nn.Module):
        size, then checks that every rank resolved the same configuration;
     2. replaces each split unit by its split op (``osdp.ops``; ``nn.Linear`` is cut along
        ``in_features``, ``nn.Embedding`` by rows), its slices named ``f"{name}[{i}]"``;
-    3. flattens each unit's parameters into one buffer sharded evenly across ranks;
+    3. flattens each unit's parameters into one buffer sharded evenly across ranks (a
+       ``rep`` unit's: whole on every rank);
        ``model.named_parameters()`` then yields the ORIGINAL parameters by their
        original names, each this rank's piece of it (a view of the shard, keeping the
-       original ndim; a split slice's piece is ``<name>[i]``), so optimizer parameter
-       groups are built by name as with FSDP2; see [Note: original parameters];
+       original ndim; a split slice's piece is ``<name>[i]``; a rep unit's parameter is
+       whole, in its original shape), so optimizer parameter groups are built by name as
+       with FSDP2; see [Note: original parameters];
     4. moves the shards and the (replicated) buffers to ``device``;
     5. wraps ``checkpoint_blocks`` in non-reentrant activation checkpointing;
     6. hooks every module into the stream scheduler.
 
-    ``modes``: unit name -> ``"dp"``/``"zdp"``/``"hpz"`` or one mode per slice (the length is the
-    slice count); slice names ``"name[i]"`` may also be keys. ``splits``: unit name ->
-    slice count. ``split_ops``: unit name -> registered split op name (``osdp.ops``), for a
-    split unit cut another way than its type's default (e.g. ``"linear_out_features"``).
+    ``modes``: unit name -> ``"dp"``/``"zdp"``/``"hpz"``/``"rep"`` or one mode per slice (the
+    length is the slice count; slices take ``"dp"``/``"zdp"``/``"hpz"`` only); slice names
+    ``"name[i]"`` may also be keys. ``"rep"`` replicates a whole unit as DDP does (its
+    parameters whole and in their original shapes on every rank, never gathered, gradients
+    all-reduced in buckets): see [Note: replicated units] in ``osdp/contract.py``.
+    ``splits``: unit name -> slice count. ``split_ops``: unit name -> registered split op
+    name (``osdp.ops``), for a split unit cut another way than its type's default (e.g.
+    ``"linear_out_features"``).
     ``prefetch_bytes``: the prefetch window (default: twice the largest
     unit's gathered bytes).
 
@@ -109,9 +115,9 @@ class OSDP(nn.Module):
     See [Note: measured peak] in ``osdp/runtime/peak.py``.
 
     Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
-    unsharded fp32 gradients across micro-batches (no reduce-scatter) until a backward
-    runs with sync on; ``micro_batch(i)`` applies the plan's ``gradient_sync`` policy
-    over ``accumulation_steps`` micro-batches.
+    unsharded fp32 gradients across micro-batches (no reduce-scatter, no rep bucket
+    all-reduce) until a backward runs with sync on; ``micro_batch(i)`` applies the plan's
+    ``gradient_sync`` policy over ``accumulation_steps`` micro-batches.
     """
 
     def __init__(
@@ -261,9 +267,12 @@ class OSDP(nn.Module):
 
     def _step_memory_check(self, limit, predicted) -> StepMemoryCheck:
         units = self._built.units
+        # gathered buffers are resized outside the dispatcher and counted from the ledger;
+        # a rep unit's compute buffer is the shard itself or a static cast copy: followed
         monitor = make_monitor(self._ledger, self.device, limit, predicted,
-                               tensors=[u.shard for u in units] + list(self.module.buffers()),
-                               ignored_storages=[u.gathered.untyped_storage() for u in units])
+                               tensors=[u.shard for u in units] + [u.gathered for u in units if u.casts]
+                               + list(self.module.buffers()),
+                               ignored_storages=[u.gathered.untyped_storage() for u in units if not u.replicated])
         return StepMemoryCheck(monitor, [p for u in units for p in u.params] + [u.shard for u in units])
 
     def _check_same_config(self, config, param_counts, mixed_precision, coalesce_bytes) -> None:
@@ -453,7 +462,8 @@ class OSDP(nn.Module):
         norm_type = check_norm_args(max_norm, norm_type)
         self._scheduler.wait_reduce_scatters()
         params = list(self.parameters())
-        total = global_grad_norm(params, norm_type, self._comm.group, self.device, foreach)
+        replicated = [p for u in self._built.units if u.replicated for p in u.params]
+        total = global_grad_norm(params, norm_type, self._comm.group, self.device, foreach, replicated)
         if error_if_nonfinite and not torch.isfinite(total):
             raise OSDPError(
                 f"the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), so it "
@@ -508,9 +518,13 @@ class OSDP(nn.Module):
         """Ledger of OSDP's transient buffers since the last reset: ``peak_gathered_bytes``,
         ``peak_grad_bytes`` (unsharded gradients), ``peak_total_bytes``, ``current_*``,
         ``unit_peak_gathered_bytes`` / ``unit_peak_grad_bytes`` (per unit),
-        ``all_gathers`` / ``reduce_scatters`` (counts per unit), ``gathered_units``; on
-        CUDA also ``cuda_max_memory_allocated``."""
-        return self._ledger.stats()
+        ``all_gathers`` / ``reduce_scatters`` (counts per unit), ``all_reduces`` (per rep
+        unit: the bucket all-reduces it rode in), ``gathered_units``,
+        ``replica_copy_bytes`` (rep units' static compute copies under mixed precision,
+        not transient: not in the totals); on CUDA also ``cuda_max_memory_allocated``."""
+        stats = self._ledger.stats()
+        stats["replica_copy_bytes"] = sum(u.replica_copy_bytes for u in self._built.units)
+        return stats
 
     def reset_memory_stats(self) -> None:
         self._ledger.reset()

@@ -16,11 +16,15 @@ With replicas (HSDP, see [Note: shard layout] in ``osdp/runtime/mesh.py``) every
 replica holds the same shards, so only the ranks of replica 0 (replicate rank 0) write
 their boxes: each piece of each tensor is stored exactly once, by one rank, whatever
 the number of replicas. Replicated entries (buffers, per-parameter optimizer tensors)
-are written by the layout's rank 0. What is stored names original parameters only, so
-a checkpoint of a 2-D layout loads into 1-D layouts, any other 2-D layout or one rank,
-and the other way round: every rank (every replica) reads its boxes. Checkpoint
-collectives (DCP planning, agreement on errors, metadata) run over all the layout's
-ranks; boxes are computed from the shard rank.
+are written by the layout's rank 0, and so are the tensors of ``rep`` units (whole on
+every rank: contract.py [Note: replicated units]), parameters and element-wise
+optimizer state alike; every rank reads them whole. What is stored names original
+parameters only, so a checkpoint of a 2-D layout loads into 1-D layouts, any other 2-D
+layout or one rank, and the other way round: every rank (every replica) reads its
+boxes. Checkpoint collectives (DCP planning, agreement on errors, metadata) run over all
+the layout's ranks; boxes are computed from each unit's holder rank (its shard rank, 0
+for a rep unit: [Note: holder rank] in ``osdp/runtime/shard_unit.py``), so a checkpoint
+saved with rep units loads into a plan without them and the other way round.
 
 [Note: sharded checkpoint representation]
 The checkpoint is a directory in DCP format plus ``osdp_meta.pt``. Keys name ORIGINAL
@@ -111,13 +115,20 @@ def _prepare(model) -> ShardedView:
     return view_of()
 
 
-def _chunked(view: ShardedView, layout: Layout, fqn: str, flat_of) -> ChunkedTensor:
+def _chunked(view: ShardedView, layout: Layout, fqn: str, flat_of, saving: bool = False) -> ChunkedTensor:
     """This rank's boxes of original tensor ``fqn``; ``flat_of(unit index)`` is the
-    rank's flat local tensor of that unit (the shard or an element-wise state)."""
+    rank's flat local tensor of that unit (the shard or an element-wise state). A unit's
+    boxes are those of its holder rank (``unit.shard_rank``; a rep unit holds all of
+    them); ``saving``: a rep unit's boxes only on the layout's rank 0, which writes them
+    once (see [Note: checkpoints of replicated layouts])."""
     info = layout.params[fqn]
-    rank, chunks = view.comm.rank, []
+    chunks = []
+    writes_replicas = _world(view).rank == 0
     for piece in info.pieces:
         unit = view.built.units[piece.unit]
+        if saving and unit.replicated and not writes_replicas:
+            continue
+        rank = unit.shard_rank
         part = local_range(piece, rank, unit.shard_numel)
         if part is None:
             continue
@@ -205,7 +216,7 @@ def load_full_state_dict(model, state_dict: dict[str, torch.Tensor] | None) -> N
     new = [torch.zeros_like(u.shard) for u in built.units]
     for fqn, info in layout.params.items():
         tensor = value_of(fqn, torch.empty(info.shape, dtype=info.dtype, device="meta"))
-        local_shards_from_full(layout, built, view.comm.rank, fqn, tensor, new)
+        local_shards_from_full(layout, built, fqn, tensor, new)
     buffers = dict(view.module.named_buffers())
     new_buffers = {name: value_of(name, buffers[name]) for name in layout.buffers}
     with torch.no_grad():
@@ -234,7 +245,8 @@ def load_full(model, path: str) -> None:
 def _sharded_state(view: ShardedView, optimizer, layout: Layout) -> tuple[dict, dict | None]:
     """DCP state dict (key -> ChunkedTensor) and the optimizer part of the metadata."""
     units, rank0 = view.built.units, _world(view).rank == 0
-    state = {f"model.{fqn}": _chunked(view, layout, fqn, lambda i: units[i].shard.detach()) for fqn in layout.params}
+    state = {f"model.{fqn}": _chunked(view, layout, fqn, lambda i: units[i].shard.detach(), saving=True)
+             for fqn in layout.params}
     buffers = dict(view.module.named_buffers())
     for name in layout.buffers:
         state[f"model.{name}"] = ChunkedTensor.whole(buffers[name].detach().cpu(), present=rank0)
@@ -255,7 +267,7 @@ def _sharded_state(view: ShardedView, optimizer, layout: Layout) -> tuple[dict, 
             shards = [units[p.unit].shard for p in info.pieces]
             if all(isinstance(v, torch.Tensor) and v.shape == sh.shape for v, sh in zip(values, shards)):
                 by_unit = {p.unit: s[key].detach() for p, s in zip(info.pieces, states)}
-                state[f"optim.{fqn}.{key}"] = _chunked(view, layout, fqn, by_unit.__getitem__)
+                state[f"optim.{fqn}.{key}"] = _chunked(view, layout, fqn, by_unit.__getitem__, saving=True)
                 kinds[fqn][key] = ("elementwise", str(values[0].dtype))
             elif all(isinstance(v, torch.Tensor) for v in values):
                 if not all(v.shape == values[0].shape and torch.equal(v.cpu(), values[0].cpu()) for v in values):

@@ -25,7 +25,8 @@ per level, issued by the same ``Pending`` (on CUDA both on the reduce-scatter st
 in order; on gloo the replicate all-reduce is issued when the shard-level one is
 waited on). Every collective goes through one of the module-level entry points
 ``all_gather_flat``, ``reduce_scatter_flat``, ``all_reduce_flat`` (tests count calls
-per group by wrapping them).
+per group by wrapping them). ``rep`` units' gradient buckets are all-reduced over the
+world level in one step (every rank holds them whole), never through the shard level.
 
 Every rank issues the same collectives in the same order (the scheduler's decisions
 depend only on the plan, the unit sizes and the recorded order, equal on all ranks).
@@ -343,6 +344,19 @@ class CommContext:
             output.copy_(chunk)
 
         return Pending(work, (full,), wait)
+
+    def all_reduce_replicated(self, tensor: torch.Tensor, what: str) -> Pending:
+        """Sum ``tensor`` in place over EVERY rank of the layout (replicas included): the
+        staging copy of a bucket of ``rep`` units' gradients (contract.py [Note:
+        replicated units]), on the reduction stream."""
+        world = self.layout.world
+        if tensor.numel() == 0 or (world.size == 1 and not self.use_streams):
+            return DONE
+
+        def fn(async_op):
+            return all_reduce_flat(tensor, world.group, async_op)
+
+        return self._issue(self.reduce_scatter_stream if self.use_streams else None, fn, tensor, what)
 
     # ---- blocking helpers (not the training path) --------------------------------------
     def all_gather_sync(self, shard: torch.Tensor) -> torch.Tensor:

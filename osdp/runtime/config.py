@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch.nn as nn
 
-from ..contract import LAYOUT_FULL, MODE_HPZ, RuntimeConfig, effective_mode
+from ..contract import LAYOUT_FULL, MODE_HPZ, MODE_REP, SHARDED_MODES, RuntimeConfig, effective_mode
 from ..errors import OSDPError, PlanMismatchError
 from .args import mapping_arg, names_arg
 from .modes import Mode, parse_mode
@@ -92,7 +92,8 @@ def _parse_modes(value, where: str) -> tuple[Mode, ...]:
         return (parse_mode(value, where),)
     if isinstance(value, (tuple, list)) and value:
         return tuple(parse_mode(v, f"{where}[{i}]") for i, v in enumerate(value))
-    raise OSDPError(f"{where}: expected 'dp', 'zdp', 'hpz' or a non-empty sequence of them (one per slice), got {value!r}")
+    raise OSDPError(f"{where}: expected 'dp', 'zdp', 'hpz', 'rep' or a non-empty sequence of them (one per slice), "
+                    f"got {value!r}")
 
 
 def resolve_config(
@@ -182,6 +183,7 @@ def resolve_config(
         for i in range(g):
             chosen[i] = per_slice.get((name, i), chosen[i])
         unit_modes[name] = tuple(chosen)
+        _check_whole_rep(name, unit_modes[name], name in per_unit or any(k[0] == name for k in per_slice))
 
     if prefetch_bytes is not None and (isinstance(prefetch_bytes, bool) or not isinstance(prefetch_bytes, int) or prefetch_bytes < 0):
         raise OSDPError(f"prefetch_bytes must be an integer >= 0 (bytes), got {prefetch_bytes!r}")
@@ -200,6 +202,23 @@ def resolve_config(
         if len(unit_modes[tied.get(name, name)]) == 1:
             raise OSDPError(f"split_ops[{name!r}] names an op but {name!r} is not split: add splits={{{name!r}: g}}")
     return ResolvedConfig(unit_modes, prefetch_bytes, blocks, fingerprint, split_ops)
+
+
+def _check_whole_rep(name: str, modes: tuple[Mode, ...], named: bool) -> None:
+    """Only whole units may be ``rep`` (contract.py [Note: replicated units]): a split
+    unit's slices take the sharded modes. ``named``: its modes were given for it (not
+    inherited from ``default_mode``)."""
+    if len(modes) == 1 or Mode.REP not in modes:
+        return
+    slices = [i for i, m in enumerate(modes) if m is Mode.REP]
+    allowed = ", ".join(repr(m) for m in SHARDED_MODES)
+    source = "" if named else f" (from default_mode={MODE_REP!r})"
+    raise OSDPError(
+        f"unit {name!r} is split into {len(modes)} slices and slice(s) {slices} would be {MODE_REP!r}{source}: "
+        f"only whole units may be {MODE_REP!r} (a replicated unit gathers nothing, so splitting it saves "
+        f"nothing); give its slices one of {allowed} (e.g. modes={{{name!r}: 'zdp'}}), or leave it unsplit "
+        f"to make it {MODE_REP!r}"
+    )
 
 
 def _check_tied_uses(plan, tied: dict[str, str]) -> None:

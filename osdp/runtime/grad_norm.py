@@ -12,6 +12,13 @@ rank by a different norm (a silent wrong result), so OSDP refuses it: once an OS
 exists, torch's total-norm helper raises when it is handed OSDP-sharded gradients
 (``p.grad._osdp_sharded``, set by the runtime when it writes a reduced gradient) and
 names ``model.clip_grad_norm_`` instead. Any other call goes to torch unchanged.
+
+A ``rep`` unit's gradient is whole and the same on every rank (contract.py [Note:
+replicated units]): summing it over ranks would count it N times, so its ``sum |g|^p``
+is added after the all-reduce, once (for the inf-norm: the max with it). It is marked
+``_osdp_replicated``, not ``_osdp_sharded``: torch's helper gives the right norm for a
+model whose units are all ``rep`` (as under DDP) and is refused only where sharded
+gradients are among those it is handed.
 """
 from __future__ import annotations
 
@@ -37,21 +44,29 @@ def check_norm_args(max_norm, norm_type) -> float:
     return float(norm_type)
 
 
-def global_grad_norm(params, norm_type: float, group, device: torch.device, foreach=None) -> torch.Tensor:
+def _local_norm(grads, norm_type: float, device: torch.device, foreach) -> torch.Tensor:
+    if not grads:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    return _torch_total_norm(grads, norm_type, False, foreach).to(device=device, dtype=torch.float64)
+
+
+def global_grad_norm(params, norm_type: float, group, device: torch.device, foreach=None,
+                     replicated=()) -> torch.Tensor:
     """The ``norm_type``-norm of all ranks' gradients of ``params`` (a collective);
-    see [Note: global gradient norm]. Returns an fp32 scalar on ``device``."""
-    grads = [p.grad for p in params if p.grad is not None and p.grad.numel() > 0]
-    if grads:
-        local = _torch_total_norm(grads, norm_type, False, foreach).to(device=device, dtype=torch.float64)
-    else:
-        local = torch.zeros((), dtype=torch.float64, device=device)
+    see [Note: global gradient norm]. ``replicated``: those of ``params`` whose
+    gradients are whole on every rank (rep units), counted once. Returns an fp32 scalar
+    on ``device``."""
+    whole = {id(p) for p in replicated}
+    held = [p for p in params if p.grad is not None and p.grad.numel() > 0]
+    local = _local_norm([p.grad for p in held if id(p) not in whole], norm_type, device, foreach)
+    once = _local_norm([p.grad for p in held if id(p) in whole], norm_type, device, foreach)
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
-        total = local
+        total = torch.maximum(local, once)
     else:
         local = local.pow(norm_type)
         dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
-        total = local.pow(1.0 / norm_type)
+        total = (local + once.pow(norm_type)).pow(1.0 / norm_type)
     return total.to(torch.float32)
 
 

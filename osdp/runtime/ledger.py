@@ -2,6 +2,9 @@
 total, with peaks. It counts what the runtime allocates on purpose (the transient
 buffers OSDP adds on top of sharded states), so peaks can be checked against the plan
 on any device; on CUDA the stats also carry ``torch.cuda.max_memory_allocated``.
+A ``rep`` unit gathers nothing; its gradient bytes are its unsharded gradient buffer
+and, while its bucket is in flight, its share of the bucket's staging copy (both under
+the unit's name), see [Note: replicated buckets] in reduce.py.
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ class MemoryLedger:
         self.current_grad_bytes = 0
         self.all_gathers: dict[str, int] = defaultdict(int)  # unit -> count since reset
         self.reduce_scatters: dict[str, int] = defaultdict(int)
+        self.all_reduces: dict[str, int] = defaultdict(int)  # rep unit -> bucket all-reduces it rode in
         # what computes now, (unit, phase): ("h.0", "forward"), ("", "optimizer step");
         # read by the step peak monitor at every new maximum (osdp/runtime/peak.py)
         self.in_flight: tuple[str, str] = ("", "")
@@ -33,6 +37,7 @@ class MemoryLedger:
         self.unit_peak_grad_bytes = dict(self.grads)
         self.all_gathers.clear()
         self.reduce_scatters.clear()
+        self.all_reduces.clear()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -74,6 +79,10 @@ class MemoryLedger:
     def reduce_scattered(self, unit: str) -> None:
         self.reduce_scatters[unit] += 1
 
+    def all_reduced(self, unit: str) -> None:
+        """A rep unit's gradient went into a replicated bucket's all-reduce."""
+        self.all_reduces[unit] += 1
+
     def stats(self) -> dict:
         stats = {
             "peak_gathered_bytes": self.peak_gathered_bytes,
@@ -86,6 +95,7 @@ class MemoryLedger:
             "unit_peak_grad_bytes": dict(self.unit_peak_grad_bytes),
             "all_gathers": dict(self.all_gathers),
             "reduce_scatters": dict(self.reduce_scatters),
+            "all_reduces": dict(self.all_reduces),
         }
         if self.device.type == "cuda":
             stats["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated(self.device)

@@ -32,6 +32,15 @@ awaits backward any more (its last backward use, the end of the backward pass, a
 step). It is kept memory like a ``dp`` unit's weights, not transient: the prefetch
 window does not count it.
 
+[Note: replicated units in the lifecycle]
+A ``rep`` unit (contract.py [Note: replicated units]) is always GATHERED and never in
+the live set: it is never unsharded, resharded, kept in a node copy or counted as
+transient, and the prefetch policy passes over it (prefetch continues with the units
+after it). Its only event here is :meth:`refresh_replica`, the local cast of its compute
+copy under mixed precision ([Note: replica compute copy] in shard_unit.py), done at a
+forward use when no use of it is in flight, so a recompute or a second use before the
+backward computes with the same weights as the first.
+
 [Note: transient bytes]
 The prefetch window bounds the *transient* gathered bytes: every gathered unit except
 ``dp`` units that finished forward and wait for backward (kept: the memory model
@@ -83,7 +92,7 @@ class UnitLifecycle:
         level when there are several (see [Note: coalesced small units] in prefetch.py):
         from the shards over the shard group, or from node copies over the node group
         (see [Note: node copies])."""
-        units = [u for u in units if u.state is GatherState.SHARDED]
+        units = [u for u in units if u.state is GatherState.SHARDED and not u.replicated]
         if not units:
             return
         for unit in units:
@@ -131,11 +140,22 @@ class UnitLifecycle:
             unit.state = GatherState.GATHERED
 
     def is_stale(self, unit: ShardUnit) -> bool:
-        """Gathered, unused, and the weights were updated since (an optimizer step)."""
+        """Gathered, unused, and the weights were updated since (an optimizer step); a
+        rep unit is never stale (:meth:`refresh_replica` renews it in place)."""
         return (
-            unit.state is GatherState.GATHERED and unit.n_active == 0 and unit.n_await == 0
-            and unit.gathered_version != unit.shard._version
+            not unit.replicated and unit.state is GatherState.GATHERED and unit.n_active == 0
+            and unit.n_await == 0 and unit.gathered_version != unit.shard._version
         )
+
+    def refresh_replica(self, unit: ShardUnit) -> None:
+        """Cast a rep unit's master flat into its compute copy when the master changed
+        since the last cast and no use is in flight (see [Note: replicated units in the
+        lifecycle]); nothing to do where compute reads the master itself."""
+        if not unit.casts or unit.gathered_version == unit.shard._version or not self.idle(unit):
+            return
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(unit.gathered):
+            unit.gathered.copy_(unit.shard.detach())
+        unit.gathered_version = unit.shard._version
 
     # ---- uses ---------------------------------------------------------------------------
     def begin_forward_use(self, unit: ShardUnit) -> None:
@@ -162,13 +182,15 @@ class UnitLifecycle:
     # ---- reshard --------------------------------------------------------------------------
     def reshard(self, unit: ShardUnit) -> None:
         """Free the gathered weights and the node copy (after waiting: never release
-        memory a collective still writes)."""
+        memory a collective still writes); a rep unit keeps its weights."""
+        if unit.replicated:
+            return
         self._drop_node_copy(unit)
         self._free_gathered(unit)
 
     def reshard_to_node(self, unit: ShardUnit) -> None:
         """Keep this rank's node copy, free the gathered weights ([Note: node copies])."""
-        if unit.state is GatherState.SHARDED:
+        if unit.state is GatherState.SHARDED or unit.replicated:
             return
         self.wait_for_unshard(unit)
         if self.source_level(unit) != "node":
@@ -199,7 +221,8 @@ class UnitLifecycle:
 
     def maybe_reshard(self, unit: ShardUnit) -> None:
         """See [Note: unit lifetime] and [Note: node copies]."""
-        if unit.n_active > 0 or (unit.state is GatherState.SHARDED and unit not in self._node_copies):
+        if unit.replicated or unit.n_active > 0 or (
+                unit.state is GatherState.SHARDED and unit not in self._node_copies):
             return
         if unit.n_await_weights > 0:
             mode = self.mode_of(unit)

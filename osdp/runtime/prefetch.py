@@ -28,7 +28,8 @@ shard group, or all from node copies over the node group: [Note: node copies] in
 lifecycle.py), so one collective serves them all. Memory model: the window bound is unchanged; the coalesced collective's staging
 buffers are at most 2 x ``coalesce_bytes``. ``coalesce_bytes=0`` turns it off. Big
 units are never coalesced: that would need a copy out of a rank-major staging buffer,
-i.e. twice their bytes.
+i.e. twice their bytes. ``rep`` units never ride along (nothing to gather) and never
+share a reduction with sharded units (contract.py [Note: replicated units]).
 """
 from __future__ import annotations
 
@@ -51,9 +52,11 @@ class PrefetchPolicy:
         self._backward_cursor = 0
 
     def mark_coalescible(self, units) -> None:
-        """``units``: the whole-module units that may ride along when small."""
+        """``units``: the whole-module units that may ride along when small (never a
+        rep unit: it is not gathered, and its gradient goes to the replicated bucket)."""
         for unit in units:
-            unit.coalescible = is_small_unit(unit.gathered_bytes, self.coalesce_bytes, is_slice=False)
+            unit.coalescible = not unit.replicated and is_small_unit(unit.gathered_bytes, self.coalesce_bytes,
+                                                                     is_slice=False)
 
     # ---- recording the order ------------------------------------------------------------
     def begin_forward(self, grad_enabled: bool) -> None:

@@ -1,5 +1,6 @@
 """GradReducer: unsharded gradient buffers, the reduce-scatter queue, coalesced
-reductions of small units, and accumulation across micro-batches.
+reductions of small units, the replicated buckets of ``rep`` units, and accumulation
+across micro-batches.
 
 [Note: unsharded gradients]
 A unit's unsharded gradient buffer lives from its first backward use until its
@@ -19,6 +20,25 @@ their unsharded gradients wait, up to ``coalesce_bytes`` in total, and are reduc
 one collective, at the latest at the end of the backward pass. The unsharded-gradient
 peak may grow by at most ``coalesce_bytes`` (a constant; default 64 KiB).
 
+[Note: replicated buckets]
+A ``rep`` unit's gradient (contract.py [Note: replicated units]) is not
+reduce-scattered: after its last backward use its unsharded buffer (G, kept on the
+unit) joins the bucket. The bucket is issued once it holds >= REPLICATE_BUCKET_BYTES
+(counted as G in reduce_dtype, whatever dtype an accumulator has) and at the end of
+the backward pass: the buffers are copied into one flat staging tensor in reduce_dtype
+(concatenated in join order) and that is all-reduced over every rank of the layout
+(``CommContext.all_reduce_replicated``, one collective); issuing beyond
+MAX_INFLIGHT_REPLICATE_BUCKETS waits for the oldest. Finished, the staging copy is
+averaged (cast into the parameters' dtype first where that differs) and each unit's
+range of it is handed to ``.grad`` (``accumulate_replicated_grad``: it BECOMES ``.grad``
+where that was None, no copy; added otherwise); then the G buffers are freed. So G and
+the staging copy are both live while the bucket is in flight (the ledger counts both
+under each unit's name), as the contract prices it, and afterwards the staging copy is
+the ``.grad`` a rep unit keeps between steps (the same bytes as the buffer it replaces).
+A bucket holds one (reduce dtype, parameter dtype) pair; units of another pair fill
+their own bucket. Sharded units' reductions never carry rep units and the other way
+round, and each has its own in-flight queue.
+
 [Note: gradient accumulation]
 With ``sync_gradients`` off (``OSDP.no_sync()`` / ``set_requires_gradient_sync(False)``)
 a unit's unsharded gradient is not reduce-scattered after its last use: it stays, in
@@ -34,7 +54,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..contract import MAX_INFLIGHT_REDUCE_SCATTERS
+from ..contract import MAX_INFLIGHT_REDUCE_SCATTERS, MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES
 from .collectives import CommContext, Pending
 from .ledger import MemoryLedger
 from .shard_unit import ShardUnit
@@ -49,6 +69,19 @@ class InflightReduce(NamedTuple):
     pending: Pending
 
 
+class InflightBucket(NamedTuple):
+    """One replicated bucket's all-reduce in flight ([Note: replicated buckets])."""
+
+    units: tuple[ShardUnit, ...]
+    staging: torch.Tensor  # the units' gradients, concatenated, in reduce_dtype
+    buffers: tuple[torch.Tensor, ...]  # the units' gradient buffers (G): freed when finished
+    pending: Pending
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
 class GradReducer:
     def __init__(self, comm: CommContext, ledger: MemoryLedger, coalesce_bytes: int):
         self.comm = comm
@@ -60,6 +93,12 @@ class GradReducer:
         self._deferred: dict[ShardUnit, None] = {}  # small units whose reduction waits
         self._deferred_bytes = 0
         self._grad_bytes: dict[ShardUnit, int] = {}  # ledger bytes of gradients in flight
+        # rep units, see [Note: replicated buckets]: the filling buckets, by dtype pair
+        self.bucket_bytes = REPLICATE_BUCKET_BYTES
+        self.max_inflight_buckets = MAX_INFLIGHT_REPLICATE_BUCKETS
+        self._buckets: dict[tuple[torch.dtype, torch.dtype], dict[ShardUnit, None]] = {}
+        self._bucket_fill: dict[tuple[torch.dtype, torch.dtype], int] = {}
+        self._inflight_buckets: deque[InflightBucket] = deque()
 
     # ---- unsharded gradients -------------------------------------------------------------
     def grad_buffer(self, unit: ShardUnit) -> tuple[list[torch.Tensor], bool]:
@@ -90,6 +129,9 @@ class GradReducer:
     # ---- reduce-scatters -----------------------------------------------------------------
     def reduce(self, unit: ShardUnit) -> None:
         """Reduce ``unit``'s unsharded gradient (its last use finished backward)."""
+        if unit.replicated:
+            self._join_bucket(unit)
+            return
         if unit.coalescible and self.coalesce_bytes > 0:
             if unit in self._deferred:
                 return
@@ -140,19 +182,87 @@ class GradReducer:
                 unit.accumulate_sharded_grad(out)
             self.ledger.grad_free(unit.name, self._grad_bytes.pop(unit))
 
+    # ---- replicated buckets (rep units) -----------------------------------------------------
+    def _join_bucket(self, unit: ShardUnit) -> None:
+        """See [Note: replicated buckets]."""
+        key = (unit.reduce_dtype, unit.shard_dtype)
+        bucket = self._buckets.setdefault(key, {})
+        if unit in bucket:
+            return  # used again before its bucket left: its buffer already holds the sum
+        bucket[unit] = None
+        fill = self._bucket_fill.get(key, 0) + unit.numel * key[0].itemsize
+        self._bucket_fill[key] = fill
+        if fill >= self.bucket_bytes:
+            self._issue_bucket(key)
+
+    def flush_buckets(self) -> None:
+        """All-reduce every filling bucket (end of the backward pass)."""
+        for key in list(self._buckets):
+            self._issue_bucket(key)
+
+    def _issue_bucket(self, key) -> None:
+        units = list(self._buckets.pop(key))
+        self._bucket_fill.pop(key, None)
+        dtype = key[0]
+        staging = torch.empty(sum(u.numel for u in units), dtype=dtype, device=units[0].grad_flat.device)
+        offset, buffers = 0, []
+        for unit in units:
+            # off the unit: a later use of it (another backward) starts a new buffer
+            flat, unit.grad_flat = unit.grad_flat, None
+            buffers.append(flat)
+            staging.narrow(0, offset, unit.numel).copy_(flat[: unit.numel])  # casts an fp32 accumulator
+            offset += unit.numel
+            self.ledger.grad_alloc(unit.name, unit.numel * staging.element_size())
+            self.ledger.all_reduced(unit.name)
+        names = ", ".join(repr(u.name) for u in units[:4]) + (", ..." if len(units) > 4 else "")
+        pending = self.comm.all_reduce_replicated(staging, f"all-reduce of the replicated bucket of {len(units)} "
+                                                           f"unit(s) ({names})")
+        self._inflight_buckets.append(InflightBucket(tuple(units), staging, tuple(buffers), pending))
+        while len(self._inflight_buckets) > self.max_inflight_buckets:
+            self._finish_oldest_bucket()
+
+    def _finish_oldest_bucket(self, keep: bool = True) -> None:
+        """Wait for the oldest bucket; hand it to ``.grad`` (``keep=False``: drop it), then
+        free the units' gradient buffers."""
+        done = self._inflight_buckets.popleft()
+        done.pending.wait()
+        result = done.staging
+        if keep:
+            shard_dtype = done.units[0].shard_dtype
+            if result.dtype != shard_dtype:
+                result = result.to(shard_dtype)
+            # the mean over every rank of the layout (each rank's loss is a local mean)
+            result.div_(self.comm.data_parallel_size)
+        offset = 0
+        for unit, flat in zip(done.units, done.buffers):
+            if keep:
+                unit.accumulate_replicated_grad(result.narrow(0, offset, unit.numel))
+            offset += unit.numel
+            self.ledger.grad_free(unit.name, unit.numel * done.staging.element_size() + _nbytes(flat))
+
+    def _free_grad(self, unit: ShardUnit) -> None:
+        if unit.grad_flat is not None:
+            flat, unit.grad_flat = unit.grad_flat, None
+            self.ledger.grad_free(unit.name, _nbytes(flat))
+
+    # ---- end of a step ---------------------------------------------------------------------
     def finish(self) -> None:
-        """Reduce what waits and wait for every reduce-scatter in flight."""
+        """Reduce what waits and wait for every reduction in flight."""
         self.flush()
+        self.flush_buckets()
         while self._inflight:
             self._finish_oldest()
+        while self._inflight_buckets:
+            self._finish_oldest_bucket()
 
     def drop(self, units: list[ShardUnit]) -> None:
         """A failed step: wait for what was issued (every rank issued it), drop every
-        result and every unsharded gradient."""
+        result and every unsharded gradient (rep units' in filling buckets too)."""
         while self._inflight:
             self._finish_oldest(keep=False)
+        while self._inflight_buckets:
+            self._finish_oldest_bucket(keep=False)
         self._deferred, self._deferred_bytes = {}, 0
+        self._buckets, self._bucket_fill = {}, {}
         for unit in units:
-            if unit.grad_flat is not None:
-                flat, unit.grad_flat = unit.grad_flat, None
-                self.ledger.grad_free(unit.name, flat.numel() * flat.element_size())
+            self._free_grad(unit)

@@ -8,7 +8,8 @@ A thin coordinator over three pieces, each with one job (as FSDP2 splits
 - :class:`~osdp.runtime.prefetch.PrefetchPolicy`: the recorded order, the window, the
   small units that ride along, [Note: prefetch window];
 - :class:`~osdp.runtime.reduce.GradReducer`: unsharded gradients, the reduce-scatter
-  queue, accumulation, [Note: unsharded gradients].
+  queue, the replicated buckets of ``rep`` units, accumulation, [Note: unsharded
+  gradients], [Note: replicated buckets].
 
 The coordinator owns the phase (forward, backward, end of backward) and the uses.
 Module hooks (``hooks.py``) and split ops (``osdp.ops``) drive it with one protocol::
@@ -25,8 +26,9 @@ Module hooks (``hooks.py``) and split ops (``osdp.ops``) drive it with one proto
 [Note: end of the backward pass]
 At the end of a backward pass (autograd final callback) uses that never got a
 backward (outputs not in the loss) are abandoned, partial gradients are
-reduce-scattered, all reduce-scatters are waited on and every gathered buffer is
-freed, on every rank alike (the graph is the same on every rank).
+reduce-scattered (a rep unit's join the replicated bucket, which is all-reduced then),
+all reductions are waited on and every gathered buffer is freed, on every rank alike
+(the graph is the same on every rank).
 
 [Note: recovery after an exception]
 An exception inside forward or backward (an out-of-range token id, an OOM, a user
@@ -152,12 +154,14 @@ class Scheduler:
             # guaranteed; nothing frees this unit before it is used (frees happen on its
             # own events); see [Note: activation checkpointing]
             was_gathered = unit.state is not GatherState.SHARDED
+            life.refresh_replica(unit)
             self.prefetch.gather_for_forward(unit, in_forward=False)
             life.wait_for_unshard(unit)
             life.ledger.note_use(unit.name, "recompute")
             return Use(unit, UseState.RECOMPUTE, frees_after=not was_gathered)
         if life.is_stale(unit):
             life.reshard(unit)  # weights were updated since this copy was gathered
+        life.refresh_replica(unit)  # a rep unit's compute copy, cast locally
         self.prefetch.gather_for_forward(unit, in_forward=self._in_forward)
         life.wait_for_unshard(unit)
         life.begin_forward_use(unit)

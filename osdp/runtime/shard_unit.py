@@ -1,5 +1,6 @@
 """A shard unit: the parameters one module (or one slice of a split module) owns,
-flattened into one buffer that is sharded evenly across ranks.
+flattened into one buffer that is sharded evenly across ranks (or, for a ``rep`` unit,
+held whole on every rank: [Note: replicated units] in contract.py).
 
 [Note: flat shard layout]
 A unit's parameters are flattened in a fixed order and concatenated into one flat
@@ -17,6 +18,26 @@ bytes and gathering resizes it back and writes into it. Views of it (the paramet
 views and anything autograd saved) stay the same objects, so a zdp unit re-gathered
 for backward is seen by the tensors autograd saved in forward. Writes into it happen
 under ``_unsafe_preserve_version_counter`` so the saved tensors' version check passes.
+
+[Note: holder rank]
+Which part of the flat buffer this rank holds is a property of the unit, not of the
+communicator: ``shard_rank`` of ``shard_world`` holders. A sharded unit's holders are
+the shard group (the communicator's shard rank and size); a ``rep`` unit is a shard
+group of one (``shard_rank`` 0 of 1: ``shard_numel == numel``, no padding), so every
+rank holds all of it. Everything that maps this rank's flat buffer to original
+parameters (the parameter views, state dicts, checkpoints, optimizer state) reads
+``shard_rank`` / ``shard_numel`` of the unit, so a rep unit needs no case of its own
+there.
+
+[Note: replica compute copy]
+A ``rep`` unit is never gathered (its ``gathered_bytes`` is 0 and it is always
+GATHERED). When the compute dtype is the master dtype its ``gathered`` buffer IS the
+master flat (a detached alias: the same storage and version counter), so the views
+modules compute with read the weights the optimizer updates in place, and stay valid
+across steps. Under mixed precision ``gathered`` is its own ``param_dtype`` buffer,
+cast from the master flat at the unit's first use after the master changed (the
+lifecycle compares ``gathered_version`` with the shard's version, as ``is_stale`` does)
+and kept: static memory, P * param_dtype / dtype bytes.
 """
 from __future__ import annotations
 
@@ -39,11 +60,16 @@ from .modes import GatherState, Mode
 # working (a 0-d parameter is ``(1,)`` where held, ``(0,)`` elsewhere: a 0-d piece
 # could not be told apart from a per-parameter optimizer state such as AdamW's
 # ``step`` in checkpoints). The full shape is
-# ``p._osdp_full_shape``. A slice of a split op holds a box of its original parameter;
+# ``p._osdp_full_shape``. A ``rep`` unit's parameters are whole on every rank and keep
+# their ORIGINAL shapes (what a DDP user expects), except that a 0-d parameter is
+# ``(1,)`` there too (for the same checkpoint reason); element-wise optimizer state
+# follows the parameter's shape, and checkpoints map it by flattening, so nothing else
+# depends on the shape. A slice of a split op holds a box of its original parameter;
 # that piece is named ``<name>[i]`` (slice ``i``), an uncut parameter keeps its name.
 # Gradients: the reduce-scattered shard gradient is handed out as views too (``p.grad``),
 # added onto ``p.grad`` when it exists (no ``zero_grad``), so gradients accumulate across
-# backward passes as in plain PyTorch.
+# backward passes as in plain PyTorch. A rep unit's averaged all-reduced gradient is
+# handed out the same way (``accumulate_replicated_grad``), whole.
 
 
 def local_piece_shape(n: int, ndim: int) -> tuple[int, ...]:
@@ -86,25 +112,31 @@ class ShardUnit:
         self.slots = tuple(slots)
         self.mode = mode
         self.requires_grad = requires_grad
-        self.world_size = world_size
+        # who holds which part of the flat buffer: see [Note: holder rank]
+        self.replicated = mode is Mode.REP
+        self.shard_rank, self.shard_world = (0, 1) if self.replicated else (rank, world_size)
+        self.world_size = self.shard_world
         dtype = tensors[0].dtype
         self.numel = sum(s.numel for s in slots)
-        self.shard_numel = -(-self.numel // world_size)  # ceil
-        self.padded_numel = self.shard_numel * world_size
+        self.shard_numel = -(-self.numel // self.shard_world)  # ceil
+        self.padded_numel = self.shard_numel * self.shard_world
+        lo = self.shard_rank * self.shard_numel
         with torch.no_grad():
             flat = torch.zeros(self.padded_numel, dtype=dtype)
             for slot, tensor in zip(slots, tensors):
                 flat[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
-            local = flat[rank * self.shard_numel : (rank + 1) * self.shard_numel].to(device).clone()
+            local = flat[lo : lo + self.shard_numel].to(device).clone()
         # the flat shard is the storage; autograd sees it as the input of the gather
         # (hooks.py), the optimizer sees the original-parameter views below
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
         self.shard._osdp_unit_name = name  # so a parameter can be traced back to its unit
         names = list(param_names) if param_names is not None else [s.attr for s in slots]
-        self.local_ranges = [self._local_range(s, rank) for s in slots]
+        self.local_ranges = [self._local_range(s, self.shard_rank) for s in slots]
         self.params: list[nn.Parameter] = []
         for slot, pname, (start, n) in zip(slots, names, self.local_ranges):
-            piece = self.shard.detach().narrow(0, start, n).view(local_piece_shape(n, len(slot.shape)))
+            # a rep unit's parameters are whole: original shapes ([Note: original parameters])
+            shape = slot.shape if self.replicated and len(slot.shape) else local_piece_shape(n, len(slot.shape))
+            piece = self.shard.detach().narrow(0, start, n).view(shape)
             param = nn.Parameter(piece, requires_grad=requires_grad)
             param._osdp_unit_name = name
             param._osdp_name = pname
@@ -117,13 +149,19 @@ class ShardUnit:
         floating = dtype.is_floating_point
         self.param_dtype = param_dtype if (param_dtype is not None and floating) else dtype
         self.reduce_dtype = reduce_dtype if (reduce_dtype is not None and floating) else self.param_dtype
-        self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
-        self.gathered_bytes = self.padded_numel * self.gathered.element_size()  # when allocated
+        # a rep unit is never gathered: see [Note: replica compute copy]
+        self.casts = self.replicated and self.param_dtype != dtype
+        if self.replicated and not self.casts:
+            self.gathered = self.shard.detach()
+        else:
+            self.gathered = torch.empty(self.padded_numel, dtype=self.param_dtype, device=device)
+        # when allocated; a rep unit allocates none
+        self.gathered_bytes = 0 if self.replicated else self.padded_numel * self.gathered.element_size()
         self.views = [self.gathered.narrow(0, s.offset, s.numel).view(s.shape) for s in slots]
         self._free_storage()
-        self.state = GatherState.SHARDED
+        self.state = GatherState.GATHERED if self.replicated else GatherState.SHARDED
         self.pending = None  # collectives.Pending of an all-gather in flight
-        self.gathered_version = -1  # shard._version when the gathered copy was made
+        self.gathered_version = -1  # shard._version when the gathered copy was made (or cast)
         # per-step bookkeeping, owned by the scheduler
         self.n_active = 0  # uses computing now (forward or backward)
         self.n_await = 0  # uses whose backward has not started yet
@@ -143,17 +181,28 @@ class ShardUnit:
         """The sharded parameters' (master) dtype."""
         return self.shard.dtype
 
+    @property
+    def replica_copy_bytes(self) -> int:
+        """A rep unit's static param_dtype compute copy (0: none; [Note: replica compute copy])."""
+        return self.numel * self.gathered.element_size() if self.casts else 0
+
     def alloc_gathered(self) -> None:
+        if self.replicated:
+            return
         storage = self.gathered.untyped_storage()
         if storage.size() == 0:
             storage.resize_(self.gathered_bytes)
 
     def _free_storage(self) -> None:
+        if self.replicated:  # its gathered buffer may be the master flat itself
+            return
         storage = self.gathered.untyped_storage()
         if storage.size() != 0:
             storage.resize_(0)
 
     def free_gathered(self) -> None:
+        if self.replicated:
+            return
         self._free_storage()
         self.state = GatherState.SHARDED
 
@@ -174,6 +223,18 @@ class ShardUnit:
             else:
                 param.grad.add_(piece)
             param.grad._osdp_sharded = True  # see [Note: global gradient norm] in api.py
+
+    def accumulate_replicated_grad(self, flat: torch.Tensor) -> None:
+        """Hand a rep unit's averaged gradient (``numel`` elements, already in the
+        parameters' dtype) to the original parameters: views of ``flat`` (no copy) where
+        they have none, added otherwise. Whole and equal on every rank, so it is marked
+        replicated, not sharded ([Note: global gradient norm] in grad_norm.py)."""
+        for param, piece in zip(self.params, self.split_local(flat)):
+            if param.grad is None:
+                param.grad = piece
+            else:
+                param.grad.add_(piece)
+            param.grad._osdp_replicated = True
 
     def flatten_local(self, pieces: list[torch.Tensor | None]) -> torch.Tensor:
         """One tensor per original parameter (shaped like ``self.params``) -> one flat

@@ -175,7 +175,10 @@ def box_view(tensor: torch.Tensor, piece: Piece) -> torch.Tensor:
 
 def local_range(piece: Piece, rank: int, shard_numel: int) -> tuple[int, int] | None:
     """The part ``[a, b)`` of the piece's flat range (in the piece's own row-major order,
-    0-based) that rank ``rank``'s shard holds; None if it holds none."""
+    0-based) that holder ``rank``'s shard holds; None if it holds none. ``rank`` and
+    ``shard_numel`` are the unit's own (``unit.shard_rank``: 0 for a rep unit, which
+    holds all of it; see [Note: holder rank] in shard_unit.py), never the
+    communicator's."""
     a = max(piece.offset, rank * shard_numel)
     b = min(piece.offset + piece.numel, (rank + 1) * shard_numel)
     if a >= b:
@@ -200,7 +203,8 @@ def full_state_dict(
     if keep:
         full = {fqn: torch.empty(info.shape, dtype=info.dtype) for fqn, info in layout.params.items()}
     for unit, pieces in zip(built.units, layout.unit_pieces):
-        flat = comm.all_gather_sync(unit.shard.detach())
+        # a rep unit is whole on every rank: nothing to gather
+        flat = unit.shard.detach() if unit.replicated else comm.all_gather_sync(unit.shard.detach())
         if not keep:
             continue
         flat = flat.cpu()
@@ -243,12 +247,14 @@ def check_full_state_dict(layout: Layout, state_dict) -> str | None:
 
 
 def local_shards_from_full(
-    layout: Layout, built: BuiltModel, rank: int, fqn: str, tensor: torch.Tensor, into: list[torch.Tensor]
+    layout: Layout, built: BuiltModel, fqn: str, tensor: torch.Tensor, into: list[torch.Tensor]
 ) -> None:
-    """Copy rank ``rank``'s elements of original parameter ``fqn`` (full ``tensor``) into
-    ``into[unit]`` (new local shards, one per unit)."""
+    """Copy this rank's elements of original parameter ``fqn`` (full ``tensor``) into
+    ``into[unit]`` (new local shards, one per unit): each unit's part for its own holder
+    rank (``unit.shard_rank``)."""
     for piece in layout.params[fqn].pieces:
         unit = built.units[piece.unit]
+        rank = unit.shard_rank
         part = local_range(piece, rank, unit.shard_numel)
         if part is None:
             continue
