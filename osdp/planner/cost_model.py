@@ -858,6 +858,38 @@ def option_local_bytes(t: ProblemTemplate, batch: int) -> np.ndarray:
     return np.maximum(*_local_moments(t, batch))
 
 
+def template_optimizer_s(t: ProblemTemplate) -> float:
+    """``optimizer_step_s`` of the template's model, device and settings, computed once
+    per template (the batch sweep builds a problem per probe)."""
+    cached = t.__dict__.get("_optimizer_step_s")
+    if cached is None:
+        cached = t.__dict__["_optimizer_step_s"] = optimizer_step_s(t.desc, t.device, t.settings)
+    return cached
+
+
+def _segment_layout(t: ProblemTemplate):
+    """The template's segments grouped by length (once per template): per group the
+    segment indices, their ops (rows), which variants exist and which are checkpointed,
+    and their input bytes per sample; so ``_problem_at`` sums each segment's activations
+    row by row, in the same order as one segment at a time."""
+    layout = t.__dict__.get("_segment_layout")
+    if layout is None:
+        by_length: dict[int, list[int]] = {}
+        for s, seg in enumerate(t.segments):
+            by_length.setdefault(len(seg.ops), []).append(s)
+        groups = []
+        for segs in by_length.values():
+            has = np.zeros((len(segs), 2), dtype=bool)
+            ckpt = np.zeros((len(segs), 2), dtype=bool)
+            for r, s in enumerate(segs):
+                for v, checkpointed in enumerate(t.segments[s].variants):
+                    has[r, v], ckpt[r, v] = True, checkpointed
+            groups.append((np.array(segs, dtype=np.int64), np.array([t.segments[s].ops for s in segs], dtype=np.int64),
+                           has, ckpt, np.array([t.segments[s].input_bytes_per_sample for s in segs])))
+        layout = t.__dict__["_segment_layout"] = groups
+    return layout
+
+
 def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
     if not isinstance(batch, (int, np.integer)) or batch < 1:
         raise OSDPError(f"batch size must be a positive integer, got {batch!r}")
@@ -866,14 +898,18 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
     n_ops, n_seg = len(t.desc.ops), len(t.segments)
     act_in = np.zeros((n_ops, 2))
     carry = np.zeros((n_seg, 2), dtype=np.int64)
-    for s, seg in enumerate(t.segments):
-        inside = np.cumsum(act[seg.ops])
-        for v, checkpointed in enumerate(seg.variants):
-            kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
+    for segs, ops, has, ckpt, inputs in _segment_layout(t):
+        inside = np.cumsum(act[ops], axis=1)  # within each segment (row), in op order
+        for v in range(2):
+            rows = has[:, v]
+            if not rows.any():
+                continue
+            checkpointed = ckpt[rows, v]
+            kept = np.where(checkpointed, inputs[rows] * batch, 0.0)
             # the per-op exact term also holds the sharded grads already reduced
-            act_in[seg.ops, v] = kept + inside + t.grads_after[seg.ops] + t.tied_grads[seg.ops]
-            carried = kept if checkpointed else inside[-1]
-            carry[s, v] = math.ceil(carried / q - 1e-9) if carried > 0 else 0
+            act_in[ops[rows], v] = kept[:, None] + inside[rows] + t.grads_after[ops[rows]] + t.tied_grads[ops[rows]]
+            carried = np.where(checkpointed, kept, inside[rows, -1])
+            carry[segs[rows], v] = np.where(carried > 0, np.ceil(carried / q - 1e-9), 0.0).astype(np.int64)
     held_q = np.ceil(t.opt_held_bytes / q - 1e-9).astype(np.int64)
     held_q[t.opt_held_bytes <= 0] = 0
     return SearchProblem(
@@ -893,7 +929,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
         static_bytes=float(sum(t.static.values())),
-        constant_time_s=optimizer_step_s(t.desc, t.device, t.settings),
+        constant_time_s=template_optimizer_s(t),
         seg_names=tuple(seg.name for seg in t.segments),
     )
 
@@ -969,7 +1005,7 @@ def evaluate(
     t = template
     times = _option_times(t, batch)
     rows = live_memory(t, batch, option_index, variant)
-    total_s = optimizer_step_s(t.desc, t.device, t.settings) + float(sum(times[o] for o in option_index))
+    total_s = template_optimizer_s(t) + float(sum(times[o] for o in option_index))
     peak_i, breakdown = max(rows, key=lambda row: sum(row[1].values()))
     peak = sum(breakdown.values())
     return Estimate(

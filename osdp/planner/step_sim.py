@@ -83,7 +83,7 @@ import numpy as np
 
 from ..contract import DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, is_small_unit
 from .cost_model import (ProblemTemplate, backward_needs_weights, gathered_bytes, layout_collectives, option_compute_s,
-                         optimizer_step_s, reduced_bytes)
+                         reduced_bytes, template_optimizer_s)
 
 # the runtime's rules, from the contract both sides import
 RUNTIME_COALESCE_BYTES = DEFAULT_COALESCE_BYTES
@@ -521,9 +521,7 @@ def simulate_step(
         sim.backward(sync=settings.gradient_sync == "every" or mb == micro - 1)
     sim.phase = "optimizer"
     start = sim.compute_t
-    optimizer_s = getattr(t, "_optimizer_step_s", None)  # cached: one template, many candidates
-    if optimizer_s is None:
-        optimizer_s = t._optimizer_step_s = optimizer_step_s(t.desc, t.device, settings)
+    optimizer_s = template_optimizer_s(t)  # cached: one template, many candidates
     sim.compute("optimizer", "optimizer step", optimizer_s)
     sim.duration["optimizer"] += sim.compute_t - start
     # [Note: imperfect overlap] comm that ran beside compute is hidden only in part:
