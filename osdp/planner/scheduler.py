@@ -29,8 +29,10 @@ dp / zdp / hpz) and every rep unit has its one, and the batch sweep is exact, so
 result is the exact optimum over the union of these search spaces; it is not over all
 2^units subsets. Why by size: replicating costs memory in proportion to the unit
 (whole states instead of 1/N), while what it saves is the unit's gathers, whose latency
-is the same for every unit: per byte of memory, the small units save the most, and a
-gather hidden behind compute saves nothing whatever the unit's size. A set whose static
+is the same for every unit and whose bandwidth part grows with it: per byte of memory
+the small units save the most. (How much of a gather compute hides does not follow
+size; a family ordered by time saved per byte would follow it, but that order depends
+on the batch, which the sweep chooses: left out.) A set whose static
 bytes alone exceed the limit is skipped, and so are the larger ones (static bytes grow
 with tau). Sets are planned in that order, the empty set first (today's plan), and a
 set replaces the best so far only when strictly faster (ties keep fewer rep units).
