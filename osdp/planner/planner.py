@@ -114,9 +114,10 @@ def make_plan(
 ) -> Plan:
     """The plan with the most samples/s (or the fastest at ``batch``), plus the
     predictions of FSDP full shard, shard-grad-op and DDP (every unit ``rep``) at the
-    same memory limit (and FSDP with checkpointing when checkpointing is allowed). Without ``batch`` each baseline is
-    at its own best batch; with ``batch`` every baseline is evaluated at that same batch
-    (no sweep; ``None`` where it does not fit), and the plan's notes say so.
+    same memory limit (and FSDP with checkpointing when checkpointing is allowed).
+    Without ``batch`` each baseline is at its own best batch; with ``batch`` every
+    baseline is evaluated at that same batch (no sweep; ``None`` where it does not fit),
+    and the plan's notes say so.
 
     With ``settings.rerank`` (the default) the search's best plan and a few alternatives
     are priced by the step simulation and the one with the most simulated samples/s
