@@ -127,6 +127,10 @@ def cmd_plan(args) -> int:
     elif "fsdp" in plan.baselines:
         at = f" and batch {args.batch}" if args.batch is not None and not args.plan else ""
         print(f"\nFSDP (full shard) does not fit at this memory limit{at}; OSDP does")
+    ddp = plan.baselines.get("ddp")
+    if ddp is not None:
+        ratio = plan.predicted.samples_per_s / ddp.samples_per_s
+        print(f"predicted speedup over DDP (every unit replicated): {ratio:.2f}x")
     print(f"search time: {plan.search_s:.3f} s")
     if args.json:
         plan.save(args.json)

@@ -45,10 +45,13 @@ def plot_plan(plan: Plan, path, desc=None, device=None) -> None:
     ax = axes[0][0]
     names = [u.name for u in plan.units]
     zdp = [u.zdp_slices / u.slices for u in plan.units]
-    dp = [1 - z for z in zdp]
+    rep = [1.0 if u.replicated else 0.0 for u in plan.units]
+    dp = [1 - z - r for z, r in zip(zdp, rep)]
     x = range(len(names))
     ax.bar(x, dp, color="#2b8cbe", label="dp share of slices")
     ax.bar(x, zdp, bottom=dp, color="#f03b20", label="zdp share of slices")
+    if any(rep):
+        ax.bar(x, rep, color="#31a354", label="rep (replicated unit)")
     for i, u in enumerate(plan.units):
         if u.slices > 1:
             ax.text(i, 1.02, str(u.slices), ha="center", fontsize=6)

@@ -91,9 +91,12 @@ def _run(system: str, s: Scheduled | None, seq: int) -> Run:
     t = s.template
     world = t.device.world_size
     chosen = s.result.option_index
-    modes = {"dp": 0, "zdp": 0, "hpz": 0}
+    modes = {"dp": 0, "zdp": 0, "hpz": 0, "rep": 0}
     for i, o in enumerate(chosen):
         if t.desc.ops[i].tied_to:
+            continue
+        if t.rep is not None and t.rep[i]:
+            modes["rep"] += 1
             continue
         g, k, h = int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
         modes["zdp"] += k
@@ -145,7 +148,7 @@ def why(osdp: Run, peer: Run) -> str:
 
 
 def _choices(r: Run) -> str:
-    modes = "/".join(f"{r.modes[m]} {m}" for m in ("dp", "zdp", "hpz") if r.modes.get(m))
+    modes = "/".join(f"{r.modes[m]} {m}" for m in ("dp", "zdp", "hpz", "rep") if r.modes.get(m))
     return f"batch {r.batch}, {r.layout}, {modes}, {r.checkpointed_blocks} ckpt blocks"
 
 

@@ -138,12 +138,15 @@ def assignment_of(desc: ModelDesc, device: DeviceInfo, plan, settings: PlannerSe
     """The option indices of ``plan``'s units (slices and zdp slices) and its
     checkpointed blocks, in a template of ``desc`` on ``device``: the plan's settings
     widened to every option (policy "osdp", its slice counts, checkpointing when it
-    checkpoints), its prefetch window as the runtime runs it."""
+    checkpoints) with its ``rep`` units as the template's rep set, its prefetch window as
+    the runtime runs it."""
     settings = settings or settings_of(plan)
     settings = settings.with_(
         policy="osdp", prefetch_bytes=float(plan.prefetch_bytes),
         max_slices=max([settings.max_slices] + [u.slices for u in plan.units]),
-        checkpointing="auto" if plan.checkpoint_blocks else settings.checkpointing)
+        checkpointing="auto" if plan.checkpoint_blocks else settings.checkpointing,
+        # its rep units, read off its modes ([Note: rep mode] in cost_model.py)
+        rep_units=tuple(u.name for u in plan.units if u.modes == ("rep",)))
     t = build_template(desc, device, settings)
     decisions = {u.name: u for u in plan.units}
     blocks = set(plan.checkpoint_blocks)

@@ -84,20 +84,33 @@ _DEVICE_DEFAULTS = {f.name: f.default for f in fields(DeviceInfo)}
 
 @dataclass(frozen=True)
 class Link:
-    """The collectives over one level of the network (a ring over its devices)."""
+    """The collectives over one level of the network (a ring over its devices).
+    ``all_reduce`` (optional, "intra" only): a measured all-reduce of a flat buffer (the
+    profiler's on gloo, where it is the gradient collective); without it an all-reduce
+    is priced as reduce-scatter + all-gather."""
 
     all_gather: CollectiveCost
     reduce_scatter: CollectiveCost
+    all_reduce: CollectiveCost | None = None
 
     def __post_init__(self):
         for name in ("all_gather", "reduce_scatter"):
             if not isinstance(getattr(self, name), CollectiveCost):
                 raise OSDPError(f"{name} must be a CollectiveCost(alpha_s, beta_s_per_byte), got {getattr(self, name)!r}")
+        if self.all_reduce is not None and not isinstance(self.all_reduce, CollectiveCost):
+            raise OSDPError(f"all_reduce must be a CollectiveCost(alpha_s, beta_s_per_byte) or None, got {self.all_reduce!r}")
 
     @classmethod
     def from_dict(cls, data, name: str) -> "Link":
-        entry = check_object(data, name, ("all_gather", "reduce_scatter"))
+        optional = ("all_reduce",) if name == "links.intra" else ()
+        entry = check_object(data, name, ("all_gather", "reduce_scatter"), optional)
         return cls(**{k: CollectiveCost.from_dict(v, f"{name}.{k}") for k, v in entry.items()})
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        if data["all_reduce"] is None:  # not measured: written as before it existed
+            del data["all_reduce"]
+        return data
 
 
 @dataclass(frozen=True)
@@ -167,6 +180,7 @@ class ClusterProfile:
             node_size=self.node_size,
             inter_all_gather=inter.all_gather if inter else None,
             inter_reduce_scatter=inter.reduce_scatter if inter else None,
+            all_reduce=link.all_reduce,
             **{k: getattr(self, k) for k in COMPUTE_FIELDS},
         )
 
@@ -187,7 +201,7 @@ class ClusterProfile:
 
     def to_dict(self) -> dict:
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        data["links"] = {level: asdict(link) for level, link in self.links.items()}
+        data["links"] = {level: link.to_dict() for level, link in self.links.items()}
         data["op_compute"] = {k: asdict(v) for k, v in self.op_compute.items()}
         data["split_efficiency"] = dict(self.split_efficiency)
         data["sources"] = dict(self.sources)

@@ -52,6 +52,15 @@ AG(2 GiB) = 5.9 ms across + 5.3 ms within, bus bandwidth (N-1)/N * S / AG = 191 
 is (n-1) a_e + (m-1) a_a, not (N-1) a: the flat ring's N-1 steps would price 1024 ranks'
 gathers at ~1000 latencies each, which NCCL's rings-per-rail layout avoids.
 
+Replicated units ([Note: replicated units] in osdp/contract.py) all-reduce their whole
+gradient over EVERY rank of the run, whatever the layout (``all_reduce_s``): one flat
+ring over the N ranks (the measured ``DeviceInfo.all_reduce`` where there is one, else a
+ring reduce-scatter + all-gather), or across nodes the hierarchical all-reduce: within
+the node on G, across nodes the 1/m piece (the m rails in parallel), within again:
+    AR(G) = AR_a(G; m) + RS_e(G/m; n) + AG_e(G/m; n)
+Both are a latency plus bytes times a rate (``all_reduce_terms``), so a bucket of
+several units' gradients costs one latency and the sum of their bandwidth terms.
+
 HSDP (shard = node, r = n replicas): gathers are one intra ring of m ranks; gradients
 are reduce-scattered within the node and the 1/m piece all-reduced across the r
 replicas (the m rails in parallel), a ring all-reduce = reduce-scatter + all-gather:
@@ -146,6 +155,35 @@ class Collectives:
 
     def node_gather_s(self, nbytes: float) -> float:
         return ring_s(self.device.all_gather, nbytes, self.per_node)
+
+    def all_reduce_terms(self) -> tuple[float, float]:
+        """(latency seconds, seconds per byte) of an all-reduce of a flat buffer over
+        every rank of the run (replicas included): replicated units' gradient collective
+        (see [Note: two-level collective cost]). 0 seconds on one rank."""
+        d = self.device
+
+        def ring(ranks: int) -> tuple[float, float]:  # within the intra link
+            if ranks <= 1:
+                return 0.0, 0.0
+            costs = (d.all_reduce,) if d.all_reduce is not None else (d.reduce_scatter, d.all_gather)
+            return ((ranks - 1) * sum(c.alpha_s for c in costs),
+                    (ranks - 1) / ranks * sum(c.beta_s_per_byte for c in costs))
+
+        if not self.two_level:
+            return ring(d.world_size)
+        m, n = self.per_node, self.nodes
+        lat, rate = ring(m)
+        inter = (d.inter_reduce_scatter, d.inter_all_gather)
+        lat += (n - 1) * sum(c.alpha_s for c in inter)
+        rate += (n - 1) / n / m * sum(c.beta_s_per_byte for c in inter)
+        return lat, rate
+
+    def all_reduce_s(self, nbytes: float) -> float:
+        """An all-reduce of ``nbytes`` over every rank of the run (``all_reduce_terms``)."""
+        if nbytes <= 0:
+            return 0.0
+        lat, rate = self.all_reduce_terms()
+        return lat + rate * nbytes
 
     def grad_s(self, nbytes: float) -> float:
         d = self.device

@@ -119,6 +119,47 @@ bytes are the larger of the two moments (``option_local_bytes``), not their sum
 ``_log_softmax_backward_data`` with no head weights; the sum over-counted 2.10 MB, 7%
 of the peak). Split and fused, the slices' logits live inside the head's backward,
 beside its gathers: the sum.
+
+[Note: rep mode]
+A ``rep`` unit is replicated, DDP per unit ([Note: replicated units] in
+osdp/contract.py): whole on every rank, never gathered, its gradient all-reduced over
+every rank of the run in buckets. Which units are ``rep`` is fixed per template
+(``rep_units``: [Note: rep family] in scheduler.py says how the scheduler picks the
+sets), because it changes the static bytes, which the search takes as a constant. An op
+using a rep unit has ONE option (whole units only: g = 1, nothing gathered or kept).
+With P its parameters' bytes in the model's dtype (the master copy), G its gradient's in
+reduce_dtype, d the param_dtype's bytes per parameter (mixed precision), e the model's:
+    forward  comm = 0;  backward comm = its share of its bucket's all-reduce:
+        AR_rate * G + AR_latency / (units in its bucket)
+    (``replicate_buckets``: rep units in backward order, each joining after its last use,
+    a bucket issued once it holds >= REPLICATE_BUCKET_BYTES, the rest at the end; so a
+    bucket's shares add up to its ``all_reduce_s`` (collective_cost.py: over every
+    rank, the measured all-reduce where the profile has one, the latency paid once per
+    bucket, as small units share theirs in [Note: coalesced latency]); at the owner, the
+    last use in backward; like every gradient collective, after the last micro-batch
+    only when gradients are reduced only then)
+    compute  = the unsplit option's, the calibration's per-unit overhead included (its
+               module hooks still run)
+    static   = P + the optimizer state of all its parameters (instead of the 1/N shards),
+               + P for its ``.grad`` where that lives through the step (gradients kept
+               between steps, or made by the first of several micro-batches each
+               reduced), + P d / e for the kept param_dtype copy under mixed precision
+               (``replicated_*`` in ``static_bytes``; the optimizer step reads them too)
+    kept     = 0
+    transient at the op: the gathers prefetched around it (others'), its own gradient
+               buffer G (none under accumulation synced at the last micro-batch: the
+               static accumulator; a tied unit's is ``tied_grads``), and the whole
+               gradient of the nearest later sharded unit (a reduce-scatter still in
+               flight: an upper bound)
+    after its backward (choice-independent given the rep set: ``rep_grads``, breakdown
+    "replicated_grads"), at op j, for every rep unit whose last use is after j:
+        in the bucket being filled: its buffer G;
+        in the newest MAX_INFLIGHT_REPLICATE_BUCKETS buckets issued (maybe in flight):
+        G + its part of the staging copy (G) + the ``.grad`` made at the bucket's end
+        (P) unless the buffer becomes ``.grad`` (dtypes agree) or ``.grad`` is static;
+        in the buckets before them (done, as issuing one more waited for them): its
+        ``.grad`` (P, the buffer itself when the dtypes agree), 0 where it is static.
+Policy "rep" makes every unit rep: DDP.
 """
 from __future__ import annotations
 
@@ -129,14 +170,15 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..contract import DEFAULT_COALESCE_BYTES, UNSHARDED_GRADS_LIVE, is_small_unit
+from ..contract import (DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES,
+                        UNSHARDED_GRADS_LIVE, is_small_unit)
 from ..errors import OSDPError
 from .collective_cost import LAYOUTS, Collectives
 from .description import ModelDesc, OpDesc
 from .device import DeviceInfo
 from .search_problem import SearchProblem
 
-POLICIES = ("osdp", "zdp", "dp", "hpz")
+POLICIES = ("osdp", "zdp", "dp", "hpz", "rep")
 CHECKPOINTING = ("auto", "none", "all")
 
 
@@ -150,7 +192,12 @@ def _is_number(value, minimum: float) -> bool:
 class PlannerSettings:
     """Knobs of the planner. ``policy``: "osdp" searches per-op modes and splits;
     "zdp" is FSDP full-shard (ZeRO-3), "dp" shard-grad-op (ZeRO-2) and "hpz" ZeRO++ hpZ
-    (FSDP2 ``reshard_after_forward=node_size``; zdp within one node), all unsplit.
+    (FSDP2 ``reshard_after_forward=node_size``; zdp within one node), all unsplit; "rep"
+    is DDP: every unit replicated ([Note: rep mode]).
+    ``rep_units`` (policy "osdp" only; the other policies ignore it): None lets the
+    scheduler choose which whole units are ``rep`` ([Note: rep family] in scheduler.py);
+    a tuple of unit names (module paths of units with parameters; a tied unit by its
+    owner) fixes that set, ``()`` plans without ``rep``.
     ``layout``: "full" (one shard group), "hsdp" (shard within a node, replicate
     across nodes) or "auto" (the scheduler plans both and keeps the faster): see
     collective_cost.py's [Note: sharding layouts]."""
@@ -186,6 +233,7 @@ class PlannerSettings:
     # the runtime's OSDP(coalesce_bytes=...): small units share collectives up to this
     # many bytes ([Note: coalesced latency]); 0: off
     coalesce_bytes: int = DEFAULT_COALESCE_BYTES
+    rep_units: tuple[str, ...] | None = None  # see the docstring and [Note: rep mode]
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -220,6 +268,12 @@ class PlannerSettings:
             raise OSDPError(f"coalesce_bytes must be an integer >= 0 (bytes; 0: off), got {self.coalesce_bytes!r}")
         if isinstance(self.rerank_batches, bool) or not isinstance(self.rerank_batches, int) or self.rerank_batches < 1:
             raise OSDPError(f"rerank_batches must be a positive integer, got {self.rerank_batches!r}")
+        if self.rep_units is not None:
+            if isinstance(self.rep_units, str) or not isinstance(self.rep_units, (list, tuple, set, frozenset)) \
+                    or not all(isinstance(n, str) for n in self.rep_units):
+                raise OSDPError(f"rep_units must be None or a list of unit names (module paths), got {self.rep_units!r}")
+            # one canonical form (a plan's JSON gives a list): equal sets are equal settings
+            object.__setattr__(self, "rep_units", tuple(sorted(set(self.rep_units))))
 
     def with_(self, **changes) -> "PlannerSettings":
         return replace(self, **changes)
@@ -277,6 +331,122 @@ def reduced_bytes(op: OpDesc, settings: PlannerSettings) -> float:
     return float(op.param_count * (settings.reduce_dtype_bytes or element_bytes(op)))
 
 
+def unit_indices(desc: ModelDesc) -> list[int]:
+    """Ops that own a unit: parameters of their own (a tied use is its owner's unit)."""
+    return [i for i, op in enumerate(desc.ops) if op.param_count and not op.tied_to]
+
+
+def rep_unit_names(desc: ModelDesc, settings: PlannerSettings) -> tuple[str, ...]:
+    """The units a plan under ``settings`` runs ``rep`` ([Note: rep mode]): every unit for
+    policy "rep", ``settings.rep_units`` for "osdp" (checked against the model), none
+    otherwise (and for "osdp" without a set: the scheduler's family fixes one per
+    template)."""
+    if settings.policy == "rep":
+        return tuple(sorted(desc.ops[i].name for i in unit_indices(desc)))
+    if settings.policy != "osdp" or not settings.rep_units:
+        return ()
+    units = {desc.ops[i].name for i in unit_indices(desc)}
+    for name in settings.rep_units:
+        if name not in units:
+            op = next((o for o in desc.ops if o.name == name), None)
+            why = (f"it uses the weights of {op.tied_to!r}: name that unit" if op is not None and op.tied_to else
+                   "it has no parameters" if op is not None else f"model {desc.name!r} has no unit of that name")
+            raise OSDPError(f"rep_units names {name!r}, which is not a unit: {why}")
+    return settings.rep_units
+
+
+def rep_op_mask(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:
+    """Per op, whether it uses a ``rep`` unit (a tied use: its owner's)."""
+    names = set(rep_unit_names(desc, settings))
+    return np.array([bool(names) and (op.tied_to or op.name) in names and bool(op.param_count or op.tied_to)
+                     for op in desc.ops], dtype=bool)
+
+
+def _rep_owner(desc: ModelDesc, rep: np.ndarray, i: int) -> bool:
+    return bool(rep[i]) and not desc.ops[i].tied_to and bool(desc.ops[i].param_count)
+
+
+def _grad_persists(settings: PlannerSettings) -> bool:
+    """Whether a rep unit's ``.grad`` lives through the whole step: kept between steps,
+    or made by the first of several micro-batches that are each reduced."""
+    return not settings.grads_set_to_none or (settings.accumulation_steps > 1 and settings.gradient_sync == "every")
+
+
+def _accumulators_static(settings: PlannerSettings) -> bool:
+    """Whether every unit's unsharded gradient buffer is a static accumulator."""
+    return settings.accumulation_steps > 1 and settings.gradient_sync == "last"
+
+
+def replicate_buckets(desc: ModelDesc, settings: PlannerSettings, rep: np.ndarray) -> list[list[int]]:
+    """The rep units (owner op indices) per all-reduce bucket, in issue order, as the
+    runtime fills them ([Note: replicated units] in osdp/contract.py): a unit joins after
+    its last use in backward (its owner op: the first in op order), a bucket is issued
+    once it holds >= REPLICATE_BUCKET_BYTES; the last one at the end of backward."""
+    buckets, current, filled = [], [], 0.0
+    for i in range(len(desc.ops) - 1, -1, -1):
+        if not _rep_owner(desc, rep, i):
+            continue
+        current.append(i)
+        filled += reduced_bytes(desc.ops[i], settings)
+        if filled >= REPLICATE_BUCKET_BYTES:
+            buckets.append(current)
+            current, filled = [], 0.0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def replicate_reduce_s(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
+                       rep: np.ndarray) -> dict[int, float]:
+    """Per rep unit (owner op index), its share of its bucket's all-reduce: its bytes at
+    the all-reduce's rate plus the bucket's latency divided among the bucket's units, so
+    that the shares of a bucket add up to its ``all_reduce_s`` ([Note: rep mode])."""
+    latency, rate = layout_collectives(device, settings).all_reduce_terms()
+    share = {}
+    for bucket in replicate_buckets(desc, settings, rep):
+        for i in bucket:
+            share[i] = rate * reduced_bytes(desc.ops[i], settings) + latency / len(bucket)
+    return share
+
+
+def replicated_grads_bytes(desc: ModelDesc, settings: PlannerSettings, rep: np.ndarray) -> np.ndarray:
+    """Per op j, bytes of the rep units' gradients alive there after their backward
+    (their last use after j): the buffers of the bucket being filled, those of the
+    buckets in flight with their staging copies (and a ``.grad`` made at the end when it
+    is not the buffer itself), the ``.grad`` of finished buckets; see [Note: rep mode]."""
+    alive = np.zeros(len(desc.ops))
+    buckets = replicate_buckets(desc, settings, rep)
+    if not buckets:
+        return alive
+    persists, static_buffers = _grad_persists(settings), _accumulators_static(settings)
+
+    def sizes(i):
+        op = desc.ops[i]
+        grad, param = reduced_bytes(op, settings), float(op.param_bytes)
+        buffer = 0.0 if static_buffers else grad
+        new_grad = param if not persists and grad != param else 0.0  # .grad apart from the buffer
+        done = 0.0 if persists else (param if grad != param else buffer)
+        return buffer, buffer + grad + new_grad, done
+
+    per = {i: sizes(i) for bucket in buckets for i in bucket}
+    # a full bucket is issued after the backward of its last unit; the rest at the end
+    full = [sum(reduced_bytes(desc.ops[i], settings) for i in b) >= REPLICATE_BUCKET_BYTES for b in buckets]
+    done = np.concatenate(([0.0], np.cumsum([sum(per[i][2] for i in b) for b in buckets])))
+    flight = np.concatenate(([0.0], np.cumsum([sum(per[i][1] for i in b) for b in buckets])))
+    bucket_of = {i: k for k, b in enumerate(buckets) for i in b}
+    issued, filling = 0, 0.0  # buckets issued before op j's backward; buffers of the one filling
+    for j in range(len(desc.ops) - 1, -1, -1):
+        u = j + 1  # its backward done before op j's: joined
+        if u in bucket_of:
+            k = bucket_of[u]
+            filling += per[u][0]
+            if full[k] and buckets[k][-1] == u:
+                issued, filling = k + 1, 0.0
+        oldest = max(0, issued - MAX_INFLIGHT_REPLICATE_BUCKETS)
+        alive[j] = done[oldest] + (flight[issued] - flight[oldest]) + filling
+    return alive
+
+
 def activation_scale(desc: ModelDesc, settings: PlannerSettings) -> float:
     """Saved activations shrink with the compute dtype (the description was measured in
     the model's own dtype)."""
@@ -304,29 +474,40 @@ def prefetch_window(desc: ModelDesc, settings: PlannerSettings, budget_bytes: fl
     if settings.prefetch_bytes is not None:
         return float(settings.prefetch_bytes)
     cap = budget_bytes * WINDOW_BUDGET_SHARE
+    rep = rep_op_mask(desc, settings)  # rep units are never gathered
     slices = []
-    for op in desc.ops:
-        if op.splittable:
+    for i, op in enumerate(desc.ops):
+        if op.splittable and not rep[i]:
             sizes = [gathered_bytes(op, settings) / g for g in slice_choices(op, settings)]
             slices.append(next((size for size in sizes if size <= cap), sizes[-1]))
     if not slices:
-        slices = [gathered_bytes(op, settings) for op in desc.ops]
+        slices = [gathered_bytes(op, settings) for i, op in enumerate(desc.ops) if not rep[i]]
     return 2.0 * max(slices, default=0.0)
 
 
 def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
     """Bytes every plan pays: 1/N shards of params, grads and optimizer state (padded),
     and with gradient accumulation synced only at the last micro-batch, the unsharded
-    gradient accumulators of every unit."""
+    gradient accumulators of every unit. Units that are ``rep`` under ``settings`` hold
+    all of theirs instead ([Note: rep mode]): ``replicated_*``, present only when some are."""
     n = layout_collectives(device, settings).shard_ranks
+    rep = rep_op_mask(desc, settings)
     params = grads = optim = accumulators = 0.0
-    for op in desc.ops:
-        shard = math.ceil(op.param_count / n)
+    r_params = r_optim = r_grads = r_copies = 0.0
+    for i, op in enumerate(desc.ops):
         e = element_bytes(op)
+        accumulators += reduced_bytes(op, settings)
+        if _rep_owner(desc, rep, i):
+            r_params += op.param_count * e
+            r_optim += op.param_count * settings.optimizer_state_bytes_per_param
+            r_grads += op.param_count * e if _grad_persists(settings) else 0.0
+            if settings.param_dtype_bytes is not None and settings.param_dtype_bytes != e:
+                r_copies += op.param_count * settings.param_dtype_bytes  # the kept param_dtype copy
+            continue
+        shard = math.ceil(op.param_count / n)
         params += shard * e
         grads += shard * e
         optim += shard * settings.optimizer_state_bytes_per_param
-        accumulators += reduced_bytes(op, settings)
     result = {
         "sharded_params": params,
         "optimizer_state": optim,
@@ -336,6 +517,12 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
         result["grad_accumulators"] = accumulators
     if not settings.grads_set_to_none:
         result["sharded_grads"] = grads
+    if rep.any():
+        result.update(replicated_params=r_params, replicated_optimizer_state=r_optim)
+        if r_grads:
+            result["replicated_grads"] = r_grads
+        if r_copies:
+            result["replicated_param_copies"] = r_copies
     return result
 
 
@@ -345,14 +532,18 @@ def sharded_grads_after(desc: ModelDesc, device: DeviceInfo, settings: PlannerSe
     if not settings.grads_set_to_none:
         return np.zeros(len(desc.ops))
     n = layout_collectives(device, settings).shard_ranks
-    shard = np.array([math.ceil(op.param_count / n) * element_bytes(op) for op in desc.ops])
+    rep = rep_op_mask(desc, settings)  # a rep unit's gradient: replicated_grads_bytes
+    shard = np.array([0.0 if rep[i] else math.ceil(op.param_count / n) * element_bytes(op)
+                      for i, op in enumerate(desc.ops)])
     return np.concatenate((np.cumsum(shard[::-1])[::-1][1:], [0.0]))
 
 
 def optimizer_step_s(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> float:
     """AdamW reads and writes param, moments and reads grad: bandwidth bound."""
     static = static_bytes(desc, device, settings)
-    state = 2.0 * (static["sharded_params"] + static["optimizer_state"])  # grads: as big as params
+    # grads: as big as params; rep units step their whole parameters
+    state = 2.0 * sum(static.get(k, 0.0) for k in ("sharded_params", "optimizer_state", "replicated_params",
+                                                    "replicated_optimizer_state"))
     return 2.0 * state / device.memory_bandwidth_bytes_per_s
 
 
@@ -432,6 +623,17 @@ class ProblemTemplate:
     grads_after: np.ndarray = field(repr=False, default=None)  # sharded grads alive at each op
     tied_grads: np.ndarray = field(repr=False, default=None)  # tied units' unsharded grads at each op
     act_grad_per_sample: np.ndarray = field(repr=False, default=None)  # backward transients
+    # [Note: rep mode]: per op, whether it uses a rep unit (the template's fixed rep set),
+    # and the rep units' gradients alive there after their backward
+    rep: np.ndarray = field(repr=False, default=None)
+    rep_grads: np.ndarray = field(repr=False, default=None)
+
+    @property
+    def rep_units(self) -> tuple[str, ...]:
+        """Names of the units this template runs ``rep``, sorted (as ``rep_units`` is)."""
+        if self.rep is None:
+            return ()
+        return tuple(sorted(op.name for i, op in enumerate(self.desc.ops) if self.rep[i] and not op.tied_to))
 
     @property
     def budget_bytes(self) -> float:
@@ -459,7 +661,8 @@ def _compute_fit(op: OpDesc, device: DeviceInfo, settings: PlannerSettings):
 def _ahead_bytes(desc: ModelDesc, window: float, settings: PlannerSettings) -> tuple[list[float], list[float]]:
     """Bytes that can be gathered ahead of each op: the following ops in forward, the
     preceding ones in backward, capped by the window."""
-    sizes = [gathered_bytes(op, settings) if not op.tied_to else 0 for op in desc.ops]
+    rep = rep_op_mask(desc, settings)  # rep units are never gathered
+    sizes = [gathered_bytes(op, settings) if not (op.tied_to or rep[i]) else 0 for i, op in enumerate(desc.ops)]
     after, before = [0.0] * len(sizes), [0.0] * len(sizes)
     acc = 0.0
     for i in range(len(sizes) - 1, -1, -1):
@@ -508,7 +711,8 @@ def coalesced_latency_shares(desc: ModelDesc, settings: PlannerSettings) -> tupl
         return groups / len(sizes)
 
     coalesce_bytes = settings.coalesce_bytes
-    small = [op for op in desc.ops if not op.tied_to and op.param_count
+    rep = rep_op_mask(desc, settings)  # rep units are never gathered: no group holds them
+    small = [op for i, op in enumerate(desc.ops) if not op.tied_to and op.param_count and not rep[i]
              and is_small_unit(gathered_bytes(op, settings), coalesce_bytes, is_slice=False)]
     return (share([gathered_bytes(op, settings) for op in small]),
             share([reduced_bytes(op, settings) for op in small]))
@@ -551,6 +755,37 @@ def _group_of(desc: ModelDesc, i: int) -> tuple[int, ...]:
         if i in group:
             return group
     return (i,)
+
+
+def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) -> tuple:
+    """The one option of an op using a ``rep`` unit ([Note: rep mode]): unsplit, nothing
+    gathered or kept; ``reduce_s`` its share of its bucket's all-reduce (charged at the
+    owner, the last use in backward); ``pending``: a sharded unit's gradient that may
+    still be reduce-scattering beside it."""
+    group = _group_of(desc, i)
+    owner = desc.ops[group[0]]
+    logits = fused_logits_bytes(desc, i)
+    own_grad = reduced_bytes(owner, settings) if len(group) == 1 and not _accumulators_static(settings) else 0.0
+    # others' gathers prefetched around it; its own gradient buffer (a tied unit's:
+    # tied_grads) and one pending reduce-scatter
+    transient = max(min(window, after_i), min(window, before_i) + own_grad + pending)
+    reduce_b = reduce_s if i == group[0] else 0.0
+    return (1, 0, 0, 0.0, transient, 0.0, 0.0, reduce_b, True, 0.0, 1.0, logits, 2.0 * logits, logits)
+
+
+def pending_reduce_bytes(desc: ModelDesc, settings: PlannerSettings, rep: np.ndarray) -> np.ndarray:
+    """Per op, the gradient bytes of the nearest later (earlier in backward) sharded
+    untied unit, whole: what may still be reduce-scattering while a rep op's backward
+    runs (the runtime keeps MAX_INFLIGHT_REDUCE_SCATTERS = 1 in flight)."""
+    out = np.zeros(len(desc.ops))
+    tied = {i for group in tied_groups(desc) for i in group}
+    last = 0.0
+    for i in range(len(desc.ops) - 1, -1, -1):
+        out[i] = last
+        op = desc.ops[i]
+        if op.param_count and not rep[i] and i not in tied:
+            last = reduced_bytes(op, settings)
+    return out
 
 
 def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i,
@@ -636,6 +871,9 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     segments = _segments(desc, settings)
     after, before = _ahead_bytes(desc, window, settings)
     shares = coalesced_latency_shares(desc, settings)
+    rep = rep_op_mask(desc, settings)  # [Note: rep mode]: a fixed set per template
+    rep_reduce = replicate_reduce_s(desc, device, settings, rep) if rep.any() else {}
+    pending = pending_reduce_bytes(desc, settings, rep) if rep.any() else None
     # [Note: memory quantization] in search_problem.py: enough buckets that rounding
     # up every accumulating term costs at most memory_tolerance of the budget.
     terms = len(desc.ops) + len(segments)
@@ -656,10 +894,17 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                 special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
                 key = ((op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features,
                                                    op.split_op)) + (checkpointed, after[i], before[i])
+                if rep[i]:
+                    key += ("rep", rep_reduce.get(desc.op_index(op.tied_to) if op.tied_to else i, 0.0), pending[i])
                 rows = cache.get(key)
                 if rows is None:
-                    rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
-                                                     window, after[i], before[i], shares)
+                    if rep[i]:
+                        owner = desc.op_index(op.tied_to) if op.tied_to else i
+                        rows = cache[key] = [_rep_row(desc, i, settings, window, after[i], before[i],
+                                                      rep_reduce.get(owner, 0.0), pending[i])]
+                    else:
+                        rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
+                                                         window, after[i], before[i], shares)
                 begin[i, variant] = len(cols["op"])
                 cols["op"].extend([i] * len(rows))
                 cols["variant"].extend([variant] * len(rows))
@@ -709,6 +954,8 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                                       for i, op in enumerate(desc.ops)]) * activation_scale(desc, settings),
         grads_after=sharded_grads_after(desc, device, settings),
         tied_grads=tied_grads_bytes(desc, settings),
+        rep=rep,
+        rep_grads=replicated_grads_bytes(desc, settings, rep),
     )
 
 
@@ -858,6 +1105,38 @@ def option_local_bytes(t: ProblemTemplate, batch: int) -> np.ndarray:
     return np.maximum(*_local_moments(t, batch))
 
 
+def template_optimizer_s(t: ProblemTemplate) -> float:
+    """``optimizer_step_s`` of the template's model, device and settings, computed once
+    per template (the batch sweep builds a problem per probe)."""
+    cached = t.__dict__.get("_optimizer_step_s")
+    if cached is None:
+        cached = t.__dict__["_optimizer_step_s"] = optimizer_step_s(t.desc, t.device, t.settings)
+    return cached
+
+
+def _segment_layout(t: ProblemTemplate):
+    """The template's segments grouped by length (once per template): per group the
+    segment indices, their ops (rows), which variants exist and which are checkpointed,
+    and their input bytes per sample; so ``_problem_at`` sums each segment's activations
+    row by row, in the same order as one segment at a time."""
+    layout = t.__dict__.get("_segment_layout")
+    if layout is None:
+        by_length: dict[int, list[int]] = {}
+        for s, seg in enumerate(t.segments):
+            by_length.setdefault(len(seg.ops), []).append(s)
+        groups = []
+        for segs in by_length.values():
+            has = np.zeros((len(segs), 2), dtype=bool)
+            ckpt = np.zeros((len(segs), 2), dtype=bool)
+            for r, s in enumerate(segs):
+                for v, checkpointed in enumerate(t.segments[s].variants):
+                    has[r, v], ckpt[r, v] = True, checkpointed
+            groups.append((np.array(segs, dtype=np.int64), np.array([t.segments[s].ops for s in segs], dtype=np.int64),
+                           has, ckpt, np.array([t.segments[s].input_bytes_per_sample for s in segs])))
+        layout = t.__dict__["_segment_layout"] = groups
+    return layout
+
+
 def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
     if not isinstance(batch, (int, np.integer)) or batch < 1:
         raise OSDPError(f"batch size must be a positive integer, got {batch!r}")
@@ -866,14 +1145,23 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
     n_ops, n_seg = len(t.desc.ops), len(t.segments)
     act_in = np.zeros((n_ops, 2))
     carry = np.zeros((n_seg, 2), dtype=np.int64)
-    for s, seg in enumerate(t.segments):
-        inside = np.cumsum(act[seg.ops])
-        for v, checkpointed in enumerate(seg.variants):
-            kept = seg.input_bytes_per_sample * batch if checkpointed else 0.0
-            # the per-op exact term also holds the sharded grads already reduced
-            act_in[seg.ops, v] = kept + inside + t.grads_after[seg.ops] + t.tied_grads[seg.ops]
-            carried = kept if checkpointed else inside[-1]
-            carry[s, v] = math.ceil(carried / q - 1e-9) if carried > 0 else 0
+    rep_grads = t.rep_grads if t.rep_grads is not None and t.rep_grads.any() else None
+    for segs, ops, has, ckpt, inputs in _segment_layout(t):
+        inside = np.cumsum(act[ops], axis=1)  # within each segment (row), in op order
+        for v in range(2):
+            rows = has[:, v]
+            if not rows.any():
+                continue
+            checkpointed = ckpt[rows, v]
+            kept = np.where(checkpointed, inputs[rows] * batch, 0.0)
+            # the per-op exact term also holds the sharded grads already reduced (and
+            # the rep units' gradients: [Note: rep mode])
+            value = kept[:, None] + inside[rows] + t.grads_after[ops[rows]] + t.tied_grads[ops[rows]]
+            if rep_grads is not None:
+                value = value + rep_grads[ops[rows]]
+            act_in[ops[rows], v] = value
+            carried = np.where(checkpointed, kept, inside[rows, -1])
+            carry[segs[rows], v] = np.where(carried > 0, np.ceil(carried / q - 1e-9), 0.0).astype(np.int64)
     held_q = np.ceil(t.opt_held_bytes / q - 1e-9).astype(np.int64)
     held_q[t.opt_held_bytes <= 0] = 0
     return SearchProblem(
@@ -893,7 +1181,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
         static_bytes=float(sum(t.static.values())),
-        constant_time_s=optimizer_step_s(t.desc, t.device, t.settings),
+        constant_time_s=template_optimizer_s(t),
         seg_names=tuple(seg.name for seg in t.segments),
     )
 
@@ -921,6 +1209,9 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
         "sharded_states": sum(t.static.get(k, 0.0) for k in ("sharded_params", "sharded_grads", "optimizer_state")),
         "constant": t.static["constant"],
     }
+    replicated = [k for k in t.static if k.startswith("replicated_")]
+    if replicated:  # [Note: rep mode]
+        static_parts["replicated_states"] = sum(t.static[k] for k in replicated)
     if "grad_accumulators" in t.static:
         static_parts["grad_accumulators"] = t.static["grad_accumulators"]
     held_prefix = act_prefix = 0.0
@@ -947,6 +1238,8 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
             }
             if t.tied_grads[i]:
                 parts["tied_unsharded_grads"] = float(t.tied_grads[i])
+            if t.rep_grads is not None and t.rep_grads[i]:
+                parts["replicated_grads"] = float(t.rep_grads[i])
             own, loss = own_bytes[o], loss_bytes[o]
             if loss > own:  # the loss's backward, before the head's: nothing of the op's own
                 parts.update(in_flight_and_grad_buffers=0.0, activation_grads=0.0)
@@ -969,7 +1262,7 @@ def evaluate(
     t = template
     times = _option_times(t, batch)
     rows = live_memory(t, batch, option_index, variant)
-    total_s = optimizer_step_s(t.desc, t.device, t.settings) + float(sum(times[o] for o in option_index))
+    total_s = template_optimizer_s(t) + float(sum(times[o] for o in option_index))
     peak_i, breakdown = max(rows, key=lambda row: sum(row[1].values()))
     peak = sum(breakdown.values())
     return Estimate(

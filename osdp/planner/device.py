@@ -174,6 +174,11 @@ class DeviceInfo:
     node_size: int | None = None
     inter_all_gather: CollectiveCost | None = None
     inter_reduce_scatter: CollectiveCost | None = None
+    # the all-reduce of a flat buffer over the ``all_gather`` link, where it was measured
+    # (the profiler on gloo, whose gradient collective it is: then ``reduce_scatter`` times
+    # that same all-reduce); None: priced as a ring reduce-scatter + all-gather. Read for
+    # replicated units (collective_cost.py's ``all_reduce_s``)
+    all_reduce: CollectiveCost | None = None
     # fitted from measured steps of the wrapped model; the defaults change nothing
     calibration: Calibration = field(default_factory=Calibration)
 
@@ -194,6 +199,8 @@ class DeviceInfo:
             value = getattr(self, name)
             if value is not None and not isinstance(value, CollectiveCost):
                 raise OSDPError(f"{name} must be a CollectiveCost(alpha_s, beta_s_per_byte) or None, got {value!r}")
+        if self.all_reduce is not None and not isinstance(self.all_reduce, CollectiveCost):
+            raise OSDPError(f"all_reduce must be a CollectiveCost(alpha_s, beta_s_per_byte) or None, got {self.all_reduce!r}")
         if (self.inter_all_gather is None) != (self.inter_reduce_scatter is None):
             raise OSDPError("inter_all_gather and inter_reduce_scatter come together (both the collectives across "
                             "nodes, or neither)")
@@ -207,7 +214,7 @@ class DeviceInfo:
 
     def to_dict(self) -> dict:
         data = asdict(self)
-        for name in ("node_size", "inter_all_gather", "inter_reduce_scatter"):
+        for name in ("node_size", "inter_all_gather", "inter_reduce_scatter", "all_reduce"):
             if data[name] is None:  # one flat network: written as before two levels existed
                 del data[name]
         data["op_compute"] = {k: asdict(v) if not isinstance(v, dict) else v for k, v in self.op_compute.items()}
@@ -232,7 +239,7 @@ class DeviceInfo:
         try:
             for name in ("all_gather", "reduce_scatter"):
                 values[name] = CollectiveCost.from_dict(data[name], name)
-            for name in ("inter_all_gather", "inter_reduce_scatter"):
+            for name in ("inter_all_gather", "inter_reduce_scatter", "all_reduce"):
                 if data.get(name) is not None:
                     values[name] = CollectiveCost.from_dict(data[name], name)
             values.update(compute_fields_from_dict(data))

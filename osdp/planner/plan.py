@@ -3,14 +3,16 @@
 A plan names every unit by its module path with its slice count and per-slice modes,
 the blocks to checkpoint, the batch size and prefetch window, and the predictions (step
 time, samples/s, peak memory with its breakdown) beside those of FSDP full shard
-(all ``zdp``) and shard-grad-op (all ``dp``) at the same memory limit. Saved as
+(all ``zdp``), shard-grad-op (all ``dp``) and DDP (all ``rep``) at the same memory limit. Saved as
 versioned JSON with the model's fingerprint, so a plan is only used with its model.
 
 [Note: checked plan files]
 A plan file may be edited by hand; ``from_dict`` checks every field it reads and names
 the one that is wrong (``units[3].modes``, ``batch_size``). Each unit is stored with its
 ``slices`` beside its per-slice ``modes``: an edit that changes one without the other is
-refused, as is a slice count above the plan's ``settings.max_slices``.
+refused, as is a slice count above the plan's ``settings.max_slices``, and ``rep`` on a
+slice of a split unit (``rep`` is for whole units: [Note: replicated units] in
+osdp/contract.py).
 
 The layout a plan was made for is ``settings.layout`` ("full" or "hsdp") with
 ``node_size``, the ranks per node within the shard group the plan priced (for "hsdp" the
@@ -28,7 +30,7 @@ import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from ..contract import LAYOUT_FULL, LAYOUTS, MODES, RuntimeConfig, plan_shard_size
+from ..contract import LAYOUT_FULL, LAYOUTS, MODE_REP, MODES, SHARDED_MODES, RuntimeConfig, plan_shard_size
 from ..errors import OSDPError, PlanMismatchError, a_type
 from ..sizes import format_bytes
 from .checks import read_json_file
@@ -56,6 +58,11 @@ class UnitDecision:
     @property
     def hpz_slices(self) -> int:
         return sum(m == "hpz" for m in self.modes)
+
+    @property
+    def replicated(self) -> bool:
+        """Whether the unit is ``rep`` (whole, never gathered, all-reduced)."""
+        return self.modes == (MODE_REP,)
 
     @property
     def label(self) -> str:
@@ -92,7 +99,7 @@ class Plan:
     units: tuple[UnitDecision, ...]
     checkpoint_blocks: tuple[str, ...]
     predicted: Prediction
-    baselines: dict  # "fsdp" / "shard_grad_op" (+ "_ckpt" variants) -> Prediction | None
+    baselines: dict  # "fsdp" / "shard_grad_op" / "ddp" (+ "_ckpt" variants) -> Prediction | None
     device_name: str = ""
     search_s: float = 0.0
     searches: int = 0
@@ -381,7 +388,8 @@ def _unit(raw, i: int, max_slices) -> UnitDecision:
     _check_keys(raw, f"plan field {where}", UnitDecision)
     name = _field(raw, "name", str, "a string", f"plan field {where}")
     where = f"{where} ({name})"
-    modes = _field(raw, "modes", (list, tuple), "a list of 'dp'/'zdp', one per slice", f"plan field {where}")
+    modes = _field(raw, "modes", (list, tuple), "a list of modes ('dp', 'zdp', 'hpz', 'rep'), one per slice",
+                   f"plan field {where}")
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
         raise OSDPError(f"plan field {where}.modes is {list(modes)}; each slice must be one of {', '.join(map(repr, MODES))} (at least one)")
@@ -390,6 +398,10 @@ def _unit(raw, i: int, max_slices) -> UnitDecision:
             f"plan field {where}.modes lists {len(modes)} slice modes but {where}.slices is {slices!r}: "
             "a unit's slice count is the length of its modes; change both (or make a new plan)"
         )
+    if len(modes) > 1 and MODE_REP in modes:
+        raise OSDPError(f"plan field {where}.modes is {list(modes)}: {MODE_REP!r} (replicated) is for whole units only, "
+                        f"not for a slice of a split unit; give the unit one mode ['rep'], or each slice one of "
+                        f"{', '.join(map(repr, SHARDED_MODES))} (see [Note: replicated units] in osdp/contract.py)")
     if isinstance(max_slices, int) and len(modes) > max(max_slices, 1):
         raise OSDPError(
             f"plan field {where}.modes lists {len(modes)} slices, more than the plan's settings.max_slices = "
@@ -456,7 +468,7 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
     if plan.calibration.get("decision"):
         lines.append(f"  calibration: {plan.calibration['decision']}")
     for key, label in (("fsdp", "FSDP full shard (all zdp)"), ("shard_grad_op", "shard-grad-op (all dp)"),
-                       ("fsdp_ckpt", "FSDP + checkpointing")):
+                       ("ddp", "DDP (all rep)"), ("fsdp_ckpt", "FSDP + checkpointing")):
         if key not in plan.baselines:
             continue
         b = plan.baselines[key]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from ..contract import MODE_DP, MODE_HPZ, MODE_ZDP
+from ..contract import MODE_DP, MODE_HPZ, MODE_REP, MODE_ZDP
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .collective_cost import collectives
@@ -13,10 +13,11 @@ from .device import DeviceInfo
 from .plan import Plan, Prediction, UnitDecision
 from .scheduler import Scheduled, check_batch, schedule
 
-# baseline name -> settings overrides (policy, checkpointing)
+# baseline name -> settings overrides (policy, checkpointing); "ddp": every unit rep
 BASELINES = {
     "fsdp": dict(policy="zdp", checkpointing="none", layout="full"),
     "shard_grad_op": dict(policy="dp", checkpointing="none", layout="full"),
+    "ddp": dict(policy="rep", checkpointing="none", layout="full"),
 }
 CKPT_BASELINES = {"fsdp_ckpt": dict(policy="zdp", checkpointing="all", layout="full")}
 
@@ -48,6 +49,8 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple
         o = s.result.option_index[i]
         g, k, h = int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
         modes = (MODE_ZDP,) * k + (MODE_HPZ,) * h + (MODE_DP,) * (g - k - h)
+        if t.rep is not None and t.rep[i]:  # the template's rep set: [Note: rep mode]
+            modes = (MODE_REP,)
         units.append(UnitDecision(op.name, op.kind, op.param_bytes, modes,
                                   op.name in checkpointed, op.split_op if g > 1 else ""))
     blocks = tuple(seg.name for seg, v in zip(t.segments, s.result.variant) if seg.variants[v])
@@ -68,12 +71,20 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple
         searches=s.searches,
         quantum_bytes=t.quantum_bytes,
         rounding_bound_bytes=t.quantum_bytes * (rounded_terms + len(t.segments)),
-        settings=asdict(t.settings),
+        settings=_settings_json(t.settings),
         accumulation_steps=t.settings.accumulation_steps,
         gradient_sync=t.settings.gradient_sync,
         notes=tuple(notes) + _capped_note(s),
         node_size=_plan_node_size(t.device, t.settings.layout),
     )
+
+
+def _settings_json(settings: PlannerSettings) -> dict:
+    """The settings as a plan's JSON holds them (the rep set as a list, as it loads)."""
+    data = asdict(settings)
+    if data.get("rep_units") is not None:
+        data["rep_units"] = list(data["rep_units"])
+    return data
 
 
 def _plan_node_size(device: DeviceInfo, layout: str) -> int | None:
@@ -102,10 +113,11 @@ def make_plan(
     global_batch: int | None = None,
 ) -> Plan:
     """The plan with the most samples/s (or the fastest at ``batch``), plus the
-    predictions of FSDP full shard and shard-grad-op at the same memory limit (and FSDP
-    with checkpointing when checkpointing is allowed). Without ``batch`` each baseline is
-    at its own best batch; with ``batch`` every baseline is evaluated at that same batch
-    (no sweep; ``None`` where it does not fit), and the plan's notes say so.
+    predictions of FSDP full shard, shard-grad-op and DDP (every unit ``rep``) at the
+    same memory limit (and FSDP with checkpointing when checkpointing is allowed).
+    Without ``batch`` each baseline is at its own best batch; with ``batch`` every
+    baseline is evaluated at that same batch (no sweep; ``None`` where it does not fit),
+    and the plan's notes say so.
 
     With ``settings.rerank`` (the default) the search's best plan and a few alternatives
     are priced by the step simulation and the one with the most simulated samples/s

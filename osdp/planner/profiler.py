@@ -438,7 +438,12 @@ def profile(
         "name": f"{world}x {label} ({backend})",
         "node_size": world,
         "device_memory_bytes": capacity,
-        "links": {"intra": {"all_gather": comm["all_gather"], "reduce_scatter": comm["reduce_scatter"]}},
+        "links": {"intra": {"all_gather": comm["all_gather"], "reduce_scatter": comm["reduce_scatter"],
+                            # on gloo the gradient collective timed is an all-reduce: say so
+                            # (replicated units' all-reduce is priced from it, [Note:
+                            # replicated units] in osdp/contract.py)
+                            **({"all_reduce": comm["reduce_scatter"]}
+                               if gradient_collective(torch.device(device).type) == "all_reduce" else {})}},
         "flops_per_s": total_flops / slope if slope > 0 and total_flops > 0 else 1e12,
         "op_overhead_s": statistics.median([f.fwd_intercept_s for f in fits.values()]) if fits else 0.0,
         "slice_overhead_s": 0.0,  # measured as split_efficiency instead

@@ -12,7 +12,9 @@ few strong alternatives, each priced by ``simulate_step``:
   the optimum b (b+1, b+2 while feasible, b-1, b-2, 3b/4, b/2; one exact search each;
   only when the batch is swept, not given);
 - the baseline configurations that lie inside the user's settings: all ``zdp`` (FSDP
-  full shard) and all ``dp`` (shard-grad-op) when the policy is "osdp", FSDP with every
+  full shard) and all ``dp`` (shard-grad-op) when the policy is "osdp" (and its
+  ``rep_units``, if fixed, are none), all ``rep`` (DDP) when it is "osdp" choosing its
+  rep units (``rep_units`` None), FSDP with every
   block checkpointed when checkpointing is "auto" or "all" (and without it when it is
   "auto" or "none"), each at its own best batch (or the given batch / global batch);
   and the search without splitting (max_slices=1) when splitting is allowed, at the
@@ -41,6 +43,7 @@ CONFIGS = {
     "fsdp": dict(policy="zdp", checkpointing="none"),
     "shard_grad_op": dict(policy="dp", checkpointing="none"),
     "fsdp_ckpt": dict(policy="zdp", checkpointing="all"),
+    "ddp": dict(policy="rep", checkpointing="none"),
     "osdp_unsplit": dict(max_slices=1),
 }
 AT_SEARCH_BATCH = {"osdp_unsplit"}  # searched at the search's batch, not swept
@@ -103,6 +106,11 @@ def within(settings: PlannerSettings, overrides: dict) -> bool:
     policy = overrides.get("policy", settings.policy)
     if settings.policy != "osdp" and policy != settings.policy:
         return False
+    if settings.policy == "osdp" and settings.rep_units is not None and policy != "osdp":
+        # the user fixed which units are rep: DDP only if that is every unit (not known
+        # here: never), the sharded policies only if it is none
+        if policy == "rep" or settings.rep_units:
+            return False
     ckpt = overrides.get("checkpointing", settings.checkpointing)
     if settings.checkpointing != "auto" and ckpt != settings.checkpointing:
         return False
@@ -114,7 +122,7 @@ def _key(s: Scheduled) -> tuple:
     t = s.template
     options = tuple((int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])) for o in s.result.option_index)
     ckpt = tuple(i for seg, v in zip(t.segments, s.result.variant) if seg.variants[v] for i in seg.ops)
-    return (s.batch, s.accumulation_steps, int(t.window_bytes), options, ckpt, t.settings.layout)
+    return (s.batch, s.accumulation_steps, int(t.window_bytes), options, ckpt, t.settings.layout, t.rep_units)
 
 
 def _nearby_batches(best: Scheduled, count: int, backend: str) -> tuple[list[Scheduled], int]:

@@ -13,6 +13,32 @@ max(intercept + slope * b, comm) and constants, with intercepts and comm >= 0
 batch whose bound cannot win: the result is the exact maximum of samples/s over all
 batch sizes, at a few searches instead of one per batch. When even MAX_BATCH fits
 (a huge memory limit), the sweep stops there and says so (``Scheduled.batch_capped``).
+
+[Note: rep family]
+Making a unit ``rep`` (replicated, DDP per unit: cost_model.py's [Note: rep mode])
+changes the static bytes (its whole parameters, optimizer state, maybe its ``.grad`` and
+a param_dtype copy) and adds choice-independent per-op gradient bytes; the search takes
+both as given. So the rep set is fixed per search problem, and under policy "osdp"
+without ``rep_units`` the scheduler plans a family of rep sets and keeps the plan with
+the most samples/s (``rep_family``):
+    {}  and  R(tau) = {units whose parameter bytes <= tau}  for tau over the distinct
+                                                             unit sizes, smallest first
+(sizes in the model's dtype; a tied unit is one unit, its uses all rep; the largest tau
+is every unit: DDP). Within each set every other unit keeps all its options (splits,
+dp / zdp / hpz) and every rep unit has its one, and the batch sweep is exact, so the
+result is the exact optimum over the union of these search spaces; it is not over all
+2^units subsets. Why by size: replicating costs memory in proportion to the unit
+(whole states instead of 1/N), while what it saves is the unit's gathers, whose latency
+is the same for every unit and whose bandwidth part grows with it: per byte of memory
+the small units save the most. (How much of a gather compute hides does not follow
+size; a family ordered by time saved per byte would follow it, but that order depends
+on the batch, which the sweep chooses: left out.) A set whose static
+bytes alone exceed the limit is skipped, and so are the larger ones (static bytes grow
+with tau). Sets are planned in that order, the empty set first (today's plan), and a
+set replaces the best so far only when strictly faster (ties keep fewer rep units).
+The bound that ends a batch sweep ([Note: exact batch sweep]) is shared across the
+sets: a set is swept only while its bound can beat the best plan of the sets before
+it, so a set that cannot win costs its feasibility probes only.
 """
 from __future__ import annotations
 
@@ -26,7 +52,7 @@ from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .collective_cost import LAYOUTS, spans_nodes
 from .cost_model import (Estimate, PlannerSettings, ProblemTemplate, _option_times, align_tied, build_template, evaluate,
-                         option_local_bytes, tied_choices)
+                         option_local_bytes, template_optimizer_s, tied_choices, unit_indices)
 from .description import ModelDesc
 from .device import DeviceInfo
 from .search import search
@@ -60,6 +86,36 @@ def _time_lower_bound(t: ProblemTemplate, batch: int) -> float:
     best = np.full(len(t.desc.ops), np.inf)
     np.minimum.at(best, t.opt_op, times)
     return float(best.sum())
+
+
+def _cannot_beat(t: ProblemTemplate, batch: int, time_s: float) -> bool:
+    """Whether no plan of ``t`` at ``batch`` can be strictly faster than ``time_s``, even
+    ignoring memory (a margin of 1e-12 for the bound's own rounding)."""
+    return _time_lower_bound(t, batch) + template_optimizer_s(t) >= time_s * (1 + 1e-12)
+
+
+def rep_family(desc: ModelDesc, settings: PlannerSettings) -> list[PlannerSettings]:
+    """The settings of each rep set the scheduler plans ([Note: rep family]), in order:
+    policy "osdp" without ``rep_units``: no rep unit, then the units of at most tau
+    bytes for each distinct unit size tau; otherwise ``settings`` alone."""
+    if settings.policy != "osdp" or settings.rep_units is not None:
+        return [settings]
+    units = [(desc.ops[i].param_bytes, desc.ops[i].name) for i in unit_indices(desc)]
+    family = [settings.with_(rep_units=())]
+    for tau in sorted({size for size, _ in units}):
+        family.append(settings.with_(rep_units=tuple(name for size, name in units if size <= tau)))
+    return family
+
+
+def _templates(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings):
+    """Every template ``schedule`` searches: per rep set of the family whose static
+    bytes fit (none after the first that does not: they only grow), one per joint choice
+    of tied units (cost_model.tied_choices)."""
+    for i, member in enumerate(rep_family(desc, settings)):
+        base = build_template(desc, device, member)
+        if i > 0 and sum(base.static.values()) > device.memory_limit_bytes:
+            return
+        yield from tied_choices(base)
 
 
 def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto") -> SearchResult:
@@ -148,24 +204,32 @@ def schedule(
     if global_batch is not None:
         return _schedule_global(desc, device, settings or PlannerSettings(), global_batch, backend, started)
     best, errors, searches = None, [], 0
-    # one template, or one per joint choice of tied units (cost_model.tied_choices)
-    for t in tied_choices(build_template(desc, device, settings)):
+    # one template per rep set of the family ([Note: rep family]) and joint choice of tied
+    # units (cost_model.tied_choices)
+    for t in _templates(desc, device, settings):
         try:
-            s = _schedule_template(t, batch, backend, max_batch, started)
+            s = _schedule_template(t, batch, backend, max_batch, started, beat=best)
         except InfeasiblePlanError as exc:
             errors.append(exc)
             continue
         searches += s.searches
-        if best is None or s.samples_per_s > best.samples_per_s:
+        if s.result.feasible and (best is None or s.samples_per_s > best.samples_per_s):
             best = s
     if best is None:
         raise min(errors, key=lambda e: getattr(e, "min_bytes", math.inf) or math.inf)
     return replace(best, searches=searches, search_s=time.perf_counter() - started)
 
 
-def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started) -> Scheduled:
-    """``schedule`` on one template (see [Note: exact batch sweep])."""
+def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
+                       beat: Scheduled | None = None) -> Scheduled:
+    """``schedule`` on one template (see [Note: exact batch sweep]). ``beat``: the best
+    plan of the templates searched before (same accumulation and world size): the sweep
+    stops where its bound cannot beat it, and returns a Scheduled whose result is not
+    feasible when no batch did."""
     if batch is not None:
+        if beat is not None and _cannot_beat(t, batch, beat.result.time_s):
+            # cannot be strictly faster at this batch, even ignoring memory
+            return Scheduled(t, batch, SearchResult(feasible=False), beat.estimate, 0, time.perf_counter() - started)
         result = search_batch(t, batch, backend)
         if not result.feasible:
             raise _infeasible(t, batch)
@@ -213,7 +277,7 @@ def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started) -
                 hi = mid
 
     constant_s = t.problem(1).constant_time_s
-    best_b, best_rate = 0, -1.0
+    best_b, best_rate = 0, -1.0 if beat is None else beat.batch / beat.result.time_s
     for b in range(lo, 0, -1):
         bound = b / (_time_lower_bound(t, b) + constant_s)
         if bound <= best_rate:
@@ -221,6 +285,8 @@ def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started) -
         r = probe(b)
         if r.feasible and b / r.time_s > best_rate:
             best_b, best_rate = b, b / r.time_s
+    if best_b == 0:  # nothing beats ``beat``
+        return Scheduled(t, lo, SearchResult(feasible=False), beat.estimate, searches, time.perf_counter() - started)
     return _finish(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch)
 
 
@@ -263,8 +329,12 @@ def _schedule_global(desc, device, settings, global_batch, backend, started) -> 
     share = global_batch // world
     best, searches, smallest = None, 0, None
     for micro in _divisors(share)[::-1]:
-        for t in tied_choices(build_template(desc, device, settings.with_(accumulation_steps=share // micro))):
-            smallest = (t, micro)
+        for t in _templates(desc, device, settings.with_(accumulation_steps=share // micro)):
+            # the error names the smallest micro-batch's last template, one without rep units if any
+            if smallest is None or (micro, bool(t.rep.any())) <= (smallest[1], bool(smallest[0].rep.any())):
+                smallest = (t, micro)
+            if best is not None and _cannot_beat(t, micro, best[1].time_s):
+                continue
             searches += 1
             if not fits_at(t, micro, backend):
                 continue

@@ -36,6 +36,14 @@ recorded; small units are coalesced):
   coalesce_bytes in total and while the window has room: ONE all-gather of their summed
   bytes, one latency. Small units' gradients wait until coalesce_bytes of them are
   pending, or the end of backward, and are reduced in one collective.
+- replicated units ([Note: replicated units] in osdp/contract.py; the template's rep
+  set): never gathered, no unit of the gather order (prefetch and coalescing skip them);
+  after a rep unit's last use in backward its gradient joins the replicated bucket, which
+  is all-reduced (collective_cost.py's ``all_reduce_s``, over every rank, one latency)
+  once it holds >= REPLICATE_BUCKET_BYTES and at the end of backward (after the sharded
+  units' last reductions), on the comm stream; at most MAX_INFLIGHT_REPLICATE_BUCKETS in
+  flight, issuing one more waits for the oldest (the compute stream stalls), a queue of
+  its own apart from the reduce-scatters'.
 - gradient reduction: at most one in flight (``max_inflight_reduce_scatters``); issuing
   one more waits for the oldest, and that wait blocks the compute stream. The end of
   backward waits for all. With ``all_reduce=True`` the gradient collective is an
@@ -81,13 +89,16 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ..contract import DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, is_small_unit
+from ..contract import (DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, MAX_INFLIGHT_REPLICATE_BUCKETS,
+                        REPLICATE_BUCKET_BYTES, is_small_unit)
 from .cost_model import (ProblemTemplate, backward_needs_weights, gathered_bytes, layout_collectives, option_compute_s,
-                         optimizer_step_s, reduced_bytes)
+                         reduced_bytes, template_optimizer_s)
 
 # the runtime's rules, from the contract both sides import
 RUNTIME_COALESCE_BYTES = DEFAULT_COALESCE_BYTES
 RUNTIME_MAX_INFLIGHT_REDUCTIONS = MAX_INFLIGHT_REDUCE_SCATTERS
+RUNTIME_REPLICATE_BUCKET_BYTES = REPLICATE_BUCKET_BYTES
+RUNTIME_MAX_INFLIGHT_REPLICATE_BUCKETS = MAX_INFLIGHT_REPLICATE_BUCKETS
 
 PHASES = ("forward", "backward", "optimizer")
 _F, _B = 0, 1  # the two use orders
@@ -146,13 +157,25 @@ class _Unit:
         self.bpos: list[int] = []
 
 
+class _RepUnit:
+    """A replicated unit: nothing to gather; its gradient joins the replicated bucket
+    after its last use in backward."""
+
+    __slots__ = ("name", "grad_bytes", "n_grad")
+
+    def __init__(self, name, grad_bytes):
+        self.name, self.grad_bytes, self.n_grad = name, grad_bytes, 0
+
+
 class _Step:
     """One compute of the program: the units it reads, its forward / backward seconds."""
 
-    __slots__ = ("name", "uses", "fwd_s", "bwd_s", "fpos", "bpos", "recompute", "recompute_first", "bwd_weights")
+    __slots__ = ("name", "uses", "fwd_s", "bwd_s", "fpos", "bpos", "recompute", "recompute_first", "bwd_weights",
+                 "reps")
 
-    def __init__(self, name, uses, fwd_s, bwd_s, bwd_weights=True):
+    def __init__(self, name, uses, fwd_s, bwd_s, bwd_weights=True, reps=()):
         self.name, self.uses, self.fwd_s, self.bwd_s = name, uses, fwd_s, bwd_s
+        self.reps = reps  # rep units it reads (never gathered)
         self.bwd_weights = bwd_weights  # its backward reads the weights (gathers them)
         self.fpos: list[int] = []
         self.bpos: list[int] = []
@@ -167,9 +190,14 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
     comp_f, comp_b = comp_f[chosen].tolist(), comp_b[chosen].tolist()
     slices, zdp, hpz = t.opt_slices[chosen].tolist(), t.opt_zdp[chosen].tolist(), t.opt_hpz[chosen].tolist()
     coll = layout_collectives(dev, settings)
+    rep = t.rep if t.rep is not None else np.zeros(len(desc.ops), dtype=bool)
     units_of: dict[int, list[_Unit]] = {}
+    reps_of: dict[int, _RepUnit] = {}
     for i, op in enumerate(desc.ops):
         if op.tied_to or not op.param_count:
+            continue
+        if rep[i]:
+            reps_of[i] = _RepUnit(op.name, reduced_bytes(op, settings))
             continue
         g, k, h = slices[i], zdp[i], hpz[i]
         s = gathered_bytes(op, settings) / g
@@ -184,8 +212,11 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
         f, b = comp_f[i], comp_b[i]
         # a use whose op declares no weights in backward neither keeps nor regathers them
         weights = backward_needs_weights(op, slices[i])
-        us = units_of.get(desc.op_index(op.tied_to) if op.tied_to else i, ())
-        if not us:
+        owner = desc.op_index(op.tied_to) if op.tied_to else i
+        us = units_of.get(owner, ())
+        if owner in reps_of:
+            steps_of[i] = [_Step(op.name, (), f, b, reps=(reps_of[owner],))]
+        elif not us:
             steps_of[i] = [_Step(op.name, (), f, b)]
         elif len(us) == 1 or (op.tied_to and slices[i] == 1):
             steps_of[i] = [_Step(op.name, tuple(us), f, b, weights)]
@@ -233,6 +264,9 @@ class _Sim:
         self.live: dict[_Unit, None] = {}
         self.live_bytes = self.kept_bytes = 0.0
         self.reductions: list[float] = []  # end times of reductions in flight, oldest first
+        self.rep_bucket: list[_RepUnit] = []  # replicated gradients waiting for their all-reduce
+        self.rep_bucket_bytes = 0.0
+        self.rep_in_flight: list[float] = []  # end times of replicated buckets in flight
         self.deferred: list[_Unit] = []
         self.deferred_bytes = 0.0
         m = len(order)
@@ -411,6 +445,25 @@ class _Sim:
         while len(self.reductions) > RUNTIME_MAX_INFLIGHT_REDUCTIONS:
             self.stall(self.reductions.pop(0), "oldest gradient reduction")
 
+    def rep_join(self, u: _RepUnit) -> None:
+        """A rep unit's gradient after its last use in backward: into the bucket."""
+        self.rep_bucket.append(u)
+        self.rep_bucket_bytes += u.grad_bytes
+        if self.rep_bucket_bytes >= RUNTIME_REPLICATE_BUCKET_BYTES:
+            self.rep_flush()
+
+    def rep_flush(self) -> None:
+        """All-reduce the replicated bucket (one collective over every rank)."""
+        group, nbytes = self.rep_bucket, self.rep_bucket_bytes
+        self.rep_bucket, self.rep_bucket_bytes = [], 0.0
+        if not group:
+            return
+        what = ", ".join(u.name for u in group) if self.events is not None else ""
+        self.rep_in_flight.append(self.collective("all_reduce", what, self.coll.all_reduce_s(nbytes)))
+        self.n_reductions += 1
+        while len(self.rep_in_flight) > RUNTIME_MAX_INFLIGHT_REPLICATE_BUCKETS:
+            self.stall(self.rep_in_flight.pop(0), "oldest replicated bucket")
+
     # ---- one micro-batch -------------------------------------------------------------------
     def forward(self) -> None:
         self.phase = "forward"
@@ -426,6 +479,8 @@ class _Sim:
                 self.wait(u)
                 self.count(u, active=1)
             self.compute("forward", st.name, st.fwd_s)
+            for r in st.reps:
+                r.n_grad += 1
             for u in st.uses:
                 self.count(u, active=-1, awaiting=1 if st.bwd_weights else 0)
                 u.n_grad += 1
@@ -468,6 +523,10 @@ class _Sim:
             if st.recompute is not None and not st.recompute_first:
                 self._recompute(st.recompute)
             self.compute("backward", st.name, st.bwd_s)
+            for r in st.reps:
+                r.n_grad -= 1
+                if sync and r.n_grad == 0:  # its last use in backward
+                    self.rep_join(r)
             for u in st.uses:
                 if st.bwd_weights:
                     self.count(u, active=-1)
@@ -484,8 +543,11 @@ class _Sim:
                 if u.has_grad and u.n_active == 0:
                     self.reduce(u)
         self.flush()
+        self.rep_flush()
         while self.reductions:
             self.stall(self.reductions.pop(0), "gradient reductions at the end of backward")
+        while self.rep_in_flight:
+            self.stall(self.rep_in_flight.pop(0), "replicated buckets at the end of backward")
         for u in list(self.live):
             if u.n_active == 0:
                 self.free(u)
@@ -521,9 +583,7 @@ def simulate_step(
         sim.backward(sync=settings.gradient_sync == "every" or mb == micro - 1)
     sim.phase = "optimizer"
     start = sim.compute_t
-    optimizer_s = getattr(t, "_optimizer_step_s", None)  # cached: one template, many candidates
-    if optimizer_s is None:
-        optimizer_s = t._optimizer_step_s = optimizer_step_s(t.desc, t.device, settings)
+    optimizer_s = template_optimizer_s(t)  # cached: one template, many candidates
     sim.compute("optimizer", "optimizer step", optimizer_s)
     sim.duration["optimizer"] += sim.compute_t - start
     # [Note: imperfect overlap] comm that ran beside compute is hidden only in part:

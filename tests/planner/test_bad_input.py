@@ -378,7 +378,7 @@ def test_given_batch_evaluates_baselines_at_that_batch_without_sweeping(monkeypa
 
     monkeypatch.setattr(planner_mod, "schedule", recording)
     plan = make_plan(describe_gpt(TINY), small_device(), PlannerSettings(max_slices=4), batch=3, backend="python")
-    assert swept == [3, 3, 3]  # the plan and both baselines, none swept
+    assert swept == [3, 3, 3, 3]  # the plan and the three baselines (FSDP, shard-grad-op, DDP), none swept
     assert {b.batch_size for b in plan.baselines.values() if b is not None} <= {3}
     assert plan.baselines["fsdp"] is not None and plan.baselines["fsdp"].batch_size == 3
     assert "the FSDP baselines are evaluated at the same batch 3/device" in str(plan)

@@ -181,7 +181,7 @@ INTRA = {"all_gather": {"alpha_s": 1e-5, "beta_s_per_byte": 1e-10},
          "'inter' (a ring across nodes)"),
         ({"links": [INTRA]}, f"links must be an object, got {[INTRA]!r} (a list)"),
         ({"links": {"intra": {"all_gather": INTRA["all_gather"]}}},
-         "links.intra lacks ['reduce_scatter']; it takes ['all_gather', 'reduce_scatter']"),
+         "links.intra lacks ['reduce_scatter']; it takes ['all_gather', 'reduce_scatter', 'all_reduce']"),
         ({"links": {"intra": dict(INTRA, all_gather={"alpha_s": -1, "beta_s_per_byte": 0})}},
          "links.intra.all_gather.alpha_s must be a number >= 0, got -1"),
         ({"sources": {"flops_per_s": 5}}, "sources maps a field or topic to where its number comes from (text), "

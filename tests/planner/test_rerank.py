@@ -70,9 +70,11 @@ def test_the_fastest_simulated_candidate_that_fits_is_picked(fits):
     plan with a 2 MB window simulates at 12 ms: forward AG l0 [0,1], AG l1 [1,2], F l0
     [1,2], AG l2 [2,3], F l1 [2,3], F l2 [3,4]; backward B l2 [4,6], RS [6,7], B l1
     [6,8], RS [8,9], B l0 [8,10], RS [10,11]; optimizer [11,12]. It is picked only when
-    it fits; otherwise the search's plan (14) beats fsdp (19)."""
+    it fits; otherwise the search's plan (14) beats fsdp (19). Without rep units
+    (``rep_units=()``): with its loose limit the search would replicate all three
+    ([Note: rep family]), and this is about the sharded candidates."""
     dev = THREE_DEVICE
-    settings = PlannerSettings(prefetch_bytes=MB)
+    settings = PlannerSettings(prefetch_bytes=MB, rep_units=())
     best = schedule(THREE, dev, settings, batch=1, backend="python")
     assert [best.template.opt_zdp[o] for o in best.result.option_index] == [0, 0, 0]
     assert best.result.time_s == pytest.approx(16 * ms)

@@ -14,7 +14,7 @@ from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
 from osdp.planner.run import RunSettings
-from osdp.planner.scheduler import fits_at, schedule, search_batch
+from osdp.planner.scheduler import fits_at, rep_family, schedule, search_batch
 from osdp.sizes import format_bytes
 
 MiB = 2**20
@@ -33,18 +33,21 @@ def test_sweep_finds_the_best_samples_per_second_over_every_batch(ckpt, limit_mi
     dev = small_device(limit_mib)
     settings = PlannerSettings(checkpointing=ckpt, max_slices=4)
     best = schedule(desc, dev, settings, backend="python")
-    t = build_template(desc, dev, settings)
-    # reference: search every batch until nothing fits, keep the most samples/s
-    rates, b = {}, 1
-    while True:
-        r = search_batch(t, b, "python")
-        if not r.feasible:
-            break
-        rates[b] = b / r.time_s
-        b += 1
+    # reference: for every rep set of the family ([Note: rep family]; the first is no
+    # rep unit), search every batch until nothing fits, keep the most samples/s
+    rates = {}
+    for member in rep_family(desc, settings):
+        t = build_template(desc, dev, member)
+        b = 1
+        while True:
+            r = search_batch(t, b, "python")
+            if not r.feasible:
+                break
+            rates[(member.rep_units, b)] = b / r.time_s
+            b += 1
     assert rates, "the reference found nothing; the instance is too tight"
     top = max(rates, key=rates.get)
-    assert best.batch == top
+    assert (best.template.rep_units, best.batch) == (top[0], top[1])
     assert best.samples_per_s == pytest.approx(rates[top] * dev.world_size, rel=1e-12)
     assert best.estimate.fits and best.estimate.peak_bytes <= dev.memory_limit_bytes
 
@@ -98,15 +101,16 @@ def test_plan_round_trips_and_rejects_another_model(tmp_path):
 def test_plan_predictions_and_baselines_are_consistent():
     desc = describe_gpt(TINY)
     plan = make_plan(desc, small_device(), PlannerSettings(max_slices=4), backend="python")
-    assert set(plan.baselines) == {"fsdp", "shard_grad_op"}
-    fsdp = plan.baselines["fsdp"]
-    # the OSDP search space contains the FSDP plan at every batch: never slower
-    assert plan.predicted.samples_per_s >= fsdp.samples_per_s * (1 - 1e-12)
+    assert set(plan.baselines) == {"fsdp", "shard_grad_op", "ddp"}
+    # the OSDP search space contains the FSDP and the DDP plan at every batch: never slower
+    for name in ("fsdp", "ddp"):
+        assert plan.predicted.samples_per_s >= plan.baselines[name].samples_per_s * (1 - 1e-12)
     modes = plan.unit_modes()
     assert set(modes) == {op.name for op in desc.ops}
-    assert all(set(m) <= {"dp", "zdp"} for m in modes.values())
+    # rep only on whole units ([Note: replicated units] in osdp/contract.py)
+    assert all(set(m) <= {"dp", "zdp"} or m == ("rep",) for m in modes.values())
     text = str(plan)
-    assert "FSDP full shard" in text and "samples/s" in text
+    assert "FSDP full shard" in text and "DDP (all rep)" in text and "samples/s" in text
 
 
 def test_cli_plan_writes_json_and_shows_it(tmp_path, capsys):
@@ -153,14 +157,16 @@ def test_global_batch_picks_the_fastest_micro_batch_split():
     settings = PlannerSettings(max_slices=4)
     best = schedule(desc, dev, settings, backend="python", global_batch=4 * 12)
     assert best.batch * best.accumulation_steps == 12
-    # reference: every divisor of the per-rank share, searched directly
+    # reference: every divisor of the per-rank share and every rep set of the family
+    # ([Note: rep family]), searched directly
     times = {}
     for micro in (1, 2, 3, 4, 6, 12):
-        t = build_template(desc, dev, settings.with_(accumulation_steps=12 // micro))
-        r = search_batch(t, micro, "python")
-        if r.feasible:
-            times[micro] = r.time_s
-    assert best.batch == min(times, key=times.get)
-    assert best.samples_per_s == pytest.approx(48 / times[best.batch], rel=1e-12)
+        for member in rep_family(desc, settings.with_(accumulation_steps=12 // micro)):
+            r = search_batch(build_template(desc, dev, member), micro, "python")
+            if r.feasible:
+                times[(micro, member.rep_units)] = r.time_s
+    top = min(times, key=times.get)
+    assert (best.batch, best.template.rep_units) == top
+    assert best.samples_per_s == pytest.approx(48 / times[top], rel=1e-12)
     with pytest.raises(OSDPError, match="multiple of the world size"):
         schedule(desc, dev, settings, backend="python", global_batch=10)

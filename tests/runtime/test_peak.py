@@ -49,7 +49,9 @@ def _planned_gpt(world: int, limit_bytes: int, preset: str = "small"):
     # a CPU process has no allocator slack or context to pay for: constant 0
     cluster = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0)
     device = cluster.for_run(RunSettings(world_size=world, memory_limit_bytes=limit_bytes))
-    plan = make_plan(desc, device, PlannerSettings(max_slices=4))
+    # issue 11's overrun (_OVERRUN) is that of tiny-ic's sharded plan: planned without rep
+    # units (the planner would now replicate 13 to 17 of its 31 units)
+    plan = make_plan(desc, device, PlannerSettings(max_slices=4, rep_units=() if preset == "tiny-ic" else None))
     torch.manual_seed(0)
     return config, GPT(config), plan
 
