@@ -6,8 +6,9 @@
 For each GPT family scaled to this machine (bench/throughput.py's MODELS) and each
 budget (tight and middle, as multiples of the fp32 parameter bytes), a population of
 plans is measured in the same run: all-dp, all-zdp, both with every block
-checkpointed (FSDP-like), a half-and-half split of the layers, seeded random dp/zdp
-mixes and random mixes with the widest Linears split in 2 or 4 slices (12 plans), each
+checkpointed (FSDP-like), all-rep (DDP), a half-and-half split of the layers, seeded
+random dp/zdp mixes and random mixes with the widest Linears split in 2 or 4 slices
+(13 plans), each
 at its own largest batch whose MEASURED peak fits the budget (secant probes, the answer
 b checked to fit and b + 1 not to), and the planner's pick (auto mode: profile + plan
 at the budget, run at the plan's batch). Then the pick and the 3 best plans of that
@@ -34,7 +35,7 @@ from physical_limit import physical_limit
 from throughput import BUDGETS, GPT_params, MODELS
 
 REGRET_BUDGETS = {k: BUDGETS[k] for k in ("tight", "middle")}
-RANDOM_MIXES = 5  # with the 7 fixed plans: 12 plans per cell beside the pick
+RANDOM_MIXES = 5  # with the 8 fixed plans: 13 plans per cell beside the pick
 FINALISTS = 3  # the best plans of the first pass, measured again beside the pick
 FINAL_ROUNDS = 5  # interleaved steps of each finalist (and of the physical-limit rounds)
 
@@ -53,6 +54,7 @@ def population(model) -> dict[str, dict]:
         "all_zdp": {"default_mode": "zdp"},
         "all_zdp_ckpt": {"default_mode": "zdp", "checkpoint_blocks": blocks},
         "all_dp_ckpt": {"default_mode": "dp", "checkpoint_blocks": blocks},
+        "all_rep": {"default_mode": "rep"},  # DDP ([Note: replicated units])
         "dp_first_half": {"modes": {n: ("dp" if i < half else "zdp") for i, n in enumerate(units)}},
     }
     for seed in range(RANDOM_MIXES):

@@ -44,6 +44,20 @@ def checkpointing_alternative(desc, device, plan: Plan, settings: PlannerSetting
     return _plan_within(desc, device, variant, limit, limit, "", **kwargs)
 
 
+def replication_alternative(desc, device, plan: Plan, settings: PlannerSettings, **kwargs) -> Plan | None:
+    """The all-``rep`` plan (DDP, [Note: replicated units]) where the planner chose its
+    rep set (policy "osdp", ``rep_units`` None) and ``plan`` is not already all ``rep``;
+    None when it does not fit. Whether a larger batch with sharded units beats whole
+    weights at a smaller one depends on how throughput grows with the batch, which the
+    per-op fits extrapolate (the same reason as checkpointing's)."""
+    if settings.policy != "osdp" or settings.rep_units is not None:
+        return None
+    if all(m == "rep" for u in plan.units for m in u.modes):
+        return None
+    limit = device.memory_limit_bytes
+    return _plan_within(desc, device, settings.with_(policy="rep"), limit, limit, "", **kwargs)
+
+
 def memory_corrected(desc, device, plan: Plan, measured, settings: PlannerSettings, **kwargs) -> Plan | None:
     """``plan``'s settings planned again for the memory its measurement showed: the
     model was off by ``delta = measured - predicted`` peak bytes on it, so a plan like
@@ -95,14 +109,15 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
       on how throughput grows with the batch, which the per-op fits extrapolate.
     So, on the calibrated device:
     1. the plan with the other checkpointing extreme (``checkpointing_alternative``; only
-       when the user allowed checkpointing, ``checkpointing="auto"``) is measured beside
-       the calibrated plan, their steps interleaved;
+       when the user allowed checkpointing, ``checkpointing="auto"``) and the all-rep
+       plan (``replication_alternative``, DDP; only when the planner chose the rep set)
+       are measured beside the calibrated plan, their steps interleaved;
     2. each of the two is planned again for the memory its own measurement showed
        (``memory_corrected``: the budget moved by how far the model was off on it), and
        those are measured beside the best so far.
     The best by ``faster_within_limit`` is kept: a measured peak within the limit
     first, then the most measured samples/s; an alternative is never kept over the
-    limit. Every plan handed out has been measured on this machine, at most five
+    limit. Every plan handed out has been measured on this machine, at most seven
     measurements in all. Rank 0 decides and broadcasts."""
     from .auto import _is_rank0, _share
     from .planner import calibration as cal
@@ -132,7 +147,8 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
             best = faster_within_limit(best, pair)
         return pairs
 
-    first_round = round_of(_new([checkpointing_alternative(desc, device, plan, settings, **kwargs)], seen)
+    first_round = round_of(_new([checkpointing_alternative(desc, device, plan, settings, **kwargs),
+                                 replication_alternative(desc, device, plan, settings, **kwargs)], seen)
                            if _is_rank0(group) else [])
     corrected = []
     if _is_rank0(group):

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from osdp.measured_choice import checkpointing_alternative, measured_choice, memory_corrected
+from osdp.measured_choice import checkpointing_alternative, measured_choice, memory_corrected, replication_alternative
 from osdp.models import GPTConfig
 from osdp.planner.calibration import Measurement
 from osdp.planner.cluster import load_cluster
@@ -57,6 +57,23 @@ def test_the_checkpointing_alternative_only_when_checkpointing_is_allowed():
     assert checkpointing_alternative(desc, device, plan, settings, backend="python") is None
 
 
+def test_the_replication_alternative_is_ddp_where_the_planner_chose_the_rep_set():
+    desc, device, settings, _ = _setup("none")
+    # at this roomy limit the planner's own pick is already DDP: take a sharded plan
+    plan = make_plan(desc, device, settings.with_(rep_units=()), backend="python", baselines=False)
+    assert "rep" not in {m for u in plan.units for m in u.modes}
+    ddp = replication_alternative(desc, device, plan, settings, backend="python")
+    assert ddp is not None and ddp.memory_limit_bytes == LIMIT and ddp.predicted.peak_bytes <= LIMIT
+    assert all(m == "rep" for u in ddp.units for m in u.modes)
+    assert replication_alternative(desc, device, ddp, settings, backend="python") is None  # already DDP
+    fixed = settings.with_(rep_units=())  # the user fixed the rep set: nothing to try
+    assert replication_alternative(desc, device, plan, fixed, backend="python") is None
+    # DDP does not fit: whole weights and optimizer state on every rank exceed the limit
+    small = device.with_(memory_limit_bytes=ddp.predicted.peak_bytes / 2)
+    low = make_plan(desc, small, settings, backend="python", baselines=False)
+    assert replication_alternative(desc, small, low, settings, backend="python") is None
+
+
 def _choose(measure_of):
     desc, device, settings, plan = _setup()
     first = _measured(plan, 0.1, plan.predicted.peak_bytes - 0.1 * LIMIT)
@@ -73,8 +90,9 @@ def _choose(measure_of):
 
 def test_a_faster_alternative_that_fits_by_measurement_is_kept():
     plan, chosen, seen = _choose(lambda p, i: _measured(p, 0.1 if i == 0 else 0.05, 0.8 * LIMIT))
-    # round 1: the plan and its checkpointing alternative; round 2: the best so far and
-    # the memory-corrected plans (the plan's and the alternative's)
+    # round 1: the plan and its checkpointing alternative (the pick is already all rep:
+    # no replication alternative); round 2: the best so far and the memory-corrected plans
+    assert all(m == "rep" for u in plan.units for m in u.modes)
     assert len(seen) == 2 and seen[0][0] == plan.plan_hash() and len(seen[0]) == 2 and len(seen[1]) >= 2
     # every alternative measured twice as fast as the plan: the one with the most samples/s
     record = chosen.calibration["measured_choice"]
