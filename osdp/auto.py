@@ -9,34 +9,15 @@ from dataclasses import asdict, replace
 
 import torch.distributed as dist
 
-from .errors import InfeasiblePlanError, OSDPError, PlanMismatchError
+from .errors import InfeasiblePlanError, OSDPError
 from .measured_choice import measured_choice
 from .planner.cost_model import PlannerSettings
 from .planner.plan import Plan
 from .planner.planner import make_plan
 from .planner.profiler import profile
+from .rank_agreement import broadcast_from_rank0, check_same_plan, is_rank0
 
 log = logging.getLogger("osdp.auto")
-
-
-def _broadcast(obj, group):
-    box = [obj]
-    src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
-
-
-def check_same_plan(plan: Plan, group=None) -> None:
-    """Every rank must run the same plan: compare hashes, fail on all ranks if not."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    hashes = [None] * dist.get_world_size(group)
-    dist.all_gather_object(hashes, plan.plan_hash(), group=group)
-    if len(set(hashes)) != 1:
-        raise PlanMismatchError(
-            f"ranks hold different plans (hashes by rank: {hashes}); every rank must use the "
-            "same plan: plan once and broadcast it, or load the same file everywhere"
-        )
 
 
 def for_layout(device, settings: PlannerSettings | None, layout):
@@ -142,8 +123,7 @@ def auto_plan(
         except OSDPError as exc:  # every rank raises the same error instead of hanging
             outcome = {"error": type(exc).__name__, "message": str(exc),
                        "min_bytes": getattr(exc, "min_bytes", None), "breakdown": getattr(exc, "breakdown", None)}
-    if distributed:
-        outcome = _broadcast(outcome, process_group)
+    outcome = broadcast_from_rank0(outcome, process_group)
     if "error" in outcome:
         if outcome["error"] == "InfeasiblePlanError":
             raise InfeasiblePlanError(outcome["message"], outcome["min_bytes"], outcome["breakdown"])
@@ -174,14 +154,6 @@ def runtime_measure(model, example_inputs, *, loss_fn=None, process_group=None, 
     return measure
 
 
-def _share(obj, group):
-    return _broadcast(obj, group) if dist.is_available() and dist.is_initialized() else obj
-
-
-def _is_rank0(group) -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) == 0
-
-
 def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,
                     backend: str = "auto"):
     """Step 1 of [Note: calibrate and re-plan]: FSDP full shard (all ``zdp``, no
@@ -194,7 +166,7 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
     from .planner.device import DeviceInfo
 
     refs = None
-    if _is_rank0(process_group):
+    if is_rank0(process_group):
         refs = []
         for b in sorted({batch, max(1, batch // 2)}, reverse=True):
             try:
@@ -203,17 +175,17 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
                                       batch=b, backend=backend, baselines=False).to_dict())
             except OSDPError:
                 continue
-    refs = [Plan.from_dict(r) for r in _share(refs, process_group)]
+    refs = [Plan.from_dict(r) for r in broadcast_from_rank0(refs, process_group)]
     if not refs:
         return device, []
     observations = list(zip(refs, measure(refs)))
     fitted = None
-    if _is_rank0(process_group):
+    if is_rank0(process_group):
         try:
             fitted = cal.refit(desc, device, observations).to_dict()
         except OSDPError as exc:
             log.warning("could not fit the runtime's factors (%s); planning on the profile alone", exc)
-    fitted = _share(fitted, process_group)
+    fitted = broadcast_from_rank0(fitted, process_group)
     return (device if fitted is None else DeviceInfo.from_dict(fitted, "calibrated device")), observations
 
 
@@ -255,7 +227,7 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     observations = [(plan, first)] + [(p, m) for p, m in reference if m is not first]
     info = {"factors": asdict(device.calibration), "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s,
             "constant_bytes": device.constant_bytes}
-    reasons = _share(cal.reasons_to_refit(plan, first, margin) if _is_rank0(group) else None, group)
+    reasons = broadcast_from_rank0(cal.reasons_to_refit(plan, first, margin) if is_rank0(group) else None, group)
     info["reasons"] = reasons
     used = {id(m) for _, m in observations}
     info["observations"] = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "measured": m.to_dict(),
@@ -265,14 +237,14 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
         return _annotated(plan, first, {**info, "decision": "kept: the model predicted it within 5% and with room "
                                                             "below the limit", **_predictions(cal, desc, device, plan)})
     outcome = None
-    if _is_rank0(group):
+    if is_rank0(group):
         try:
             fitted = cal.refit(desc, hardware, observations)
             replan = make_plan(desc, fitted, settings, batch=batch, backend=backend, global_batch=global_batch)
             outcome = {"device": fitted.to_dict(), "replan": replan.to_dict()}
         except OSDPError as exc:
             outcome = {"error": str(exc)}
-    outcome = _share(outcome, group)
+    outcome = broadcast_from_rank0(outcome, group)
     if "error" in outcome:
         log.warning("calibration could not re-plan (%s); keeping the plan", outcome["error"])
         return _annotated(plan, first, {**info, "decision": f"kept: re-planning failed ({outcome['error']})",
@@ -288,7 +260,7 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     # measurement slows both alike ("measured better" is a ratio taken in one run)
     first, second = measure([plan, replan])
     keep = None
-    if _is_rank0(group):
+    if is_rank0(group):
         keep_replan = cal.better((plan, first), (replan, second), margin)[0] is replan
         chosen, other = ((replan, second), (plan, first)) if keep_replan else ((plan, first), (replan, second))
         samples = [m.samples_per_s(p.world_size, p.accumulation_steps) for p, m in (chosen, other)]
@@ -298,7 +270,7 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
         extra = {**info, "decision": decision, "other": {"plan": other[0].to_dict(), "measured": other[1].to_dict()},
                  **_predictions(cal, desc, fitted, chosen[0])}
         keep = _annotated(chosen[0], chosen[1], extra).to_dict()
-    return Plan.from_dict(_share(keep, group))
+    return Plan.from_dict(broadcast_from_rank0(keep, group))
 
 
 def _predictions(cal, desc, device, plan) -> dict:

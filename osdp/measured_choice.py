@@ -8,6 +8,7 @@ from .errors import OSDPError
 from .planner.cost_model import PlannerSettings
 from .planner.plan import Plan
 from .planner.planner import make_plan
+from .rank_agreement import broadcast_from_rank0, is_rank0
 from .sizes import format_bytes
 
 
@@ -119,7 +120,6 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     first, then the most measured samples/s; an alternative is never kept over the
     limit. Every plan handed out has been measured on this machine, at most seven
     measurements in all. Rank 0 decides and broadcasts."""
-    from .auto import _is_rank0, _share
     from .planner import calibration as cal
 
     if not plan.measured:
@@ -134,7 +134,7 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
 
     def round_of(candidates):
         nonlocal best
-        found = _share([p.to_dict() for p in candidates] if _is_rank0(group) else None, group)
+        found = broadcast_from_rank0([p.to_dict() for p in candidates] if is_rank0(group) else None, group)
         found = [Plan.from_dict(p) for p in found]
         if not found:
             return []
@@ -149,14 +149,14 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
 
     first_round = round_of(_new([checkpointing_alternative(desc, device, plan, settings, **kwargs),
                                  replication_alternative(desc, device, plan, settings, **kwargs)], seen)
-                           if _is_rank0(group) else [])
+                           if is_rank0(group) else [])
     corrected = []
-    if _is_rank0(group):
+    if is_rank0(group):
         corrected = _new([memory_corrected(desc, device, p, m, settings, **kwargs)
                           for p, m in [measured[0]] + first_round], seen)
     round_of(corrected)
     keep = None
-    if _is_rank0(group):
+    if is_rank0(group):
         chosen, result = best
         rows = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "checkpoint_blocks": len(p.checkpoint_blocks),
                  "notes": list(p.notes), "samples_per_s": m.samples_per_s(p.world_size, p.accumulation_steps),
@@ -164,4 +164,4 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
         info = dict(plan.calibration or {})
         info["measured_choice"] = {"candidates": rows, "kept": chosen.plan_hash()}
         keep = replace(chosen, measured=result.to_dict(), calibration=info).to_dict()
-    return Plan.from_dict(_share(keep, group))
+    return Plan.from_dict(broadcast_from_rank0(keep, group))
