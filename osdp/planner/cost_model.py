@@ -45,8 +45,10 @@ search_problem.py's [Note: the memory constraint]):
     kept weights     (g - k) * P/g                  from its forward to its backward
     in-flight gathers  P/g if P/g > W else min(W, P/g + bytes of the ops around it)
                        (in backward the op's own P/g only if it has zdp slices)
-    gradient buffers   2 * G/g   (the slice being computed + one reduce-scatter pending,
-                       as the runtime's scheduler keeps them)
+    gradient buffers   G/g + max(G/g if g > 1, pending)   (the slice being computed and
+                       the one reduction the runtime keeps in flight: its previous slice,
+                       or for the first what was issued before, [Note: pending reduction]),
+                       + G unsplit (autograd's gradient while the hook copies it in)
     activation grads   b * the op's measured backward transients (describe's
                        [Note: backward transients]; its saved bytes when unknown)
 With checkpointing a block keeps only its input; its activations are recomputed and
@@ -170,8 +172,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..contract import (DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES,
-                        UNSHARDED_GRADS_LIVE, is_small_unit)
+from ..contract import DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES, is_small_unit
 from ..errors import OSDPError
 from .collective_cost import LAYOUTS, Collectives
 from .description import ModelDesc, OpDesc
@@ -768,35 +769,50 @@ def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) ->
     own_grad = reduced_bytes(owner, settings) if len(group) == 1 and not _accumulators_static(settings) else 0.0
     # others' gathers prefetched around it; its own gradient buffer (a tied unit's:
     # tied_grads) and one pending reduce-scatter
-    transient = max(min(window, after_i), min(window, before_i) + own_grad + pending)
+    # unsplit: autograd's gradient is live while the hook copies it in (_grads_live)
+    transient = max(min(window, after_i), min(window, before_i) + own_grad + gathered_bytes(owner, settings) + pending)
     reduce_b = reduce_s if i == group[0] else 0.0
     return (1, 0, 0, 0.0, transient, 0.0, 0.0, reduce_b, True, 0.0, 1.0, logits, 2.0 * logits, logits)
 
 
 def pending_reduce_bytes(desc: ModelDesc, settings: PlannerSettings, rep: np.ndarray) -> np.ndarray:
-    """Per op, the gradient bytes of the nearest later (earlier in backward) sharded
-    untied unit, whole: what may still be reduce-scattering while a rep op's backward
-    runs (the runtime keeps MAX_INFLIGHT_REDUCE_SCATTERS = 1 in flight)."""
+    """[Note: pending reduction] Per op, the unsharded gradient bytes of other units that
+    are live while the op's backward runs: the one reduction the runtime keeps in flight
+    (MAX_INFLIGHT_REDUCE_SCATTERS = 1; runtime/reduce.py's [Note: unsharded
+    gradients]), the last issued before this op's backward, and the small units'
+    gradients waiting to be reduced together ([Note: coalesced reductions]). Played in
+    backward order as the runtime groups them: a unit that reduces alone is in flight
+    whole (its slices, if split, are no larger); a small one waits until the waiting
+    ones reach ``coalesce_bytes``, then they are in flight as one group (split instead,
+    its slices reduce alone, smaller still). Rep units reduce in their own buckets and a
+    tied unit at its owner's use, so neither counts elsewhere."""
     out = np.zeros(len(desc.ops))
-    tied = {i for group in tied_groups(desc) for i in group}
-    last = 0.0
+    owners = {group[0] for group in tied_groups(desc)}
+    in_flight, waiting = 0.0, 0.0
     for i in range(len(desc.ops) - 1, -1, -1):
-        out[i] = last
+        out[i] = in_flight + waiting
         op = desc.ops[i]
-        if op.param_count and not rep[i] and i not in tied:
-            last = reduced_bytes(op, settings)
+        if not op.param_count or rep[i] or (op.tied_to and i not in owners):
+            continue  # no reduction of its own issued here
+        grad = reduced_bytes(op, settings)
+        if i not in owners and is_small_unit(gathered_bytes(op, settings), settings.coalesce_bytes, is_slice=False):
+            waiting += grad
+            if waiting >= settings.coalesce_bytes:
+                in_flight, waiting = waiting, 0.0
+        else:
+            in_flight = grad
     return out
 
 
 def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i,
-                 shares=(1.0, 1.0)) -> list[tuple]:
+                 shares=(1.0, 1.0), pending=0.0) -> list[tuple]:
     """(g, k, h, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
     split efficiency, logits saved, the loss's backward transients, logits grads in the
     head's backward) for every option of op ``i`` (see the
     Notes at the top, [Note: hpz mode] and [Note: tied weights]). ``shares``: the latency
-    shares of small units ([Note: coalesced latency])."""
+    shares of small units ([Note: coalesced latency]); ``pending``: the gradient bytes
+    that may still be reducing beside its backward ([Note: pending reduction])."""
     coll = layout_collectives(device, settings)
-    op = desc.ops[i]
     group = _group_of(desc, i)
     owner = desc.ops[group[0]]
     full_grad = reduced_bytes(owner, settings)
@@ -837,10 +853,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             else:
                 gathers_f = min(window, own_f + after_i)
                 gathers_b = min(window, own_b + before_i)
-            # the runtime keeps at most UNSHARDED_GRADS_LIVE (2) unsharded gradients: the
-            # slice being computed and one waiting for its reduce-scatter; a tied unit's
-            # are summed over its uses first (tied_grads_bytes, choice-independent)
-            grads_live = UNSHARDED_GRADS_LIVE * grad if len(group) == 1 else 0.0
+            grads_live = _grads_live(grad, g, untied=len(group) == 1, pending=pending, autograd=s if g == 1 else 0.0)
             transient = max(gathers_f, gathers_b + grads_live)
             # [Note: fused vocabulary-split loss]: split, the head never holds the logits;
             # unsplit, the loss's backward (3 L) comes before the head's (L of it left)
@@ -852,6 +865,17 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
                          (g - 1) * device.slice_overhead_s, split_efficiency(g, device), logits_saved, loss_grads,
                          logits_grads))
     return rows
+
+
+def _grads_live(grad: float, g: int, untied: bool, pending: float, autograd: float) -> float:
+    """Unsharded gradient bytes live during an op's backward, ``grad`` being one slice's
+    ([Note: pending reduction]): the unit's buffer (a tied unit's is summed over its uses
+    first: ``tied_grads_bytes``), the one reduction in flight (its own previous slice,
+    or for the first what was issued before) and ``autograd``: unsplit, the gradient
+    autograd made (in the compute dtype), which the runtime's hook copies into that
+    buffer, both live during the copy (a split op writes its dW into the buffer itself:
+    osdp/ops/matmul_split.py; 0 there)."""
+    return autograd + (grad if untied else 0.0) + max(grad if g > 1 and untied else 0.0, pending)
 
 
 def tied_grads_bytes(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:
@@ -873,7 +897,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     shares = coalesced_latency_shares(desc, settings)
     rep = rep_op_mask(desc, settings)  # [Note: rep mode]: a fixed set per template
     rep_reduce = replicate_reduce_s(desc, device, settings, rep) if rep.any() else {}
-    pending = pending_reduce_bytes(desc, settings, rep) if rep.any() else None
+    pending = pending_reduce_bytes(desc, settings, rep)
     # [Note: memory quantization] in search_problem.py: enough buckets that rounding
     # up every accumulating term costs at most memory_tolerance of the budget.
     terms = len(desc.ops) + len(segments)
@@ -893,9 +917,9 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                 op = desc.ops[i]
                 special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
                 key = ((op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features,
-                                                   op.split_op)) + (checkpointed, after[i], before[i])
+                                                   op.split_op)) + (checkpointed, after[i], before[i], pending[i])
                 if rep[i]:
-                    key += ("rep", rep_reduce.get(desc.op_index(op.tied_to) if op.tied_to else i, 0.0), pending[i])
+                    key += ("rep", rep_reduce.get(desc.op_index(op.tied_to) if op.tied_to else i, 0.0))
                 rows = cache.get(key)
                 if rows is None:
                     if rep[i]:
@@ -904,7 +928,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                                                       rep_reduce.get(owner, 0.0), pending[i])]
                     else:
                         rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
-                                                         window, after[i], before[i], shares)
+                                                         window, after[i], before[i], shares, pending[i])
                 begin[i, variant] = len(cols["op"])
                 cols["op"].extend([i] * len(rows))
                 cols["variant"].extend([variant] * len(rows))

@@ -64,10 +64,11 @@ def _random(model, seed):
 # llama at 94e3: mlp.down_proj and the vocabulary head split (below 92e3 nothing fits;
 # from 96e3 only the head splits, from 110e3 nothing: the head's loss and backward are
 # priced as two moments since, [Note: fused vocabulary-split loss]).
-PLAN_LIMITS = {"gpt2": (80e3, "auto"), "llama": (94e3, "none")}
-# These cases test parity, not the budget: at ~80 KB per rank the runtime measures up to
-# 1.9% above the plan's prediction (gpt2: 1.2 KiB in transformer.wpe's backward), so the
-# per-step memory check (tests/runtime/test_peak.py tests it) would stop them.
+PLAN_LIMITS = {"gpt2": (90e3, "auto"), "llama": (104e3, "none")}
+# These cases test parity, not the budget (tests/runtime/test_peak.py tests that): the
+# per-step memory check stays off. (The limits rose from 80e3 and 94e3 when the model
+# began counting autograd's gradient beside its buffer and the small units' gradients
+# waiting to be reduced: [Note: pending reduction] in osdp/planner/cost_model.py.)
 PLANNED = {"memory_check": False}
 
 

@@ -93,7 +93,7 @@ def test_dp_is_cheaper_in_time_and_dearer_in_memory():
     assert p.opt_held_q[dp] > 0 and p.opt_held_q[zdp] == 0
 
 
-def test_peak_is_at_start_of_backward_with_a_breakdown():
+def test_peak_is_early_in_backward_with_a_breakdown():
     desc = linear_model(n_ops=5)
     dev = device()
     t = build_template(desc, dev, PlannerSettings(prefetch_bytes=0))
@@ -102,19 +102,25 @@ def test_peak_is_at_start_of_backward_with_a_breakdown():
     est = evaluate(t, b, choices, [0] * 5)
     P = 256 * 256 * 4
     shard = math.ceil(256 * 256 / 4)
-    # at the start of backward no sharded gradient exists yet (zero_grad set them to None)
     states = shard * (4 + 8) * 5
-    # transient of the last op: its forward gather (P), or in backward nothing to gather
-    # (dp) plus its gradient and one waiting for its reduce-scatter (2P): max = 2P
-    expect = states + 5 * P + 5 * 4096 * b + 2 * P + 4096 * b
-    assert est.peak_op == "l4"
-    assert est.peak_bytes == pytest.approx(expect)
+    # l4, first in backward: all 5 weights kept, 5 ops' saved activations, in backward
+    # nothing to gather (dp): the gradient autograd made and the buffer the hook copies
+    # it into (2P), nothing reducing yet, no sharded gradient (zero_grad set them None)
+    at_l4 = states + 5 * P + 5 * 4096 * b + 2 * P + 4096 * b
+    # l3: l4's weights and activations freed, its sharded gradient made; its 2P plus
+    # l4's gradient still reducing beside it ([Note: pending reduction]): 3P
+    at_l3 = states + 4 * P + 4 * 4096 * b + 3 * P + 4096 * b + shard * 4
+    assert at_l3 > at_l4
+    assert est.peak_op == "l3"
+    assert est.peak_bytes == pytest.approx(at_l3)
     assert sum(est.breakdown.values()) == pytest.approx(est.peak_bytes)
-    assert est.breakdown["kept_dp_weights"] == 5 * P
-    assert est.breakdown["sharded_grads_so_far"] == 0
-    # gradients kept between steps (zero_grad(set_to_none=False)) are paid throughout
+    assert est.breakdown["kept_dp_weights"] == 4 * P
+    assert est.breakdown["in_flight_and_grad_buffers"] == 3 * P
+    assert est.breakdown["sharded_grads_so_far"] == shard * 4
+    # gradients kept between steps (zero_grad(set_to_none=False)) are paid throughout,
+    # so l3's shard is no longer new there and the peak is l4's
     kept = build_template(desc, dev, PlannerSettings(prefetch_bytes=0, grads_set_to_none=False))
-    assert evaluate(kept, b, choices, [0] * 5).peak_bytes == pytest.approx(expect + shard * 4 * 5)
+    assert evaluate(kept, b, choices, [0] * 5).peak_bytes == pytest.approx(at_l4 + shard * 4 * 5)
 
 
 def test_sharded_grads_appear_as_backward_passes_each_op():

@@ -119,12 +119,16 @@ def test_planner_picks_hpz_when_the_network_is_slow_and_memory_moderate_and_dp_w
     settings = PlannerSettings(max_slices=1, rerank=False, prefetch_bytes=2 * P)
     plenty = schedule(desc, _device(world=32, limit=64 * GiB), settings, batch=1)
     assert _modes(plenty) == ["dp"] * 4  # dp: one gather per step, no re-gather at all
-    # the limit: all-hpz's peak plus a quarter of one op, so one more dp unit (7/8 P more) cannot fit
+    # the limit: all-hpz's peak plus a quarter of one op, so one more dp unit (7/8 P more)
+    # cannot fit where the peak is: fc2's backward, beside fc3's gradient still reducing
+    # ([Note: pending reduction]). fc3 runs backward first and frees its weights before
+    # that, so it alone can be dp
     t = build_template(desc, _device(world=32, limit=64 * GiB), settings)
     hpz = [next(o for o in range(t.opt_begin[i, 0], t.opt_end[i, 0]) if t.opt_hpz[o]) for i in range(4)]
     peak = evaluate(t, 1, hpz, [0] * len(t.segments)).peak_bytes
     moderate = schedule(desc, _device(world=32, limit=peak + P / 4), settings, batch=1)
-    assert _modes(moderate) == ["hpz"] * 4
+    assert _modes(moderate) == ["hpz"] * 3 + ["dp"]
+    assert evaluate(moderate.template, 1, moderate.result.option_index, moderate.result.variant).peak_op == "fc2"
     # the same memory with a fast inter-node link: zdp's second gather is cheap, and one
     # unit can be dp where hpz copies left room (the choice follows the bandwidth)
     fast = DeviceInfo(**{**_device(world=32, limit=peak + P / 4).__dict__,

@@ -49,8 +49,6 @@ def _planned_gpt(world: int, limit_bytes: int, preset: str = "small", rep_units=
     # a CPU process has no allocator slack or context to pay for: constant 0
     cluster = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0)
     device = cluster.for_run(RunSettings(world_size=world, memory_limit_bytes=limit_bytes))
-    # issue 11's overrun (_OVERRUN) is that of tiny-ic's sharded plan: planned without rep
-    # units (the planner would now replicate 13 to 17 of its 31 units)
     plan = make_plan(desc, device, PlannerSettings(max_slices=4, rep_units=rep_units))
     torch.manual_seed(0)
     return config, GPT(config), plan
@@ -183,24 +181,16 @@ def test_cuda_monitor_reads_the_allocator_and_attributes_the_peak_to_the_unit_sa
 
 # ---- the runtime, 8 and 64 ranks in one process -----------------------------------------
 
-_OVERRUN = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "issue 11 item 4: tiny-ic at 4 MiB measures 3.9% (8 ranks: 4,329,692 B) and 2.6% (64 ranks: 4,252,760 B) "
-    "above the predicted peak, in blocks.3.mlp.c_proj's backward: the bytes alive when its backward starts are "
-    "~167 KB above the model's prefix (its own gathers and gradient buffers are counted right). Until the "
-    "head's loss was priced as two moments ([Note: fused vocabulary-split loss]) the planner over-counted two "
-    "logits-sized gradients at lm_head and the 64-rank plan happened to fit. Uncalibrated plans (constant 0): "
-    "auto mode's learned margin covers it"))
 
 
 # rep_units None: the planner chooses its rep set ([Note: rep family]); (): sharded units
-# only (the overrun below is the sharded plan's)
+# only. tiny-ic at 4 MiB overran its prediction by 2.6-3.9% until the model counted the
+# gradient autograd makes beside the buffer the hook copies it into ([Note: pending
+# reduction] in cost_model.py)
 @pytest.mark.parametrize("fake_world, preset, limit_mib, rep_units", [
     (8, "small", 40, None), (64, "small", 40, None), (8, "small", 28, None), (64, "small", 20, None),
     (8, "small", 28, ()), (64, "small", 20, ()),
-    # the same c_proj miss with the planner's rep units (8 ranks: 4,343,612 B, +3.9%; 64: 4,251,884 B)
-    pytest.param(8, "tiny-ic", 4, None, marks=_OVERRUN), pytest.param(64, "tiny-ic", 4, None, marks=_OVERRUN),
-    pytest.param(64, "tiny-ic", 4, (), marks=_OVERRUN),
-    pytest.param(8, "tiny-ic", 4, (), marks=_OVERRUN),
+    (8, "tiny-ic", 4, None), (64, "tiny-ic", 4, None), (64, "tiny-ic", 4, ()), (8, "tiny-ic", 4, ()),
 ], indirect=["fake_world"])
 def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset, limit_mib, rep_units):
     config, model, plan = _planned_gpt(fake_world, limit_mib * MiB, preset, rep_units)
@@ -221,8 +211,10 @@ def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset,
     # the same step measured by the independent (slow) tracker
     assert abs(step.peak_bytes - reference.peak_bytes) <= 0.01 * reference.peak_bytes
     assert step.unit_at_peak in wrapped.unit_names()
-    # the model's promise: the plan fits
+    # the model's promise: the plan fits, and the predicted peak bounds the measured one
+    # closely (an upper bound: the prefetch of a dp neighbour is counted though it is kept)
     assert step.peak_bytes <= plan.memory_limit_bytes
+    assert -0.05 <= step.prediction_error <= 0.0
     reps = sum(m == "rep" for u in plan.units for m in u.modes)
     print(f"\nworld {fake_world} {preset}: {reps} rep units, batch {plan.batch_size}, measured peak {step.peak_bytes} B {step.where}, "
           f"predicted {plan.predicted.peak_bytes:.0f} B ({step.prediction_error:+.2%}), "
