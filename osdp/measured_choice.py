@@ -77,15 +77,37 @@ def memory_corrected(desc, device, plan: Plan, measured, settings: PlannerSettin
     return _plan_within(desc, device, variant, limit, limit - delta, note, **kwargs)
 
 
+def same_schedule(a: Plan, b: Plan) -> bool:
+    """Whether two plans run the same schedule (units, modes, slices, checkpointing,
+    accumulation, layout) and may differ only in batch size and prefetch window."""
+    def core(p: Plan):
+        return ([(u.name, u.modes, u.slices, u.split_op) for u in p.units], p.checkpoint_blocks,
+                p.accumulation_steps, p.gradient_sync, p.layout, p.node_size, p.world_size)
+
+    return core(a) == core(b)
+
+
 def faster_within_limit(first, second):
     """The better of two measured (plan, measurement) pairs: one whose measured peak is
-    within its limit over one that is not, then the most measured samples/s; ties keep
-    ``first``. No margin below the limit: these are measured peaks of the very steps
-    training will run (fixed shapes: the same every step; on CUDA the allocator's
-    rounding is in them), not predictions."""
+    within its limit over one that is not; then, between two runs of one schedule
+    (``same_schedule``) that both fit, the larger batch (per sample a schedule's step
+    does not grow slower with the batch: the scheduler's own premise, [Note: exact
+    batch sweep]; a few timed steps of two such plans differ by their noise, not by
+    that); otherwise the most measured samples/s. Ties keep ``first``. No margin below
+    the limit: these are measured peaks of the very steps training will run (fixed
+    shapes: the same every step; on CUDA the allocator's rounding is in them), not
+    predictions."""
+    def fits(pair):
+        plan, m = pair
+        return m.peak_bytes <= plan.memory_limit_bytes
+
+    if fits(first) and fits(second) and same_schedule(first[0], second[0]) \
+            and first[0].batch_size != second[0].batch_size:
+        return second if second[0].batch_size > first[0].batch_size else first
+
     def key(pair):
         plan, m = pair
-        return (m.peak_bytes <= plan.memory_limit_bytes, m.samples_per_s(plan.world_size, plan.accumulation_steps))
+        return (fits(pair), m.samples_per_s(plan.world_size, plan.accumulation_steps))
 
     return second if key(second) > key(first) else first
 
@@ -117,8 +139,10 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
        (``memory_corrected``: the budget moved by how far the model was off on it), and
        those are measured beside the best so far.
     The best by ``faster_within_limit`` is kept: a measured peak within the limit
-    first, then the most measured samples/s; an alternative is never kept over the
-    limit. Every plan handed out has been measured on this machine, at most seven
+    first, then the most measured samples/s, except that of two runs of one schedule
+    the larger batch wins (a few timed steps cannot tell b from b + 1 apart: the
+    memory-corrected plan is often the calibrated one a batch larger); an alternative
+    is never kept over the limit. Every plan handed out has been measured on this machine, at most seven
     measurements in all. Rank 0 decides and broadcasts."""
     from .planner import calibration as cal
 

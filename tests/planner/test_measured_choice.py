@@ -4,7 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from osdp.measured_choice import checkpointing_alternative, measured_choice, memory_corrected, replication_alternative
+from osdp.measured_choice import (checkpointing_alternative, faster_within_limit, measured_choice, memory_corrected,
+                                  replication_alternative, same_schedule)
 from osdp.models import GPTConfig
 from osdp.planner.calibration import Measurement
 from osdp.planner.cluster import load_cluster
@@ -118,3 +119,22 @@ def test_a_plan_measured_over_the_limit_gives_way_to_a_slower_one_within_it():
                               else _measured(p, 0.1, 0.9 * LIMIT))
     assert chosen.plan_hash() != plan.plan_hash()
     assert Measurement.from_dict(chosen.measured).peak_bytes <= LIMIT
+
+
+def test_of_two_runs_of_one_schedule_that_fit_the_larger_batch_wins_whatever_the_timing_noise():
+    _, _, _, plan = _setup()
+    larger = replace(plan, batch_size=plan.batch_size + 1)
+    assert same_schedule(plan, larger) and larger.plan_hash() != plan.plan_hash()
+    small = (plan, _measured(plan, 0.100, 0.8 * LIMIT))
+    # b + 1 timed 10% slower per sample: a few steps' noise, not the schedule
+    big = (larger, _measured(larger, 0.100 * (plan.batch_size + 1) / plan.batch_size * 1.1, 0.85 * LIMIT))
+    assert big[1].samples_per_s(4) < small[1].samples_per_s(4)
+    assert faster_within_limit(small, big) is big and faster_within_limit(big, small) is big
+    # the larger batch measured over the limit never wins
+    over = (larger, _measured(larger, 0.05, 1.01 * LIMIT))
+    assert faster_within_limit(small, over) is small
+    # another schedule: samples/s decides
+    other = replace(larger, units=tuple(replace(u, modes=tuple("zdp" if m != "zdp" else "dp" for m in u.modes))
+                                        for u in plan.units))
+    assert not same_schedule(plan, other)
+    assert faster_within_limit(small, (other, big[1])) is small
