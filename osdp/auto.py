@@ -104,9 +104,7 @@ def auto_plan(
     if layout is not None:
         device, settings = for_layout(device, settings, layout)
     hardware = device  # the profile on this layout, before calibration refits it
-    distributed = dist.is_available() and dist.is_initialized()
-    rank = dist.get_rank(process_group) if distributed else 0
-    calibrate = calibrate and distributed
+    calibrate = calibrate and dist.is_available() and dist.is_initialized()
     if calibrate:  # [Note: calibrate and re-plan] step 1
         measure = runtime_measure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
                                   steps=calibration_steps, mixed_precision=mixed_precision, layout=layout)
@@ -116,7 +114,7 @@ def auto_plan(
                                             as_example_inputs(example_inputs).batch_size(), measure,
                                             process_group=process_group, backend=backend)
     outcome = None
-    if rank == 0:
+    if is_rank0(process_group):
         try:
             outcome = make_plan(desc, device, settings, batch=batch, backend=backend,
                                 global_batch=global_batch).to_dict()

@@ -32,6 +32,18 @@ def _local(batch, rank, local):
 
 
 # ---- mixed precision -------------------------------------------------------------------
+def rel_err(grads, ref) -> float:
+    """||grads - ref|| / ||ref|| over every tensor of ``ref`` (as fp32)."""
+    num = sum(((grads[k].float() - ref[k].float()).norm() ** 2).item() for k in ref) ** 0.5
+    den = sum((ref[k].float().norm() ** 2).item() for k in ref) ** 0.5
+    return num / den
+
+
+def max_rel(a, b) -> float:
+    """The largest |a_i - b_i| / |b_i| (e.g. losses against reference losses)."""
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
 def _mp_reference(world_size):
     """Single process, whole global batch, torch.autocast(bfloat16)."""
     model = pc.make_model("uneven")

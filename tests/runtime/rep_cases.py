@@ -186,15 +186,7 @@ def _stack_loop(model, layers, batch_of, opt):
     losses = []
     for step in range(STACK_STEPS):
         if step == STACK_FAIL_STEP:
-            handle = layers[1].register_forward_hook(lambda mod, args, out: tc._RaiseInBackward.apply(out))
-            loss = model(batch_of(step))
-            handle.remove()
-            try:
-                loss.backward()
-                raise AssertionError("the injected backward failure did not raise")
-            except RuntimeError as exc:
-                assert "injected failure" in str(exc), exc
-            opt.zero_grad()
+            tc.fail_one_backward(layers[1], lambda: model(batch_of(step)), opt)
         loss = model(batch_of(step))
         loss.backward()
         opt.step()

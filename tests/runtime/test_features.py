@@ -33,16 +33,6 @@ def results():
     return _RESULTS
 
 
-def _rel_err(grads, ref):
-    num = sum(((grads[k].float() - ref[k].float()).norm() ** 2).item() for k in ref) ** 0.5
-    den = sum((ref[k].float().norm() ** 2).item() for k in ref) ** 0.5
-    return num / den
-
-
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 # ---- mixed precision ---------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["random", "split"])
 def test_mixed_precision_matches_fsdp2_and_autocast(name):
@@ -58,12 +48,12 @@ def test_mixed_precision_matches_fsdp2_and_autocast(name):
             torch.testing.assert_close(grads[key], fsdp_grads[key], rtol=1e-6, atol=1e-6, msg=key)
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(fsdp_losses), rtol=1e-3, atol=0)
     else:
-        assert _rel_err(grads, fsdp_grads) < 1e-2
+        assert fc.rel_err(grads, fsdp_grads) < 1e-2
     # against autocast: no worse than twice FSDP2's own bf16 error
-    fsdp_err = _rel_err(fsdp_grads, ref_grads)
+    fsdp_err = fc.rel_err(fsdp_grads, ref_grads)
     assert 0 < fsdp_err < 2e-2
-    assert _rel_err(grads, ref_grads) <= 2 * fsdp_err
-    assert _max_rel(losses, ref_losses) <= 2 * _max_rel(fsdp_losses, ref_losses) + 1e-3
+    assert fc.rel_err(grads, ref_grads) <= 2 * fsdp_err
+    assert fc.max_rel(losses, ref_losses) <= 2 * fc.max_rel(fsdp_losses, ref_losses) + 1e-3
     # the collectives moved bf16 (half the bytes), master shards and grads stay fp32
     for unit, padded in probe["padded"].items():
         assert probe["gathered_bytes"][unit] == 2 * padded, unit

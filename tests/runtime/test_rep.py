@@ -304,16 +304,6 @@ def test_accumulation_matches_one_big_batch(results, sync):
 
 
 # ---- mixed precision ---------------------------------------------------------------------------
-def _rel_err(grads, ref):
-    num = sum(((grads[k].float() - ref[k].float()).norm() ** 2).item() for k in ref) ** 0.5
-    den = sum((ref[k].float().norm() ** 2).item() for k in ref) ** 0.5
-    return num / den
-
-
-def _max_rel(a, b):
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
-
-
 def test_mixed_precision_matches_fsdp2_and_autocast(results):
     rank0 = results[0]
     losses, state, probe = rank0["mp"]
@@ -324,10 +314,10 @@ def test_mixed_precision_matches_fsdp2_and_autocast(results):
     for key in fsdp_grads:  # the same bf16 math as FSDP2, fp32 reduction
         torch.testing.assert_close(grads[key], fsdp_grads[key], rtol=1e-6, atol=1e-6, msg=key)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(fsdp_losses), rtol=1e-3, atol=0)
-    fsdp_err = _rel_err(fsdp_grads, ref_grads)
+    fsdp_err = fc.rel_err(fsdp_grads, ref_grads)
     assert 0 < fsdp_err < 2e-2
-    assert _rel_err(grads, ref_grads) <= 2 * fsdp_err
-    assert _max_rel(losses, ref_losses) <= 2 * _max_rel(fsdp_losses, ref_losses) + 1e-3
+    assert fc.rel_err(grads, ref_grads) <= 2 * fsdp_err
+    assert fc.max_rel(losses, ref_losses) <= 2 * fc.max_rel(fsdp_losses, ref_losses) + 1e-3
     initial = pc.make_model("uneven").state_dict()
     assert max((state[k] - initial[k]).abs().max().item() for k in initial) > 1e-2
 

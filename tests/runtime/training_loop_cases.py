@@ -47,6 +47,21 @@ class _RaiseInBackward(torch.autograd.Function):
         raise RuntimeError("injected failure in backward")
 
 
+def fail_one_backward(layer: nn.Module, forward, opt) -> None:
+    """A step whose backward raises on reaching ``layer`` (injected), then zero_grad: as
+    in plain PyTorch, a failed backward leaves partial ``.grad``. ``forward()`` returns
+    the loss."""
+    handle = layer.register_forward_hook(lambda mod, args, out: _RaiseInBackward.apply(out))
+    loss = forward()
+    handle.remove()
+    try:
+        loss.backward()
+        raise AssertionError("the injected backward failure did not raise")
+    except RuntimeError as exc:
+        assert "injected failure" in str(exc), exc
+    opt.zero_grad()
+
+
 def _bad_batch(batch):
     idx, tgt = batch
     idx = idx.clone()
@@ -67,15 +82,7 @@ def _train(model, blocks, step_batch, clip, norms_out, opt):
             except IndexError:
                 pass
         if step == FAIL_BACKWARD_STEP:
-            handle = blocks[0].register_forward_hook(lambda mod, args, out: _RaiseInBackward.apply(out))
-            loss = model(*step_batch(step))
-            handle.remove()
-            try:
-                loss.backward()
-                raise AssertionError("the injected backward failure did not raise")
-            except RuntimeError as exc:
-                assert "injected failure" in str(exc), exc
-            opt.zero_grad()  # as in plain PyTorch, a failed backward leaves partial .grad
+            fail_one_backward(blocks[0], lambda: model(*step_batch(step)), opt)
         loss = model(*step_batch(step))
         loss.backward()
         norms_out.append(clip(step))
