@@ -49,6 +49,21 @@ def test_memory_corrected_plans_for_the_room_or_the_shortfall_the_measurement_sh
                             backend="python") is None
 
 
+def test_a_plan_measured_just_over_its_limit_is_corrected_however_small_the_model_error():
+    desc, device, settings, plan = _setup()
+    overrun = 0.002 * LIMIT  # well within a quarter of the tolerance of the prediction
+    at_limit = replace(plan, predicted=replace(plan.predicted, peak_bytes=LIMIT - overrun / 2))
+    measured = _measured(plan, 0.1, LIMIT + overrun)
+    assert measured.peak_bytes - at_limit.predicted.peak_bytes <= settings.memory_tolerance / 4 * LIMIT
+    smaller = memory_corrected(desc, device, at_limit, measured, settings, backend="python")
+    assert smaller is not None and smaller.memory_limit_bytes == LIMIT
+    # planned below the plan's own prediction less its overrun: never the same plan again
+    assert smaller.predicted.peak_bytes <= at_limit.predicted.peak_bytes - overrun
+    # a plan that fits, measured as predicted: nothing to correct
+    fits = _measured(plan, 0.1, at_limit.predicted.peak_bytes)
+    assert memory_corrected(desc, device, at_limit, fits, settings, backend="python") is None
+
+
 def test_the_checkpointing_alternative_only_when_checkpointing_is_allowed():
     desc, device, settings, plan = _setup("auto")
     other = checkpointing_alternative(desc, device, plan, settings, backend="python")
