@@ -31,11 +31,14 @@ slice per use; hooks, bookkeeping and collective issue run on the compute stream
 time compute waited for communication, H the communication that ran beside compute.
 W and H depend on the factors, so the fit is repeated a few times with W and H
 simulated at the last factors, then polished on the simulation itself
-(``fit_by_simulation``: Levenberg-Marquardt, the simulated phases against the measured). The factors are fitted in the order compute_scale,
-backward_compute_scale, unit_overhead_s, overlap_efficiency, as many as there are phase
-equations (one measured plan: the two compute scales; two: all four); a factor whose
-column is zero everywhere (no hidden comm: H = 0) or that the others explain keeps its
-prior. The optimizer phase is fitted on its own: memory bandwidth (the cost
+(``fit_by_simulation``: Levenberg-Marquardt, the simulated phases against the
+measured), which also fits ``comm_scale``: every collective's seconds in a step over
+the bare collectives the profile timed (on this 2-core CPU, 2 gloo ranks: 1.0-2.8,
+their threads share the cores with compute). Every factor is pulled toward the
+profile's value ([Note: the prior pull]), so a factor the measurements do not pin down
+stays where it was; a factor whose column is zero everywhere (no hidden comm: H = 0)
+keeps its prior. Without the pull (``prior_weight=0``) the factors are fitted in the
+order of ``FACTORS``, as many as there are phase equations. The optimizer phase is fitted on its own: memory bandwidth (the cost
 model's optimizer is bandwidth bound) scaled by predicted / measured. The memory
 constant is the largest (measured peak - predicted peak) over the measured plans, added
 to ``DeviceInfo.constant_bytes``: a re-plan is handed out with the margin the
@@ -58,8 +61,14 @@ from .device import Calibration, DeviceInfo
 
 STEP_TOLERANCE = 0.05  # re-plan when the step is predicted further off than this
 COMPUTE_SCALE_RANGE = (0.1, 10.0)
+COMM_SCALE_RANGE = (0.25, 10.0)
 FIT_ROUNDS = 3
 RIDGE = 1e-6
+# [Note: the prior pull] weight and scale of each factor's pull toward the profile's
+# value, in the units of the fit's residuals (relative phase errors): a factor off its
+# prior by one scale costs as much as one phase predicted PRIOR_WEIGHT off
+PRIOR_WEIGHT = 0.1
+PRIOR_SCALES = (1.0, 1.0, 200e-6, 1.0, 1.0)  # scales: x1; unit overhead: 200 us; overlap: its range
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -208,8 +217,9 @@ def phase_terms(a: Assignment, device: DeviceInfo, measured: Measurement) -> lis
     return rows
 
 
-FACTORS = ("compute_scale", "backward_compute_scale", "unit_overhead_s", "overlap_efficiency")
-BOUNDS = (COMPUTE_SCALE_RANGE, COMPUTE_SCALE_RANGE, (0.0, math.inf), (0.0, 1.0))
+FACTORS = ("compute_scale", "backward_compute_scale", "unit_overhead_s", "overlap_efficiency", "comm_scale")
+BOUNDS = (COMPUTE_SCALE_RANGE, COMPUTE_SCALE_RANGE, (0.0, math.inf), (0.0, 1.0), COMM_SCALE_RANGE)
+LINEAR = 4  # factors of the linear fit; comm_scale moves W and H, which only the simulation follows
 
 
 def box_lstsq(a: np.ndarray, b: np.ndarray, lo, hi) -> np.ndarray | None:
@@ -243,19 +253,20 @@ def box_lstsq(a: np.ndarray, b: np.ndarray, lo, hi) -> np.ndarray | None:
     return best
 
 
-def _fitted(columns: np.ndarray, rows: int) -> list[int]:
-    """Factors to fit: those with a nonzero column, at most one per equation, in order."""
-    return [j for j in range(len(FACTORS)) if np.abs(columns[:, j]).max() > 0][:rows]
+def _fitted(columns: np.ndarray, rows: int, prior_weight: float) -> list[int]:
+    """Factors to fit: those with a nonzero column; without the prior pull at most one
+    per equation, in order (with it, the pull makes every fit unique)."""
+    nonzero = [j for j in range(columns.shape[1]) if np.abs(columns[:, j]).max() > 0]
+    return nonzero if prior_weight > 0 else nonzero[:rows]
 
 
-def fit_factors(rows: list[PhaseTerms], prior: Calibration = Calibration()) -> Calibration:
+def fit_factors(rows: list[PhaseTerms], prior: Calibration = Calibration(),
+                prior_weight: float = PRIOR_WEIGHT) -> Calibration:
     """Least squares of the linear model of [Note: what the profiler fits] over
     ``rows`` with W and H as given, relative errors, each factor in its range (the
     compute scales in COMPUTE_SCALE_RANGE, unit_overhead_s >= 0, overlap_efficiency in
-    [0, 1]). At most as many factors as rows are fitted, in the order of ``FACTORS``;
-    the others keep ``prior``. A weak pull toward the prior (RIDGE of each column's
-    size) makes the fit unique where the measurements cannot tell factors apart (e.g.
-    every plan measured has as many unit uses per FLOP): there they stay where they were."""
+    [0, 1]), each pulled toward ``prior`` ([Note: the prior pull]). At most as many
+    factors as rows are fitted, in the order of ``FACTORS``; the others keep ``prior``."""
     if not rows:
         return prior
     # y = cf F + cb B + u U - e H   with   y = measured - W - H
@@ -264,28 +275,48 @@ def fit_factors(rows: list[PhaseTerms], prior: Calibration = Calibration()) -> C
     y = np.array([r.measured_s - r.waited_s - r.hidden_s for r in rows], dtype=np.float64)
     w = 1.0 / np.maximum(np.array([r.measured_s for r in rows]), 1e-12)
     a, y = a * w[:, None], y * w
-    x = np.array([getattr(prior, n) for n in FACTORS], dtype=np.float64)
-    fit = _fitted(a, len(rows))
+    x = np.array([getattr(prior, n) for n in FACTORS[:LINEAR]], dtype=np.float64)
+    fit = _fitted(a, len(rows), prior_weight)
     if not fit:
         return prior
-    ridge = np.diag([RIDGE * np.linalg.norm(a[:, j]) for j in fit])
-    sub = np.vstack([a[:, fit], ridge])
-    rhs = np.concatenate([y - np.delete(a, fit, axis=1) @ np.delete(x, fit), ridge @ x[fit]])
+    pull = np.diag(_pull_weights(a, fit, prior_weight))
+    sub = np.vstack([a[:, fit], pull])
+    rhs = np.concatenate([y - np.delete(a, fit, axis=1) @ np.delete(x, fit), pull @ x[fit]])
     z = box_lstsq(sub, rhs, [BOUNDS[j][0] for j in fit], [BOUNDS[j][1] for j in fit])
     if z is None:
         return prior
     x[fit] = z
-    return replace(prior, **{n: float(v) for n, v in zip(FACTORS, x)})
+    return replace(prior, **{n: float(v) for n, v in zip(FACTORS[:LINEAR], x)})
+
+
+def _pull_weights(columns: np.ndarray, fit: list[int], prior_weight: float) -> np.ndarray:
+    """[Note: the prior pull]
+    Four factors fitted to four to six measured phases fit the noise: on a shared CPU
+    two identical forward phases of one run differ by 50%, and an exact fit moved
+    compute_scale to its bound (0.1) and charged the step to unit overhead, which then
+    mispriced every plan with more unit uses (split plans, +52%). So each fitted factor
+    is pulled toward the profile's value (the per-op compute timed on this machine: a
+    compute scale of 1) with weight ``prior_weight / PRIOR_SCALES[j]``: data that
+    consistently asks for another value moves it (a doubled compute scale costs what a
+    phase PRIOR_WEIGHT off does, and every measured phase pays for not doubling), noise
+    in one phase does not. A tiny ridge (RIDGE of the column's size) stays where the
+    weight is 0, to keep the fit unique where the measurements cannot tell factors apart."""
+    return np.array([max(prior_weight / PRIOR_SCALES[j], RIDGE * np.linalg.norm(columns[:, j])) for j in fit])
 
 
 def fit_by_simulation(assigned: list[tuple[Assignment, Measurement]], device: DeviceInfo,
-                      start: Calibration, iterations: int = 20) -> tuple[Calibration, float]:
+                      start: Calibration, iterations: int = 20, prior: Calibration | None = None,
+                      prior_weight: float = PRIOR_WEIGHT) -> tuple[Calibration, float]:
     """Polish ``start`` so that the step SIMULATION (not its linearization) meets the
     measured forward and backward phases: Levenberg-Marquardt on relative errors with
-    a finite-difference Jacobian, every step box-constrained (``box_lstsq``); the
-    factors fitted are those ``fit_factors`` fits. A step is taken only if it lowers
-    the error. Returns the factors and the sum of squared relative errors."""
+    a finite-difference Jacobian, every step box-constrained (``box_lstsq``), each factor
+    pulled toward ``prior`` (default ``start``; [Note: the prior pull]); the factors
+    fitted are those ``fit_factors`` fits. A step is taken only if it lowers the error.
+    Returns the factors and the sum of squared residuals (phases and pulls)."""
     measured = np.array([m.phase_s(p) for _, m in assigned for p in ("forward", "backward")])
+    prior = prior or start
+    center = np.array([getattr(prior, n) for n in FACTORS], dtype=np.float64)
+    pulls = np.array([prior_weight / s for s in PRIOR_SCALES])
 
     def residuals(x) -> np.ndarray:
         cal = replace(start, **{n: float(v) for n, v in zip(FACTORS, x)})
@@ -294,11 +325,12 @@ def fit_by_simulation(assigned: list[tuple[Assignment, Measurement]], device: De
         for a, _ in assigned:
             sim = simulate(a, dev)
             out += [sim.phases["forward"].duration_s, sim.phases["backward"].duration_s]
-        return np.array(out) / measured - 1.0
+        return np.concatenate([np.array(out) / measured - 1.0, (pulls * (x - center))[fit]])
 
     rows = [row for a, m in assigned for row in phase_terms(a, device.with_(calibration=start), m)]
-    columns = np.array([[r.forward_compute_s, r.backward_compute_s, r.unit_uses, r.hidden_s] for r in rows])
-    fit = _fitted(columns, len(rows))
+    columns = np.array([[r.forward_compute_s, r.backward_compute_s, r.unit_uses, r.hidden_s,
+                         r.waited_s + r.hidden_s] for r in rows])
+    fit = _fitted(columns, len(rows), prior_weight)
     x = np.array([getattr(start, n) for n in FACTORS], dtype=np.float64)
     if not fit:
         return start, float(residuals(x) @ residuals(x))
@@ -369,19 +401,21 @@ def apply(device: DeviceInfo, calibration: Calibration, memory_delta_bytes: floa
 
 
 def refit(desc: ModelDesc, device: DeviceInfo, observations: list[tuple[object, Measurement]],
-          rounds: int = FIT_ROUNDS) -> DeviceInfo:
+          rounds: int = FIT_ROUNDS, prior_weight: float = PRIOR_WEIGHT) -> DeviceInfo:
     """``device`` with every factor refitted to ``observations`` ((plan, measurement)
-    pairs; see [Note: what the profiler fits])."""
+    pairs; see [Note: what the profiler fits]), each pulled toward ``device``'s own
+    calibration ([Note: the prior pull]; 0: an exact fit of as many factors as phases)."""
     assigned = [(assignment_of(desc, device, plan), m) for plan, m in observations]
     calibration = device.calibration
     bandwidth = fit_optimizer(assigned, device)
     fitted = device.with_(memory_bandwidth_bytes_per_s=bandwidth)
     for _ in range(rounds):
         rows = [row for a, m in assigned for row in phase_terms(a, fitted, m)]
-        calibration = fit_factors(rows, calibration)
+        calibration = fit_factors(rows, device.calibration, prior_weight)  # W and H at the last fit
         fitted = fitted.with_(calibration=calibration)
     # polished from the linear fit and from the prior; the better one is kept
-    tries = [fit_by_simulation(assigned, fitted, start) for start in (calibration, device.calibration)]
+    tries = [fit_by_simulation(assigned, fitted, start, prior=device.calibration, prior_weight=prior_weight)
+             for start in (calibration, device.calibration)]
     calibration = min(tries, key=lambda pair: pair[1])[0]
     fitted = fitted.with_(calibration=calibration)
     sources = "; ".join(f"{plan.model_name} batch {m.batch_size}: measured step {m.step_s * 1e3:.1f} ms"
@@ -478,7 +512,7 @@ def format_report(plan) -> str:
         f = {**asdict(Calibration()), **info["factors"]}
         lines.append(f"  fitted: compute scale {f['compute_scale']:.3f} forward, "
                      f"{f['backward_compute_scale']:.3f} backward, unit overhead {f['unit_overhead_s'] * 1e6:.1f} us, "
-                     f"overlap efficiency {f['overlap_efficiency']:.2f}, learned memory constant "
+                     f"overlap efficiency {f['overlap_efficiency']:.2f}, comm scale {f['comm_scale']:.2f}, learned memory constant "
                      f"{format_bytes(f['memory_constant_bytes'])}")
     if not measured:
         lines.append("  not measured (plans made with calibrate=True in auto mode carry a measurement)")

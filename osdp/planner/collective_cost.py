@@ -145,16 +145,24 @@ class Collectives:
         return self.layout == "full" and self.nodes > 1
 
     # ---- the collectives ---------------------------------------------------------------
+    @property
+    def comm_scale(self) -> float:
+        """Measured over profiled collective seconds (the calibration's ``comm_scale``:
+        in a training step the collectives share the machine with compute)."""
+        return self.device.calibration.comm_scale
+
     def gather_s(self, nbytes: float) -> float:
         d = self.device
         if self.layout == "hsdp":
-            return ring_s(d.all_gather, nbytes, self.per_node)
-        if self.two_level:
-            return two_level_s(d.all_gather, d.inter_all_gather, nbytes, self.nodes, self.per_node)
-        return ring_s(d.all_gather, nbytes, d.world_size)
+            seconds = ring_s(d.all_gather, nbytes, self.per_node)
+        elif self.two_level:
+            seconds = two_level_s(d.all_gather, d.inter_all_gather, nbytes, self.nodes, self.per_node)
+        else:
+            seconds = ring_s(d.all_gather, nbytes, d.world_size)
+        return seconds * self.comm_scale
 
     def node_gather_s(self, nbytes: float) -> float:
-        return ring_s(self.device.all_gather, nbytes, self.per_node)
+        return ring_s(self.device.all_gather, nbytes, self.per_node) * self.comm_scale
 
     def all_reduce_terms(self) -> tuple[float, float]:
         """(latency seconds, seconds per byte) of an all-reduce of a flat buffer over
@@ -170,13 +178,14 @@ class Collectives:
                     (ranks - 1) / ranks * sum(c.beta_s_per_byte for c in costs))
 
         if not self.two_level:
-            return ring(d.world_size)
-        m, n = self.per_node, self.nodes
-        lat, rate = ring(m)
-        inter = (d.inter_reduce_scatter, d.inter_all_gather)
-        lat += (n - 1) * sum(c.alpha_s for c in inter)
-        rate += (n - 1) / n / m * sum(c.beta_s_per_byte for c in inter)
-        return lat, rate
+            lat, rate = ring(d.world_size)
+        else:
+            m, n = self.per_node, self.nodes
+            lat, rate = ring(m)
+            inter = (d.inter_reduce_scatter, d.inter_all_gather)
+            lat += (n - 1) * sum(c.alpha_s for c in inter)
+            rate += (n - 1) / n / m * sum(c.beta_s_per_byte for c in inter)
+        return lat * self.comm_scale, rate * self.comm_scale
 
     def all_reduce_s(self, nbytes: float) -> float:
         """An all-reduce of ``nbytes`` over every rank of the run (``all_reduce_terms``)."""
@@ -191,10 +200,12 @@ class Collectives:
             within = ring_s(d.reduce_scatter, nbytes, self.per_node)
             rs = d.inter_reduce_scatter or d.reduce_scatter
             ag = d.inter_all_gather or d.all_gather
-            return within + all_reduce_s(rs, ag, nbytes / self.per_node, self.nodes)
-        if self.two_level:
-            return two_level_s(d.reduce_scatter, d.inter_reduce_scatter, nbytes, self.nodes, self.per_node)
-        return ring_s(d.reduce_scatter, nbytes, d.world_size)
+            seconds = within + all_reduce_s(rs, ag, nbytes / self.per_node, self.nodes)
+        elif self.two_level:
+            seconds = two_level_s(d.reduce_scatter, d.inter_reduce_scatter, nbytes, self.nodes, self.per_node)
+        else:
+            seconds = ring_s(d.reduce_scatter, nbytes, d.world_size)
+        return seconds * self.comm_scale
 
 
 def collectives(device: DeviceInfo, layout: str = "full") -> Collectives:

@@ -719,14 +719,14 @@ def coalesced_latency_shares(desc: ModelDesc, settings: PlannerSettings) -> tupl
             share([reduced_bytes(op, settings) for op in small]))
 
 
-def _shared_latency_s(time_s: float, cost, ranks: int, latency_share: float) -> float:
+def _shared_latency_s(time_s: float, cost, ranks: int, latency_share: float, comm_scale: float) -> float:
     """A collective's ``time_s`` with only ``latency_share`` of its latency ([Note:
     coalesced latency]): ``(ranks - 1) * cost.alpha_s`` is the latency of a ring over the
-    shard group on ``cost``'s link (across nodes the inter-node latency is left whole:
-    conservative)."""
+    shard group on ``cost``'s link, scaled as every collective is by ``comm_scale``
+    (across nodes the inter-node latency is left whole: conservative)."""
     if time_s <= 0:
         return 0.0
-    return max(0.0, time_s - (1.0 - latency_share) * (ranks - 1) * cost.alpha_s)
+    return max(0.0, time_s - (1.0 - latency_share) * (ranks - 1) * cost.alpha_s * comm_scale)
 
 
 def tied_groups(desc: ModelDesc) -> list[tuple[int, ...]]:
@@ -829,8 +829,8 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
         grad = full_grad / g
         grad_s = coll.grad_s(grad)
         if len(group) == 1 and is_small_unit(s, settings.coalesce_bytes, is_slice=g > 1):
-            ag = _shared_latency_s(ag, device.all_gather, coll.shard_ranks, shares[0])
-            grad_s = _shared_latency_s(grad_s, device.reduce_scatter, coll.shard_ranks, shares[1])
+            ag = _shared_latency_s(ag, device.all_gather, coll.shard_ranks, shares[0], coll.comm_scale)
+            grad_s = _shared_latency_s(grad_s, device.reduce_scatter, coll.shard_ranks, shares[1], coll.comm_scale)
         # hpz needs a backward that reads the weights; a tied unit's uses share plain
         # dp/zdp modes (tied_choices enumerates (g, k) only)
         choices = reshard_choices(g, settings, coll.hpz_available and len(group) == 1 and weights_b)

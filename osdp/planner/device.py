@@ -90,6 +90,10 @@ class Calibration:
     over the fitted per-op compute (the fits are taken with hooks on the unwrapped
     model, the backward ones from gradient-accumulation hooks, which see less of the
     backward than a step does: two scales).
+    ``comm_scale``: collective seconds in a training step over the profiled ones (the
+    bare collectives are timed on an idle machine; in a step, gloo's threads share the
+    CPU cores with compute, and on GPUs NCCL's kernels share SMs and memory bandwidth).
+    It scales every collective of ``collective_cost.Collectives``.
     ``memory_constant_bytes``: what the measured peak held beyond the prediction, learned
     from a measurement (already added to ``DeviceInfo.constant_bytes`` by
     ``calibration.apply``; kept here to say where that part of the constant came from).
@@ -99,6 +103,7 @@ class Calibration:
     overlap_efficiency: float = 1.0
     compute_scale: float = 1.0
     backward_compute_scale: float = 1.0
+    comm_scale: float = 1.0
     memory_constant_bytes: float = 0.0
     source: str = ""
 
@@ -106,6 +111,7 @@ class Calibration:
         check_number(self.unit_overhead_s, "calibration.unit_overhead_s", positive=False)
         check_number(self.compute_scale, "calibration.compute_scale", positive=True)
         check_number(self.backward_compute_scale, "calibration.backward_compute_scale", positive=True)
+        check_number(self.comm_scale, "calibration.comm_scale", positive=True)
         check_number(self.overlap_efficiency, "calibration.overlap_efficiency", positive=False)
         if self.overlap_efficiency > 1:
             raise OSDPError(f"calibration.overlap_efficiency is a fraction in [0, 1], got {self.overlap_efficiency!r}")

@@ -51,7 +51,7 @@ def test_two_plans_fit_all_four_factors():
     e = 0.5 and u = 1 ms; then cf = (0.15 - 0.01 - 0.01 - 0.01) / 0.1 = 1.2 and
     cb = (0.19 - 0.01 - 0.02) / 0.2 = 0.8."""
     true = dict(compute_scale=1.2, backward_compute_scale=0.8, unit_overhead_s=1e-3, overlap_efficiency=0.5)
-    fitted = fit_factors(rows_of(true))
+    fitted = fit_factors(rows_of(true), prior_weight=0)  # exact algebra: no pull toward the prior
     assert fitted.compute_scale == pytest.approx(1.2)
     assert fitted.backward_compute_scale == pytest.approx(0.8)
     assert fitted.unit_overhead_s == pytest.approx(1e-3)
@@ -62,7 +62,7 @@ def test_one_plan_fits_the_two_compute_scales_and_keeps_the_rest():
     """Plan A alone at the prior (u = 0, e = 1): forward 0.15 = cf 0.1 + 0.01 -> cf 1.4;
     backward 0.19 = cb 0.2 + 0 -> cb 0.95."""
     true = dict(compute_scale=1.2, backward_compute_scale=0.8, unit_overhead_s=1e-3, overlap_efficiency=0.5)
-    fitted = fit_factors(rows_of(true)[:2])
+    fitted = fit_factors(rows_of(true)[:2], prior_weight=0)
     assert fitted.compute_scale == pytest.approx(1.4)
     assert fitted.backward_compute_scale == pytest.approx(0.95)
     assert (fitted.unit_overhead_s, fitted.overlap_efficiency) == (0.0, 1.0)
@@ -73,7 +73,7 @@ def test_factors_stay_in_their_ranges():
     of the compute scale, exactly; backward 0.001 s with B 0.2 s would need cb 0.005,
     below the bound: the fit stops at 0.1."""
     rows = [PhaseTerms("forward", 0.02, 0.1, 0.0, 0, 0.01, 0.0), PhaseTerms("backward", 0.001, 0.0, 0.2, 0, 0.0, 0.0)]
-    fitted = fit_factors(rows)
+    fitted = fit_factors(rows, prior_weight=0)
     assert fitted.compute_scale == pytest.approx(0.1)
     assert fitted.backward_compute_scale == pytest.approx(0.1)  # 0.005 wanted, clamped at 0.1
 
@@ -120,21 +120,25 @@ def test_calibration_scales_compute_and_adds_unit_overhead():
 
 
 def test_refit_recovers_factors_from_simulated_measurements():
-    """Measurements made by the step simulation at known factors: the refit finds
-    them again (the W and H of the fit are re-simulated at each round)."""
+    """Measurements made by the step simulation at known factors: the exact refit
+    (no prior pull) finds all five again from three plans, six phases (the W and H of
+    the fit are re-simulated at each round); with the pull the factors move toward the
+    profile's, and the simulated phases stay close to the measured ones."""
     desc = describe_gpt(TINY)
     cluster = load_cluster("titan-rtx-pcie3").with_(constant_bytes=0)
     dev = cluster.for_run(RunSettings(world_size=4, memory_limit_bytes=48 * 2**20))
     settings = PlannerSettings(max_slices=4, rerank=False)
     ref = make_plan(desc, dev, settings.with_(policy="zdp"), batch=8, backend="python", baselines=False)
+    kept = make_plan(desc, dev, settings.with_(policy="dp"), batch=4, backend="python", baselines=False)
     # the same at 4 slices per splittable op (2 zdp): other unit uses per FLOP
     ops = {op.name: op for op in desc.ops}
     plan = replace(ref, units=tuple(replace(u, modes=("zdp", "zdp", "dp", "dp"), split_op=ops[u.name].split_op)
                                     if ops[u.name].splittable else u for u in ref.units))
-    true = Calibration(unit_overhead_s=2e-5, compute_scale=1.3, backward_compute_scale=0.7, overlap_efficiency=1.0)
+    true = Calibration(unit_overhead_s=2e-5, compute_scale=1.3, backward_compute_scale=0.7, overlap_efficiency=0.6,
+                       comm_scale=1.6)
     truth = dev.with_(calibration=true)
     observations = []
-    for p in (plan, ref):
+    for p in (plan, ref, kept):
         a = cal.assignment_of(desc, dev, p)
         sim = cal.simulate(a, truth)
         ph = {k: v.duration_s for k, v in sim.phases.items()}
@@ -142,14 +146,51 @@ def test_refit_recovers_factors_from_simulated_measurements():
         peak = evaluate(a.template, a.batch, a.option_index, a.variant).peak_bytes
         observations.append((p, Measurement(sim.step_s, ph["forward"], ph["backward"], ph["optimizer"],
                                             peak + 5e5, p.batch_size)))
-    fitted = cal.refit(desc, dev, observations)
+    fitted = cal.refit(desc, dev, observations, prior_weight=0)
     f = fitted.calibration
     assert f.compute_scale == pytest.approx(1.3, rel=1e-3)
     assert f.backward_compute_scale == pytest.approx(0.7, rel=1e-3)
     assert f.unit_overhead_s == pytest.approx(2e-5, rel=1e-2)
+    assert f.overlap_efficiency == pytest.approx(0.6, rel=1e-3)
+    assert f.comm_scale == pytest.approx(1.6, rel=1e-3)
     # the learned memory constant: the measured peaks were 0.5 MB above the prediction
     assert fitted.constant_bytes == pytest.approx(dev.constant_bytes + 5e5)
     assert f.memory_constant_bytes == pytest.approx(5e5)
+    pulled = cal.refit(desc, dev, observations)
+    assert pulled.calibration.compute_scale < 1.3  # toward the profile's 1
+    for p, m in observations:
+        sim = cal.simulate(cal.assignment_of(desc, dev, p), pulled)
+        assert sim.phases["forward"].duration_s == pytest.approx(m.forward_s, rel=0.08)
+        assert sim.phases["backward"].duration_s == pytest.approx(m.backward_s, rel=0.08)
+
+
+def test_the_prior_pull_by_hand():
+    """[Note: the prior pull] on N forward phases that each measured twice their fitted
+    compute (F 0.1 s measured 0.2 s, nothing else): only compute_scale has a column;
+    minimizing N (cf/2 - 1)^2 + (w (cf - 1))^2 gives cf = (N/2 + w^2) / (N/4 + w^2):
+    one phase at w 0.1 moves it to 0.51/0.26 = 1.9615, four to 2.01/1.01 = 1.9901 (data
+    that consistently asks for a factor gets it), and without the pull it is 2."""
+    row = PhaseTerms("forward", 0.2, 0.1, 0.0, 0, 0.0, 0.0)
+    assert fit_factors([row], prior_weight=0.1).compute_scale == pytest.approx(0.51 / 0.26)
+    assert fit_factors([row] * 4, prior_weight=0.1).compute_scale == pytest.approx(2.01 / 1.01)
+    assert fit_factors([row], prior_weight=0).compute_scale == pytest.approx(2.0)
+
+
+def test_comm_scale_scales_every_collective():
+    """The calibration's comm_scale multiplies each collective the cost model and the
+    step simulation price (hand device: all-gather latency 1 ms, reduce-scatter 2 ms,
+    world 2), the coalesced latency share of small units included."""
+    from osdp.planner.collective_cost import Collectives
+
+    plain, scaled = Collectives(hand_device()), Collectives(hand_device(calibration=Calibration(comm_scale=2.5)))
+    assert plain.gather_s(1e6) == pytest.approx(1e-3) and scaled.gather_s(1e6) == pytest.approx(2.5e-3)
+    assert scaled.grad_s(1e6) == pytest.approx(5e-3) and scaled.node_gather_s(1e6) == pytest.approx(2.5e-3)
+    lat, rate = plain.all_reduce_terms()
+    assert scaled.all_reduce_terms() == (pytest.approx(2.5 * lat), pytest.approx(2.5 * rate))
+    ops = tuple(OpDesc(f"s{i}", "layernorm", 1000, 4000, 0.0, 0.0, False) for i in range(6))
+    t = build_template(ModelDesc("small", ops), hand_device(calibration=Calibration(comm_scale=2.5)),
+                       PlannerSettings())
+    assert t.opt_comm_f_s[t.opt_begin[0, 0]] == pytest.approx(2.5e-3 / 6)  # one scaled latency for six
 
 
 def test_reasons_to_refit():
