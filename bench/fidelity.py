@@ -37,42 +37,24 @@ MODELS = {
 }
 KINDS = ("all_dp", "all_zdp", "searched", "split4_mixed")
 HALF = "all_zdp@half"  # FSDP at half the batch: a calibration reference, not a row of the table
+SPLIT = "split_zdp@ref"  # FSDP with its splittable ops in slices (osdp.auto.split_reference): likewise
 BATCH = 4
 
 
 def plan_of_kind(desc, device, kind: str, batch: int):
     """A Plan of one kind at ``batch`` with the cost model's predictions."""
-    from osdp.planner.cost_model import PlannerSettings, build_template
+    from osdp.planner.cost_model import PlannerSettings
     from osdp.planner.planner import plan_from_schedule
-    from osdp.planner.scheduler import Scheduled, _finish, schedule
-    from osdp.planner.search import evaluate_assignment
-    from osdp.planner.search_problem import SearchResult
+    from osdp.planner.scheduler import schedule
+    from osdp.planner.uniform_plan import uniform_plan
 
-    if kind == "searched":
-        return plan_from_schedule(schedule(desc, device, PlannerSettings(max_slices=4), batch=batch))
     settings = PlannerSettings(max_slices=4)
-    t = build_template(desc, device, settings)
-    choice = []
-    for i, op in enumerate(desc.ops):
-        options = range(t.opt_begin[i, 0], t.opt_end[i, 0])
-        if kind == "all_dp":
-            want = (1, 0)
-        elif kind == "all_zdp":
-            want = (1, 1)
-        else:  # every splittable op in 4 slices, half of them zdp; the rest zdp
-            want = (4, 2) if 4 in {int(t.opt_slices[o]) for o in options} else (1, 1)
-        match = [o for o in options if (int(t.opt_slices[o]), int(t.opt_zdp[o])) == want or op.tied_to]
-        # a use whose backward reads no weights (the row-split embedding) has one option
-        # per slice count: both modes free its slices after forward
-        match = match or [o for o in options if int(t.opt_slices[o]) == want[0]]
-        choice.append(match[0])
-    variant = [0] * len(t.segments)
-    problem = t.problem(batch)
-    _, time_s, peak, peak_op = evaluate_assignment(problem, choice, variant)
-    result = SearchResult(True, time_s, peak, peak_op, tuple(choice), tuple(variant))
-    scheduled = _finish(t, batch, result, 0, 0.0)
-    assert isinstance(scheduled, Scheduled)
-    return plan_from_schedule(scheduled)
+    if kind == "searched":
+        return plan_from_schedule(schedule(desc, device, settings, batch=batch))
+    # split4_mixed: every splittable op in 4 slices, half of them zdp; the rest zdp
+    shape = {"all_dp": dict(slices=1, zdp_slices=0), "all_zdp": dict(slices=1, zdp_slices=1),
+             "split4_mixed": dict(slices=4, zdp_slices=2)}[kind]
+    return uniform_plan(desc, device, settings, batch, **shape)
 
 
 def _predict(desc, device, plan):
@@ -86,8 +68,10 @@ def _predict(desc, device, plan):
 
 
 def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
+    from osdp.auto import split_reference
     from osdp.models import GPT, example_batch
     from osdp.planner import calibration as cal
+    from osdp.planner.cost_model import PlannerSettings
     from osdp.planner.profiler import profile
     from osdp.profiler import measure_plans
 
@@ -101,15 +85,20 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
     device = cluster.for_run(run)
     plans = {kind: plan_of_kind(desc, device, kind, BATCH) for kind in KINDS}
     # auto mode's references also measure FSDP at half the batch (it tells the runtime's
-    # per-unit overhead from compute); measured here for the calibration only
+    # per-unit overhead from compute) and FSDP split (more unit uses and collectives per
+    # FLOP); measured here for the calibration only
     plans[HALF] = plan_of_kind(desc, device, "all_zdp", max(1, BATCH // 2))
+    split = split_reference(desc, device, PlannerSettings(max_slices=4), BATCH)
+    if split is not None:
+        plans[SPLIT] = split
     # every plan measured on the runtime (osdp.profiler.measure_plans: the wrapped model,
     # real scheduler and coalescing; steps interleaved across the plans; median step,
     # slowest rank; peak of one step)
     measured = dict(zip(plans, measure_plans(model, list(plans.values()), inputs, steps=steps, group_times=False)))
     # calibration as auto mode does it: refit to the measured plans of ``calibrate_on``
     # (the others are out of sample)
-    calibrated = cal.refit(desc, device, [(plans[k], measured[k]) for k in calibrate_on]) if calibrate_on else None
+    calibrated = cal.refit(desc, device, [(plans[k], measured[k]) for k in calibrate_on if k in plans]) \
+        if calibrate_on else None
     rows = []
     for kind in KINDS:
         m = measured[kind]
@@ -136,9 +125,9 @@ def main(argv=None):
     parser.add_argument("--out-dir", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--budget-s", type=float, default=None, help="start no new model after this many seconds")
     parser.add_argument("--models", nargs="*", default=None, help=f"model names (default all): {list(MODELS)}")
-    parser.add_argument("--calibrate-on", nargs="*", default=["searched", "all_zdp", HALF],
+    parser.add_argument("--calibrate-on", nargs="*", default=["searched", "all_zdp", HALF, SPLIT],
                         help=f"plan kinds whose measurements calibrate the model (as auto mode: its plan and FSDP at "
-                             f"the batch and at half of it, {HALF!r}); none: no calibration")
+                             f"the batch and at half of it, {HALF!r}, and split, {SPLIT!r}); none: no calibration")
     args = parser.parse_args(argv)
     # measured_peak_bytes (common.py): the allocator's peak on CUDA, live tensors on CPU
     peak_source = "torch.cuda.max_memory_allocated" if torch.cuda.is_available() else "live_tensors"

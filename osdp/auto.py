@@ -157,7 +157,9 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
     """Step 1 of [Note: calibrate and re-plan]: FSDP full shard (all ``zdp``, no
     checkpointing: the plan every model can run) measured on the runtime at ``batch``
     and at half of it (compute grows with the batch, the runtime's per-unit overhead and
-    the collectives do not, which tells them apart), the factors refitted to both.
+    the collectives do not, which tells them apart), and FSDP split
+    (``split_reference``: more unit uses and collectives per FLOP), the factors
+    refitted to all three.
     Returns the refitted device and the [(plan, measurement)] it was fitted to ([] and
     ``device`` when FSDP does not fit at ``batch``)."""
     from .planner import calibration as cal
@@ -165,14 +167,16 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
 
     refs = None
     if is_rank0(process_group):
+        fsdp = settings.with_(policy="zdp", checkpointing="none", rerank=False, accumulation_steps=1)
         refs = []
         for b in sorted({batch, max(1, batch // 2)}, reverse=True):
             try:
-                refs.append(make_plan(desc, device, settings.with_(policy="zdp", checkpointing="none", rerank=False,
-                                                                   accumulation_steps=1),
-                                      batch=b, backend=backend, baselines=False).to_dict())
+                refs.append(make_plan(desc, device, fsdp, batch=b, backend=backend, baselines=False).to_dict())
             except OSDPError:
                 continue
+        split = split_reference(desc, device, settings, batch) if refs else None
+        if split is not None:
+            refs.append(split.to_dict())
     refs = [Plan.from_dict(r) for r in broadcast_from_rank0(refs, process_group)]
     if not refs:
         return device, []
@@ -187,14 +191,41 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
     return (device if fitted is None else DeviceInfo.from_dict(fitted, "calibrated device")), observations
 
 
+REFERENCE_SLICES = 4  # the split reference's slices per splittable op (at most max_slices)
+
+
+def split_reference(desc, device, settings: PlannerSettings, batch: int) -> Plan | None:
+    """FSDP with every splittable op in ``min(REFERENCE_SLICES, max_slices)`` zdp slices
+    at ``batch`` (``uniform_plan``), where the planner may split (policy "osdp",
+    ``max_slices`` >= 2) and it is predicted to fit; else None. Split plans make many
+    more unit uses and collectives per FLOP than FSDP: without one measured, the fit
+    cannot tell the runtime's per-unit overhead and the collectives' latency from
+    compute, and it under-priced split plans by 20-27% (bench/fidelity.py, I&C
+    split4_mixed)."""
+    from .planner.uniform_plan import uniform_plan
+
+    slices = min(REFERENCE_SLICES, settings.max_slices)
+    if settings.policy != "osdp" or slices < 2 or not any(op.splittable for op in desc.ops):
+        return None
+    try:
+        plan = uniform_plan(desc, device, settings.with_(accumulation_steps=1), batch, slices=slices,
+                            zdp_slices=slices)
+    except OSDPError:
+        return None
+    if plan.predicted.peak_bytes > device.memory_limit_bytes or all(u.slices == 1 for u in plan.units):
+        return None
+    return plan
+
+
 def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=None, settings=None, batch=None,
                    global_batch=None, backend: str = "auto", process_group=None) -> Plan:
     """[Note: calibrate and re-plan]
-    1. (``runtime_profile``) FSDP full shard at the example batch and at half of it is
+    1. (``runtime_profile``) FSDP full shard at the example batch and at half of it,
+       and FSDP with its splittable ops in slices (``split_reference``), are
        measured on the runtime (``osdp.profiler.measure_plan``: a copy of the model
        wrapped by ``osdp.OSDP``, a few AdamW steps; the slowest rank's, so every rank
        holds the same numbers) and the factors are fitted to it (``calibration.refit``:
-       compute scales, unit overhead, overlap efficiency, optimizer bandwidth, memory
+       compute scales, unit overhead, overlap efficiency, comm scale, optimizer bandwidth, memory
        constant). The plan is made on that
        ``device``: a plan is only handed out with the memory margin the measurement
        taught (the learned constant).

@@ -179,7 +179,7 @@ def fits_at(t: ProblemTemplate, batch: int, backend: str = "auto") -> bool:
     return search(least_memory_problem(t, batch), backend=backend).feasible
 
 
-def _finish(t, batch, result, searches, started, batch_capped=False) -> Scheduled:
+def finish_schedule(t, batch, result, searches, started, batch_capped=False) -> Scheduled:
     estimate = evaluate(t, batch, result.option_index, result.variant)
     return Scheduled(t, batch, result, estimate, searches, time.perf_counter() - started, batch_capped)
 
@@ -233,7 +233,7 @@ def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
         result = search_batch(t, batch, backend)
         if not result.feasible:
             raise _infeasible(t, batch)
-        return _finish(t, batch, result, 1, started)
+        return finish_schedule(t, batch, result, 1, started)
 
     searches = 0
     results: dict[int, SearchResult] = {}
@@ -287,7 +287,7 @@ def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
             best_b, best_rate = b, b / r.time_s
     if best_b == 0:  # nothing beats ``beat``
         return Scheduled(t, lo, SearchResult(feasible=False), beat.estimate, searches, time.perf_counter() - started)
-    return _finish(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch)
+    return finish_schedule(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch)
 
 
 def _schedule_layouts(desc, device, settings, batch, backend, max_batch, global_batch) -> Scheduled:
@@ -345,7 +345,7 @@ def _schedule_global(desc, device, settings, global_batch, backend, started) -> 
     if best is None:
         raise _infeasible(*smallest)
     t, result, micro = best
-    return _finish(t, micro, result, searches, started)
+    return finish_schedule(t, micro, result, searches, started)
 
 
 def _divisors(n: int) -> list[int]:

@@ -1,0 +1,44 @@
+"""``uniform_plan``: one shape for every unit (all dp, all zdp, every splittable op in g
+slices), priced by the cost model like a searched plan. Calibration measures such plans
+as references ([Note: calibrate and re-plan] in osdp/auto.py), bench/fidelity.py
+predicts them beside their measurement."""
+from __future__ import annotations
+
+from .cost_model import PlannerSettings, build_template
+from .description import ModelDesc
+from .device import DeviceInfo
+from .plan import Plan
+
+
+def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings, batch: int, *,
+                 slices: int = 1, zdp_slices: int = 1) -> Plan:
+    """Every op at ``slices`` slices with ``zdp_slices`` of them zdp (the rest dp); an op
+    its split op cannot cut in ``slices`` stays whole with ``min(zdp_slices, 1)`` zdp
+    slices. No checkpointing, no rep units; ``settings`` give the rest (mixed precision,
+    layout, window). Its predictions are the cost model's for exactly this assignment."""
+    from .planner import plan_from_schedule
+    from .scheduler import Scheduled, finish_schedule
+    from .search import evaluate_assignment
+    from .search_problem import SearchResult
+
+    if not 1 <= zdp_slices <= slices and not (zdp_slices == 0 and slices >= 1):
+        raise ValueError(f"zdp_slices must be in [0, slices={slices}], got {zdp_slices}")
+    settings = settings.with_(policy="osdp", rep_units=(), checkpointing="none",
+                              max_slices=max(slices, settings.max_slices))
+    t = build_template(desc, device, settings)
+    whole = (1, min(zdp_slices, 1))
+    choice = []
+    for i, op in enumerate(desc.ops):
+        options = range(t.opt_begin[i, 0], t.opt_end[i, 0])
+        offered = {int(t.opt_slices[o]) for o in options}
+        want = (slices, zdp_slices) if slices in offered else whole
+        match = [o for o in options if (int(t.opt_slices[o]), int(t.opt_zdp[o])) == want and not int(t.opt_hpz[o])]
+        # a tied use runs its owner's choice; a use whose backward reads no weights (a
+        # row-split embedding) has one option per slice count: both modes free its slices
+        match = match or [o for o in options if int(t.opt_slices[o]) == want[0]]
+        choice.append(match[0])
+    variant = [0] * len(t.segments)
+    _, time_s, peak, peak_op = evaluate_assignment(t.problem(batch), choice, variant)
+    scheduled = finish_schedule(t, batch, SearchResult(True, time_s, peak, peak_op, tuple(choice), tuple(variant)), 0, 0.0)
+    assert isinstance(scheduled, Scheduled)
+    return plan_from_schedule(scheduled)
