@@ -26,10 +26,12 @@ reduce-scattered: after its last backward use its unsharded buffer (G, kept on t
 unit) joins the bucket. The bucket is issued once it holds >= REPLICATE_BUCKET_BYTES
 (counted as G in reduce_dtype, whatever dtype an accumulator has) and at the end of
 the backward pass: the buffers are copied into one flat staging tensor in reduce_dtype
-(concatenated in join order) and that is all-reduced over every rank of the layout
-(``CommContext.all_reduce_replicated``, one collective); issuing beyond
-MAX_INFLIGHT_REPLICATE_BUCKETS waits for the oldest. Finished, the staging copy is
-averaged (cast into the parameters' dtype first where that differs) and each unit's
+(concatenated in join order) and divided by the ranks of the layout in that same copy
+(as torch DDP does: no pass over the bucket after the collective), and that is
+all-reduced over every rank of the layout (``CommContext.all_reduce_replicated``, one
+collective); issuing beyond MAX_INFLIGHT_REPLICATE_BUCKETS waits for the oldest.
+Finished, the staging copy (cast into the parameters' dtype where that differs) is the
+mean, and each unit's
 range of it is handed to ``.grad`` (``accumulate_replicated_grad``: it BECOMES ``.grad``
 where that was None, no copy; added otherwise); then the G buffers are freed. So G and
 the staging copy are both live while the bucket is in flight (the ledger counts both
@@ -210,7 +212,9 @@ class GradReducer:
             # off the unit: a later use of it (another backward) starts a new buffer
             flat, unit.grad_flat = unit.grad_flat, None
             buffers.append(flat)
-            staging.narrow(0, offset, unit.numel).copy_(flat[: unit.numel])  # casts an fp32 accumulator
+            # the mean over every rank of the layout (each rank's loss is a local mean), taken
+            # in this copy, which casts an fp32 accumulator too: no pass of its own afterwards
+            torch.div(flat[: unit.numel], self.comm.data_parallel_size, out=staging.narrow(0, offset, unit.numel))
             offset += unit.numel
             self.ledger.grad_alloc(unit.name, unit.numel * staging.element_size())
             self.ledger.all_reduced(unit.name)
@@ -226,13 +230,9 @@ class GradReducer:
         free the units' gradient buffers."""
         done = self._inflight_buckets.popleft()
         done.pending.wait()
-        result = done.staging
-        if keep:
-            shard_dtype = done.units[0].shard_dtype
-            if result.dtype != shard_dtype:
-                result = result.to(shard_dtype)
-            # the mean over every rank of the layout (each rank's loss is a local mean)
-            result.div_(self.comm.data_parallel_size)
+        result = done.staging  # already divided: the mean once summed
+        if keep and result.dtype != done.units[0].shard_dtype:
+            result = result.to(done.units[0].shard_dtype)
         offset = 0
         for unit, flat in zip(done.units, done.buffers):
             if keep:
