@@ -17,7 +17,7 @@ BENCH = str(Path(__file__).resolve().parent.parent / "bench")
 
 
 def _bench_modules():
-    """bench/common.py and bench/physical_limit.py, imported with bench/ on sys.path only
+    """bench/common.py, bench/physical_limit.py and bench/regret.py, imported with bench/ on sys.path only
     while importing (left on it, bench/kernels.py would shadow the ``kernels`` package
     that transformers looks for), and without the benches' OSDP_MEMORY_CHECK=0 leaking
     into the other tests of this process."""
@@ -26,16 +26,17 @@ def _bench_modules():
     try:
         import common
         import physical_limit
+        import regret
     finally:
         sys.path.remove(BENCH)
         if check is None:
             os.environ.pop("OSDP_MEMORY_CHECK", None)
         else:
             os.environ["OSDP_MEMORY_CHECK"] = check
-    return common, physical_limit
+    return common, physical_limit, regret
 
 
-common, _ = _bench_modules()
+common, _, regret_bench = _bench_modules()
 
 
 def _largest_fitting(peaks, budget, max_batch, monkeypatch):
@@ -78,7 +79,7 @@ def _physical_limit_worker(rank, world):
     from osdp.models import GPT, GPTConfig
     from osdp.runtime import collectives
 
-    common, limits = _bench_modules()
+    common, limits, _ = _bench_modules()
     local_collectives, physical_limit = limits.local_collectives, limits.physical_limit
     recorded_collectives = limits.recorded_collectives
 
@@ -120,3 +121,18 @@ def test_physical_limit_records_a_steps_collectives_and_runs_the_step_without_th
         assert limit["ratio"] == pytest.approx(limit["step_s"] / max(limit["compute_only_s"], limit["comm_only_s"]))
     assert results[0]["first"] == results[1]["first"]  # every rank issues the same sequence
     assert results[0]["loss"] == pytest.approx(results[0]["loss"]) and abs(results[0]["loss"]) < 1e3  # finite
+
+
+def test_regret_leaves_out_a_finalist_that_runs_the_picks_own_configuration():
+    """Pick 50/s; a finalist running the pick's configuration measured 55/s (timing
+    noise of one plan), another 52/s, a faster one over the budget: regret 52/50 - 1."""
+    budget = 100
+    rows = [dict(plan="pick", is_pick=True, batch=4, peak_bytes=90, samples_per_s=50.0, interleaved=True),
+            dict(plan="twin", is_pick=False, batch=4, peak_bytes=90, samples_per_s=55.0, interleaved=True,
+                 same_as_pick=True),
+            dict(plan="other", is_pick=False, batch=5, peak_bytes=99, samples_per_s=52.0, interleaved=True),
+            dict(plan="over", is_pick=False, batch=9, peak_bytes=101, samples_per_s=90.0, interleaved=True)]
+    value, best = regret_bench.regret(rows, budget)
+    assert best == "other" and value == pytest.approx(52 / 50 - 1)
+    rows[1]["same_as_pick"] = False  # another plan after all: it is the best alternative
+    assert regret_bench.regret(rows, budget) == (pytest.approx(55 / 50 - 1), "twin")
