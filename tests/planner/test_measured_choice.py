@@ -153,3 +153,42 @@ def test_of_two_runs_of_one_schedule_that_fit_the_larger_batch_wins_whatever_the
                                         for u in plan.units))
     assert not same_schedule(plan, other)
     assert faster_within_limit(small, (other, big[1])) is small
+
+
+def test_two_schedules_measured_close_are_timed_again_and_the_faster_over_those_wins():
+    """Per sample, every checkpointed plan measured 0.100/13 s and every plan without
+    checkpointing 0.098/13 s (2% apart: within CLOSE_MARGIN). The best without
+    checkpointing and the best checkpointed one are then measured TIEBREAK_REPEATS more
+    times, interleaved, where checkpointing is the faster (0.090 against 0.100): the
+    checkpointed plan is kept, and the tiebreak is recorded."""
+    from osdp.measured_choice import CLOSE_MARGIN, TIEBREAK_REPEATS, close_runner_up
+
+    desc, device, settings, plan = _setup()
+    plan = replace(plan, measured=_measured(plan, 0.1, 0.8 * LIMIT).to_dict(), calibration={"decision": "kept"})
+    assert plan.checkpoint_blocks
+    calls = []
+
+    def measure(plans):
+        calls.append(plans)
+        tiebreak = len(calls) > 2
+        per_sample = {True: 0.090 if tiebreak else 0.100, False: 0.100 if tiebreak else 0.098}
+        return [_measured(p, per_sample[bool(p.checkpoint_blocks)] * p.batch_size / 13, 0.8 * LIMIT) for p in plans]
+
+    chosen = measured_choice(desc, device, plan, measure, settings=settings, backend="python")
+    assert len(calls) == 2 + TIEBREAK_REPEATS
+    pairs = [[bool(p.checkpoint_blocks) for p in c] for c in calls[2:]]
+    assert all(sorted(pair) == [False, True] for pair in pairs)  # one of each side, again and again
+    assert chosen.checkpoint_blocks
+    record = chosen.calibration["measured_choice"]["tiebreak"]
+    assert record["kept"] == chosen.plan_hash() and record["repeats"] == TIEBREAK_REPEATS
+    # without the tiebreak the plan without checkpointing would have been kept (2% more samples/s)
+    assert Measurement.from_dict(chosen.measured).step_s == pytest.approx(0.090 * chosen.batch_size / 13)
+    # far apart: no runner-up to time again; close: it is; over its limit: never
+    other = checkpointing_alternative(desc, device, plan, settings, backend="python")
+    ratio = other.batch_size / plan.batch_size
+    best = (plan, _measured(plan, 0.1, 0.8 * LIMIT))
+    assert close_runner_up(best, [best, (other, _measured(other, 0.1 * ratio / (1 - 2 * CLOSE_MARGIN), 0.8 * LIMIT))]) \
+        is None
+    close = (other, _measured(other, 0.1 * ratio * 1.02, 0.8 * LIMIT))
+    assert close_runner_up(best, [best, close]) is close
+    assert close_runner_up(best, [best, (other, _measured(other, 0.1 * ratio, 1.01 * LIMIT))]) is None
