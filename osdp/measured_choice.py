@@ -95,6 +95,17 @@ def same_schedule(a: Plan, b: Plan) -> bool:
     return core(a) == core(b)
 
 
+def _fits(pair) -> bool:
+    """Whether a measured (plan, measurement) pair's peak is within the plan's limit."""
+    plan, m = pair
+    return m.peak_bytes <= plan.memory_limit_bytes
+
+
+def _samples_per_s(pair) -> float:
+    plan, m = pair
+    return m.samples_per_s(plan.world_size, plan.accumulation_steps)
+
+
 def faster_within_limit(first, second):
     """The better of two measured (plan, measurement) pairs: one whose measured peak is
     within its limit over one that is not; then, between two runs of one schedule
@@ -105,17 +116,12 @@ def faster_within_limit(first, second):
     the limit: these are measured peaks of the very steps training will run (fixed
     shapes: the same every step; on CUDA the allocator's rounding is in them), not
     predictions."""
-    def fits(pair):
-        plan, m = pair
-        return m.peak_bytes <= plan.memory_limit_bytes
-
-    if fits(first) and fits(second) and same_schedule(first[0], second[0]) \
+    if _fits(first) and _fits(second) and same_schedule(first[0], second[0]) \
             and first[0].batch_size != second[0].batch_size:
         return second if second[0].batch_size > first[0].batch_size else first
 
     def key(pair):
-        plan, m = pair
-        return (fits(pair), m.samples_per_s(plan.world_size, plan.accumulation_steps))
+        return (_fits(pair), _samples_per_s(pair))
 
     return second if key(second) > key(first) else first
 
@@ -132,16 +138,12 @@ def close_runner_up(best, measured, margin: float = CLOSE_MARGIN):
     I&C tight measured a split plan without checkpointing at 27.36 samples/s beside a
     checkpointed one at 27.47 and kept the split one by that noise; timed in 5 rounds
     they ran at 24.0 and 27.3."""
-    def sps(pair):
-        plan, m = pair
-        return m.samples_per_s(plan.world_size, plan.accumulation_steps)
-
     others = [pair for pair in measured if pair[0].plan_hash() != best[0].plan_hash()
-              and pair[1].peak_bytes <= pair[0].memory_limit_bytes and not same_schedule(pair[0], best[0])]
+              and _fits(pair) and not same_schedule(pair[0], best[0])]
     if not others:
         return None
-    runner = max(others, key=sps)
-    return runner if sps(runner) >= (1 - margin) * sps(best) else None
+    runner = max(others, key=_samples_per_s)
+    return runner if _samples_per_s(runner) >= (1 - margin) * _samples_per_s(best) else None
 
 
 def _new(plans, seen) -> list[Plan]:
@@ -172,10 +174,10 @@ def _tiebreak(best, measured, measure, group):
             last[k] = m
     if not is_rank0(group):
         return best, None
-    mean = [sum(s) / len(s) for s in steps]
-    sps = [p.batch_size * p.accumulation_steps * p.world_size / t for p, t in zip(pair, mean)]
-    fits = [m.peak_bytes <= p.memory_limit_bytes for p, m in zip(pair, last)]
-    winner = max((0, 1), key=lambda k: (fits[k], sps[k], -k))  # ties keep the best so far
+    # each plan at its mean step over the repeats (its last measurement's peak)
+    averaged = [(p, replace(m, step_s=sum(s) / len(s))) for p, m, s in zip(pair, last, steps)]
+    sps = [_samples_per_s(a) for a in averaged]
+    winner = max((0, 1), key=lambda k: (_fits(averaged[k]), sps[k], -k))  # ties keep the best so far
     row = {"plans": [p.plan_hash() for p in pair], "samples_per_s": sps, "repeats": TIEBREAK_REPEATS,
            "kept": pair[winner].plan_hash()}
     return (pair[winner], last[winner]), row
@@ -249,8 +251,8 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     if is_rank0(group):
         chosen, result = best
         rows = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "checkpoint_blocks": len(p.checkpoint_blocks),
-                 "notes": list(p.notes), "samples_per_s": m.samples_per_s(p.world_size, p.accumulation_steps),
-                 "peak_bytes": m.peak_bytes} for p, m in measured]
+                 "notes": list(p.notes), "samples_per_s": _samples_per_s((p, m)), "peak_bytes": m.peak_bytes}
+                for p, m in measured]
         info = dict(plan.calibration or {})
         info["measured_choice"] = {"candidates": rows, "kept": chosen.plan_hash()}
         if tiebreak is not None:

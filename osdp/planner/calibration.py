@@ -265,8 +265,9 @@ def fit_factors(rows: list[PhaseTerms], prior: Calibration = Calibration(),
     """Least squares of the linear model of [Note: what the profiler fits] over
     ``rows`` with W and H as given, relative errors, each factor in its range (the
     compute scales in COMPUTE_SCALE_RANGE, unit_overhead_s >= 0, overlap_efficiency in
-    [0, 1]), each pulled toward ``prior`` ([Note: the prior pull]). At most as many
-    factors as rows are fitted, in the order of ``FACTORS``; the others keep ``prior``."""
+    [0, 1]), each pulled toward ``prior`` ([Note: the prior pull]). Without the pull
+    (``prior_weight=0``) at most as many factors as rows are fitted, in the order of
+    ``FACTORS``; factors not fitted keep ``prior``."""
     if not rows:
         return prior
     # y = cf F + cb B + u U - e H   with   y = measured - W - H

@@ -17,11 +17,11 @@ def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
     slices. No checkpointing, no rep units; ``settings`` give the rest (mixed precision,
     layout, window). Its predictions are the cost model's for exactly this assignment."""
     from .planner import plan_from_schedule
-    from .scheduler import Scheduled, finish_schedule
+    from .scheduler import finish_schedule
     from .search import evaluate_assignment
     from .search_problem import SearchResult
 
-    if not 1 <= zdp_slices <= slices and not (zdp_slices == 0 and slices >= 1):
+    if slices < 1 or not 0 <= zdp_slices <= slices:
         raise ValueError(f"zdp_slices must be in [0, slices={slices}], got {zdp_slices}")
     settings = settings.with_(policy="osdp", rep_units=(), checkpointing="none",
                               max_slices=max(slices, settings.max_slices))
@@ -39,6 +39,5 @@ def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
         choice.append(match[0])
     variant = [0] * len(t.segments)
     _, time_s, peak, peak_op = evaluate_assignment(t.problem(batch), choice, variant)
-    scheduled = finish_schedule(t, batch, SearchResult(True, time_s, peak, peak_op, tuple(choice), tuple(variant)), 0, 0.0)
-    assert isinstance(scheduled, Scheduled)
-    return plan_from_schedule(scheduled)
+    result = SearchResult(True, time_s, peak, peak_op, tuple(choice), tuple(variant))
+    return plan_from_schedule(finish_schedule(t, batch, result, 0, 0.0))
