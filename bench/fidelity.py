@@ -1,6 +1,7 @@
 """Model fidelity: predicted vs measured step time and peak memory for a grid of plans.
 
-    python bench/fidelity.py            # 3 GPT families x {all dp, all zdp, searched, split}
+    python bench/fidelity.py            # 3 GPT families x {all dp, all zdp, searched, split,
+                                        #   all zdp with every block checkpointed}
     python bench/fidelity.py --quick    # one model
 
 The cluster is profiled first (osdp.profile: collectives, per-unit compute fits), then for
@@ -35,7 +36,7 @@ MODELS = {
     "I&C 6x128-512": GPTConfig(vocab_size=1024, seq_len=64, num_layers=6, hidden=128, heads=4,
                                block_hidden=(128, 512) * 3),
 }
-KINDS = ("all_dp", "all_zdp", "searched", "split4_mixed")
+KINDS = ("all_dp", "all_zdp", "searched", "split4_mixed", "all_zdp_ckpt")
 HALF = "all_zdp@half"  # FSDP at half the batch: a calibration reference, not a row of the table
 SPLIT = "split_zdp@ref"  # FSDP with its splittable ops in slices (osdp.auto.split_reference): likewise
 BATCH = 4
@@ -51,9 +52,12 @@ def plan_of_kind(desc, device, kind: str, batch: int):
     settings = PlannerSettings(max_slices=4)
     if kind == "searched":
         return plan_from_schedule(schedule(desc, device, settings, batch=batch))
-    # split4_mixed: every splittable op in 4 slices, half of them zdp; the rest zdp
+    # split4_mixed: every splittable op in 4 slices, half of them zdp; the rest zdp.
+    # all_zdp_ckpt: FSDP with every block checkpointed (recompute's activations and
+    # gathers are priced nowhere else in this table)
     shape = {"all_dp": dict(slices=1, zdp_slices=0), "all_zdp": dict(slices=1, zdp_slices=1),
-             "split4_mixed": dict(slices=4, zdp_slices=2)}[kind]
+             "split4_mixed": dict(slices=4, zdp_slices=2),
+             "all_zdp_ckpt": dict(slices=1, zdp_slices=1, checkpointed=True)}[kind]
     return uniform_plan(desc, device, settings, batch, **shape)
 
 

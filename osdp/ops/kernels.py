@@ -44,7 +44,14 @@ def ref_addmm_slice_(out, x, w_slice, k0, bias=None):
 
 
 def ref_slice_dx(dy, w_slice, dx, k0):
-    dx[:, k0 : k0 + w_slice.shape[1]].copy_(torch.mm(dy, w_slice.to(dy.dtype)))
+    block = dx[:, k0 : k0 + w_slice.shape[1]]
+    if dx.dtype == dy.dtype:
+        # straight into dX's column block: a row-major block with leading dimension K is a
+        # valid GEMM output, so no (M, ks) temporary (it was one slice of dX more at the
+        # peak of a K-split op's backward, which the memory model does not count)
+        torch.mm(dy, w_slice.to(dy.dtype), out=block)
+    else:
+        block.copy_(torch.mm(dy, w_slice.to(dy.dtype)))
     return dx
 
 

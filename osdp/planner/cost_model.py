@@ -208,6 +208,9 @@ class PlannerSettings:
     checkpointing: str = "none"  # "auto": per block, chosen by the search
     prefetch_bytes: float | None = None  # None: 2 x the largest slice at the finest split
     optimizer_state_bytes_per_param: float = 8.0  # AdamW: two fp32 moments
+    # AdamW: its fp32 ``step`` per parameter tensor (on the device on CPU, and on CUDA when
+    # fused or capturable; counted always: a few hundred bytes at most)
+    optimizer_state_bytes_per_tensor: float = 4.0
     # mixed precision (like FSDP2's MixedPrecisionPolicy): weights are gathered and used
     # in param_dtype, gradients reduced in reduce_dtype, the sharded master copy and its
     # optimizer state stay in the model's own dtype. None: the model's own dtype.
@@ -252,7 +255,7 @@ class PlannerSettings:
             raise OSDPError(f"min_buckets ({self.min_buckets}) must not exceed max_buckets ({self.max_buckets})")
         if self.prefetch_bytes is not None and not _is_number(self.prefetch_bytes, 0):
             raise OSDPError(f"prefetch window must be a number of bytes >= 0 (or None), got {self.prefetch_bytes!r}")
-        for name in ("optimizer_state_bytes_per_param", "backward_compute_ratio"):
+        for name in ("optimizer_state_bytes_per_param", "optimizer_state_bytes_per_tensor", "backward_compute_ratio"):
             if not _is_number(getattr(self, name), 0):
                 raise OSDPError(f"{name} must be a number >= 0, got {getattr(self, name)!r}")
         if not _is_number(self.memory_tolerance, 0) or not 0 < self.memory_tolerance < 1:
@@ -486,6 +489,9 @@ def prefetch_window(desc: ModelDesc, settings: PlannerSettings, budget_bytes: fl
     return 2.0 * max(slices, default=0.0)
 
 
+LOSS_SCALARS_BYTES = 8.0  # the loss and the gradient backward starts from: two fp32 scalars
+
+
 def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
     """Bytes every plan pays: 1/N shards of params, grads and optimizer state (padded),
     and with gradient accumulation synced only at the last micro-batch, the unsharded
@@ -500,7 +506,8 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
         accumulators += reduced_bytes(op, settings)
         if _rep_owner(desc, rep, i):
             r_params += op.param_count * e
-            r_optim += op.param_count * settings.optimizer_state_bytes_per_param
+            r_optim += op.param_count * settings.optimizer_state_bytes_per_param \
+                + op.param_tensors * settings.optimizer_state_bytes_per_tensor
             r_grads += op.param_count * e if _grad_persists(settings) else 0.0
             if settings.param_dtype_bytes is not None and settings.param_dtype_bytes != e:
                 r_copies += op.param_count * settings.param_dtype_bytes  # the kept param_dtype copy
@@ -508,11 +515,12 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
         shard = math.ceil(op.param_count / n)
         params += shard * e
         grads += shard * e
-        optim += shard * settings.optimizer_state_bytes_per_param
+        optim += shard * settings.optimizer_state_bytes_per_param + op.param_tensors * settings.optimizer_state_bytes_per_tensor
     result = {
         "sharded_params": params,
         "optimizer_state": optim,
-        "constant": float(device.constant_bytes) + desc.act_constant_bytes * activation_scale(desc, settings),
+        "constant": float(device.constant_bytes) + desc.act_constant_bytes * activation_scale(desc, settings)
+        + LOSS_SCALARS_BYTES,
     }
     if settings.accumulation_steps > 1 and settings.gradient_sync == "last":
         result["grad_accumulators"] = accumulators
@@ -827,6 +835,10 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
         s = gathered_bytes(owner, settings) / g
         ag, ag_node = coll.gather_s(s), coll.node_gather_s(s)
         grad = full_grad / g
+        # one slice's sharded gradient once reduced (made by backward when gradients are
+        # set to None between steps; otherwise a static term)
+        reduced_slice = math.ceil(owner.param_count / g / coll.shard_ranks) * element_bytes(owner) \
+            if settings.grads_set_to_none else 0.0
         grad_s = coll.grad_s(grad)
         if len(group) == 1 and is_small_unit(s, settings.coalesce_bytes, is_slice=g > 1):
             ag = _shared_latency_s(ag, device.all_gather, coll.shard_ranks, shares[0], coll.comm_scale)
@@ -853,7 +865,8 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             else:
                 gathers_f = min(window, own_f + after_i)
                 gathers_b = min(window, own_b + before_i)
-            grads_live = _grads_live(grad, g, untied=len(group) == 1, pending=pending, autograd=s if g == 1 else 0.0)
+            grads_live = _grads_live(grad, g, untied=len(group) == 1, pending=pending, autograd=s if g == 1 else 0.0,
+                                     reduced_slice=reduced_slice)
             transient = max(gathers_f, gathers_b + grads_live)
             # [Note: fused vocabulary-split loss]: split, the head never holds the logits;
             # unsplit, the loss's backward (3 L) comes before the head's (L of it left)
@@ -867,15 +880,26 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
     return rows
 
 
-def _grads_live(grad: float, g: int, untied: bool, pending: float, autograd: float) -> float:
-    """Unsharded gradient bytes live during an op's backward, ``grad`` being one slice's
-    ([Note: pending reduction]): the unit's buffer (a tied unit's is summed over its uses
-    first: ``tied_grads_bytes``), the one reduction in flight (its own previous slice,
-    or for the first what was issued before) and ``autograd``: unsplit, the gradient
-    autograd made (in the compute dtype), which the runtime's hook copies into that
-    buffer, both live during the copy (a split op writes its dW into the buffer itself:
-    osdp/ops/matmul_split.py; 0 there)."""
-    return autograd + (grad if untied else 0.0) + max(grad if g > 1 and untied else 0.0, pending)
+def _grads_live(grad: float, g: int, untied: bool, pending: float, autograd: float,
+                reduced_slice: float = 0.0) -> float:
+    """Gradient bytes live during an op's backward beyond the other ops' sharded ones,
+    ``grad`` being one slice's unsharded gradient ([Note: pending reduction]): the
+    unit's buffer (a tied unit's is summed over its uses first: ``tied_grads_bytes``),
+    the one reduction in flight and ``autograd``: unsplit, the gradient autograd made
+    (in the compute dtype), which the runtime's hook copies into that buffer, both live
+    during the copy (a split op writes its dW into the buffer itself:
+    osdp/ops/matmul_split.py; 0 there).
+
+    Split (untied), the op's own slices' sharded gradients count too, ``reduced_slice``
+    bytes each: a slice's reduce-scatter output is allocated when it is issued, before
+    the runtime waits for the one in flight (runtime/reduce.py), and becomes ``.grad``.
+    The busiest moments are the issue of the first slice in backward (its buffer,
+    ``pending`` still reducing, its output) and of the last (its buffer, its previous
+    slice still reducing, all g outputs). Measured, I&C 6x128-512 at batch 14, a 4 MiB
+    c_proj in 4 slices on 2 ranks: 2 MiB of outputs live beside the two 1 MiB buffers."""
+    if g == 1 or not untied:
+        return autograd + (grad if untied else 0.0) + pending
+    return grad + max(pending + reduced_slice, grad + g * reduced_slice)
 
 
 def tied_grads_bytes(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:

@@ -69,6 +69,8 @@ class OpDesc:
     # slice with a fused loss and never saves; 0 for every other unit. See the cost
     # model's [Note: fused vocabulary-split loss]
     logits_bytes_per_sample: float = 0.0
+    # parameter tensors owned (the optimizer keeps per-tensor state too: AdamW's step)
+    param_tensors: int = 0
 
     @property
     def max_slices(self) -> int:
@@ -482,6 +484,7 @@ def describe(
                 # forward saved them (its loss ran); see [Note: the vocabulary head]
                 logits_bytes_per_sample=logits if logits and path == head and splittable
                 and per_sample.get(path, 0.0) >= logits else 0.0,
+                param_tensors=len(own),
             )
         )
     block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})

@@ -55,11 +55,12 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
         axis = {"in_features": fan_in, "out_features": fan_out}[split.axis] if split.planned else 0
         ops.append(OpDesc(path, "linear", count, count * e, act, 2.0 * s * fan_in * fan_out + extra_flops,
                           splittable=axis >= 2, in_features=axis if axis >= 2 else 0, block=block,
-                          act_grad_bytes_per_sample=grad + ids, split_op=split.op_name if axis >= 2 else ""))
+                          act_grad_bytes_per_sample=grad + ids, split_op=split.op_name if axis >= 2 else "",
+                          param_tensors=2 if bias else 1))
 
     def layernorm(path, h, grad_widths, block=None):
         ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block,
-                          act_grad_bytes_per_sample=grad_widths * s * h * e + ids))
+                          act_grad_bytes_per_sample=grad_widths * s * h * e + ids, param_tensors=2))
 
     rows = default_split_op_for_kind("embedding")
 
@@ -67,7 +68,7 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
         axis = num if rows is not None and rows.planned and num >= 2 else 0
         ops.append(OpDesc(path, "embedding", num * width, num * width * e, ids if path == "wte" else 0.0, 0.0,
                           splittable=axis >= 2, in_features=axis, act_grad_bytes_per_sample=s * width * e + ids,
-                          split_op=rows.op_name if axis else ""))
+                          split_op=rows.op_name if axis else "", param_tensors=1))
 
     h0 = config.hidden
     embedding("wte", vocab, h0)
@@ -104,6 +105,7 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
                       tied_to="wte" if config.tie_embeddings else None,
                       act_grad_bytes_per_sample=head_grad,
                       split_op=head_split.op_name if head_axis else "",
-                      logits_bytes_per_sample=float(s * vocab * e) if head_axis else 0.0))
+                      logits_bytes_per_sample=float(s * vocab * e) if head_axis else 0.0,
+                      param_tensors=0 if config.tie_embeddings else 1))
     label = name or f"GPT-{config.num_layers}x{config.hidden}"
     return ModelDesc(name=label, ops=tuple(ops), blocks=tuple(blocks))

@@ -121,14 +121,15 @@ def describe_llama(config: LlamaConfig, dtype_bytes: int = 4, name: str | None =
         grad = (fan_in + fan_out) * s * e if grad is None else grad
         ops.append(OpDesc(path, "linear", count, count * e, act, 2.0 * s * fan_in * fan_out + extra_flops,
                           splittable=axis >= 2, in_features=axis if axis >= 2 else 0, block=block,
-                          act_grad_bytes_per_sample=grad + ids, split_op=split.op_name if axis >= 2 else ""))
+                          act_grad_bytes_per_sample=grad + ids, split_op=split.op_name if axis >= 2 else "",
+                          param_tensors=1))
 
     def rmsnorm(path, block=None):
         ops.append(OpDesc(path, "rmsnorm", h, h * e, s * h * e + s * 4, 4.0 * s * h, False, block=block,
-                          act_grad_bytes_per_sample=3 * s * h * e + ids))
+                          act_grad_bytes_per_sample=3 * s * h * e + ids, param_tensors=1))
 
     ops.append(OpDesc("model.embed_tokens", "embedding", vocab * h, vocab * h * e, ids, 0.0, False,
-                      act_grad_bytes_per_sample=s * h * e + ids))
+                      act_grad_bytes_per_sample=s * h * e + ids, param_tensors=1))
     for i in range(config.num_layers):
         b = f"model.layers.{i}"
         first = len(ops)

@@ -11,11 +11,12 @@ from .plan import Plan
 
 
 def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings, batch: int, *,
-                 slices: int = 1, zdp_slices: int = 1) -> Plan:
+                 slices: int = 1, zdp_slices: int = 1, checkpointed: bool = False) -> Plan:
     """Every op at ``slices`` slices with ``zdp_slices`` of them zdp (the rest dp); an op
     its split op cannot cut in ``slices`` stays whole with ``min(zdp_slices, 1)`` zdp
-    slices. No checkpointing, no rep units; ``settings`` give the rest (mixed precision,
-    layout, window). Its predictions are the cost model's for exactly this assignment."""
+    slices. Every block is checkpointed if ``checkpointed``, none otherwise; no rep units;
+    ``settings`` give the rest (mixed precision, layout, window). Its predictions are the
+    cost model's for exactly this assignment."""
     from .planner import plan_from_schedule
     from .scheduler import finish_schedule
     from .search import evaluate_assignment
@@ -23,7 +24,7 @@ def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
 
     if slices < 1 or not 0 <= zdp_slices <= slices:
         raise ValueError(f"zdp_slices must be in [0, slices={slices}], got {zdp_slices}")
-    settings = settings.with_(policy="osdp", rep_units=(), checkpointing="none",
+    settings = settings.with_(policy="osdp", rep_units=(), checkpointing="all" if checkpointed else "none",
                               max_slices=max(slices, settings.max_slices))
     t = build_template(desc, device, settings)
     whole = (1, min(zdp_slices, 1))
@@ -37,7 +38,7 @@ def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
         # row-split embedding) has one option per slice count: both modes free its slices
         match = match or [o for o in options if int(t.opt_slices[o]) == want[0]]
         choice.append(match[0])
-    variant = [0] * len(t.segments)
+    variant = [0] * len(t.segments)  # one variant per segment: checkpointed or not, as asked
     _, time_s, peak, peak_op = evaluate_assignment(t.problem(batch), choice, variant)
     result = SearchResult(True, time_s, peak, peak_op, tuple(choice), tuple(variant))
     return plan_from_schedule(finish_schedule(t, batch, result, 0, 0.0))

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from osdp.errors import OSDPError
-from osdp.planner.cost_model import PlannerSettings, build_template, evaluate
+from osdp.planner.cost_model import LOSS_SCALARS_BYTES, PlannerSettings, build_template, evaluate
 from osdp.planner.description import BlockDesc, ModelDesc, OpDesc
 from osdp.planner.device import CollectiveCost, DeviceInfo, parse_bytes
 
@@ -102,7 +102,7 @@ def test_peak_is_early_in_backward_with_a_breakdown():
     est = evaluate(t, b, choices, [0] * 5)
     P = 256 * 256 * 4
     shard = math.ceil(256 * 256 / 4)
-    states = shard * (4 + 8) * 5
+    states = shard * (4 + 8) * 5 + LOSS_SCALARS_BYTES  # the loss and its gradient seed: 2 x 4 B
     # l4, first in backward: all 5 weights kept, 5 ops' saved activations, in backward
     # nothing to gather (dp): the gradient autograd made and the buffer the hook copies
     # it into (2P), nothing reducing yet, no sharded gradient (zero_grad set them None)
@@ -121,6 +121,29 @@ def test_peak_is_early_in_backward_with_a_breakdown():
     # so l3's shard is no longer new there and the peak is l4's
     kept = build_template(desc, dev, PlannerSettings(prefetch_bytes=0, grads_set_to_none=False))
     assert evaluate(kept, b, choices, [0] * 5).peak_bytes == pytest.approx(at_l4 + shard * 4 * 5)
+
+
+@pytest.mark.parametrize("g", [2, 4, 16])
+def test_a_split_op_holds_two_slice_buffers_and_its_own_slices_shards_in_backward(g):
+    """[Note: pending reduction] for a split op, by hand: l1 (first in backward) holds
+    its slice buffer, nothing reducing before it and its first slice's reduce-scatter
+    output; its busiest moment is its last slice's issue: two slice buffers (it and
+    the previous slice, still reducing) and all g outputs, ceil(N/g/4) elements each.
+    l0 beside l1's whole gradient still reducing: the larger of that with one output,
+    and the same two buffers and g outputs."""
+    desc = linear_model(n_ops=2)
+    t = build_template(desc, device(), PlannerSettings(prefetch_bytes=0))  # no prefetch: own gathers only
+    P = 256 * 256 * 4
+    grad, out = P / g, math.ceil(256 * 256 / g / 4) * 4
+    own_gather = P / g  # zdp slices gather again in backward
+    last = option(t, 1, g, g)
+    assert t.opt_transient_bytes[last] == own_gather + grad + max(0 + out, grad + g * out)
+    first = option(t, 0, g, g)
+    pending = P  # l1 reduces alone; counted whole whatever its slicing
+    assert t.opt_transient_bytes[first] == own_gather + grad + max(pending + out, grad + g * out)
+    # gradients kept between steps: the shards are static, not made by backward
+    kept = build_template(desc, device(), PlannerSettings(prefetch_bytes=0, grads_set_to_none=False))
+    assert kept.opt_transient_bytes[option(kept, 1, g, g)] == own_gather + 2 * grad
 
 
 def test_sharded_grads_appear_as_backward_passes_each_op():

@@ -43,6 +43,19 @@ def test_every_unit_takes_the_one_shape_where_its_op_allows_it():
         uniform_plan(desc, device, PlannerSettings(), 4, slices=2, zdp_slices=3)
 
 
+def test_a_checkpointed_uniform_plan_checkpoints_every_block_and_pays_its_recompute():
+    desc, device = _setup()
+    plain = uniform_plan(desc, device, PlannerSettings(), 4)
+    ckpt = uniform_plan(desc, device, PlannerSettings(), 4, checkpointed=True)
+    assert ckpt.checkpoint_blocks == tuple(b.name for b in desc.blocks) and not plain.checkpoint_blocks
+    assert [u.modes for u in ckpt.units] == [u.modes for u in plain.units]
+    # the block keeps only its input, and its backward gathers and computes forward again
+    assert ckpt.predicted.peak_bytes < plain.predicted.peak_bytes
+    assert ckpt.predicted.step_s > plain.predicted.step_s
+    a = cal.assignment_of(desc, device, ckpt)
+    assert evaluate(a.template, a.batch, a.option_index, a.variant).peak_bytes == ckpt.predicted.peak_bytes
+
+
 def test_the_split_reference_only_where_the_planner_may_split_and_it_fits():
     desc, device = _setup()
     ref = split_reference(desc, device, PlannerSettings(max_slices=16), 4)

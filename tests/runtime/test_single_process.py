@@ -204,6 +204,27 @@ def test_reference_slice_kernels():
     torch.testing.assert_close(out, (x[:, 2:5] @ w.T), rtol=2e-2, atol=2e-2)
 
 
+def test_reference_slice_dx_writes_its_block_with_no_temporary():
+    """dX's column block is written by the GEMM itself: a (M, ks) temporary would be one
+    slice of dX more at the peak of a K-split op's backward than the memory model counts."""
+    from osdp.memtrack import StepPeakTracker
+
+    torch.manual_seed(0)
+    dy, w = torch.randn(64, 16, dtype=torch.float64), torch.randn(16, 32, dtype=torch.float64)
+    dx = torch.zeros(64, 96, dtype=torch.float64)
+    with StepPeakTracker() as tracker:
+        tracker.track([dy, w, dx])
+        before = tracker.current_bytes
+        kernels.ref_slice_dx(dy, w, dx, 32)
+    assert tracker.peak_bytes == before  # no new storage
+    torch.testing.assert_close(dx[:, 32:64], dy @ w, rtol=0, atol=1e-12)
+    assert dx[:, :32].abs().sum() == 0 and dx[:, 64:].abs().sum() == 0
+    # another output dtype still goes through one cast copy
+    dx32 = torch.zeros(64, 96, dtype=torch.float32)
+    kernels.ref_slice_dx(dy, w, dx32, 0)
+    torch.testing.assert_close(dx32[:, :32], (dy @ w).float())
+
+
 def test_registry_extension_point():
     class Bilinear3(SplitModule):  # a made-up op: only registration is exercised
         module_type = nn.Bilinear
