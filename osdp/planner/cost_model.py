@@ -45,10 +45,12 @@ search_problem.py's [Note: the memory constraint]):
     kept weights     (g - k) * P/g                  from its forward to its backward
     in-flight gathers  P/g if P/g > W else min(W, P/g + bytes of the ops around it)
                        (in backward the op's own P/g only if it has zdp slices)
-    gradient buffers   G/g + max(G/g if g > 1, pending)   (the slice being computed and
-                       the one reduction the runtime keeps in flight: its previous slice,
-                       or for the first what was issued before, [Note: pending reduction]),
-                       + G unsplit (autograd's gradient while the hook copies it in)
+    gradient buffers   unsplit: G + pending + G (its buffer, the one reduction the
+                       runtime keeps in flight, [Note: pending reduction], and autograd's
+                       gradient while the hook copies it in); split: per slice in backward
+                       order, its buffer, the previous slice still reducing and the
+                       slices' reduce-scatter outputs so far ([Note: split backward
+                       moments])
     activation grads   b * the op's measured backward transients (describe's
                        [Note: backward transients]; its saved bytes when unknown)
 With checkpointing a block keeps only its input; its activations are recomputed and
@@ -858,16 +860,19 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             gather_b = regather_b + recompute
             # gradients are reduced after the last use in backward: the first in op order
             reduce_b = g * grad_s if i == group[0] else 0.0
-            own_f = s if gathered_f else 0.0
-            own_b = s if (weights_b and k + h > 0) else 0.0
-            if s > window:
-                gathers_f, gathers_b = own_f, own_b
+            # forward: its gathered slice, unless the prefix holds it already (a dp slice
+            # of this keeper: then only a zdp / hpz slice's moment adds it)
+            own_f = s if gathered_f and (keeper != i or k + h > 0) else 0.0
+            gathers_f = own_f + _forward_prefetch(s, window, after_i)
+            if g > 1 and len(group) == 1:
+                backward = _split_backward_bytes(s, g, k + h, weights_b, window, before_i, grad, pending,
+                                                 reduced_slice)
             else:
-                gathers_f = min(window, own_f + after_i)
-                gathers_b = min(window, own_b + before_i)
-            grads_live = _grads_live(grad, g, untied=len(group) == 1, pending=pending, autograd=s if g == 1 else 0.0,
-                                     reduced_slice=reduced_slice)
-            transient = max(gathers_f, gathers_b + grads_live)
+                own_b = s if (weights_b and k + h > 0) else 0.0
+                gathers_b = own_b if s > window else min(window, own_b + before_i)
+                backward = gathers_b + _grads_live(grad, untied=len(group) == 1, pending=pending,
+                                                   autograd=s if g == 1 else 0.0)
+            transient = max(gathers_f, backward)
             # [Note: fused vocabulary-split loss]: split, the head never holds the logits;
             # unsplit, the loss's backward (3 L) comes before the head's (L of it left)
             fused = g > 1 and logits > 0
@@ -880,26 +885,56 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
     return rows
 
 
-def _grads_live(grad: float, g: int, untied: bool, pending: float, autograd: float,
-                reduced_slice: float = 0.0) -> float:
-    """Gradient bytes live during an op's backward beyond the other ops' sharded ones,
-    ``grad`` being one slice's unsharded gradient ([Note: pending reduction]): the
-    unit's buffer (a tied unit's is summed over its uses first: ``tied_grads_bytes``),
-    the one reduction in flight and ``autograd``: unsplit, the gradient autograd made
-    (in the compute dtype), which the runtime's hook copies into that buffer, both live
-    during the copy (a split op writes its dW into the buffer itself:
-    osdp/ops/matmul_split.py; 0 there).
+def _forward_prefetch(s: float, window: float, after: float) -> float:
+    """Bytes prefetched beside a forward use of a slice of ``s`` bytes, ``after`` being
+    what the next ops could gather (``_ahead_bytes``): the window holds the slice in
+    use too, kept dp or not (runtime/prefetch.py gathers it counting the unit in use,
+    [Note: transient bytes] in lifecycle.py); the slice itself is counted by the caller
+    (as a gather, or in the prefix when kept). In backward the window is filled at the
+    previous use's release, when nothing of this op is in use: there a dp slice
+    leaves the whole window to prefetches (``min(window, own + before)``)."""
+    return 0.0 if s > window else min(window - s, after)
 
-    Split (untied), the op's own slices' sharded gradients count too, ``reduced_slice``
-    bytes each: a slice's reduce-scatter output is allocated when it is issued, before
-    the runtime waits for the one in flight (runtime/reduce.py), and becomes ``.grad``.
-    The busiest moments are the issue of the first slice in backward (its buffer,
-    ``pending`` still reducing, its output) and of the last (its buffer, its previous
-    slice still reducing, all g outputs). Measured, I&C 6x128-512 at batch 14, a 4 MiB
-    c_proj in 4 slices on 2 ranks: 2 MiB of outputs live beside the two 1 MiB buffers."""
-    if g == 1 or not untied:
-        return autograd + (grad if untied else 0.0) + pending
-    return grad + max(pending + reduced_slice, grad + g * reduced_slice)
+
+def _grads_live(grad: float, untied: bool, pending: float, autograd: float) -> float:
+    """Unsharded gradient bytes live during the backward of an unsplit op or of a tied
+    unit's use, ``grad`` being its gradient ([Note: pending reduction]): the unit's buffer
+    (a tied unit's is summed over its uses first: ``tied_grads_bytes``), the one
+    reduction in flight and ``autograd``: unsplit, the gradient autograd made (in the
+    compute dtype), which the runtime's hook copies into that buffer, both live during
+    the copy."""
+    return autograd + (grad if untied else 0.0) + pending
+
+
+def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, window: float,
+                          before_i: float, grad: float, pending: float, reduced_slice: float) -> float:
+    """[Note: split backward moments] Bytes a split (untied) op adds at its busiest
+    backward moment, beyond the prefix, the larger over its slices j = g-1 .. 0 in the
+    order backward runs them, each at the issue of its reduce-scatter (the runtime
+    allocates the output, then waits for the one in flight: runtime/reduce.py):
+      gathers    its weights if slice j is resharded (the first ``resharded`` slices:
+                 planner.py orders a unit's modes zdp, hpz, dp) and backward reads them,
+                 and the window's prefetch around it (as unsplit)
+      gradients  slice j's buffer, the reduction in flight (``pending`` for the first
+                 slice, else slice j+1's buffer) and the g - j outputs made so far (one
+                 slice's sharded gradient each, ``reduced_slice``: they become .grad)
+    It writes its dW into the buffer itself (osdp/ops/matmul_split.py): no autograd
+    copy. Measured (I&C 6x128-512 at batch 14, a 4 MiB c_proj in 4 zdp slices on 2
+    ranks): 2 MiB of outputs beside the two 1 MiB buffers, predicted to 0.02%.
+    Not subtracted, a known over-bound: the dp slices after j, which the runtime frees
+    after their backward while the prefix still counts them (W&S 2x768, 2 dp + 2 zdp
+    slices: +2.6%). Subtracting them let the search pick plans where the window's
+    fractional fill (the runtime prefetches whole units and stops at the first that
+    does not fit) over-counts a further 1 MiB, 5.4% over at a small GPT's split head
+    (tests/runtime/test_peak.py): both need the neighbours' choices, which the per-op
+    search does not see."""
+    worst = 0.0
+    for j in range(g - 1, -1, -1):
+        own = s if weights_b and j < resharded else 0.0
+        gathers = own if s > window else min(window, own + before_i)
+        in_flight = pending if j == g - 1 else grad
+        worst = max(worst, gathers + grad + in_flight + (g - j) * reduced_slice)
+    return worst
 
 
 def tied_grads_bytes(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:

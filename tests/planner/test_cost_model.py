@@ -85,6 +85,20 @@ def test_gather_is_exposed_when_two_slices_do_not_fit_the_window():
     assert p.opt_time_s[o2] == pytest.approx(max(comp_f2, 2 * ag2) + max(comp_b2, 2 * ag2 + 2 * rs2), rel=1e-12)
 
 
+def test_the_forward_window_holds_the_unit_in_use_kept_or_not():
+    """[Note: transient bytes] in runtime/lifecycle.py: a forward use's prefetch counts
+    the unit in use, dp (kept) or zdp. l0 of five ops of P (4 ranks), window 6 P, by hand:
+      dp:  forward: its P is in the prefix, the next four prefetched in the 5 P left,
+           4 P; backward: nothing before it, its buffer and autograd's gradient 2 P,
+           l1's reduction P, 3 P                                          -> 4 P
+      zdp: forward: its P and the same 4 P; backward: itself again, 4 P   -> 5 P"""
+    desc = linear_model(n_ops=5)
+    P = 256 * 256 * 4
+    t = build_template(desc, device(), PlannerSettings(prefetch_bytes=6 * P))
+    assert t.opt_transient_bytes[option(t, 0, 1, 0)] == 4 * P
+    assert t.opt_transient_bytes[option(t, 0, 1, 1)] == 5 * P
+
+
 def test_dp_is_cheaper_in_time_and_dearer_in_memory():
     t = build_template(linear_model(), device(), PlannerSettings(prefetch_bytes=0))
     p = t.problem(1)
@@ -144,6 +158,22 @@ def test_a_split_op_holds_two_slice_buffers_and_its_own_slices_shards_in_backwar
     # gradients kept between steps: the shards are static, not made by backward
     kept = build_template(desc, device(), PlannerSettings(prefetch_bytes=0, grads_set_to_none=False))
     assert kept.opt_transient_bytes[option(kept, 1, g, g)] == own_gather + 2 * grad
+
+
+def test_a_split_ops_busiest_backward_moment_is_its_last_slices_issue():
+    """[Note: split backward moments] by hand, l1 (last op, nothing pending) in 4 slices,
+    2 zdp (indices 0, 1) and 2 dp (2, 3), no prefetch; s = P/4 = its slice gradient,
+    outputs s/4 (4 ranks). The prefix holds the 2 dp slices; per slice in backward:
+      3 (dp): no gather, its buffer s, nothing in flight, 1 output        -> 1.25 s
+      2 (dp): its buffer, slice 3 reducing, 2 outputs                      -> 2.5 s
+      1 (zdp): gathered again s, 2 buffers, 3 outputs                      -> 3.75 s
+      0 (zdp): gathered again s, 2 buffers, 4 outputs                      -> 4 s"""
+    desc = linear_model(n_ops=2)
+    t = build_template(desc, device(), PlannerSettings(prefetch_bytes=0))
+    s = 256 * 256 * 4 / 4
+    o = option(t, 1, 4, 2)
+    assert t.opt_held_bytes[o] == 2 * s
+    assert t.opt_transient_bytes[o] == pytest.approx(4 * s, rel=1e-12)
 
 
 def test_sharded_grads_appear_as_backward_passes_each_op():
