@@ -352,3 +352,35 @@ def test_measuring_memory_with_the_check_off_matches_the_reference_and_leaves_no
     _train_step(wrapped, optim, config, plan.batch_size, seed=2)
     assert wrapped.step_memory() is None and wrapped.end_step() is None
     assert not any(isinstance(m, StepPeakTracker) for m in _get_current_dispatch_mode_stack())
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_an_all_rep_plan_measures_within_its_prediction_one_bucket_in_flight(fake_world):
+    """DDP's arrangement (every unit rep), gradients dominating the step: three 4 MiB
+    Linears, each its own bucket. A full bucket waits for the one in flight BEFORE its
+    staging copy is made (runtime/reduce.py), so one bucket's buffer and staging are
+    live at a time, as the model prices them. Issued first, two were live for that copy
+    (W&S 2x768 measured 2.3% over its prediction)."""
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*(nn.Linear(1024, 1024, bias=False) for _ in range(3)))
+
+    x = torch.randn(4, 1024)
+    desc = describe(model(), (x,))
+    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
+        RunSettings(world_size=fake_world, memory_limit_bytes=256 * MiB))
+    plan = make_plan(desc, device, PlannerSettings(policy="rep"), batch=4)
+    assert all(u.modes == ("rep",) for u in plan.units)
+    wrapped = osdp.OSDP(model(), plan=plan, memory_check=False)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    wrapped(x).sum().backward()
+    optim.step()
+    optim.zero_grad(set_to_none=True)
+    state = [t for s in optim.state.values() for t in s.values() if torch.is_tensor(t)]
+    # forward and backward, the moments the model's rows price (the optimizer step's
+    # own temporaries, one parameter's size on CPU, are not priced yet: a known gap)
+    with StepPeakTracker() as tracker:
+        tracker.track(list(wrapped.parameters()) + state)
+        wrapped(x).sum().backward()
+    assert tracker.peak_bytes <= plan.predicted.peak_bytes
+    assert tracker.peak_bytes >= 0.95 * plan.predicted.peak_bytes

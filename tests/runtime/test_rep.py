@@ -221,13 +221,14 @@ def test_bucket_sizes_follow_the_contract(results):
 def test_bucket_memory_follows_the_contract(results):
     """Gradient buffers (G) live from their first use until their bucket finished; the
     staging copy while in flight; at most MAX_INFLIGHT_REPLICATE_BUCKETS (1) in flight,
-    so bucket 1 finishes when bucket 2 is issued: the peak is G of layers 9..2 plus both
-    staging copies = 16 layers' bytes (2 in flight would reach 20 L + 2 N; freeing G at
-    issue would stop at 12 L)."""
+    and bucket 1 finishes BEFORE bucket 2's staging copy is made: the peak is G of
+    layers 9..2 plus bucket 1's staging = 12 layers' bytes, just before bucket 2 is
+    issued (staging first, then waiting for bucket 1, reached 16 L; 2 in flight would
+    reach 20 L + 2 N)."""
     assert MAX_INFLIGHT_REPLICATE_BUCKETS == 1
     for rank in range(WORLD):
         r = results[rank]["stack"]
-        assert r["peak_grad_bytes"] == [16 * LB] * 5
+        assert r["peak_grad_bytes"] == [12 * LB] * 5
         assert r["grad_bytes_before"] == [0] * 5  # the failed step's buffers were dropped
         # after the failure bucket 2 (layers 5..2) was in flight: its G and staging
         assert r["grad_bytes_after"] == [0, 0, 8 * LB, 0, 0]
