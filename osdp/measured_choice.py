@@ -255,6 +255,13 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
                 for p, m in measured]
         info = dict(plan.calibration or {})
         info["measured_choice"] = {"candidates": rows, "kept": chosen.plan_hash()}
+        if chosen.plan_hash() != plan.plan_hash():
+            # the report sets these predictions beside the kept plan's measurement: they
+            # must be its own, not the calibrated plan's (the demo printed the b18 plan's
+            # 841 ms beside the b9 plan's measured 392 ms)
+            from .auto import _predictions
+
+            info.update(_predictions(cal, desc, device, chosen))
         if tiebreak is not None:
             info["measured_choice"]["tiebreak"] = tiebreak_row
         keep = replace(chosen, measured=result.to_dict(), calibration=info).to_dict()

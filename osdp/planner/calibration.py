@@ -509,6 +509,15 @@ def format_report(plan) -> str:
         lines.append(f"  calibration: {info['decision']}")
     for reason in info.get("reasons", []):
         lines.append(f"    why: {reason}")
+    choice = info.get("measured_choice") or {}
+    if choice.get("candidates"):
+        kept = next((c for c in choice["candidates"] if c["plan"] == choice.get("kept")), None)
+        if kept is not None and kept is not choice["candidates"][0]:
+            lines.append(f"  measured choice: kept another plan (batch {kept['batch_size']}, "
+                         f"{kept['samples_per_s']:.2f} samples/s measured) of {len(choice['candidates'])} measured; "
+                         "predictions below are its own")
+        elif kept is not None:
+            lines.append(f"  measured choice: kept this plan, the best of {len(choice['candidates'])} measured")
     if info.get("factors"):
         f = {**asdict(Calibration()), **info["factors"]}
         lines.append(f"  fitted: compute scale {f['compute_scale']:.3f} forward, "

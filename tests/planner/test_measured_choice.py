@@ -120,6 +120,14 @@ def test_a_faster_alternative_that_fits_by_measurement_is_kept():
     assert record["kept"] == chosen.plan_hash()
     assert len(record["candidates"]) == 1 + len(seen[0]) - 1 + len(seen[1]) - 1
     assert chosen.calibration["decision"] == "kept"  # what calibration said stays
+    # the predictions the report sets beside that measurement are the kept plan's own
+    from osdp.measured_choice import calibrated_device
+    from osdp.planner import calibration as cal
+
+    desc, device, _, _ = _setup()
+    device = calibrated_device(device, plan)
+    assert chosen.calibration["predicted_step_s"] == cal.simulate(cal.assignment_of(desc, device, chosen), device).step_s
+    assert "measured choice: kept another plan" in cal.format_report(chosen)
 
 
 def test_an_alternative_over_the_limit_by_measurement_is_never_kept():
