@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 from dataclasses import asdict, replace
 
+import torch
 import torch.distributed as dist
 
 from .errors import InfeasiblePlanError, OSDPError
@@ -18,6 +19,18 @@ from .planner.profiler import profile
 from .rank_agreement import broadcast_from_rank0, check_same_plan, is_rank0
 
 log = logging.getLogger("osdp.auto")
+
+
+def for_model_device(settings: PlannerSettings | None, model) -> PlannerSettings:
+    """``settings`` with ``optimizer_temporaries`` "auto" resolved as torch's AdamW
+    resolves its own default for the parameters it will step: foreach on CUDA (where
+    ``model`` is, or where ``osdp.OSDP`` puts it by default), the for-loop elsewhere
+    (cost_model.py's [Note: optimizer step moment])."""
+    settings = settings if settings is not None else PlannerSettings()
+    if settings.optimizer_temporaries != "auto":
+        return settings
+    on_cuda = torch.cuda.is_available() or any(p.device.type == "cuda" for p in model.parameters())
+    return settings.with_(optimizer_temporaries="foreach" if on_cuda else "per_tensor")
 
 
 def for_layout(device, settings: PlannerSettings | None, layout):
@@ -101,6 +114,7 @@ def auto_plan(
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
     device = cluster.for_run(run)
+    settings = for_model_device(settings, model)
     if layout is not None:
         device, settings = for_layout(device, settings, layout)
     hardware = device  # the profile on this layout, before calibration refits it

@@ -45,9 +45,10 @@ search_problem.py's [Note: the memory constraint]):
     kept weights     (g - k) * P/g                  from its forward to its backward
     in-flight gathers  P/g if P/g > W else min(W, P/g + bytes of the ops around it)
                        (in backward the op's own P/g only if it has zdp slices)
-    gradient buffers   unsplit: G + pending + G (its buffer, the one reduction the
-                       runtime keeps in flight, [Note: pending reduction], and autograd's
-                       gradient while the hook copies it in); split: per slice in backward
+    gradient buffers   unsplit: G + pending + G + G/N (its buffer, the one reduction
+                       the runtime keeps in flight, [Note: pending reduction], autograd's
+                       gradient, both live until its reduce-scatter is issued, and that
+                       reduce-scatter's output); split: per slice in backward
                        order, its buffer, the previous slice still reducing and the
                        slices' reduce-scatter outputs so far ([Note: split backward
                        moments])
@@ -55,7 +56,8 @@ search_problem.py's [Note: the memory constraint]):
                        [Note: backward transients]; its saved bytes when unknown)
 With checkpointing a block keeps only its input; its activations are recomputed and
 alive again during its own backward. The model therefore places the peak at the op
-where prefix + transient is largest, normally the start of backward.
+where prefix + transient is largest, normally the start of backward, or at the
+optimizer step ([Note: optimizer step moment]), the same for every plan.
 
 [Note: hpz mode]
 Across nodes (layout "full", n nodes of m ranks: collective_cost.py's [Note: two-level
@@ -183,6 +185,9 @@ from .search_problem import SearchProblem
 
 POLICIES = ("osdp", "zdp", "dp", "hpz", "rep")
 CHECKPOINTING = ("auto", "none", "all")
+# what AdamW's step allocates besides its state ([Note: optimizer step moment])
+OPTIMIZER_TEMPORARIES = ("auto", "per_tensor", "foreach", "none")
+OPTIMIZER_STEP = "optimizer step"  # Estimate.peak_op when the step is the peak
 
 
 def _is_number(value, minimum: float) -> bool:
@@ -213,6 +218,11 @@ class PlannerSettings:
     # AdamW: its fp32 ``step`` per parameter tensor (on the device on CPU, and on CUDA when
     # fused or capturable; counted always: a few hundred bytes at most)
     optimizer_state_bytes_per_tensor: float = 4.0
+    # the step's temporaries ([Note: optimizer step moment]): "per_tensor" (torch's
+    # for-loop AdamW, its default off CUDA), "foreach" (its default on CUDA), "none"
+    # (fused); "auto": the larger of the first two (auto_plan resolves it from the
+    # model's device)
+    optimizer_temporaries: str = "auto"
     # mixed precision (like FSDP2's MixedPrecisionPolicy): weights are gathered and used
     # in param_dtype, gradients reduced in reduce_dtype, the sharded master copy and its
     # optimizer state stay in the model's own dtype. None: the model's own dtype.
@@ -268,6 +278,9 @@ class PlannerSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or value not in (1, 2, 4, 8)):
                 raise OSDPError(f"{name} must be 1, 2, 4 or 8 bytes, got {value!r}")
+        if self.optimizer_temporaries not in OPTIMIZER_TEMPORARIES:
+            raise OSDPError(f"optimizer_temporaries must be one of {OPTIMIZER_TEMPORARIES}, "
+                            f"got {self.optimizer_temporaries!r}")
         if self.gradient_sync not in ("every", "last"):
             raise OSDPError(f"gradient_sync must be 'every' or 'last', got {self.gradient_sync!r}")
         if isinstance(self.coalesce_bytes, bool) or not isinstance(self.coalesce_bytes, int) or self.coalesce_bytes < 0:
@@ -424,17 +437,7 @@ def replicated_grads_bytes(desc: ModelDesc, settings: PlannerSettings, rep: np.n
     buckets = replicate_buckets(desc, settings, rep)
     if not buckets:
         return alive
-    persists, static_buffers = _grad_persists(settings), _accumulators_static(settings)
-
-    def sizes(i):
-        op = desc.ops[i]
-        grad, param = reduced_bytes(op, settings), float(op.param_bytes)
-        buffer = 0.0 if static_buffers else grad
-        new_grad = param if not persists and grad != param else 0.0  # .grad apart from the buffer
-        done = 0.0 if persists else (param if grad != param else buffer)
-        return buffer, buffer + grad + new_grad, done
-
-    per = {i: sizes(i) for bucket in buckets for i in bucket}
+    per = {i: _rep_grad_sizes(desc.ops[i], settings) for bucket in buckets for i in bucket}
     # a full bucket is issued after the backward of its last unit; the rest at the end
     full = [sum(reduced_bytes(desc.ops[i], settings) for i in b) >= REPLICATE_BUCKET_BYTES for b in buckets]
     done = np.concatenate(([0.0], np.cumsum([sum(per[i][2] for i in b) for b in buckets])))
@@ -535,6 +538,58 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
         if r_copies:
             result["replicated_param_copies"] = r_copies
     return result
+
+
+def _rep_grad_sizes(op: OpDesc, settings: PlannerSettings) -> tuple[float, float, float]:
+    """A rep unit's gradient bytes: (its buffer while the bucket fills, buffer + staging
+    + a new ``.grad`` while the bucket is in flight, its ``.grad`` once the bucket is done)."""
+    persists, static_buffers = _grad_persists(settings), _accumulators_static(settings)
+    grad, param = reduced_bytes(op, settings), float(op.param_bytes)
+    buffer = 0.0 if static_buffers else grad
+    new_grad = param if not persists and grad != param else 0.0  # .grad apart from the buffer
+    done = 0.0 if persists else (param if grad != param else buffer)
+    return buffer, buffer + grad + new_grad, done
+
+
+def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
+    """[Note: optimizer step moment] The bytes live while the optimizer steps, by
+    category. Backward is over: no gathered weight, activation or gradient buffer is
+    left, every gradient is reduced (sharded, and the rep units' whole ``.grad``), and
+    AdamW makes its temporaries beside the static states:
+      per_tensor  torch's for-loop AdamW (its default off CUDA) steps one parameter
+                  tensor at a time: ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds
+                  two copies of it while ``denom`` still holds the previous tensor's:
+                  at most 2 x the largest local tensor + the second largest (measured:
+                  three 4 MiB tensors step with 12 MiB of temporaries, one with 8)
+      foreach     torch's default on CUDA: ``_foreach_sqrt`` of every exp_avg_sq at
+                  once: one copy of every local tensor
+      none        fused AdamW: one kernel, no temporaries
+      auto        unresolved (no model device seen): the larger of the first two
+    A local tensor is bounded by its unit's shard (a rep unit's: all of it); a split op
+    is bounded unsplit, since its slices' shards are smaller (the moment stays the same
+    for every choice of the search, which checks it once). Adam with an L2 weight decay
+    (not AdamW) copies each gradient too: not priced."""
+    n = layout_collectives(device, settings).shard_ranks
+    rep = rep_op_mask(desc, settings)
+    static = static_bytes(desc, device, settings)
+    parts = {k: v for k, v in static.items() if k != "constant"}
+    # the activations' batch-independent part is freed with the graph; the loss stays
+    parts["constant"] = float(device.constant_bytes) + LOSS_SCALARS_BYTES
+    local = [op.param_count * element_bytes(op) if _rep_owner(desc, rep, i)
+             else math.ceil(op.param_count / n) * element_bytes(op)
+             for i, op in enumerate(desc.ops) if not op.tied_to]
+    if settings.grads_set_to_none:
+        parts["sharded_grads"] = float(sum(math.ceil(op.param_count / n) * element_bytes(op)
+                                           for i, op in enumerate(desc.ops) if not rep[i] and not op.tied_to))
+    rep_done = sum(_rep_grad_sizes(desc.ops[i], settings)[2] for bucket in replicate_buckets(desc, settings, rep)
+                   for i in bucket)
+    if rep_done:
+        parts["replicated_grads"] = float(rep_done)
+    largest = sorted(local, reverse=True)[:2] + [0.0, 0.0]
+    per_tensor, foreach = 2.0 * largest[0] + largest[1], float(sum(local))
+    parts["optimizer_temporaries"] = {"per_tensor": per_tensor, "foreach": foreach, "none": 0.0,
+                                      "auto": max(per_tensor, foreach)}[settings.optimizer_temporaries]
+    return parts
 
 
 def sharded_grads_after(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> np.ndarray:
@@ -638,6 +693,8 @@ class ProblemTemplate:
     # and the rep units' gradients alive there after their backward
     rep: np.ndarray = field(repr=False, default=None)
     rep_grads: np.ndarray = field(repr=False, default=None)
+    # the optimizer step's bytes by category, static included ([Note: optimizer step moment])
+    step_bytes: dict = field(repr=False, default_factory=dict)
 
     @property
     def rep_units(self) -> tuple[str, ...]:
@@ -785,43 +842,64 @@ def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) ->
     return (1, 0, 0, 0.0, transient, 0.0, 0.0, reduce_b, True, 0.0, 1.0, logits, 2.0 * logits, logits)
 
 
-def pending_reduce_bytes(desc: ModelDesc, settings: PlannerSettings, rep: np.ndarray) -> np.ndarray:
-    """[Note: pending reduction] Per op, the unsharded gradient bytes of other units that
-    are live while the op's backward runs: the one reduction the runtime keeps in flight
-    (MAX_INFLIGHT_REDUCE_SCATTERS = 1; runtime/reduce.py's [Note: unsharded
-    gradients]), the last issued before this op's backward, and the small units'
-    gradients waiting to be reduced together ([Note: coalesced reductions]). Played in
-    backward order as the runtime groups them: a unit that reduces alone is in flight
-    whole (its slices, if split, are no larger); a small one waits until the waiting
-    ones reach ``coalesce_bytes``, then they are in flight as one group (split instead,
-    its slices reduce alone, smaller still). Rep units reduce in their own buckets and a
-    tied unit at its owner's use, so neither counts elsewhere."""
-    out = np.zeros(len(desc.ops))
+def pending_reduce_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
+                         rep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[Note: pending reduction] Per op, (the unsharded gradient bytes of other units that
+    are live while the op's backward runs, the sharded outputs the reduce-scatter issued
+    at its backward allocates).
+    Pending: the one reduction the runtime keeps in flight (MAX_INFLIGHT_REDUCE_SCATTERS
+    = 1; runtime/reduce.py's [Note: unsharded gradients]), the last issued before this
+    op's backward, and the small units' gradients waiting to be reduced together ([Note:
+    coalesced reductions]). Played in backward order as the runtime groups them: a unit
+    that reduces alone is in flight whole (its slices, if split, are no larger); a small
+    one waits until the waiting ones reach ``coalesce_bytes``, then they are in flight as
+    one group (split instead, its slices reduce alone, smaller still). Rep units reduce in
+    their own buckets and a tied unit at its owner's use, so neither counts elsewhere.
+    Outputs: ``GradReducer._issue`` allocates every output of the reduce-scatter it
+    issues, then waits for the one in flight, with the op's own gradient and autograd's
+    still live: its own shard (unsplit; a split op's slices are priced by
+    ``_split_backward_bytes``), and when it completes a group of small units, theirs too
+    (measured: three 4 MiB Linears in zdp on 2 ranks peaked 2 MiB, one shard, over the
+    model without it). Where gradients persist between steps (``grads_set_to_none``
+    False) an output is added into ``.grad`` and freed when its reduction is waited
+    for, so the one in flight is counted too; set to None, it becomes the sharded
+    gradient ``sharded_grads_after`` counts. Returns (pending, outputs, in-flight
+    outputs not counted elsewhere: a split op's first slice meets them)."""
+    n = layout_collectives(device, settings).shard_ranks
+    persist = not settings.grads_set_to_none
+    pending, outputs, flight_out = (np.zeros(len(desc.ops)) for _ in range(3))
     owners = {group[0] for group in tied_groups(desc)}
-    in_flight, waiting = 0.0, 0.0
+    in_flight, in_flight_out, waiting, waiting_out = 0.0, 0.0, 0.0, 0.0
     for i in range(len(desc.ops) - 1, -1, -1):
-        out[i] = in_flight + waiting
+        pending[i] = in_flight + waiting
+        flight_out[i] = in_flight_out if persist else 0.0
         op = desc.ops[i]
         if not op.param_count or rep[i] or (op.tied_to and i not in owners):
             continue  # no reduction of its own issued here
         grad = reduced_bytes(op, settings)
+        out = math.ceil(op.param_count / n) * element_bytes(op)
         if i not in owners and is_small_unit(gathered_bytes(op, settings), settings.coalesce_bytes, is_slice=False):
-            waiting += grad
-            if waiting >= settings.coalesce_bytes:
-                in_flight, waiting = waiting, 0.0
-        else:
-            in_flight = grad
-    return out
+            waiting, waiting_out = waiting + grad, waiting_out + out
+            if waiting < settings.coalesce_bytes:
+                continue
+            grad, out, waiting, waiting_out = waiting, waiting_out, 0.0, 0.0
+        outputs[i] = out + flight_out[i]
+        in_flight, in_flight_out = grad, out
+    return pending, outputs, flight_out
 
 
 def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i,
-                 shares=(1.0, 1.0), pending=0.0) -> list[tuple]:
+                 shares=(1.0, 1.0), pending=0.0, issued=0.0, flight_out=0.0, exact=None) -> list[tuple]:
     """(g, k, h, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
     split efficiency, logits saved, the loss's backward transients, logits grads in the
     head's backward) for every option of op ``i`` (see the
     Notes at the top, [Note: hpz mode] and [Note: tied weights]). ``shares``: the latency
     shares of small units ([Note: coalesced latency]); ``pending``: the gradient bytes
-    that may still be reducing beside its backward ([Note: pending reduction])."""
+    that may still be reducing beside its backward, ``issued``: the sharded outputs its
+    unsplit backward's reduce-scatter allocates, ``flight_out``: those of the one in
+    flight before it where nothing else counts them ([Note: pending reduction]).
+    ``exact``: a concrete plan's gathered bytes beyond the kept prefix, ``(forward,
+    [backward per slice j])``, in place of the window's bound ([Note: exact gathers])."""
     coll = layout_collectives(device, settings)
     group = _group_of(desc, i)
     owner = desc.ops[group[0]]
@@ -830,6 +908,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
     rows = []
     splittable = all(desc.ops[j].splittable for j in group)
     for g in slice_choices(owner, settings) if splittable else (1,):
+        ex = exact if exact is not None and len(exact[1]) == g else None  # the plan's g only
         needs = [backward_needs_weights(desc.ops[j], g) for j in group]
         # dp slices are kept by the first use that reads them in backward, until the end
         keeper = next((j for j, need in zip(group, needs) if need), None)
@@ -837,10 +916,8 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
         s = gathered_bytes(owner, settings) / g
         ag, ag_node = coll.gather_s(s), coll.node_gather_s(s)
         grad = full_grad / g
-        # one slice's sharded gradient once reduced (made by backward when gradients are
-        # set to None between steps; otherwise a static term)
-        reduced_slice = math.ceil(owner.param_count / g / coll.shard_ranks) * element_bytes(owner) \
-            if settings.grads_set_to_none else 0.0
+        # one slice's sharded gradient: its reduce-scatter's output
+        reduced_slice = math.ceil(owner.param_count / g / coll.shard_ranks) * element_bytes(owner)
         grad_s = coll.grad_s(grad)
         if len(group) == 1 and is_small_unit(s, settings.coalesce_bytes, is_slice=g > 1):
             ag = _shared_latency_s(ag, device.all_gather, coll.shard_ranks, shares[0], coll.comm_scale)
@@ -863,15 +940,20 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             # forward: its gathered slice, unless the prefix holds it already (a dp slice
             # of this keeper: then only a zdp / hpz slice's moment adds it)
             own_f = s if gathered_f and (keeper != i or k + h > 0) else 0.0
-            gathers_f = own_f + _forward_prefetch(s, window, after_i)
+            # the window also prefetches its own later slices (whole units of their own)
+            gathers_f = own_f + _forward_prefetch(s, window, after_i + (gathered_f - 1) * s * (gathered_f > 0)) \
+                if ex is None else ex[0]
             if g > 1 and len(group) == 1:
                 backward = _split_backward_bytes(s, g, k + h, weights_b, window, before_i, grad, pending,
-                                                 reduced_slice)
+                                                 reduced_slice, None if settings.grads_set_to_none else flight_out,
+                                                 None if ex is None else ex[1])
             else:
                 own_b = s if (weights_b and k + h > 0) else 0.0
                 gathers_b = own_b if s > window else min(window, own_b + before_i)
+                if ex is not None:
+                    gathers_b = ex[1][0]
                 backward = gathers_b + _grads_live(grad, untied=len(group) == 1, pending=pending,
-                                                   autograd=s if g == 1 else 0.0)
+                                                   autograd=s if g == 1 else 0.0) + issued
             transient = max(gathers_f, backward)
             # [Note: fused vocabulary-split loss]: split, the head never holds the logits;
             # unsplit, the loss's backward (3 L) comes before the head's (L of it left)
@@ -907,7 +989,8 @@ def _grads_live(grad: float, untied: bool, pending: float, autograd: float) -> f
 
 
 def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, window: float,
-                          before_i: float, grad: float, pending: float, reduced_slice: float) -> float:
+                          before_i: float, grad: float, pending: float, reduced_slice: float,
+                          persist_flight_out: float | None = None, exact_gathers=None) -> float:
     """[Note: split backward moments] Bytes a split (untied) op adds at its busiest
     backward moment, beyond the prefix, the larger over its slices j = g-1 .. 0 in the
     order backward runs them, each at the issue of its reduce-scatter (the runtime
@@ -917,7 +1000,12 @@ def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, win
                  and the window's prefetch around it (as unsplit)
       gradients  slice j's buffer, the reduction in flight (``pending`` for the first
                  slice, else slice j+1's buffer) and the g - j outputs made so far (one
-                 slice's sharded gradient each, ``reduced_slice``: they become .grad)
+                 slice's sharded gradient each, ``reduced_slice``: they become .grad);
+                 where gradients persist (``persist_flight_out`` given) an output is
+                 freed once reduced: its own and the one in flight (slice j+1's, or
+                 ``persist_flight_out`` before the first)
+    ``exact_gathers[j]``: a concrete plan's gathered bytes beyond the kept prefix at
+    slice j's backward ([Note: exact gathers]), released dp slices included.
     It writes its dW into the buffer itself (osdp/ops/matmul_split.py): no autograd
     copy. Measured (I&C 6x128-512 at batch 14, a 4 MiB c_proj in 4 zdp slices on 2
     ranks): 2 MiB of outputs beside the two 1 MiB buffers, predicted to 0.02%.
@@ -931,9 +1019,19 @@ def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, win
     worst = 0.0
     for j in range(g - 1, -1, -1):
         own = s if weights_b and j < resharded else 0.0
-        gathers = own if s > window else min(window, own + before_i)
+        # what backward reaches next: its resharded slices below j, then the ops before
+        ahead = min(j, resharded) * s if weights_b else 0.0
+        gathers = own if s > window else min(window, own + ahead + before_i)
         in_flight = pending if j == g - 1 else grad
-        worst = max(worst, gathers + grad + in_flight + (g - j) * reduced_slice)
+        if persist_flight_out is None:
+            outputs = (g - j) * reduced_slice
+        else:
+            outputs = reduced_slice + (persist_flight_out if j == g - 1 else reduced_slice)
+        # its dp slices after j were freed after their own backward (the prefix holds them)
+        released = max(0, g - max(j + 1, resharded)) * s if weights_b else 0.0
+        if exact_gathers is not None:
+            gathers, released = exact_gathers[j], 0.0
+        worst = max(worst, gathers + grad + in_flight + outputs - released)
     return worst
 
 
@@ -956,7 +1054,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     shares = coalesced_latency_shares(desc, settings)
     rep = rep_op_mask(desc, settings)  # [Note: rep mode]: a fixed set per template
     rep_reduce = replicate_reduce_s(desc, device, settings, rep) if rep.any() else {}
-    pending = pending_reduce_bytes(desc, settings, rep)
+    pending, issued, flight_out = pending_reduce_bytes(desc, device, settings, rep)
     # [Note: memory quantization] in search_problem.py: enough buckets that rounding
     # up every accumulating term costs at most memory_tolerance of the budget.
     terms = len(desc.ops) + len(segments)
@@ -976,7 +1074,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                 op = desc.ops[i]
                 special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
                 key = ((op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features,
-                                                   op.split_op)) + (checkpointed, after[i], before[i], pending[i])
+                                                   op.split_op)) + (checkpointed, after[i], before[i], pending[i], issued[i], flight_out[i])
                 if rep[i]:
                     key += ("rep", rep_reduce.get(desc.op_index(op.tied_to) if op.tied_to else i, 0.0))
                 rows = cache.get(key)
@@ -987,7 +1085,8 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                                                       rep_reduce.get(owner, 0.0), pending[i])]
                     else:
                         rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
-                                                         window, after[i], before[i], shares, pending[i])
+                                                         window, after[i], before[i], shares, pending[i], issued[i],
+                                                         flight_out[i])
                 begin[i, variant] = len(cols["op"])
                 cols["op"].extend([i] * len(rows))
                 cols["variant"].extend([variant] * len(rows))
@@ -1039,6 +1138,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         tied_grads=tied_grads_bytes(desc, settings),
         rep=rep,
         rep_grads=replicated_grads_bytes(desc, settings, rep),
+        step_bytes=optimizer_step_bytes(desc, device, settings),
     )
 
 
@@ -1264,6 +1364,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
         static_bytes=float(sum(t.static.values())),
+        step_bytes=float(sum(t.step_bytes.values())),
         constant_time_s=template_optimizer_s(t),
         seg_names=tuple(seg.name for seg in t.segments),
     )
@@ -1283,9 +1384,57 @@ class Estimate:
         return batch * world_size / self.step_s
 
 
-def live_memory(template: ProblemTemplate, batch: int, option_index, variant) -> list[tuple[int, dict]]:
+def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> np.ndarray:
+    """[Note: exact gathers] Per op, its chosen option's transient bytes (the larger of
+    its forward and backward moments beyond the prefix) with the gathers the runtime
+    really holds there, for this one plan.
+    The search prices every op's gathers by the window's bound, the same for any choice
+    of the ops around it: ``min(window, own + the bytes the next ops could gather)``.
+    The runtime prefetches whole units, skips the ones kept (``dp``) or replicated, and
+    stops at the first that does not fit, so a plan's neighbours can leave the window
+    nearly empty: all-dp plans measured 5.4-6% under that bound (bench/fidelity.py), a
+    small GPT's head 1 MiB under it at a 28 MiB budget (tests/runtime/test_peak.py).
+    A concrete plan's gathers are known: ``step_sim.gathered_at_compute`` plays the
+    runtime's prefetch rules (window, skips, coalesced riders, recompute) and gives the
+    gathered bytes at every op's (slice's) forward and backward compute; less the dp
+    bytes the prefix already holds there, they replace the bound in the same moment
+    formulas (``_option_rows``). The search keeps the bound (it cannot see the
+    neighbours), so a plan it calls feasible is feasible here too; ``evaluate`` prices
+    the plan it returns with these."""
+    from .step_sim import gathered_at_compute  # step_sim prices plans with this module
+
+    at = gathered_at_compute(t, batch, option_index, variant)
+    desc, device, settings = t.desc, t.device, t.settings
+    window = t.window_bytes
+    after, before = _ahead_bytes(desc, window, settings)
+    shares = coalesced_latency_shares(desc, settings)
+    pending, issued, flight_out = pending_reduce_bytes(desc, device, settings, t.rep)
+    per_node = layout_collectives(device, settings).per_node
+    seg_variant = {i: int(variant[s]) for s, seg in enumerate(t.segments) for i in seg.ops}
+    out = np.array([t.opt_transient_bytes[o] for o in option_index], dtype=float)
+    kept = 0.0  # dp bytes the prefix holds (an hpz slice's node copy is not a gather)
+    for i, o in enumerate(option_index):
+        g, k, h = int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
+        owner = desc.ops[_group_of(desc, i)[0]]
+        kept += t.opt_held_bytes[o] - (h * gathered_bytes(owner, settings) / g / per_node if h else 0.0)
+        if t.rep is not None and t.rep[i]:
+            continue  # never gathered
+        steps = g if ("forward", i, g - 1) in at and g > 1 else 1
+        fwd = max(at.get(("forward", i, j), 0.0) for j in range(steps)) - kept
+        bwd = [at.get(("backward", i, min(j, steps - 1)), 0.0) - kept for j in range(g)]
+        checkpointed = t.segments[[s for s, seg in enumerate(t.segments) if i in seg.ops][0]].variants[seg_variant[i]]
+        rows = _option_rows(desc, i, device, settings, checkpointed, window, after[i], before[i], shares,
+                            pending[i], issued[i], flight_out[i], exact=(fwd, bwd))
+        out[i] = next(row[4] for row in rows if row[:3] == (g, k, h))
+    return out
+
+
+def live_memory(template: ProblemTemplate, batch: int, option_index, variant,
+                exact: bool = True) -> list[tuple[int, dict]]:
     """Per op, the live bytes by category at that op (the larger of its forward and
-    backward, as the model counts them), in exact bytes. Validates the assignment."""
+    backward, as the model counts them), in exact bytes. Validates the assignment.
+    ``exact``: the plan's own gathers ([Note: exact gathers]); False: the window's bound,
+    as the search prices them."""
     t = template
     act = t.act_per_sample * batch
     static_parts = {
@@ -1299,6 +1448,16 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
         static_parts["grad_accumulators"] = t.static["grad_accumulators"]
     held_prefix = act_prefix = 0.0
     own_bytes, loss_bytes = _local_moments(t, batch)
+    option_index = [int(o) for o in option_index]
+    for i, o in enumerate(option_index):
+        v = next(int(variant[s]) for s, seg in enumerate(t.segments) if i in seg.ops)
+        if not (t.opt_begin[i, v] <= o < t.opt_end[i, v]):
+            raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
+    bound = t.opt_transient_bytes[option_index]
+    transient = exact_transients(t, batch, option_index, variant) if exact else bound
+    # the exact gathers change the op's own moment, not the loss's before it
+    own_bytes = own_bytes[option_index] + (transient - bound)
+    loss_bytes = loss_bytes[option_index]
     rows = []
     for s, seg in enumerate(t.segments):
         v = variant[s]
@@ -1315,7 +1474,7 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
                 **static_parts,
                 "kept_dp_weights": float(held_prefix),
                 "saved_activations": float(act_prefix + kept + inside),
-                "in_flight_and_grad_buffers": float(t.opt_transient_bytes[o]),
+                "in_flight_and_grad_buffers": float(transient[i]),
                 "activation_grads": float(t.act_grad_per_sample[i] * batch),
                 "sharded_grads_so_far": float(t.grads_after[i]),
             }
@@ -1323,12 +1482,22 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant) ->
                 parts["tied_unsharded_grads"] = float(t.tied_grads[i])
             if t.rep_grads is not None and t.rep_grads[i]:
                 parts["replicated_grads"] = float(t.rep_grads[i])
-            own, loss = own_bytes[o], loss_bytes[o]
+            own, loss = own_bytes[i], loss_bytes[i]
             if loss > own:  # the loss's backward, before the head's: nothing of the op's own
                 parts.update(in_flight_and_grad_buffers=0.0, activation_grads=0.0)
                 parts["logits_and_grads"] = float(loss)
             elif t.opt_logits_grad_per_sample[o]:
-                parts["logits_and_grads"] = float(t.opt_logits_grad_per_sample[o] * batch)
+                logits_grads = float(t.opt_logits_grad_per_sample[o] * batch)
+                if exact and t.opt_slices[o] == 1 and len(_group_of(t.desc, i)) == 1:
+                    # an unsplit head's logits gradient is released with its backward
+                    # node, before the hook copies dW into the unit's buffer and issues
+                    # its reduce-scatter: the two are live at different moments
+                    # (measured: 64 ranks, a 2 MiB dp head, 1 MiB over without this)
+                    op = t.desc.ops[i]
+                    n = layout_collectives(t.device, t.settings).shard_ranks
+                    buffer = reduced_bytes(op, t.settings) + math.ceil(op.param_count / n) * element_bytes(op)
+                    logits_grads -= min(logits_grads, buffer)
+                parts["logits_and_grads"] = logits_grads
             rows.append((i, parts))
         act_prefix += kept if checkpointed else inside
     return rows
@@ -1339,19 +1508,24 @@ def evaluate(
     batch: int,
     option_index,
     variant,
+    exact: bool = True,
 ) -> Estimate:
     """Price a concrete plan given as option indices (per op) and variants (per segment)
-    of the template, with exact bytes (no quantization)."""
+    of the template, with exact bytes (no quantization) and the plan's own gathers
+    ([Note: exact gathers]; ``exact=False``: the window's bound, as the search counts)."""
     t = template
     times = _option_times(t, batch)
-    rows = live_memory(t, batch, option_index, variant)
+    rows = live_memory(t, batch, option_index, variant, exact=exact)
     total_s = template_optimizer_s(t) + float(sum(times[o] for o in option_index))
     peak_i, breakdown = max(rows, key=lambda row: sum(row[1].values()))
+    peak_op = t.desc.ops[peak_i].name
+    if sum(t.step_bytes.values()) > sum(breakdown.values()):  # [Note: optimizer step moment]
+        peak_op, breakdown = OPTIMIZER_STEP, dict(t.step_bytes)
     peak = sum(breakdown.values())
     return Estimate(
         step_s=float(total_s),
         peak_bytes=float(peak),
-        peak_op=t.desc.ops[peak_i].name,
+        peak_op=peak_op,
         breakdown=breakdown,
         fits=peak <= t.device.memory_limit_bytes,
     )

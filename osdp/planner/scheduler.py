@@ -385,7 +385,8 @@ def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
 def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
     """A least-memory plan: per op the option with the least kept plus transient bytes,
     every block checkpointed when allowed. Its peak is what the error message states: a
-    limit that holds it (plus quantization) fits."""
+    limit that holds it (plus quantization) fits, so it is counted as the search counts
+    (the window's bound, not the plan's own gathers: cost_model's [Note: exact gathers])."""
     option_index = []
     variant = [max(range(len(seg.variants)), key=lambda v: seg.variants[v]) for seg in t.segments]
     seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
@@ -396,7 +397,7 @@ def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
         idx = np.arange(lo, hi)
         key = t.opt_held_bytes[idx] + problem.opt_local_bytes[idx]
         option_index.append(int(idx[np.argmin(key)]))
-    return evaluate(t, batch, option_index, variant)
+    return evaluate(t, batch, option_index, variant, exact=False)
 
 
 def check_batch(batch, name: str = "batch size") -> int | None:

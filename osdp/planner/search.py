@@ -35,6 +35,10 @@ first candidate: options in index order, variant 0 before 1, the lowest end stat
 An option with held_q, local_bytes and time_s all >= those of another option of the same
 op and variant (ties: the higher index) is dropped first: it can never be strictly better.
 
+The optimizer step's moment (``step_bytes``) is the same for every plan: a problem
+whose step does not fit has no feasible plan, checked once before the DP
+(``_step_fits``), and a plan's peak is the larger of its ops' and the step's.
+
 Work is (ops x variants x reachable states x options); only the reachable range
 [lo, hi] of states is scanned. Per op and variant the winning option per end state is
 kept (uint16, relative to ``opt_begin``) and per segment the winning variant per state,
@@ -107,7 +111,7 @@ def validate_problem(problem: SearchProblem) -> None:
                              f"(S={S} segments, n={n} ops, P={P} options)")
     if S < 1 or n < 1:
         raise ValueError(f"SearchProblem needs at least one segment and one op (S={S}, n={n})")
-    for name in ("quantum_bytes", "limit_bytes", "static_bytes", "constant_time_s"):
+    for name in ("quantum_bytes", "limit_bytes", "static_bytes", "step_bytes", "constant_time_s"):
         x = getattr(problem, name)
         if not isinstance(x, (int, float, np.integer, np.floating)) or not math.isfinite(x):
             raise ValueError(f"SearchProblem.{name} must be a finite number, got {x!r}")
@@ -189,8 +193,18 @@ def evaluate_assignment(problem: SearchProblem, option_index, variant):
     """Cost of one plan: ``(feasible, time_s, peak_bytes, peak_op)``.
 
     ``option_index[i]`` is a flat option index for op i, ``variant[s]`` the variant of
-    segment s. Peak and time are reported for infeasible plans too. Raises ValueError
-    if an option is not in its op's range under the segment's variant."""
+    segment s. Peak and time are reported for infeasible plans too; the peak is the
+    larger of the ops' and the optimizer step's (``step_bytes``, peak_op -1). Raises
+    ValueError if an option is not in its op's range under the segment's variant."""
+    feasible, time_s, ops_peak, peak_op = _ops_cost(problem, option_index, variant)
+    if float(problem.step_bytes) > ops_peak:  # the optimizer step's moment, the same for every plan
+        return feasible and _step_fits(problem), time_s, float(problem.step_bytes), -1
+    return feasible and _step_fits(problem), time_s, ops_peak, peak_op
+
+
+def _ops_cost(problem: SearchProblem, option_index, variant):
+    """``evaluate_assignment`` over the ops alone: the terms the DP compares (its
+    tie-break is the ops' peak)."""
     p = problem
     S, n = p.num_segments, p.num_ops
     option_index, variant = list(option_index), list(variant)
@@ -236,10 +250,17 @@ def _kept_options(p: SearchProblem, i: int, v: int) -> np.ndarray:
     return idx[~dominated]
 
 
+def _step_fits(p: SearchProblem) -> bool:
+    """Whether the optimizer step's moment fits: it does for every plan or for none."""
+    return float(p.step_bytes) <= float(p.limit_bytes)
+
+
 def search_python(problem: SearchProblem) -> SearchResult:
     """The numpy reference of [Note: exact search]. Same plan as the C++ core."""
     validate_problem(problem)
     p = problem
+    if not _step_fits(p):
+        return SearchResult(feasible=False)
     S = p.num_segments
     q, budget = float(p.quantum_bytes), float(p.budget_bytes)
     B = num_buckets(p)
@@ -349,7 +370,7 @@ def _result(p, time_s, peak_inner, option_index, variant, visited) -> SearchResu
     return SearchResult(
         feasible=True,
         time_s=float(time_s),
-        peak_bytes=float(p.static_bytes) + float(peak_inner),
+        peak_bytes=max(float(p.static_bytes) + float(peak_inner), float(p.step_bytes)),
         peak_op=int(peak_op),
         option_index=tuple(int(o) for o in option_index),
         variant=tuple(int(v) for v in variant),
@@ -380,12 +401,13 @@ def brute_force(problem: SearchProblem, limit: int = BRUTE_FORCE_LIMIT) -> Searc
     for plan in itertools.product(*per_seg):
         variant = [v for v, _ in plan]
         option_index = [o for _, opts in plan for o in opts]
-        ok, t, peak, peak_op = evaluate_assignment(p, option_index, variant)
-        if ok and (best is None or t < best[0] or (t == best[0] and peak < best[1])):
-            best = (t, peak, peak_op, option_index, variant)
-    if best is None:
+        ok, t, ops_peak, _ = _ops_cost(p, option_index, variant)
+        if ok and (best is None or t < best[0] or (t == best[0] and ops_peak < best[1])):
+            best = (t, ops_peak, option_index, variant)
+    if best is None or not _step_fits(p):
         return SearchResult(feasible=False, states_visited=total)
-    t, peak, peak_op, option_index, variant = best
+    t, _, option_index, variant = best
+    _, _, peak, peak_op = evaluate_assignment(p, option_index, variant)
     return SearchResult(True, t, peak, peak_op, tuple(option_index), tuple(variant), total)
 
 
@@ -408,6 +430,8 @@ def search_cpp(problem: SearchProblem, isa: str = "auto") -> SearchResult:
     validate_problem(problem)
     C = _native()
     p = problem
+    if not _step_fits(p):
+        return SearchResult(feasible=False)
     arrays = {name: np.ascontiguousarray(getattr(p, name)) for name in (
         "seg_first_op", "seg_num_ops", "seg_num_variants", "seg_carry_act_q",
         "seg_extra_time_s", "act_in_segment_bytes", "opt_begin", "opt_end", "opt_held_q",

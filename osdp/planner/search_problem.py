@@ -31,7 +31,8 @@ variant v the live memory is
 alive inside the segment, plus whatever else the cost model knows to be alive at that
 op regardless of the choices, such as the sharded gradients already reduced.)
 
-and it must be <= limit_bytes for every op. Weights kept by ``dp`` slices and activations
+and it must be <= limit_bytes for every op, as must ``step_bytes`` (the optimizer
+step's moment, choice-independent). Weights kept by ``dp`` slices and activations
 saved for backward only grow during forward and only shrink during backward, so the
 largest live set at an op is its prefix plus its own transient buffers, and the peak of
 the step is the max over ops. ``budget_bytes = limit_bytes - static_bytes``.
@@ -82,6 +83,10 @@ class SearchProblem:
     static_bytes: float  # sharded states + measured constant: paid whatever the plan
     constant_time_s: float  # optimizer step etc.: paid whatever the plan
     seg_names: tuple[str, ...] = ()
+    # bytes live at the optimizer step, static included: the same for every plan, so a
+    # problem whose step_bytes exceed limit_bytes has no feasible plan, and a plan's
+    # peak is at least step_bytes (cost_model.py's [Note: optimizer step moment])
+    step_bytes: float = 0.0
 
     @property
     def budget_bytes(self) -> float:
@@ -106,7 +111,7 @@ class SearchResult:
     feasible: bool
     time_s: float = float("inf")  # the objective, constant_time_s included
     peak_bytes: float = float("inf")  # peak as the search counts it (quantized terms)
-    peak_op: int = -1  # op where that peak happens
+    peak_op: int = -1  # op where that peak happens; -1: the optimizer step (step_bytes)
     option_index: tuple[int, ...] = ()
     variant: tuple[int, ...] = ()
     states_visited: int = field(default=0, compare=False)  # work done, for benchmarks

@@ -171,7 +171,7 @@ class _Step:
     """One compute of the program: the units it reads, its forward / backward seconds."""
 
     __slots__ = ("name", "uses", "fwd_s", "bwd_s", "fpos", "bpos", "recompute", "recompute_first", "bwd_weights",
-                 "reps")
+                 "reps", "op", "slice")
 
     def __init__(self, name, uses, fwd_s, bwd_s, bwd_weights=True, reps=()):
         self.name, self.uses, self.fwd_s, self.bwd_s = name, uses, fwd_s, bwd_s
@@ -181,6 +181,7 @@ class _Step:
         self.bpos: list[int] = []
         self.recompute: list[_Step] | None = None  # a checkpointed block's forward, replayed here
         self.recompute_first = False  # before this step's pre_backward (split op) or after
+        self.op, self.slice = -1, 0  # the op it computes, and which of its slices
 
 
 def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_bytes: int):
@@ -223,6 +224,9 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
         else:  # a split op (or a split tied unit's use): one step per slice
             steps_of[i] = [_Step(u.name if not op.tied_to else f"{op.name}[{j}]", (u,), f / len(us), b / len(us), weights)
                            for j, u in enumerate(us)]
+    for i, op_steps in steps_of.items():
+        for j, st in enumerate(op_steps):
+            st.op, st.slice = i, j
     steps = [st for i in range(len(desc.ops)) for st in steps_of[i]]
     order: list[_Unit] = []
     for st in steps:
@@ -279,6 +283,12 @@ class _Sim:
         self.comm = dict.fromkeys(PHASES, 0.0)
         self.duration = dict.fromkeys(PHASES, 0.0)
         self.n_gathers = self.n_reductions = 0
+        # (phase, op, slice) -> gathered bytes while it computes ([Note: exact gathers])
+        self.gathered_at: dict[tuple[str, int, int], float] = {}
+
+    def _note_gathered(self, st) -> None:
+        key = (self.phase, st.op, st.slice)
+        self.gathered_at[key] = max(self.gathered_at.get(key, 0.0), self.live_bytes)
 
     # ---- clocks ------------------------------------------------------------------------
     def compute(self, kind: str, what: str, seconds: float) -> None:
@@ -478,6 +488,7 @@ class _Sim:
                 self.count(u, active=-1)
                 self.wait(u)
                 self.count(u, active=1)
+            self._note_gathered(st)
             self.compute("forward", st.name, st.fwd_s)
             for r in st.reps:
                 r.n_grad += 1
@@ -522,6 +533,7 @@ class _Sim:
                 self.wait(u)
             if st.recompute is not None and not st.recompute_first:
                 self._recompute(st.recompute)
+            self._note_gathered(st)
             self.compute("backward", st.name, st.bwd_s)
             for r in st.reps:
                 r.n_grad -= 1
@@ -607,6 +619,20 @@ def simulate_step(
         reductions=sim.n_reductions,
         timeline=tuple(sim.events) if timeline else None,
     )
+
+
+def gathered_at_compute(template: ProblemTemplate, batch: int, option_index, variant) -> dict:
+    """``(phase, op, slice) -> bytes``: the gathered weights (kept ``dp`` ones included)
+    while each op's (slice's) forward and backward compute, as the runtime's prefetch
+    leaves them: whole units in use order, up to the window, skipping gathered ones,
+    stopping at the first that does not fit ([Note: exact gathers] in cost_model.py)."""
+    t = template
+    coalesce = int(t.settings.coalesce_bytes) if t.device.world_size > 1 else 0
+    steps, order, no_weights_b = _program(t, batch, option_index, variant, coalesce)
+    sim = _Sim(t, steps, order, coalesce, False, False, no_weights_b)
+    sim.forward()
+    sim.backward(sync=True)
+    return sim.gathered_at
 
 
 def simulate_scheduled(scheduled, **kwargs) -> StepSim:

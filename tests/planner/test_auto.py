@@ -68,3 +68,17 @@ def test_auto_plan_is_identical_on_every_rank(tmp_path):
     assert a["device"]["op_compute"], "no compute fits were measured"
     assert a["infeasible"] is not None and a["infeasible"] == b["infeasible"]
     assert a["infeasible"][1] > 1024
+
+
+def test_auto_resolves_the_optimizer_temporaries_from_the_model_device():
+    """torch's AdamW runs its for-loop off CUDA: a CPU model (on a machine without CUDA)
+    is planned with per-tensor temporaries; a setting given explicitly stays."""
+    from osdp.auto import for_model_device
+    from osdp.planner.cost_model import PlannerSettings
+
+    model = torch.nn.Linear(4, 4)
+    want = "foreach" if torch.cuda.is_available() else "per_tensor"
+    assert for_model_device(None, model).optimizer_temporaries == want
+    assert for_model_device(PlannerSettings(optimizer_temporaries="none"), model).optimizer_temporaries == "none"
+    with pytest.raises(Exception, match="optimizer_temporaries must be one of"):
+        PlannerSettings(optimizer_temporaries="fused")

@@ -115,23 +115,27 @@ def test_rep_plan_peak_by_hand():
     in each):
       l0: kept P, saved 12288, transient max(own gather P + l1? no: l1 is never
           gathered, so l2's prefetch P; backward: autograd's gradient G + its buffer G
-          + l2's, maybe still reducing (l1 reduces in its bucket), G) = 3P, act grads
-          12288, l1 and l2's sharded grads G/4, l1's buffer G (replicated_grads)
-                                                                    -> 2580488
+          + l2's, maybe still reducing (l1 reduces in its bucket), G, + its own
+          reduce-scatter's output G/4) = 3P + G/4, act grads 12288, l1 and l2's
+          sharded grads G/4, l1's buffer G (replicated_grads)      -> 2646024
       l1: kept P, saved 24576, transient 4P, act grads 12288, l2's shard G/4 -> 2592776
-      l2: kept 2P, saved 36864, transient max(P, P + 2G) = 3P (nothing reduces before
-          it), act grads 12288                                      -> 2539528
+      l2: kept 2P, saved 36864, transient max(P, P + 2G + G/4) = 3P + G/4 (nothing
+          reduces before it), act grads 12288                       -> 2605064
     """
     desc = model(3)
     t = build_template(desc, device(), PlannerSettings(prefetch_bytes=1e12, rep_units=("l1",)))
     choice = [option(t, 0, 1, 0), options(t, 1)[0], option(t, 2, 1, 0)]
-    rows = live_memory(t, 3, choice, [0, 0, 0])
+    rows = live_memory(t, 3, choice, [0, 0, 0], exact=False)  # the search's window bound
     totals = [sum(parts.values()) for _, parts in rows]
-    assert totals == [2580488, 2592776, 2539528]
+    assert totals == [2646024, 2592776, 2605064]
+    # the plan's own gathers: at l2's backward the bound counts l0 as a prefetch (P),
+    # but l0 is dp, kept in the prefix: nothing is gathered there
+    exact = [sum(parts.values()) for _, parts in live_memory(t, 3, choice, [0, 0, 0])]
+    assert exact[:2] == totals[:2] and exact[2] == totals[2] - P
     assert rows[0][1]["replicated_grads"] == P and rows[0][1]["replicated_states"] == 786432
     assert rows[0][1]["sharded_grads_so_far"] == P / 4
     est = evaluate(t, 3, choice, [0, 0, 0])
-    assert (est.peak_bytes, est.peak_op) == (2592776, "l1")
+    assert (est.peak_bytes, est.peak_op) == (2646024, "l0")
 
 
 def test_rep_static_under_mixed_precision_and_kept_gradients():
@@ -267,7 +271,7 @@ def test_search_with_a_fixed_rep_set_is_exact(rep_units, batch):
         for v in range(len(loose.segments[0].variants) if i < 2 else 1):
             assert (len(options(loose, i, v)) == 1) == (op.name in rep_units)
     fastest = S.brute_force(loose.problem(batch))
-    high = evaluate(loose, batch, fastest.option_index, fastest.variant).peak_bytes
+    high = evaluate(loose, batch, fastest.option_index, fastest.variant, exact=False).peak_bytes
     low = min_memory_estimate(loose, batch).peak_bytes
     assert low < high
     backends = ["python"] + (["cpp"] if _native_built() else [])
@@ -278,15 +282,21 @@ def test_search_with_a_fixed_rep_set_is_exact(rep_units, batch):
         brute = S.brute_force(p)
         if brute.feasible:
             optima.add((brute.option_index, brute.variant))
+        found = []
         for backend in backends:
             got = S.search(p, backend=backend)
+            found.append((got.option_index, got.variant))
             assert got.feasible == brute.feasible
             if brute.feasible:
                 assert got.time_s == brute.time_s and got.peak_bytes == brute.peak_bytes
-                assert (got.option_index, got.variant) == (brute.option_index, brute.variant)
+                # an exact tie (same time and peak) may go to another plan than the
+                # enumeration's first: the plan found must cost exactly the optimum
+                feasible, time_s, peak, _ = S.evaluate_assignment(p, got.option_index, got.variant)
+                assert feasible and (time_s, peak) == (brute.time_s, brute.peak_bytes)
                 # the search's quantized peak is never below the exact one, which fits
                 exact = evaluate(t, batch, got.option_index, got.variant).peak_bytes
                 assert exact <= got.peak_bytes + 1e-6 and exact <= limit
+        assert len(set(found)) == 1  # both cores break ties alike
     assert len(optima) >= 2  # the limit binds: the optimum moves with it
 
 

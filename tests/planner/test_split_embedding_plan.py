@@ -60,7 +60,9 @@ def test_row_split_embedding_option_is_priced_by_its_declaration(g):
     and the g slices' reduce-scatter outputs."""
     desc = ModelDesc("emb", (embedding_op(),))
     n, window, b = 4, 1e12, 3
-    t = build_template(desc, device(world=n), PlannerSettings(prefetch_bytes=window))
+    # fused AdamW (no step temporaries): the optimizer step's moment stays below the
+    # op's backward, which is what this test prices by hand
+    t = build_template(desc, device(world=n), PlannerSettings(prefetch_bytes=window, optimizer_temporaries="none"))
     options = rows_of(t, 0)
     assert [(gg, k) for gg, k, _ in options if gg == g] == [(g, g)]
     o = next(o for gg, _, o in options if gg == g)
@@ -71,10 +73,11 @@ def test_row_split_embedding_option_is_priced_by_its_declaration(g):
     assert t.opt_comm_f_s[o] == pytest.approx(g * ag, rel=1e-12)
     assert t.opt_gather_b_s[o] == 0.0
     assert t.opt_reduce_b_s[o] == pytest.approx(g * rs, rel=1e-12)
-    # forward: its slice (nothing else in the window); backward: no gather, 2 grad slices
-    # and its g slices' reduce-scatter outputs ([Note: pending reduction])
+    # forward: its slice and, the window being huge, its later slices prefetched (whole
+    # units of their own): P at its first; backward: no gather, 2 grad slices and its g
+    # slices' reduce-scatter outputs ([Note: pending reduction])
     out = math.ceil(V * H / g / n) * 4
-    assert t.opt_transient_bytes[o] == pytest.approx(max(s, 2 * s + g * out), rel=1e-12)
+    assert t.opt_transient_bytes[o] == pytest.approx(max(P, 2 * s + g * out), rel=1e-12)
     # no FLOPs: compute is the op overhead (backward 2x) and the extra slices' launches
     fwd = 1e-5 + (g - 1) * 3e-6
     bwd = 2e-5 + (g - 1) * 3e-6
@@ -84,7 +87,7 @@ def test_row_split_embedding_option_is_priced_by_its_declaration(g):
     # + its backward transients, at its backward (its slices' sharded grads included)
     est = evaluate(t, b, [o], [0])
     shard = np.ceil(V * H / n)
-    want_peak = shard * 4 + shard * 8 + 2 * s + g * out + b * SEQ * 8.0 + b * SEQ * H * 4.0 + 8.0  # loss scalars
+    want_peak = shard * 4 + shard * 8 + max(P, 2 * s + g * out) + b * SEQ * 8.0 + b * SEQ * H * 4.0 + 8.0  # loss
     assert est.peak_bytes == pytest.approx(want_peak, rel=1e-12)
 
 
@@ -156,7 +159,8 @@ def test_tied_pair_gets_one_choice_and_the_best_consistent_one(limit_mib):
     for choice in itertools.product(*(rows_of(full, i) for i in range(3))):
         if choice[0][:2] != choice[2][:2]:
             continue
-        est = evaluate(full, b, [o for _, _, o in choice], [0] * len(full.segments))
+        # as the search counts (the window's bound): its optimum is exact in that count
+        est = evaluate(full, b, [o for _, _, o in choice], [0] * len(full.segments), exact=False)
         if est.fits:
             best = min(best, est.step_s)
     assert got.estimate.fits
