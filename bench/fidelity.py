@@ -42,14 +42,20 @@ SPLIT = "split_zdp@ref"  # FSDP with its splittable ops in slices (osdp.auto.spl
 BATCH = 4
 
 
+def _settings():
+    from osdp.planner.cost_model import PlannerSettings
+
+    # this bench steps torch's AdamW on CPU: its for-loop ([Note: optimizer step moment])
+    return PlannerSettings(max_slices=4, optimizer_temporaries="per_tensor")
+
+
 def plan_of_kind(desc, device, kind: str, batch: int):
     """A Plan of one kind at ``batch`` with the cost model's predictions."""
-    from osdp.planner.cost_model import PlannerSettings
     from osdp.planner.planner import plan_from_schedule
     from osdp.planner.scheduler import schedule
     from osdp.planner.uniform_plan import uniform_plan
 
-    settings = PlannerSettings(max_slices=4)
+    settings = _settings()
     if kind == "searched":
         return plan_from_schedule(schedule(desc, device, settings, batch=batch))
     # split4_mixed: every splittable op in 4 slices, half of them zdp; the rest zdp.
@@ -75,7 +81,6 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
     from osdp.auto import split_reference
     from osdp.models import GPT, example_batch
     from osdp.planner import calibration as cal
-    from osdp.planner.cost_model import PlannerSettings
     from osdp.planner.profiler import profile
     from osdp.profiler import measure_plans
 
@@ -92,7 +97,7 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
     # per-unit overhead from compute) and FSDP split (more unit uses and collectives per
     # FLOP); measured here for the calibration only
     plans[HALF] = plan_of_kind(desc, device, "all_zdp", max(1, BATCH // 2))
-    split = split_reference(desc, device, PlannerSettings(max_slices=4), BATCH)
+    split = split_reference(desc, device, _settings(), BATCH)
     if split is not None:
         plans[SPLIT] = split
     # every plan measured on the runtime (osdp.profiler.measure_plans: the wrapped model,

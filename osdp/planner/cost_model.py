@@ -559,8 +559,9 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
       per_tensor  torch's for-loop AdamW (its default off CUDA) steps one parameter
                   tensor at a time: ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds
                   two copies of it while ``denom`` still holds the previous tensor's:
-                  at most 2 x the largest local tensor + the second largest (measured:
-                  three 4 MiB tensors step with 12 MiB of temporaries, one with 8)
+                  at most 2 x a local tensor + its larger neighbour in op order
+                  (measured: three 4 MiB tensors step with 12 MiB of temporaries, one
+                  with 8)
       foreach     torch's default on CUDA: ``_foreach_sqrt`` of every exp_avg_sq at
                   once: one copy of every local tensor
       none        fused AdamW: one kernel, no temporaries
@@ -585,8 +586,12 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
                    for i in bucket)
     if rep_done:
         parts["replicated_grads"] = float(rep_done)
-    largest = sorted(local, reverse=True)[:2] + [0.0, 0.0]
-    per_tensor, foreach = 2.0 * largest[0] + largest[1], float(sum(local))
+    # the previous tensor's denom beside two copies of this one; parameters are stepped
+    # in registration order, which follows op order in the models OSDP describes: a
+    # neighbour on either side bounds the previous tensor
+    per_tensor = max((2.0 * x + max(local[j - 1] if j else 0.0, local[j + 1] if j + 1 < len(local) else 0.0)
+                      for j, x in enumerate(local)), default=0.0)
+    foreach = float(sum(local))
     parts["optimizer_temporaries"] = {"per_tensor": per_tensor, "foreach": foreach, "none": 0.0,
                                       "auto": max(per_tensor, foreach)}[settings.optimizer_temporaries]
     return parts

@@ -277,8 +277,8 @@ def test_the_optimizer_step_moment_by_hand(temporaries):
     """[Note: optimizer step moment], three Linears of 256 x 256, 512 x 256 and 128 x 256
     on 4 ranks (shards of 16384, 32768 and 8192 fp32 elements): static (params and
     AdamW's two moments, 12 B per element, and its step per tensor), every sharded
-    gradient, the loss, and the temporaries: for-loop 2 x the largest shard + the second
-    (131072 + 131072 + 65536), foreach every shard once (229376)."""
+    gradient, the loss, and the temporaries: for-loop 2 x a shard + its larger neighbour
+    in op order (l1: 2 x 131072 + 65536), foreach every shard once (229376)."""
     ops = tuple(OpDesc(f"l{i}", "linear", 256 * out_f, 256 * out_f * 4, 4096.0, 1e6, True, 256, param_tensors=1)
                 for i, out_f in enumerate((256, 512, 128)))
     desc = ModelDesc("lin", ops)
