@@ -1,4 +1,5 @@
 """The cost model against hand-computed fp64 formulas, and its memory bookkeeping."""
+import importlib.util
 import math
 
 import numpy as np
@@ -313,7 +314,7 @@ def test_the_optimizer_step_is_the_peak_and_a_limit_below_it_has_no_plan():
     assert est.peak_op == OPTIMIZER_STEP and est.peak_bytes == step and est.breakdown == t.step_bytes
     ops_peak = max(sum(parts.values()) for _, parts in live_memory(t, 1, only, flat))
     assert ops_peak < step
-    cores = [S.search_python] + ([S.search_cpp] if _native_built() else [])
+    cores = [S.search_python] + ([S.search_cpp] if importlib.util.find_spec("osdp._C") else [])
     tight = build_template(desc, device(limit=(ops_peak + step) / 2), settings).problem(1)
     assert not any(core(tight).feasible for core in cores) and not S.brute_force(tight).feasible
     roomy = build_template(desc, device(limit=step * 1.01), settings).problem(1)
@@ -321,12 +322,3 @@ def test_the_optimizer_step_is_the_peak_and_a_limit_below_it_has_no_plan():
         found = core(roomy)
         assert found.feasible and found.peak_bytes == step and found.peak_op == -1
 
-
-def _native_built() -> bool:
-    from osdp.planner import search as S
-
-    try:
-        S._native()
-    except ImportError:
-        return False
-    return True
