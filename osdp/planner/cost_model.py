@@ -559,17 +559,18 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
       per_tensor  torch's for-loop AdamW (its default off CUDA) steps one parameter
                   tensor at a time: ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds
                   two copies of it while ``denom`` still holds the previous tensor's:
-                  at most 2 x a local tensor + its larger neighbour in op order
-                  (measured: three 4 MiB tensors step with 12 MiB of temporaries, one
-                  with 8)
+                  the most of 2 x a local tensor + the one before it (OpDesc.tensors,
+                  in registration order, taken to follow op order; measured: three
+                  4 MiB tensors step with 12 MiB of temporaries, one with 8; W&S 2x768
+                  all rep, 2 x c_fc's weight + a bias, to 2 KB)
       foreach     torch's default on CUDA: ``_foreach_sqrt`` of every exp_avg_sq at
                   once: one copy of every local tensor
       none        fused AdamW: one kernel, no temporaries
       auto        unresolved (no model device seen): the larger of the first two
-    A local tensor is bounded by its unit's shard (a rep unit's: all of it); a split op
-    is bounded unsplit, since its slices' shards are smaller (the moment stays the same
-    for every choice of the search, which checks it once). Adam with an L2 weight decay
-    (not AdamW) copies each gradient too: not priced."""
+    A local tensor is bounded by itself and by its unit's shard (a rep unit's: all of
+    it); a split op is bounded unsplit, since its slices' shards are smaller (the moment
+    stays the same for every choice of the search, which checks it once). Adam with an
+    L2 weight decay (not AdamW) copies each gradient too: not priced."""
     n = layout_collectives(device, settings).shard_ranks
     rep = rep_op_mask(desc, settings)
     static = static_bytes(desc, device, settings)
@@ -579,6 +580,12 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     local = [op.param_count * element_bytes(op) if _rep_owner(desc, rep, i)
              else math.ceil(op.param_count / n) * element_bytes(op)
              for i, op in enumerate(desc.ops) if not op.tied_to]
+    # every parameter tensor the optimizer steps, in its order (registration order,
+    # which follows op order in the models OSDP describes): a tensor's local piece is at
+    # most the tensor and at most its unit's shard
+    pieces = [min(numel, math.ceil(op.param_count / n)) * element_bytes(op) if not _rep_owner(desc, rep, i)
+              else numel * element_bytes(op)
+              for i, op in enumerate(desc.ops) if not op.tied_to for numel in op.tensors]
     if settings.grads_set_to_none:
         parts["sharded_grads"] = float(sum(math.ceil(op.param_count / n) * element_bytes(op)
                                            for i, op in enumerate(desc.ops) if not rep[i] and not op.tied_to))
@@ -586,11 +593,8 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
                    for i in bucket)
     if rep_done:
         parts["replicated_grads"] = float(rep_done)
-    # the previous tensor's denom beside two copies of this one; parameters are stepped
-    # in registration order, which follows op order in the models OSDP describes: a
-    # neighbour on either side bounds the previous tensor
-    per_tensor = max((2.0 * x + max(local[j - 1] if j else 0.0, local[j + 1] if j + 1 < len(local) else 0.0)
-                      for j, x in enumerate(local)), default=0.0)
+    # two copies of each tensor beside the previous tensor's denom
+    per_tensor = max((2.0 * x + (pieces[j - 1] if j else 0.0) for j, x in enumerate(pieces)), default=0.0)
     foreach = float(sum(local))
     parts["optimizer_temporaries"] = {"per_tensor": per_tensor, "foreach": foreach, "none": 0.0,
                                       "auto": max(per_tensor, foreach)}[settings.optimizer_temporaries]

@@ -71,6 +71,23 @@ class OpDesc:
     logits_bytes_per_sample: float = 0.0
     # parameter tensors owned (the optimizer keeps per-tensor state too: AdamW's step)
     param_tensors: int = 0
+    # elements of each of those tensors, in registration order (the optimizer's order);
+    # () for one tensor of param_count, or unknown. The cost model's [Note: optimizer
+    # step moment] reads it (a for-loop AdamW's temporaries follow the tensors)
+    tensor_numels: tuple = ()
+
+    def __post_init__(self):
+        numels = tuple(int(n) for n in self.tensor_numels)
+        if numels and sum(numels) != self.param_count:
+            raise OSDPError(f"unit {self.name!r}: tensor_numels {list(numels)} add up to {sum(numels)}, not to its "
+                            f"param_count {self.param_count}; list the elements of each parameter tensor it owns")
+        # one canonical form (a JSON list becomes a tuple; one tensor of param_count is ())
+        object.__setattr__(self, "tensor_numels", () if len(numels) <= 1 else numels)
+
+    @property
+    def tensors(self) -> tuple[int, ...]:
+        """Elements per parameter tensor (one of param_count when not described)."""
+        return self.tensor_numels or ((self.param_count,) if self.param_count else ())
 
     @property
     def max_slices(self) -> int:
@@ -485,6 +502,7 @@ def describe(
                 logits_bytes_per_sample=logits if logits and path == head and splittable
                 and per_sample.get(path, 0.0) >= logits else 0.0,
                 param_tensors=len(own),
+                tensor_numels=tuple(p.numel() for p in own),
             )
         )
     block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})

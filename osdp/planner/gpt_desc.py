@@ -56,11 +56,13 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
         ops.append(OpDesc(path, "linear", count, count * e, act, 2.0 * s * fan_in * fan_out + extra_flops,
                           splittable=axis >= 2, in_features=axis if axis >= 2 else 0, block=block,
                           act_grad_bytes_per_sample=grad + ids, split_op=split.op_name if axis >= 2 else "",
-                          param_tensors=2 if bias else 1))
+                          param_tensors=2 if bias else 1,
+                          tensor_numels=(fan_in * fan_out, fan_out) if bias else ()))
 
     def layernorm(path, h, grad_widths, block=None):
         ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block,
-                          act_grad_bytes_per_sample=grad_widths * s * h * e + ids, param_tensors=2))
+                          act_grad_bytes_per_sample=grad_widths * s * h * e + ids, param_tensors=2,
+                          tensor_numels=(h, h)))
 
     rows = default_split_op_for_kind("embedding")
 

@@ -322,3 +322,22 @@ def test_the_optimizer_step_is_the_peak_and_a_limit_below_it_has_no_plan():
         found = core(roomy)
         assert found.feasible and found.peak_bytes == step and found.peak_op == -1
 
+
+def test_the_for_loop_step_holds_a_tensor_twice_beside_the_one_before_it():
+    """Two replicated Linears with biases, stepped weight, bias, weight, bias: at the
+    second weight the previous denom is the first bias, not the first weight (W&S 2x768
+    all rep measured 2 x c_fc's weight + a bias); without tensor_numels each unit is
+    taken as one tensor, a bound (weight + bias twice, beside the unit before)."""
+    def model(numels):
+        return ModelDesc("lin", tuple(
+            OpDesc(f"l{i}", "linear", 256 * 257, 256 * 257 * 4, 4096.0, 1e6, True, 256, param_tensors=2,
+                   tensor_numels=numels) for i in range(2)))
+
+    settings = PlannerSettings(policy="rep", optimizer_temporaries="per_tensor")
+    w, b = 256 * 256 * 4, 256 * 4
+    described = build_template(model((256 * 256, 256)), device(), settings)
+    assert described.step_bytes["optimizer_temporaries"] == 2 * w + b
+    unknown = build_template(model(()), device(), settings)
+    assert unknown.step_bytes["optimizer_temporaries"] == 3 * (w + b)
+    with pytest.raises(OSDPError, match="add up to 65791, not to its param_count 65792"):
+        model((256 * 256, 255))
