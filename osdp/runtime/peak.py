@@ -79,7 +79,9 @@ class StepMemory:
     step: int  # windows closed before this one (0: the first measured step)
     peak_bytes: int  # measured (see [Note: measured peak])
     unit_at_peak: str  # the unit computing at the peak ("" outside units)
-    phase_at_peak: str  # "forward", "recompute", "backward", "after backward", "optimizer step", ""
+    # "forward", "after forward" (outside units after it: the loss after the head),
+    # "recompute", "backward", "after backward", "optimizer step", ""
+    phase_at_peak: str
     limit_bytes: float | None
     predicted_peak_bytes: float | None
     source: str  # "live tensors (cpu)" or "cuda allocator"
@@ -105,6 +107,8 @@ class StepMemory:
 
     @property
     def where(self) -> str:
+        if self.phase_at_peak == "after forward":
+            return f"after unit {self.unit_at_peak!r}'s forward, outside units (e.g. the loss after the head)"
         if self.unit_at_peak:
             return f"in unit {self.unit_at_peak!r} ({self.phase_at_peak})"
         return f"in the {self.phase_at_peak}" if self.phase_at_peak else "outside any unit"

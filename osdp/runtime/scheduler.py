@@ -190,6 +190,9 @@ class Scheduler:
                 use.entry[2] = use.needs_weights
         else:
             use.state = UseState.DONE
+        # what runs next outside units (the loss after the head) is attributed to this
+        # unit's "after forward", not to its forward
+        self.lifecycle.ledger.note_use(unit.name, "after forward")
         if self._in_forward:
             self.prefetch.prefetch_forward()
 
