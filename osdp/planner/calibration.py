@@ -305,6 +305,9 @@ def _pull_weights(columns: np.ndarray, fit: list[int], prior_weight: float) -> n
     return np.array([max(prior_weight / PRIOR_SCALES[j], RIDGE * np.linalg.norm(columns[:, j])) for j in fit])
 
 
+CONVERGED = 1e-6  # relative gain of a Levenberg-Marquardt step below which the fit stops
+
+
 def fit_by_simulation(assigned: list[tuple[Assignment, Measurement]], device: DeviceInfo,
                       start: Calibration, iterations: int = 20, prior: Calibration | None = None,
                       prior_weight: float = PRIOR_WEIGHT) -> tuple[Calibration, float]:
@@ -312,7 +315,8 @@ def fit_by_simulation(assigned: list[tuple[Assignment, Measurement]], device: De
     measured forward and backward phases: Levenberg-Marquardt on relative errors with
     a finite-difference Jacobian, every step box-constrained (``box_lstsq``), each factor
     pulled toward ``prior`` (default ``start``; [Note: the prior pull]); the factors
-    fitted are those ``fit_factors`` fits. A step is taken only if it lowers the error.
+    fitted are those ``fit_factors`` fits. A step is taken only if it lowers the error;
+    the fit stops when none does, or when one gains less than ``CONVERGED`` of it.
     Returns the factors and the sum of squared residuals (phases and pulls)."""
     measured = np.array([m.phase_s(p) for _, m in assigned for p in ("forward", "backward")])
     prior = prior or start
@@ -339,6 +343,7 @@ def fit_by_simulation(assigned: list[tuple[Assignment, Measurement]], device: De
     r = residuals(x)
     cost, damping = float(r @ r), 1e-3
     for _ in range(iterations):
+        before = cost
         jac = np.zeros((len(r), len(fit)))
         for c, j in enumerate(fit):
             h = 1e-4 * max(abs(x[j]), 1e-2 if j != 2 else 1e-5)
@@ -362,7 +367,9 @@ def fit_by_simulation(assigned: list[tuple[Assignment, Measurement]], device: De
                 damping = max(damping / 10, 1e-9)
                 break
             damping *= 10
-        if not improved or cost < 1e-20:
+        # converged: a step that gains less than CONVERGED of the error moves the
+        # factors in their fifth digit (bench/fidelity.py's fits: 4-6 steps, not 20)
+        if not improved or cost < 1e-20 or before - cost <= CONVERGED * before:
             break
     return replace(start, **{n: float(v) for n, v in zip(FACTORS, x)}), cost
 
