@@ -249,7 +249,7 @@ class OSDP(nn.Module):
             self._bindings.append(binding)
         for split_module, units in self._built.splits.values():
             split_module.bind(self._scheduler, units)
-        apply_checkpointing(self.module, config.checkpoint_blocks)
+        apply_checkpointing(self.module, config.checkpoint_blocks, self._scheduler.end_recompute)
         self.checkpoint_blocks = config.checkpoint_blocks
 
     def _init_memory_check(self, memory_limit, memory_check) -> None:

@@ -24,17 +24,26 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger("osdp.runtime")
 
 
-def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...]) -> None:
+def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_end=None) -> None:
+    """``on_recompute_end()``: called when a block's forward run by checkpoint returns or
+    stops (in backward, the recompute's end: the memory ledger labels what follows)."""
     if blocks:
         _disable_kv_cache(model)
     for path in blocks:
         module = model.get_submodule(path)
         inner = module.forward
 
-        def forward(*args, _inner=inner, **kwargs):
+        def run(*args, _inner=inner, **kwargs):
+            try:
+                return _inner(*args, **kwargs)
+            finally:  # also when checkpoint stops the recompute early (an exception)
+                if on_recompute_end is not None:
+                    on_recompute_end()
+
+        def forward(*args, _inner=inner, _run=run, **kwargs):
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_run, *args, use_reentrant=False, **kwargs)
 
         module.forward = forward
 

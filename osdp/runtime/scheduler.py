@@ -101,6 +101,7 @@ class Scheduler:
         self.reducer = GradReducer(comm, ledger, coalesce_bytes)
         self._in_forward = False
         self._in_backward = False
+        self._backward_label: tuple[str, str] | None = None  # the ledger's label of the backward in progress
         self._awaiting: dict[Use, None] = {}
         self.recover_listeners: list = []  # called by recover() (module hooks drop their stacks)
 
@@ -196,6 +197,12 @@ class Scheduler:
         if self._in_forward:
             self.prefetch.prefetch_forward()
 
+    def end_recompute(self) -> None:
+        """A checkpointed block's recompute returned (or stopped early, after the last
+        tensor its backward needs): the backward that unpacked it goes on."""
+        if self._in_backward and self._backward_label is not None:
+            self.lifecycle.ledger.note_use(*self._backward_label)
+
     # ---- backward --------------------------------------------------------------------
     def pre_backward(self, use: Use) -> None:
         if use.state in (UseState.RECOMPUTE, UseState.BACKWARD, UseState.DONE):
@@ -208,7 +215,8 @@ class Scheduler:
         self.prefetch.record_backward_use(unit)
         self.prefetch.gather_for_backward(unit)
         self.lifecycle.wait_for_unshard(unit)
-        self.lifecycle.ledger.note_use(unit.name, "backward")
+        self._backward_label = (unit.name, "backward")
+        self.lifecycle.ledger.note_use(*self._backward_label)
 
     def grad_buffer(self, unit: ShardUnit) -> tuple[list[torch.Tensor], bool]:
         """Views of ``unit``'s unsharded gradient and whether they hold one already."""
@@ -253,6 +261,7 @@ class Scheduler:
         self.lifecycle.reshard_where(lambda unit: unit.n_active == 0)
         self.prefetch.end_backward()
         self._in_backward = False
+        self._backward_label = None
         self.lifecycle.ledger.note_use("", "after backward")
 
     # ---- outside a step ----------------------------------------------------------------
@@ -265,6 +274,7 @@ class Scheduler:
         self.reducer.drop(self.units)
         self.prefetch.forget_partial()
         self._in_forward = self._in_backward = False
+        self._backward_label = None
         for listener in self.recover_listeners:
             listener()
 

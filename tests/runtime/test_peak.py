@@ -443,3 +443,36 @@ def test_an_all_zdp_gpt_peaks_in_the_loss_backward_as_predicted(fake_world):
     # attributed to the code after the head, not to the head's forward
     assert (step.unit_at_peak, step.phase_at_peak) == ("lm_head", "after forward")
     assert "after unit 'lm_head''s forward" in step.where
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_a_checkpointed_blocks_backward_is_attributed_to_its_unit_not_the_recompute(fake_world):
+    """Backward unpacks a checkpointed block's activations inside the backward of the
+    block's last unit, which recomputes the block first; the ops after the recompute
+    are that unit's backward (once labelled 'recompute': the peak check named the
+    recompute for a peak in c_proj's backward). Forward matmuls are addmm, backward's
+    dX and dW are mm: every mm is a backward, two per unit."""
+    config = GPTConfig(vocab_size=256, seq_len=32, num_layers=2, hidden=64, heads=4)
+    torch.manual_seed(0)
+    desc = describe(GPT(config), example_batch(config, 2))
+    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
+        RunSettings(world_size=fake_world, memory_limit_bytes=256 * MiB))
+    plan = uniform_plan(desc, device, PlannerSettings(), 2, checkpointed=True)
+    wrapped = osdp.OSDP(GPT(config), plan=plan)
+    ledger = wrapped._ledger
+
+    class LabelRecorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.mm_labels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket is torch.ops.aten.mm:
+                self.mm_labels.append(ledger.in_flight)
+            return func(*args, **(kwargs or {}))
+
+    loss = wrapped(*example_batch(config, 2))
+    with LabelRecorder() as recorder:
+        loss.backward()
+    linears = [name for name, m in GPT(config).named_modules() if isinstance(m, nn.Linear)]
+    assert sorted(recorder.mm_labels) == sorted((name, "backward") for name in linears for _ in range(2))
