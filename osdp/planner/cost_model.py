@@ -59,6 +59,27 @@ alive again during its own backward. The model therefore places the peak at the 
 where prefix + transient is largest, normally the start of backward, or at the
 optimizer step ([Note: optimizer step moment]), the same for every plan.
 
+[Note: the hook moment]
+An unsplit op's backward has three moments, with A its saved activations, D autograd's
+dW and B + O the unit's buffer and its reduce-scatter's output:
+    in autograd's node     prefix (A in it) + D, no B + O yet
+    at the runtime's hook  prefix - A + D + B + O: autograd released A when the node
+                           ended; the hook copies D into B and issues the reduction
+    after the hook         prefix + B + O, D freed; the next non-unit ops' backward
+                           (a GELU's, before the previous unit's node) runs here, and
+                           describe's measured transients of this op already net A out
+                           of it ([Note: backward transients] counts from the prefix)
+The model counted prefix + D + B + O: W&S 2x768 all zdp, 2 ranks, 3.4% above the
+measured peak at batch 8 (c_proj's hook: its 6 MiB input gone, 9 + 9 + 4.5 MiB there),
+and 2.4-3.9% on other wide MLPs. The largest of the three is that less min(A, D, B + O):
+each option carries ``release`` = min(D, B + O, what its backward adds over its forward
+moment), and its A offsets up to that much (``_local_moments``). Split ops (their
+Function issues each slice's reduce-scatter inside its own backward, holding x), tied
+units, the head (its logits are [Note: fused vocabulary-split loss]'s) and static
+accumulators release nothing. Known gap: on a 2x384 GPT at batch 8 the measured peak
+(a GELU's backward after c_proj's hook) is 0.3% above this, the runtime then holding
+0.4 MiB more prefetched weights than the window's bound counts.
+
 [Note: hpz mode]
 Across nodes (layout "full", n nodes of m ranks: collective_cost.py's [Note: two-level
 collective cost]) a slice may also run in ``hpz`` (ZeRO++ hpZ, FSDP2's
@@ -687,6 +708,8 @@ class ProblemTemplate:
     opt_logits_per_sample: np.ndarray = field(repr=False, default=None)
     opt_loss_grad_per_sample: np.ndarray = field(repr=False, default=None)
     opt_logits_grad_per_sample: np.ndarray = field(repr=False, default=None)
+    # of the transient, the bytes the op's own saved activations offset ([Note: the hook moment])
+    opt_release_bytes: np.ndarray = field(repr=False, default=None)
     opt_begin: np.ndarray = field(repr=False, default=None)
     opt_end: np.ndarray = field(repr=False, default=None)
     # per op
@@ -848,7 +871,7 @@ def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) ->
     # unsplit: autograd's gradient is live while the hook copies it in (_grads_live)
     transient = max(min(window, after_i), min(window, before_i) + own_grad + gathered_bytes(owner, settings) + pending)
     reduce_b = reduce_s if i == group[0] else 0.0
-    return (1, 0, 0, 0.0, transient, 0.0, 0.0, reduce_b, True, 0.0, 1.0, logits, 2.0 * logits, logits)
+    return (1, 0, 0, 0.0, transient, 0.0, 0.0, reduce_b, True, 0.0, 1.0, logits, 2.0 * logits, logits, 0.0)
 
 
 def pending_reduce_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
@@ -901,7 +924,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
                  shares=(1.0, 1.0), pending=0.0, issued=0.0, flight_out=0.0, exact=None) -> list[tuple]:
     """(g, k, h, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
     split efficiency, logits saved, the loss's backward transients, logits grads in the
-    head's backward) for every option of op ``i`` (see the
+    head's backward, release) for every option of op ``i`` (see the
     Notes at the top, [Note: hpz mode] and [Note: tied weights]). ``shares``: the latency
     shares of small units ([Note: coalesced latency]); ``pending``: the gradient bytes
     that may still be reducing beside its backward, ``issued``: the sharded outputs its
@@ -964,6 +987,12 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
                 backward = gathers_b + _grads_live(grad, untied=len(group) == 1, pending=pending,
                                                    autograd=s if g == 1 else 0.0) + issued
             transient = max(gathers_f, backward)
+            release = 0.0
+            if g == 1 and len(group) == 1 and logits == 0 and not _accumulators_static(settings):
+                # [Note: the hook moment]: the buffer and the reduce-scatter's output
+                # come after autograd's node, whose saved activations are gone by then;
+                # after the copy autograd's dW (s) is gone too
+                release = max(0.0, min(grad + issued, s, backward - gathers_f))
             # [Note: fused vocabulary-split loss]: split, the head never holds the logits;
             # unsplit, the loss's backward (3 L) comes before the head's (L of it left)
             fused = g > 1 and logits > 0
@@ -972,7 +1001,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             logits_grads = 2.0 * logits / g if fused else logits
             rows.append((g, k, h, held, transient, comm_f, gather_b, reduce_b, 2 * s <= window,
                          (g - 1) * device.slice_overhead_s, split_efficiency(g, device), logits_saved, loss_grads,
-                         logits_grads))
+                         logits_grads, release))
     return rows
 
 
@@ -1071,7 +1100,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     quantum = max(budget, 1.0) / buckets
 
     names = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff",
-             "logits", "loss_grad", "logits_grad")
+             "logits", "loss_grad", "logits_grad", "release")
     cols = {k: [] for k in ("op", "variant", "ckpt") + names}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
@@ -1131,6 +1160,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         opt_logits_per_sample=arr("logits"),
         opt_loss_grad_per_sample=arr("loss_grad"),
         opt_logits_grad_per_sample=arr("logits_grad"),
+        opt_release_bytes=arr("release"),
         opt_begin=begin,
         opt_end=end,
         fwd_intercept_s=np.array([f[0] for f in fits]),
@@ -1153,7 +1183,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
 
 _COST_FIELDS = ("opt_held_bytes", "opt_transient_bytes", "opt_comm_f_s", "opt_gather_b_s", "opt_reduce_b_s",
                 "opt_overlap", "opt_split_overhead_s", "opt_split_eff", "opt_logits_per_sample",
-                "opt_loss_grad_per_sample", "opt_logits_grad_per_sample")
+                "opt_loss_grad_per_sample", "opt_logits_grad_per_sample", "opt_release_bytes")
 _OPTION_FIELDS = ("opt_op", "opt_variant", "opt_checkpointed", "opt_slices", "opt_zdp", "opt_hpz") + _COST_FIELDS
 
 
@@ -1286,8 +1316,11 @@ def _local_moments(t: ProblemTemplate, batch: int) -> tuple[np.ndarray, np.ndarr
     """Per option, bytes local to its op at its own busiest moment (gathers, gradient
     buffers, activation gradients, logits gradients inside the head's backward) and in
     the loss's backward before it (saved log-probabilities and their gradients: [Note:
-    fused vocabulary-split loss]; 0 for every op but an unsplit head)."""
-    own = t.opt_transient_bytes + (t.act_grad_per_sample[t.opt_op] + t.opt_logits_grad_per_sample) * batch
+    fused vocabulary-split loss]; 0 for every op but an unsplit head). At the backward
+    hook of an unsplit op its own saved activations are released ([Note: the hook
+    moment]): they offset up to ``opt_release_bytes`` of its transient."""
+    released = np.minimum(t.opt_release_bytes, t.act_per_sample[t.opt_op] * batch)
+    own = t.opt_transient_bytes - released + (t.act_grad_per_sample[t.opt_op] + t.opt_logits_grad_per_sample) * batch
     loss = (t.opt_logits_per_sample + t.opt_loss_grad_per_sample) * batch
     return own, loss
 
@@ -1393,10 +1426,11 @@ class Estimate:
         return batch * world_size / self.step_s
 
 
-def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> np.ndarray:
+def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> tuple[np.ndarray, np.ndarray]:
     """[Note: exact gathers] Per op, its chosen option's transient bytes (the larger of
     its forward and backward moments beyond the prefix) with the gathers the runtime
-    really holds there, for this one plan.
+    really holds there, for this one plan, and the part of them its own released
+    activations offset ([Note: the hook moment]).
     The search prices every op's gathers by the window's bound, the same for any choice
     of the ops around it: ``min(window, own + the bytes the next ops could gather)``.
     The runtime prefetches whole units, skips the ones kept (``dp``) or replicated, and
@@ -1421,6 +1455,7 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> n
     per_node = layout_collectives(device, settings).per_node
     seg_variant = {i: int(variant[s]) for s, seg in enumerate(t.segments) for i in seg.ops}
     out = np.array([t.opt_transient_bytes[o] for o in option_index], dtype=float)
+    release = np.array([t.opt_release_bytes[o] for o in option_index], dtype=float)
     kept = 0.0  # dp bytes the prefix holds (an hpz slice's node copy is not a gather)
     for i, o in enumerate(option_index):
         g, k, h = int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
@@ -1434,8 +1469,9 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> n
         checkpointed = t.segments[[s for s, seg in enumerate(t.segments) if i in seg.ops][0]].variants[seg_variant[i]]
         rows = _option_rows(desc, i, device, settings, checkpointed, window, after[i], before[i], shares,
                             pending[i], issued[i], flight_out[i], exact=(fwd, bwd))
-        out[i] = next(row[4] for row in rows if row[:3] == (g, k, h))
-    return out
+        row = next(row for row in rows if row[:3] == (g, k, h))
+        out[i], release[i] = row[4], row[14]
+    return out, release
 
 
 def live_memory(template: ProblemTemplate, batch: int, option_index, variant,
@@ -1462,10 +1498,12 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant,
         v = next(int(variant[s]) for s, seg in enumerate(t.segments) if i in seg.ops)
         if not (t.opt_begin[i, v] <= o < t.opt_end[i, v]):
             raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
-    bound = t.opt_transient_bytes[option_index]
-    transient = exact_transients(t, batch, option_index, variant) if exact else bound
+    bound, bound_release = t.opt_transient_bytes[option_index], t.opt_release_bytes[option_index]
+    transient, release = exact_transients(t, batch, option_index, variant) if exact else (bound, bound_release)
+    # its own activations released at the hook ([Note: the hook moment])
+    own_released = np.minimum(release, act)
     # the exact gathers change the op's own moment, not the loss's before it
-    own_bytes = own_bytes[option_index] + (transient - bound)
+    own_bytes = own_bytes[option_index] + (transient - bound) - (own_released - np.minimum(bound_release, act))
     loss_bytes = loss_bytes[option_index]
     rows = []
     for s, seg in enumerate(t.segments):
@@ -1479,11 +1517,15 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant,
                 raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
             held_prefix += t.opt_held_bytes[o]
             inside += act[i]
+            # [Note: the hook moment]: at the hook, its activations are gone and the
+            # buffers all there; if they outweigh what the hook adds, the peak is in the
+            # node, before the hook's buffers
+            at_hook = own_released[i] < release[i]
             parts = {
                 **static_parts,
                 "kept_dp_weights": float(held_prefix),
-                "saved_activations": float(act_prefix + kept + inside),
-                "in_flight_and_grad_buffers": float(transient[i]),
+                "saved_activations": float(act_prefix + kept + inside - (own_released[i] if at_hook else 0.0)),
+                "in_flight_and_grad_buffers": float(transient[i] - (0.0 if at_hook else own_released[i])),
                 "activation_grads": float(t.act_grad_per_sample[i] * batch),
                 "sharded_grads_so_far": float(t.grads_after[i]),
             }
@@ -1507,7 +1549,8 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant,
             # head's own moment hid a larger loss moment (N&D 12x128 all zdp at batch 4:
             # measured 45.51 MiB at nll_loss_backward, predicted 44.79 at the head)
             if loss_bytes[i] > own_bytes[i]:  # the loss's backward, before the head's: nothing of the op's own
-                parts.update(in_flight_and_grad_buffers=0.0, activation_grads=0.0)
+                parts.update(in_flight_and_grad_buffers=0.0, activation_grads=0.0,
+                             saved_activations=float(act_prefix + kept + inside))
                 parts["logits_and_grads"] = float(loss_bytes[i])
             elif logits_grads:
                 parts["logits_and_grads"] = logits_grads

@@ -375,7 +375,7 @@ def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
     return InfeasiblePlanError(
         f"no plan fits in {format_bytes(limit)} per device at batch {batch}: "
         f"the least-memory plan found (per op the option with the least kept plus transient bytes"
-        f"{', every block checkpointed' if t.settings.checkpointing != 'none' else ''}) "
+        f"{', with every block checkpointed or none, the lower' if t.settings.checkpointing != 'none' else ''}) "
         f"needs {format_bytes(smallest.peak_bytes)}, peaking at {smallest.peak_op} ({lines}); {advice}",
         min_bytes=smallest.peak_bytes,
         breakdown=smallest.breakdown,
@@ -384,20 +384,28 @@ def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
 
 def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
     """A least-memory plan: per op the option with the least kept plus transient bytes,
-    every block checkpointed when allowed. Its peak is what the error message states: a
-    limit that holds it (plus quantization) fits, so it is counted as the search counts
-    (the window's bound, not the plan's own gathers: cost_model's [Note: exact gathers])."""
-    option_index = []
-    variant = [max(range(len(seg.variants)), key=lambda v: seg.variants[v]) for seg in t.segments]
+    with every block checkpointed when allowed or with none, whichever peaks lower
+    (a checkpointed block keeps its input and recomputes: in a small block that can
+    cost more than it saves). Its peak is what the error message states: a limit that
+    holds it (plus quantization) fits, so it is counted as the search counts (the
+    window's bound, not the plan's own gathers: cost_model's [Note: exact gathers])."""
     seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
     problem = t.problem(batch)
-    for i in range(len(t.desc.ops)):
-        v = variant[seg_of[i]]
-        lo, hi = t.opt_begin[i, v], t.opt_end[i, v]
-        idx = np.arange(lo, hi)
-        key = t.opt_held_bytes[idx] + problem.opt_local_bytes[idx]
-        option_index.append(int(idx[np.argmin(key)]))
-    return evaluate(t, batch, option_index, variant, exact=False)
+    best = None
+    for checkpointed in (True, False):
+        variant = [max(range(len(seg.variants)), key=lambda v: seg.variants[v] == checkpointed)
+                   for seg in t.segments]
+        option_index = []
+        for i in range(len(t.desc.ops)):
+            v = variant[seg_of[i]]
+            lo, hi = t.opt_begin[i, v], t.opt_end[i, v]
+            idx = np.arange(lo, hi)
+            key = t.opt_held_bytes[idx] + problem.opt_local_bytes[idx]
+            option_index.append(int(idx[np.argmin(key)]))
+        estimate = evaluate(t, batch, option_index, variant, exact=False)
+        if best is None or estimate.peak_bytes < best.peak_bytes:
+            best = estimate
+    return best
 
 
 def check_batch(batch, name: str = "batch size") -> int | None:

@@ -118,18 +118,20 @@ def test_peak_is_early_in_backward_with_a_breakdown():
     P = 256 * 256 * 4
     shard = math.ceil(256 * 256 / 4)
     states = shard * (4 + 8) * 5 + LOSS_SCALARS_BYTES  # the loss and its gradient seed: 2 x 4 B
-    # l4, first in backward: all 5 weights kept, 5 ops' saved activations, in backward
-    # nothing to gather (dp): the gradient autograd made and the buffer the hook copies
-    # it into (2P), both live when its reduce-scatter's output (its shard) is allocated,
-    # nothing reducing yet, no sharded gradient (zero_grad set them None)
-    at_l4 = states + 5 * P + 5 * 4096 * b + 2 * P + shard * 4 + 4096 * b
+    # l4, first in backward, at its hook ([Note: the hook moment]): all 5 weights kept,
+    # 4 ops' saved activations (its own input was released with autograd's node), in
+    # backward nothing to gather (dp): the gradient autograd made and the buffer the
+    # hook copies it into (2P), both live when its reduce-scatter's output (its shard)
+    # is allocated, nothing reducing yet, no sharded gradient (zero_grad set them None)
+    at_l4 = states + 5 * P + 4 * 4096 * b + 2 * P + shard * 4 + 4096 * b
     # l3: l4's weights and activations freed, its sharded gradient made; its 2P and its
     # output plus l4's gradient still reducing beside it ([Note: pending reduction])
-    at_l3 = states + 4 * P + 4 * 4096 * b + 3 * P + shard * 4 + 4096 * b + shard * 4
+    at_l3 = states + 4 * P + 3 * 4096 * b + 3 * P + shard * 4 + 4096 * b + shard * 4
     assert at_l3 > at_l4
     assert est.peak_op == "l3"
     assert est.peak_bytes == pytest.approx(at_l3)
     assert sum(est.breakdown.values()) == pytest.approx(est.peak_bytes)
+    assert est.breakdown["saved_activations"] == 3 * 4096 * b
     assert est.breakdown["kept_dp_weights"] == 4 * P
     assert est.breakdown["in_flight_and_grad_buffers"] == 3 * P + shard * 4
     assert est.breakdown["sharded_grads_so_far"] == shard * 4

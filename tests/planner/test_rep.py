@@ -8,6 +8,7 @@ so an all-reduce of G bytes over 4 ranks (reduce-scatter + all-gather, no measur
 all-reduce) costs 3 (1e-5 + 2e-5) + 3/4 G (3e-9) s. Units are 256 x 256 fp32 linears
 (P = G = 262144 bytes) unless said otherwise.
 """
+import itertools
 import json
 import math
 
@@ -117,17 +118,18 @@ def test_rep_plan_peak_by_hand():
           gathered, so l2's prefetch P; backward: autograd's gradient G + its buffer G
           + l2's, maybe still reducing (l1 reduces in its bucket), G, + its own
           reduce-scatter's output G/4) = 3P + G/4, act grads 12288, l1 and l2's
-          sharded grads G/4, l1's buffer G (replicated_grads)      -> 2646024
+          sharded grads G/4, l1's buffer G (replicated_grads), less its own
+          12288 saved, released before the hook ([Note: the hook moment]) -> 2633736
       l1: kept P, saved 24576, transient 4P, act grads 12288, l2's shard G/4 -> 2592776
       l2: kept 2P, saved 36864, transient max(P, P + 2G + G/4) = 3P + G/4 (nothing
-          reduces before it), act grads 12288                       -> 2605064
+          reduces before it), act grads 12288, less its own 12288 -> 2592776
     """
     desc = model(3)
     t = build_template(desc, device(), PlannerSettings(prefetch_bytes=1e12, rep_units=("l1",)))
     choice = [option(t, 0, 1, 0), options(t, 1)[0], option(t, 2, 1, 0)]
     rows = live_memory(t, 3, choice, [0, 0, 0], exact=False)  # the search's window bound
     totals = [sum(parts.values()) for _, parts in rows]
-    assert totals == [2646024, 2592776, 2605064]
+    assert totals == [2633736, 2592776, 2592776]
     # the plan's own gathers: at l2's backward the bound counts l0 as a prefetch (P),
     # but l0 is dp, kept in the prefix: nothing is gathered there
     exact = [sum(parts.values()) for _, parts in live_memory(t, 3, choice, [0, 0, 0])]
@@ -135,7 +137,7 @@ def test_rep_plan_peak_by_hand():
     assert rows[0][1]["replicated_grads"] == P and rows[0][1]["replicated_states"] == 786432
     assert rows[0][1]["sharded_grads_so_far"] == P / 4
     est = evaluate(t, 3, choice, [0, 0, 0])
-    assert (est.peak_bytes, est.peak_op) == (2646024, "l0")
+    assert (est.peak_bytes, est.peak_op) == (2633736, "l0")
 
 
 def test_rep_static_under_mixed_precision_and_kept_gradients():
@@ -256,6 +258,19 @@ BLOCKED = ModelDesc("blocked", tuple(linear(f"b.{i}", in_f=64 * (i + 1), act=300
                     (BlockDesc("b", 0, 2, 500.0),))
 
 
+def _least_peak(t, batch) -> float:
+    """The least peak (the search's window bound) over every plan of a small template."""
+    p = t.problem(batch)
+    per_segment = []
+    for s in range(p.num_segments):
+        first, count = int(p.seg_first_op[s]), int(p.seg_num_ops[s])
+        per_segment.append([(v, opts) for v in range(int(p.seg_num_variants[s]))
+                            for opts in itertools.product(*(range(int(p.opt_begin[i, v]), int(p.opt_end[i, v]))
+                                                            for i in range(first, first + count)))])
+    return min(evaluate(t, batch, [o for _, opts in plan for o in opts], [v for v, _ in plan], exact=False).peak_bytes
+               for plan in itertools.product(*per_segment))
+
+
 @pytest.mark.parametrize("rep_units", [("b.1",), ("b.0", "t"), ()])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_search_with_a_fixed_rep_set_is_exact(rep_units, batch):
@@ -272,7 +287,8 @@ def test_search_with_a_fixed_rep_set_is_exact(rep_units, batch):
             assert (len(options(loose, i, v)) == 1) == (op.name in rep_units)
     fastest = S.brute_force(loose.problem(batch))
     high = evaluate(loose, batch, fastest.option_index, fastest.variant, exact=False).peak_bytes
-    low = min_memory_estimate(loose, batch).peak_bytes
+    low = _least_peak(loose, batch)
+    assert low <= min_memory_estimate(loose, batch).peak_bytes  # the error message's plan: an upper bound
     assert low < high
     backends = ["python"] + (["cpp"] if _native_built() else [])
     optima = set()
