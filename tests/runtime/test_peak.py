@@ -418,6 +418,26 @@ def test_uniform_plans_of_three_linears_measure_within_their_prediction(fake_wor
     assert measured >= 0.99 * plan.predicted.peak_bytes
 
 
+def _fsdp_plan(config, world: int, describe_batch: int, batch: int):
+    """FSDP (every unit whole, zdp) of a GPT on ``world`` ranks at ``batch``, priced from
+    describe's measured activations, AdamW's for-loop temporaries, no constant."""
+    torch.manual_seed(0)
+    desc = describe(GPT(config), example_batch(config, describe_batch))
+    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
+        RunSettings(world_size=world, memory_limit_bytes=256 * MiB))
+    return uniform_plan(desc, device, PlannerSettings(optimizer_temporaries="per_tensor"), batch)
+
+
+def _steady_step_memory(config, plan) -> StepMemory:
+    """The runtime's measured memory of a second (steady) training step under ``plan``."""
+    torch.manual_seed(0)
+    wrapped = osdp.OSDP(GPT(config), plan=plan)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, foreach=False)
+    for seed in range(2):  # the first step makes AdamW's state
+        _train_step(wrapped, optim, config, plan.batch_size, seed)
+    return wrapped.step_memory()
+
+
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_an_all_zdp_gpt_peaks_in_the_loss_backward_as_predicted(fake_world):
     """An unsplit head: the loss's backward (saved log-probabilities, their gradient,
@@ -426,18 +446,9 @@ def test_an_all_zdp_gpt_peaks_in_the_loss_backward_as_predicted(fake_world):
     off the logits gradient released before dW's copy, and predicted the smaller head
     moment (4.4% under the measurement; N&D 12x128 in bench/fidelity.py, 1.0%)."""
     config = GPTConfig(vocab_size=1024, seq_len=64, num_layers=2, hidden=128, heads=4)
-    torch.manual_seed(0)
-    desc = describe(GPT(config), example_batch(config, 2))
-    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
-        RunSettings(world_size=fake_world, memory_limit_bytes=256 * MiB))
-    plan = uniform_plan(desc, device, PlannerSettings(optimizer_temporaries="per_tensor"), 4, slices=1, zdp_slices=1)
+    plan = _fsdp_plan(config, fake_world, describe_batch=2, batch=4)
     assert plan.predicted.peak_op == "lm_head"
-    torch.manual_seed(0)
-    wrapped = osdp.OSDP(GPT(config), plan=plan)
-    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, foreach=False)
-    for seed in range(2):  # the first step makes AdamW's state
-        _train_step(wrapped, optim, config, 4, seed)
-    step = wrapped.step_memory()
+    step = _steady_step_memory(config, plan)
     assert step.peak_bytes <= plan.predicted.peak_bytes
     assert step.peak_bytes >= 0.999 * plan.predicted.peak_bytes
     # attributed to the code after the head, not to the head's forward
@@ -486,16 +497,7 @@ def test_an_unsplit_mlps_backward_peaks_at_its_hook_without_its_saved_input(fake
     prefix: 3.5% above the measured peak here (wide MLP weights, few tokens), 3.4% on
     W&S 2x768 at batch 8 (bench/fidelity.py's family); now within 0.1%, never under."""
     config = GPTConfig(vocab_size=256, seq_len=32, num_layers=2, hidden=512, heads=8)
-    torch.manual_seed(0)
-    desc = describe(GPT(config), example_batch(config, 4))
-    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
-        RunSettings(world_size=fake_world, memory_limit_bytes=256 * MiB))
-    plan = uniform_plan(desc, device, PlannerSettings(optimizer_temporaries="per_tensor"), 8)
-    torch.manual_seed(0)
-    wrapped = osdp.OSDP(GPT(config), plan=plan)
-    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, foreach=False)
-    for seed in range(2):  # the first step makes AdamW's state
-        _train_step(wrapped, optim, config, 8, seed)
-    step = wrapped.step_memory()
+    plan = _fsdp_plan(config, fake_world, describe_batch=4, batch=8)
+    step = _steady_step_memory(config, plan)
     assert (step.unit_at_peak, step.phase_at_peak) == (plan.predicted.peak_op, "backward")
     assert step.peak_bytes <= plan.predicted.peak_bytes <= 1.001 * step.peak_bytes
