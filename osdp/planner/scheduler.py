@@ -389,23 +389,25 @@ def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
     cost more than it saves). Its peak is what the error message states: a limit that
     holds it (plus quantization) fits, so it is counted as the search counts (the
     window's bound, not the plan's own gathers: cost_model's [Note: exact gathers])."""
-    seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
     problem = t.problem(batch)
-    best = None
-    for checkpointed in (True, False):
-        variant = [max(range(len(seg.variants)), key=lambda v: seg.variants[v] == checkpointed)
-                   for seg in t.segments]
-        option_index = []
-        for i in range(len(t.desc.ops)):
-            v = variant[seg_of[i]]
-            lo, hi = t.opt_begin[i, v], t.opt_end[i, v]
-            idx = np.arange(lo, hi)
-            key = t.opt_held_bytes[idx] + problem.opt_local_bytes[idx]
-            option_index.append(int(idx[np.argmin(key)]))
-        estimate = evaluate(t, batch, option_index, variant, exact=False)
-        if best is None or estimate.peak_bytes < best.peak_bytes:
-            best = estimate
-    return best
+    # the two extremes' variants, once each (without checkpointed variants they are one)
+    extremes = dict.fromkeys(tuple(max(range(len(seg.variants)), key=lambda v: seg.variants[v] == checkpointed)
+                                   for seg in t.segments) for checkpointed in (True, False))
+    estimates = [evaluate(t, batch, _least_memory_options(t, problem, variant), variant, exact=False)
+                 for variant in extremes]
+    return min(estimates, key=lambda e: e.peak_bytes)  # ties keep the checkpointed one
+
+
+def _least_memory_options(t: ProblemTemplate, problem, variant) -> list[int]:
+    """Per op, under its segment's ``variant``, the option with the least kept plus
+    transient bytes."""
+    seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
+    option_index = []
+    for i in range(len(t.desc.ops)):
+        v = variant[seg_of[i]]
+        idx = np.arange(t.opt_begin[i, v], t.opt_end[i, v])
+        option_index.append(int(idx[np.argmin(t.opt_held_bytes[idx] + problem.opt_local_bytes[idx])]))
+    return option_index
 
 
 def check_batch(batch, name: str = "batch size") -> int | None:

@@ -418,14 +418,16 @@ def test_uniform_plans_of_three_linears_measure_within_their_prediction(fake_wor
     assert measured >= 0.99 * plan.predicted.peak_bytes
 
 
-def _fsdp_plan(config, world: int, describe_batch: int, batch: int):
-    """FSDP (every unit whole, zdp) of a GPT on ``world`` ranks at ``batch``, priced from
-    describe's measured activations, AdamW's for-loop temporaries, no constant."""
+def _fsdp_plan(config, world: int, describe_batch: int, batch: int, checkpointed: bool = False):
+    """FSDP (every unit whole, zdp; every block checkpointed if ``checkpointed``) of a
+    GPT on ``world`` ranks at ``batch``, priced from describe's measured activations,
+    AdamW's for-loop temporaries, no constant."""
     torch.manual_seed(0)
     desc = describe(GPT(config), example_batch(config, describe_batch))
     device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
         RunSettings(world_size=world, memory_limit_bytes=256 * MiB))
-    return uniform_plan(desc, device, PlannerSettings(optimizer_temporaries="per_tensor"), batch)
+    return uniform_plan(desc, device, PlannerSettings(optimizer_temporaries="per_tensor"), batch,
+                        checkpointed=checkpointed)
 
 
 def _steady_step_memory(config, plan) -> StepMemory:
@@ -464,11 +466,7 @@ def test_a_checkpointed_blocks_backward_is_attributed_to_its_unit_not_the_recomp
     recompute for a peak in c_proj's backward). Forward matmuls are addmm, backward's
     dX and dW are mm: every mm is a backward, two per unit."""
     config = GPTConfig(vocab_size=256, seq_len=32, num_layers=2, hidden=64, heads=4)
-    torch.manual_seed(0)
-    desc = describe(GPT(config), example_batch(config, 2))
-    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
-        RunSettings(world_size=fake_world, memory_limit_bytes=256 * MiB))
-    plan = uniform_plan(desc, device, PlannerSettings(), 2, checkpointed=True)
+    plan = _fsdp_plan(config, fake_world, describe_batch=2, batch=2, checkpointed=True)
     wrapped = osdp.OSDP(GPT(config), plan=plan)
     ledger = wrapped._ledger
 
