@@ -108,15 +108,17 @@ def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True) 
     return int(t.item())
 
 
-def median_step_s(model, optim, config, batch: int, steps: int) -> float:
-    """Median wall time of ``steps`` training steps (after one warm-up), max over ranks."""
-    return interleaved_step_s([(model, optim, batch)], config, steps)[0]
+def median_step_s(model, optim, config, batch: int, steps: int, warm_up: bool = True) -> float:
+    """Median wall time of ``steps`` training steps (after one warm-up; ``warm_up=False``
+    when the model and optimizer just stepped at ``batch``), max over ranks."""
+    return interleaved_step_s([(model, optim, batch)], config, steps, warm_up=warm_up)[0]
 
 
-def interleaved_step_s(runs, config, rounds: int) -> list[float]:
+def interleaved_step_s(runs, config, rounds: int, warm_up: bool = True) -> list[float]:
     """Median wall time of one training step for each ``(model, optimizer, batch)`` in
-    ``runs`` (one warm-up each), their steps interleaved (``timed_rounds``)."""
-    for model, optim, batch in runs:
+    ``runs`` (one warm-up each unless ``warm_up=False``), their steps interleaved
+    (``timed_rounds``)."""
+    for model, optim, batch in runs if warm_up else ():
         train_step(model, optim, config, batch, seed=0)
     return timed_rounds([lambda r, m=model, o=optim, b=batch: train_step(m, o, config, b, seed=10 + r)
                          for model, optim, batch in runs], rounds)

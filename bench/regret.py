@@ -91,7 +91,8 @@ def _pick(config, budget_bytes, cache_dir, world, steps):
     model = osdp.OSDP(GPT(config), plan=plan)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     peak = measured_peak_bytes(model, optim, config, plan.batch_size)
-    step_s = median_step_s(model, optim, config, plan.batch_size, steps)
+    # warm: the peak's two steps ran at this batch
+    step_s = median_step_s(model, optim, config, plan.batch_size, steps, warm_up=False)
     return plan, dict(plan="pick", batch=plan.batch_size, peak_bytes=peak, step_s=step_s,
                       samples_per_s=plan.batch_size * world / step_s, is_pick=True,
                       predicted_samples_per_s=plan.predicted.samples_per_s,
@@ -136,7 +137,8 @@ def _run(rank, world, model_name, budgets, steps, max_batch, cache_dir):
                 rows[label].append(dict(plan=name, batch=0, peak_bytes=peak, step_s=0.0, samples_per_s=0.0,
                                         is_pick=False))
                 continue
-            step_s = median_step_s(model, optim, config, batch, steps)
+            # warm: the batch search's probes stepped this model, ``batch`` among them
+            step_s = median_step_s(model, optim, config, batch, steps, warm_up=False)
             rows[label].append(dict(plan=name, batch=batch, peak_bytes=peak, step_s=step_s,
                                     samples_per_s=batch * world / step_s, is_pick=False,
                                     bench_s=time.perf_counter() - start))
@@ -155,6 +157,7 @@ def _final_round(rows, plans, plan, config, world, budget_bytes, rounds):
     import osdp
     from osdp.models import GPT
 
+    start = time.perf_counter()
     fitting = sorted((r for r in rows if not r["is_pick"] and r["batch"] and r["peak_bytes"] <= budget_bytes),
                      key=lambda r: -r["samples_per_s"])[:FINALISTS]
     finals = [next(r for r in rows if r["is_pick"])] + fitting
@@ -176,7 +179,8 @@ def _final_round(rows, plans, plan, config, world, budget_bytes, rounds):
     model, optim, batch = runs[0]
     limit = physical_limit(model, optim, config, batch, rounds)
     finals[0].update(compute_only_s=limit["compute_only_s"], comm_only_s=limit["comm_only_s"],
-                     limit_ratio=limit["ratio"], limit_step_s=limit["step_s"])
+                     limit_ratio=limit["ratio"], limit_step_s=limit["step_s"],
+                     final_s=time.perf_counter() - start)
 
 
 def _configuration(model, batch) -> tuple:
@@ -254,7 +258,7 @@ def main(argv=None):
     fields = ["model", "budget", "plan", "batch", "samples_per_s", "peak_bytes", "budget_bytes", "is_pick", "fits",
               "step_s", "predicted_samples_per_s", "predicted_peak_bytes", "bench_s", "device", "interleaved",
               "first_pass_samples_per_s", "limit_step_s", "compute_only_s", "comm_only_s", "limit_ratio", "same_as_pick",
-              "summary"]
+              "final_s", "summary"]
     with open(out, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

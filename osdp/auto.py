@@ -119,20 +119,37 @@ def auto_plan(
         device, settings = for_layout(device, settings, layout)
     hardware = device  # the profile on this layout, before calibration refits it
     calibrate = calibrate and dist.is_available() and dist.is_initialized()
-    if calibrate:  # [Note: calibrate and re-plan] step 1
-        measure = runtime_measure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
-                                  steps=calibration_steps, mixed_precision=mixed_precision, layout=layout)
-        from .planner.inputs import as_example_inputs
+    measure = RuntimeMeasure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
+                             steps=calibration_steps, mixed_precision=mixed_precision, layout=layout)
+    try:
+        if calibrate:  # [Note: calibrate and re-plan] step 1
+            from .planner.inputs import as_example_inputs
 
-        device, reference = runtime_profile(desc, device, settings or PlannerSettings(),
-                                            as_example_inputs(example_inputs).batch_size(), measure,
-                                            process_group=process_group, backend=backend)
+            device, reference = runtime_profile(desc, device, settings or PlannerSettings(),
+                                                as_example_inputs(example_inputs).batch_size(), measure,
+                                                process_group=process_group, backend=backend)
+        plan = _plan_on_rank0(desc, device, settings, batch, global_batch, backend, process_group)
+        if calibrate:
+            plan = calibrate_plan(desc, hardware, device, plan, measure, reference=reference, settings=settings,
+                                  batch=batch, global_batch=global_batch, backend=backend,
+                                  process_group=process_group)
+            plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
+                                   global_batch=global_batch, backend=backend, process_group=process_group)
+    finally:
+        measure.close()  # the warm copies of the model
+    check_same_plan(plan, process_group)
+    return plan
+
+
+def _plan_on_rank0(desc, device, settings, batch, global_batch, backend, process_group) -> Plan:
+    """``make_plan`` on rank 0, broadcast; every rank raises the same error instead of
+    hanging."""
     outcome = None
     if is_rank0(process_group):
         try:
             outcome = make_plan(desc, device, settings, batch=batch, backend=backend,
                                 global_batch=global_batch).to_dict()
-        except OSDPError as exc:  # every rank raises the same error instead of hanging
+        except OSDPError as exc:
             outcome = {"error": type(exc).__name__, "message": str(exc),
                        "min_bytes": getattr(exc, "min_bytes", None), "breakdown": getattr(exc, "breakdown", None)}
     outcome = broadcast_from_rank0(outcome, process_group)
@@ -142,28 +159,34 @@ def auto_plan(
         raise OSDPError(outcome["message"])
     plan = Plan.from_dict(outcome)
     plan.check_model(desc.fingerprint(), device.world_size)
-    if calibrate:
-        plan = calibrate_plan(desc, hardware, device, plan, measure, reference=reference, settings=settings,
-                              batch=batch, global_batch=global_batch, backend=backend, process_group=process_group)
-        plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
-                               global_batch=global_batch, backend=backend, process_group=process_group)
-    check_same_plan(plan, process_group)
     return plan
 
 
 # ---- calibration -------------------------------------------------------------------------
 
-def runtime_measure(model, example_inputs, *, loss_fn=None, process_group=None, steps: int = 3,
-                    mixed_precision=None, layout=None):
-    """``[plan, ...] -> [Measurement, ...]``: ``osdp.profiler.measure_plans`` of
-    ``model`` (a copy per plan, their steps interleaved)."""
-    from .profiler import measure_plans
+class RuntimeMeasure:
+    """``measure([plan, ...]) -> [Measurement, ...]``: ``osdp.profiler.measure_plans``
+    of ``model`` (a copy per plan, their steps interleaved). The copies of the last call
+    stay warm for the next one ([Note: warm trials]) until :meth:`close`."""
 
-    def measure(plans):
-        return measure_plans(model, plans, example_inputs, loss_fn=loss_fn, steps=steps,
-                             process_group=process_group, mixed_precision=mixed_precision, layout=layout)
+    def __init__(self, model, example_inputs, *, loss_fn=None, process_group=None, steps: int = 3,
+                 mixed_precision=None, layout=None):
+        from .profiler import TrialPool
 
-    return measure
+        self.model, self.example_inputs, self.steps = model, example_inputs, steps
+        self.options = dict(loss_fn=loss_fn, process_group=process_group, mixed_precision=mixed_precision,
+                            layout=layout)
+        self.pool = TrialPool()
+
+    def __call__(self, plans):
+        from .profiler import measure_plans
+
+        return measure_plans(self.model, plans, self.example_inputs, steps=self.steps, pool=self.pool,
+                             **self.options)
+
+    def close(self) -> None:
+        self.pool.close()
+
 
 
 def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,
@@ -254,7 +277,7 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
        it is kept only if it measured better (``calibration.better``: within the limit
        less the margin first, then samples/s).
        Rank 0 decides and broadcasts the plan returned on every rank.
-    ``measure([plan, ...]) -> [Measurement, ...]`` (``runtime_measure``); ``reference``: step 1's
+    ``measure([plan, ...]) -> [Measurement, ...]`` (``RuntimeMeasure``); ``reference``: step 1's
     [(plan, measurement)]."""
     from .planner import calibration as cal
     from .planner.device import DeviceInfo

@@ -2,6 +2,6 @@
 with a plan, trained for a few steps (see [Note: what the profiler fits] in
 ``osdp/planner/calibration.py``). The planner stays pure; this package is where the
 planner's numbers meet the runtime."""
-from .runtime import measure_plan, measure_plans
+from .runtime import TrialPool, measure_plan, measure_plans
 
-__all__ = ["measure_plan", "measure_plans"]
+__all__ = ["TrialPool", "measure_plan", "measure_plans"]

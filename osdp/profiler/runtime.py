@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..planner.calibration import Measurement, group_of
 from ..planner.inputs import as_example_inputs, batch_loss
 
-__all__ = ["measure_plan", "measure_plans"]
+__all__ = ["TrialPool", "measure_plan", "measure_plans"]
 
 
 def _sync(device: torch.device) -> None:
@@ -57,26 +57,69 @@ def measure_plan(module, plan, example_inputs, **kwargs) -> Measurement:
     return measure_plans(module, [plan], example_inputs, **kwargs)[0]
 
 
+class TrialPool:
+    """[Note: warm trials]
+    Calibration measures a few plans in several rounds, and the best so far is in
+    every round (its steps interleaved with the newcomers'). A plan's first
+    measurement pays for a deep copy, the wrap and ``warmup`` untimed steps (the use
+    order, AdamW's state, the peak); timed again, it needs none of them: its wrapped
+    copy is warm and its peak, read in a steady step of the very shapes it runs, is
+    the same. So ``measure_plans(..., pool=pool)`` keeps the trials of its call in the
+    pool, and the next call reuses those of its plans (by ``plan_hash``) and closes
+    the others before it makes new ones: no more copies are alive than that call's
+    plans, as without a pool. ``close()`` (the caller's, when its rounds are over)
+    frees the last call's."""
+
+    def __init__(self):
+        self._trials: dict[str, _Trial] = {}
+
+    def take(self, plans) -> dict[str, _Trial]:
+        """The warm trials of ``plans`` (by hash); every other kept trial is closed."""
+        wanted = {p.plan_hash() for p in plans}
+        reused = {h: t for h, t in self._trials.items() if h in wanted}
+        for h, trial in self._trials.items():
+            if h not in wanted:
+                trial.close()
+        self._trials = {}
+        return reused
+
+    def keep(self, trials) -> None:
+        for trial in trials:
+            twin = self._trials.setdefault(trial.plan.plan_hash(), trial)
+            if twin is not trial:  # a plan given twice in one call: one copy stays warm
+                trial.close()
+
+    def close(self) -> None:
+        self.take([])
+
+
 def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3, warmup: int = 2,
                   process_group=None, device=None, mixed_precision=None, coalesce_bytes=None, layout=None,
-                  group_times: bool = True) -> list[Measurement]:
+                  group_times: bool = True, pool: TrialPool | None = None) -> list[Measurement]:
     """Measure several plans, each on its own copy of ``module``, their timed steps
     interleaved (plan 1, plan 2, ..., plan 1, ...) so that a machine whose load drifts
     slows them alike: their ratios hold even where their absolute times do not. Neither
     ``module`` nor the random number generators' states change (dropout in the copies
     draws from a forked state). ``group_times``: also time the forward of every unit
     group (module hooks that read the clock; on CUDA they do not synchronize, so group
-    times there are launch times)."""
+    times there are launch times). ``pool``: keep the copies warm for the next call
+    of the same ``module`` and arguments ([Note: warm trials])."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with torch.random.fork_rng(devices=devices):
-        trials = [_Trial(module, plan, example_inputs, loss_fn, process_group, layout, device, mixed_precision,
-                         coalesce_bytes) for plan in plans]
+        warm = pool.take(plans) if pool is not None else {}
+        trials = []
+        for plan in plans:
+            trial = warm.pop(plan.plan_hash(), None)
+            if trial is None:
+                trial = _Trial(module, plan, example_inputs, loss_fn, process_group, layout, device,
+                               mixed_precision, coalesce_bytes)
+                for k in range(warmup):
+                    # the first step records the use order and makes AdamW's state: the
+                    # second is the first steady one
+                    trial.step(measure_peak=k >= 1 and k == warmup - 1)
+            trials.append(trial)
         for trial in trials:
-            for k in range(warmup):
-                # the first step records the use order and makes AdamW's state: the
-                # second is the first steady one
-                trial.step(measure_peak=k >= 1 and k == warmup - 1)
-        for trial in trials:
+            trial.begin_round()
             if group_times:
                 trial.hook_groups()
         try:
@@ -86,10 +129,12 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
         finally:
             for trial in trials:
                 trial.unhook()
-        out = []
-        for trial in trials:
-            out.append(trial.result(steps))
-            trial.close()
+        out = [trial.result() for trial in trials]
+        if pool is not None:
+            pool.keep(trials)
+        else:
+            for trial in trials:
+                trial.close()
         return out
 
 
@@ -147,6 +192,10 @@ class _Trial:
         t3 = time.perf_counter()
         return t3 - t0, forward_s, backward_s, t3 - t2, first_t1
 
+    def begin_round(self) -> None:
+        """A new measurement: the timed steps of earlier ones are not part of it."""
+        self.timed, self.per_group = [], []
+
     def hook_groups(self) -> None:
         self.stamps, self.handles = _group_stamps(self.model, [u.name for u in self.plan.units])
 
@@ -189,7 +238,8 @@ class _Trial:
         self.peak = (measured[0].peak_bytes, "live tensors (the runtime's step tracker, osdp.memtrack.StepPeakTracker)")
         return row
 
-    def result(self, steps: int) -> Measurement:
+    def result(self) -> Measurement:
+        steps = len(self.timed)
         if self.peak is None:
             self._measured_step()
         peak, peak_source = self.peak
@@ -213,4 +263,4 @@ class _Trial:
         )
 
     def close(self) -> None:
-        del self.model, self.optim
+        self.model = self.optim = None
