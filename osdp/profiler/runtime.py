@@ -11,7 +11,8 @@ slows it by about 5%, so it is not timed; the allocator's peak on CUDA); with fe
 than 2 warm-up steps, in one more step after the timed ones. Every rank measures; the step reported is the median timed step with its own
 phases (so forward + backward + optimizer = step), taken from the slowest rank (it
 decides when a step is done for everyone); peak and group times are maxima over ranks.
-Every rank holds the same ``Measurement``.
+Every rank holds the same ``Measurement``. A plan timed again through a ``TrialPool``
+runs on its warm copy: no warm-up, the peak read the first time ([Note: warm trials]).
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ from dataclasses import replace
 
 import pytest
 
-from osdp.measured_choice import (checkpointing_alternative, faster_within_limit, measured_choice, memory_corrected,
-                                  replication_alternative, same_schedule)
+from osdp.measured_choice import (checkpointed_fsdp_alternative, checkpointing_alternative, faster_within_limit,
+                                  measured_choice, memory_corrected, replication_alternative, same_schedule)
 from osdp.models import GPTConfig
 from osdp.planner.calibration import Measurement
 from osdp.planner.cluster import load_cluster
@@ -73,6 +73,19 @@ def test_the_checkpointing_alternative_only_when_checkpointing_is_allowed():
     assert checkpointing_alternative(desc, device, plan, settings, backend="python") is None
 
 
+def test_fsdp_with_every_block_checkpointed_is_an_alternative_where_checkpointing_is_allowed():
+    for checkpointing in ("auto", "all"):
+        desc, device, settings, plan = _setup(checkpointing)
+        peer = checkpointed_fsdp_alternative(desc, device, plan, settings, backend="python")
+        assert peer is not None and peer.memory_limit_bytes == LIMIT and peer.predicted.peak_bytes <= LIMIT
+        assert all(m == "zdp" for u in peer.units for m in u.modes) and all(u.slices == 1 for u in peer.units)
+        assert sorted(peer.checkpoint_blocks) == [f"blocks.{i}" for i in range(CONFIG.num_layers)]
+    desc, device, settings, plan = _setup("none")
+    assert checkpointed_fsdp_alternative(desc, device, plan, settings, backend="python") is None
+    desc, device, settings, plan = _setup("auto")
+    assert checkpointed_fsdp_alternative(desc, device, plan, settings.with_(policy="zdp"), backend="python") is None
+
+
 def test_the_replication_alternative_is_ddp_where_the_planner_chose_the_rep_set():
     desc, device, settings, _ = _setup("none")
     # at this roomy limit the planner's own pick is already DDP: take a sharded plan
@@ -106,10 +119,13 @@ def _choose(measure_of):
 
 def test_a_faster_alternative_that_fits_by_measurement_is_kept():
     plan, chosen, seen = _choose(lambda p, i: _measured(p, 0.1 if i == 0 else 0.05, 0.8 * LIMIT))
-    # round 1: the plan and its checkpointing alternative (the pick is already all rep:
-    # no replication alternative); round 2: the best so far and the memory-corrected plans
+    # round 1: the plan, its checkpointing alternative and FSDP with every block
+    # checkpointed (the pick is already all rep: no replication alternative); round 2:
+    # the best so far and the memory-corrected plans; then, every alternative measured
+    # alike, the two best schedules' tiebreak (two more measurements of the pair)
     assert all(m == "rep" for u in plan.units for m in u.modes)
-    assert len(seen) == 2 and seen[0][0] == plan.plan_hash() and len(seen[0]) == 2 and len(seen[1]) >= 2
+    assert seen[0][0] == plan.plan_hash() and len(seen[0]) == 3 and len(seen[1]) >= 2
+    assert len(seen) == 4 and seen[2] == seen[3] and len(seen[2]) == 2
     # every alternative measured twice as fast as the plan: the one with the most samples/s
     record = chosen.calibration["measured_choice"]
     best = max(record["candidates"][1:], key=lambda c: c["samples_per_s"])
