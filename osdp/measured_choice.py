@@ -71,11 +71,16 @@ def checkpointed_fsdp_alternative(desc, device, plan: Plan, settings: PlannerSet
     if settings.policy != "osdp" or settings.checkpointing not in ("auto", "all"):
         return None
     limit = device.memory_limit_bytes
-    return _plan_within(desc, device, settings.with_(policy="zdp", checkpointing="all"), limit, limit, "",
-                        **kwargs)
+    return _plan_within(desc, device, checkpointed_fsdp(settings), limit, limit, "", **kwargs)
 
 
-def memory_corrected(desc, device, plan: Plan, measured, settings: PlannerSettings, **kwargs) -> Plan | None:
+def checkpointed_fsdp(settings: PlannerSettings) -> PlannerSettings:
+    """``settings`` restricted to FSDP with every block checkpointed."""
+    return settings.with_(policy="zdp", checkpointing="all")
+
+
+def memory_corrected(desc, device, plan: Plan, measured, settings: PlannerSettings, planned_with=None,
+                     **kwargs) -> Plan | None:
     """``plan``'s settings planned again for the memory its measurement showed: the
     model was off by ``delta = measured - predicted`` peak bytes on it, so a plan like
     it fits in fact when the model predicts at most ``limit - delta``. None when the
@@ -96,8 +101,11 @@ def memory_corrected(desc, device, plan: Plan, measured, settings: PlannerSettin
             f"{format_bytes(abs(delta))} {'below' if delta > 0 else 'above'} its measured peak; "
             "kept only if its own measured peak fits")
     # the measured plan's side of checkpointing (with "auto", a plan without checkpointed
-    # blocks stays without)
-    variant = settings if plan.checkpoint_blocks else settings.with_(checkpointing="none")
+    # blocks stays without); a baseline configuration stays that configuration
+    if planned_with is not None:
+        variant = planned_with
+    else:
+        variant = settings if plan.checkpoint_blocks else settings.with_(checkpointing="none")
     return _plan_within(desc, device, variant, limit, limit - delta, note, **kwargs)
 
 
@@ -215,9 +223,10 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
        and FSDP with every block checkpointed (``checkpointed_fsdp_alternative``; when
        checkpointing is allowed) are measured beside the calibrated plan, their steps
        interleaved;
-    2. each of the two is planned again for the memory its own measurement showed
-       (``memory_corrected``: the budget moved by how far the model was off on it), and
-       those are measured beside the best so far.
+    2. the calibrated plan and each alternative are planned again for the memory their
+       own measurement showed (``memory_corrected``: the budget moved by how far the
+       model was off on it; FSDP+ckpt stays FSDP+ckpt, the others are planned with the
+       user's settings), and those are measured beside the best so far.
     The best by ``faster_within_limit`` is kept: a measured peak within the limit
     first, then the most measured samples/s, except that of two runs of one schedule
     the larger batch wins (a few timed steps cannot tell b from b + 1 apart: the
@@ -254,13 +263,19 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
             best = faster_within_limit(best, pair)
         return pairs
 
+    fsdp_ckpt = checkpointed_fsdp_alternative(desc, device, plan, settings, **kwargs) if is_rank0(group) else None
+    fsdp_ckpt_hash = fsdp_ckpt.plan_hash() if fsdp_ckpt is not None else None
     first_round = round_of(_new([checkpointing_alternative(desc, device, plan, settings, **kwargs),
-                                 replication_alternative(desc, device, plan, settings, **kwargs),
-                                 checkpointed_fsdp_alternative(desc, device, plan, settings, **kwargs)], seen)
+                                 replication_alternative(desc, device, plan, settings, **kwargs), fsdp_ckpt], seen)
                            if is_rank0(group) else [])
     corrected = []
     if is_rank0(group):
-        corrected = _new([memory_corrected(desc, device, p, m, settings, **kwargs)
+        # FSDP+ckpt is corrected as FSDP+ckpt (N&D 12x128 tight: the model put its b12
+        # over the limit, measured within it; corrected with the user's settings, it became
+        # a dp/zdp mix at b11 that measured 7% slower than FSDP+ckpt at b12)
+        peer = checkpointed_fsdp(settings)
+        corrected = _new([memory_corrected(desc, device, p, m, settings, planned_with=(
+                              peer if p.plan_hash() == fsdp_ckpt_hash else None), **kwargs)
                           for p, m in [measured[0]] + first_round], seen)
     round_of(corrected)
     tiebreak = _tiebreak(best, measured, measure, group)
