@@ -188,7 +188,6 @@ class RuntimeMeasure:
         self.pool.close()
 
 
-
 def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,
                     backend: str = "auto"):
     """Step 1 of [Note: calibrate and re-plan]: FSDP full shard (all ``zdp``, no

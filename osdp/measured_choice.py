@@ -264,18 +264,17 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
         return pairs
 
     fsdp_ckpt = checkpointed_fsdp_alternative(desc, device, plan, settings, **kwargs) if is_rank0(group) else None
-    fsdp_ckpt_hash = fsdp_ckpt.plan_hash() if fsdp_ckpt is not None else None
+    # FSDP+ckpt is corrected as FSDP+ckpt (N&D 12x128 tight: the model put its b12 over
+    # the limit, measured within it; corrected with the user's settings, it became a
+    # dp/zdp mix at b11 that measured 7% slower than FSDP+ckpt at b12)
+    planned_with = {fsdp_ckpt.plan_hash(): checkpointed_fsdp(settings)} if fsdp_ckpt is not None else {}
     first_round = round_of(_new([checkpointing_alternative(desc, device, plan, settings, **kwargs),
                                  replication_alternative(desc, device, plan, settings, **kwargs), fsdp_ckpt], seen)
                            if is_rank0(group) else [])
     corrected = []
     if is_rank0(group):
-        # FSDP+ckpt is corrected as FSDP+ckpt (N&D 12x128 tight: the model put its b12
-        # over the limit, measured within it; corrected with the user's settings, it became
-        # a dp/zdp mix at b11 that measured 7% slower than FSDP+ckpt at b12)
-        peer = checkpointed_fsdp(settings)
-        corrected = _new([memory_corrected(desc, device, p, m, settings, planned_with=(
-                              peer if p.plan_hash() == fsdp_ckpt_hash else None), **kwargs)
+        corrected = _new([memory_corrected(desc, device, p, m, settings, planned_with=planned_with.get(p.plan_hash()),
+                                           **kwargs)
                           for p, m in [measured[0]] + first_round], seen)
     round_of(corrected)
     tiebreak = _tiebreak(best, measured, measure, group)
