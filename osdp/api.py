@@ -19,6 +19,7 @@ from .runtime.build import build_units
 from .runtime.checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
+from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
 from .runtime.ledger import MemoryLedger
@@ -240,13 +241,19 @@ class OSDP(nn.Module):
         self.coalesce_bytes = self._scheduler.coalesce_bytes
 
     def _init_hooks(self, config) -> None:
-        """Modules compute with views of the gathered buffers; split ops drive the
+        """Modules compute with views of the gathered buffers, or with the parameters
+        of direct rep units ([Note: direct replicated units]); split ops drive the
         scheduler themselves; checkpointed blocks recompute."""
+        direct = direct_units(self._built.bindings)
         self._bindings = []
         for mod, path, entries in self._built.bindings:
-            binding = ModuleBinding(mod, path, entries, self._scheduler)
+            if all(unit in direct for unit, _ in entries):
+                binding = DirectBinding(mod, path, entries, self._ledger)
+            else:
+                binding = ModuleBinding(mod, path, entries, self._scheduler)
             binding.set_views()
             self._bindings.append(binding)
+        self._direct_grad_hooks = DirectGradHooks(direct, self._scheduler)
         for split_module, units in self._built.splits.values():
             split_module.bind(self._scheduler, units)
         apply_checkpointing(self.module, config.checkpoint_blocks, self._scheduler.end_recompute)

@@ -70,13 +70,18 @@ SHARDED_MODES = (MODE_DP, MODE_ZDP, MODE_HPZ)  # the modes a slice of a split un
 #   P * param_dtype / dtype bytes);
 # - gradient: the unsharded gradient buffer (G) is allocated at its first backward use,
 #   as for any unit; after the unit's last backward use it joins the replicated bucket.
+#   A unit that casts nothing (param_dtype and reduce_dtype its own) is DIRECT (osdp/
+#   runtime/direct.py [Note: direct replicated units]): its modules compute with its
+#   parameters and G is autograd's own ``.grad`` (added into it where ``.grad``
+#   persists); it joins the bucket once all of its parameters accumulated.
 #   A bucket is all-reduced (one collective, summed then averaged over every rank of the
 #   layout) once it holds >= REPLICATE_BUCKET_BYTES of gradients, and at the end of the
 #   backward pass; at most MAX_INFLIGHT_REPLICATE_BUCKETS buckets are in flight (issuing
 #   one more waits for the oldest). The bucket is reduced in one flat staging copy (its
 #   bytes, transient, alive while in flight). A finished bucket is averaged and added
 #   into ``.grad`` (in the parameters' dtype), then its gradient buffers are freed
-#   (where ``.grad`` was None and the dtypes agree, the buffer becomes ``.grad``).
+#   (where ``.grad`` was None and the dtypes agree, the buffer becomes ``.grad``; a
+#   direct unit's ``.grad`` is replaced by it, since the bucket averaged what it held).
 # - comm per step: no all-gather; one all-reduce of G per step, shared by the bucket
 #   (latency once per bucket); its collectives never mix with sharded units' ones.
 # - only whole (unsplit) units may be ``rep``: splitting exists to gather less, and a

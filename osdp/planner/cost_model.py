@@ -165,8 +165,10 @@ reduce_dtype, d the param_dtype's bytes per parameter (mixed precision), e the m
     bucket, as small units share theirs in [Note: coalesced latency]); at the owner, the
     last use in backward; like every gradient collective, after the last micro-batch
     only when gradients are reduced only then)
-    compute  = the unsplit option's, the calibration's per-unit overhead included (its
-               module hooks still run)
+    compute  = the unsplit option's; the calibration's per-unit overhead only where it
+               runs on the hook path: a DIRECT rep unit (it computes and reduces in the
+               model's dtype, [Note: direct replicated units] in osdp/runtime/direct.py)
+               computes with its parameters themselves, no per-use hooks
     static   = P + the optimizer state of all its parameters (instead of the 1/N shards),
                + P for its ``.grad`` where that lives through the step (gradients kept
                between steps, or made by the first of several micro-batches each
@@ -175,12 +177,14 @@ reduce_dtype, d the param_dtype's bytes per parameter (mixed precision), e the m
     kept     = 0
     transient at the op: the gathers prefetched around it (others'), its own gradient
                buffer G (none under accumulation synced at the last micro-batch: the
-               static accumulator; a tied unit's is ``tied_grads``), and the whole
+               static accumulator; a tied unit's is ``tied_grads``; none for a direct
+               unit: its G is autograd's gradient itself, kept as ``.grad``), and the whole
                gradient of the nearest later sharded unit (a reduce-scatter still in
                flight: an upper bound)
     after its backward (choice-independent given the rep set: ``rep_grads``, breakdown
     "replicated_grads"), at op j, for every rep unit whose last use is after j:
-        in the bucket being filled: its buffer G;
+        in the bucket being filled: its buffer G (a direct unit's ``.grad``: 0 where
+        ``.grad`` is static, autograd adds into it);
         in the newest MAX_INFLIGHT_REPLICATE_BUCKETS buckets issued (maybe in flight):
         G + its part of the staging copy (G) + the ``.grad`` made at the bucket's end
         (P) unless the buffer becomes ``.grad`` (dtypes agree) or ``.grad`` is static;
@@ -402,6 +406,13 @@ def rep_op_mask(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:
                      for op in desc.ops], dtype=bool)
 
 
+def rep_is_direct(op: OpDesc, settings: PlannerSettings) -> bool:
+    """Whether a rep unit of ``op`` (its owner) runs direct: it computes and reduces in
+    the model's dtype ([Note: direct replicated units] in osdp/runtime/direct.py)."""
+    e = element_bytes(op)
+    return settings.param_dtype_bytes in (None, e) and settings.reduce_dtype_bytes in (None, e)
+
+
 def _rep_owner(desc: ModelDesc, rep: np.ndarray, i: int) -> bool:
     return bool(rep[i]) and not desc.ops[i].tied_to and bool(desc.ops[i].param_count)
 
@@ -566,7 +577,8 @@ def _rep_grad_sizes(op: OpDesc, settings: PlannerSettings) -> tuple[float, float
     + a new ``.grad`` while the bucket is in flight, its ``.grad`` once the bucket is done)."""
     persists, static_buffers = _grad_persists(settings), _accumulators_static(settings)
     grad, param = reduced_bytes(op, settings), float(op.param_bytes)
-    buffer = 0.0 if static_buffers else grad
+    # a direct unit's buffer is .grad: static where .grad persists (autograd adds into it)
+    buffer = 0.0 if static_buffers or (persists and rep_is_direct(op, settings)) else grad
     new_grad = param if not persists and grad != param else 0.0  # .grad apart from the buffer
     done = 0.0 if persists else (param if grad != param else buffer)
     return buffer, buffer + grad + new_grad, done
@@ -865,10 +877,12 @@ def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) ->
     group = _group_of(desc, i)
     owner = desc.ops[group[0]]
     logits = fused_logits_bytes(desc, i)
-    own_grad = reduced_bytes(owner, settings) if len(group) == 1 and not _accumulators_static(settings) else 0.0
+    own_buffer = len(group) == 1 and not _accumulators_static(settings) and not rep_is_direct(owner, settings)
+    own_grad = reduced_bytes(owner, settings) if own_buffer else 0.0
     # others' gathers prefetched around it; its own gradient buffer (a tied unit's:
     # tied_grads) and one pending reduce-scatter
-    # unsplit: autograd's gradient is live while the hook copies it in (_grads_live)
+    # unsplit: autograd's gradient is live while the hook copies it in (_grads_live); a
+    # direct unit's is not copied, it becomes .grad
     transient = max(min(window, after_i), min(window, before_i) + own_grad + gathered_bytes(owner, settings) + pending)
     reduce_b = reduce_s if i == group[0] else 0.0
     return (1, 0, 0, 0.0, transient, 0.0, 0.0, reduce_b, True, 0.0, 1.0, logits, 2.0 * logits, logits, 0.0)
@@ -1263,8 +1277,14 @@ def align_tied(t: ProblemTemplate, option_index, variant) -> tuple[int, ...]:
     return tuple(chosen)
 def option_unit_uses(t: ProblemTemplate) -> np.ndarray:
     """Unit uses per option and phase: its slice count for an op that is a unit or uses
-    one (a tied second use: its owner's), 0 for an op without parameters."""
-    is_unit = np.array([bool(op.param_count or op.tied_to) for op in t.desc.ops])
+    one (a tied second use: its owner's), 0 for an op without parameters or using a
+    direct rep unit (no per-use hooks, [Note: rep mode])."""
+    ops = t.desc.ops
+    by_name = {op.name: op for op in ops}
+    rep = t.rep if t.rep is not None else np.zeros(len(ops), dtype=bool)
+    is_unit = np.array([bool(op.param_count or op.tied_to)
+                        and not (rep[i] and rep_is_direct(by_name.get(op.tied_to, op), t.settings))
+                        for i, op in enumerate(ops)])
     return np.where(is_unit[t.opt_op], t.opt_slices, 0)
 
 

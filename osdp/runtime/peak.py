@@ -80,7 +80,8 @@ class StepMemory:
     peak_bytes: int  # measured (see [Note: measured peak])
     unit_at_peak: str  # the unit computing at the peak ("" outside units)
     # "forward", "after forward" (outside units after it: the loss after the head),
-    # "recompute", "backward", "after backward", "optimizer step", ""
+    # "recompute", "backward", "after backward" (of a direct rep unit, or "" at the end),
+    # "optimizer step", ""
     phase_at_peak: str
     limit_bytes: float | None
     predicted_peak_bytes: float | None
@@ -109,6 +110,10 @@ class StepMemory:
     def where(self) -> str:
         if self.phase_at_peak == "after forward":
             return f"after unit {self.unit_at_peak!r}'s forward, outside units (e.g. the loss after the head)"
+        if self.phase_at_peak == "after backward" and self.unit_at_peak:
+            # a direct rep unit's gradient hook ([Note: direct replicated units]): the
+            # backward of the module before it runs next
+            return f"after unit {self.unit_at_peak!r}'s backward"
         if self.unit_at_peak:
             return f"in unit {self.unit_at_peak!r} ({self.phase_at_peak})"
         return f"in the {self.phase_at_peak}" if self.phase_at_peak else "outside any unit"

@@ -23,6 +23,10 @@ Module hooks (``hooks.py``) and split ops (``osdp.ops``) drive it with one proto
     grads, accumulate = sched.grad_buffer(unit)   # optional: write dW in place
     sched.post_backward(use, grads_or_None)       # reduce-scatter when the last use is done
 
+A direct rep unit (direct.py [Note: direct replicated units]) is outside this protocol:
+its modules compute with its parameters, and each parameter's post-accumulate-grad hook
+calls ``sched.direct_grad_accumulated(unit)``; the last one joins the replicated bucket.
+
 [Note: end of the backward pass]
 At the end of a backward pass (autograd final callback) uses that never got a
 backward (outputs not in the loss) are abandoned, partial gradients are
@@ -60,6 +64,7 @@ import torch
 from torch.autograd import Variable
 
 from .collectives import CommContext
+from .direct import reset_awaited
 from .ledger import MemoryLedger
 from .lifecycle import UnitLifecycle
 from .modes import GatherState, UseState
@@ -242,6 +247,17 @@ class Scheduler:
         self.lifecycle.maybe_reshard(unit)
         self.prefetch.prefetch_backward()
 
+    def direct_grad_accumulated(self, unit: ShardUnit) -> None:
+        """A parameter of a direct rep unit accumulated its gradient into ``.grad``
+        (direct.py [Note: direct replicated units]); the last one joins the bucket."""
+        self._enter_backward()
+        self.reducer.local_grad(unit)
+        unit.direct_awaited -= 1
+        if unit.direct_awaited == 0:
+            self.lifecycle.ledger.note_use(unit.name, "after backward")
+            if self.sync_gradients:
+                self.reducer.reduce(unit)
+
     def _enter_backward(self) -> None:
         if not self._in_backward and _in_autograd_engine():
             self._in_backward = True
@@ -255,9 +271,10 @@ class Scheduler:
         self._awaiting.clear()
         if self.sync_gradients:
             for unit in self.units:
-                if unit.grad_flat is not None and unit.n_active == 0:
+                if self.reducer.has_grad(unit) and unit.n_active == 0:
                     self.reducer.reduce(unit)
         self.reducer.finish()
+        reset_awaited(self.units)
         self.lifecycle.reshard_where(lambda unit: unit.n_active == 0)
         self.prefetch.end_backward()
         self._in_backward = False
@@ -272,6 +289,7 @@ class Scheduler:
         self._awaiting.clear()
         self.lifecycle.reset(self.units)
         self.reducer.drop(self.units)
+        reset_awaited(self.units)
         self.prefetch.forget_partial()
         self._in_forward = self._in_backward = False
         self._backward_label = None

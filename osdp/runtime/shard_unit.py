@@ -167,6 +167,12 @@ class ShardUnit:
         self.n_await = 0  # uses whose backward has not started yet
         self.n_await_weights = 0  # of those, the ones whose backward reads the weights
         self.grad_flat: torch.Tensor | None = None  # unsharded gradient being accumulated
+        # a direct rep unit (direct.py [Note: direct replicated units]): its gradient is
+        # its parameters' .grad; how many of them this backward still awaits, and whether
+        # .grad holds this rank's unreduced gradient (counted by the ledger)
+        self.direct = False
+        self.direct_awaited = 0
+        self.grad_local = False
         # small whole-module unit whose collectives may be coalesced with other small
         # units' (set by the scheduler, see [Note: coalesced small units])
         self.coalescible = False
@@ -227,10 +233,12 @@ class ShardUnit:
     def accumulate_replicated_grad(self, flat: torch.Tensor) -> None:
         """Hand a rep unit's averaged gradient (``numel`` elements, already in the
         parameters' dtype) to the original parameters: views of ``flat`` (no copy) where
-        they have none, added otherwise. Whole and equal on every rank, so it is marked
-        replicated, not sharded ([Note: global gradient norm] in grad_norm.py)."""
+        they have none, added otherwise; a direct unit's replace theirs (its bucket
+        averaged them, [Note: direct replicated units]). Whole and equal on every rank,
+        so it is marked replicated, not sharded ([Note: global gradient norm] in
+        grad_norm.py)."""
         for param, piece in zip(self.params, self.split_local(flat)):
-            if param.grad is None:
+            if param.grad is None or self.direct:
                 param.grad = piece
             else:
                 param.grad.add_(piece)

@@ -78,9 +78,10 @@ def test_rep_op_time_and_memory_terms_by_hand():
     l1's one option: g 1, nothing kept, no gathers; backward comm = its bucket's
             all-reduce (alone in it: the whole latency): 3 (3e-5) + 3/4 G 3e-9 = 679.824 us;
             time = F + max(B, AR) with F = 1e-5 + 8e-6, B = 2F
-    transient at l1: max(forward: l2's prefetch P, backward: l0's prefetch P + its own
-            buffer G + the gradient autograd made, being copied into it, G + l2's
-            gradient, maybe reduce-scattering, G) = 4 P
+    transient at l1: max(forward: l2's prefetch P, backward: l0's prefetch P + the
+            gradient autograd made, G (l1 is a direct rep unit, fp32 throughout: that
+            gradient becomes its .grad, no buffer beside it, [Note: direct replicated
+            units]) + l2's gradient, maybe reduce-scattering, G) = 3 P
     after l1's backward (op l0): its buffer in the bucket being filled, G
     optimizer: 2 x 2 x (131072 + 262144 + 262144 + 524288) / 1e11."""
     desc = model(3)
@@ -97,7 +98,7 @@ def test_rep_op_time_and_memory_terms_by_hand():
     assert t.opt_reduce_b_s[o] == pytest.approx(679.824e-6, rel=1e-12) == pytest.approx(ar, rel=1e-12)
     comp_f = 1e-5 + 8e-6
     assert t.problem(8).opt_time_s[o] == pytest.approx(comp_f + max(2 * comp_f, ar), rel=1e-12)
-    assert t.opt_transient_bytes[o] == 4 * P
+    assert t.opt_transient_bytes[o] == 3 * P
     assert list(t.rep_grads) == [P, 0, 0]
     # the sharded units' gradients no longer count l1's shard
     assert list(t.grads_after) == [P / 4, P / 4, 0]
@@ -120,7 +121,8 @@ def test_rep_plan_peak_by_hand():
           reduce-scatter's output G/4) = 3P + G/4, act grads 12288, l1 and l2's
           sharded grads G/4, l1's buffer G (replicated_grads), less its own
           12288 saved, released before the hook ([Note: the hook moment]) -> 2633736
-      l1: kept P, saved 24576, transient 4P, act grads 12288, l2's shard G/4 -> 2592776
+      l1: kept P, saved 24576, transient 3P (direct: autograd's gradient is its .grad,
+          no buffer), act grads 12288, l2's shard G/4 -> 2330632
       l2: kept 2P, saved 36864, transient max(P, P + 2G + G/4) = 3P + G/4 (nothing
           reduces before it), act grads 12288, less its own 12288 -> 2592776
     """
@@ -129,7 +131,7 @@ def test_rep_plan_peak_by_hand():
     choice = [option(t, 0, 1, 0), options(t, 1)[0], option(t, 2, 1, 0)]
     rows = live_memory(t, 3, choice, [0, 0, 0], exact=False)  # the search's window bound
     totals = [sum(parts.values()) for _, parts in rows]
-    assert totals == [2633736, 2592776, 2592776]
+    assert totals == [2633736, 2330632, 2592776]
     # the plan's own gathers: at l2's backward the bound counts l0 as a prefetch (P),
     # but l0 is dp, kept in the prefix: nothing is gathered there
     exact = [sum(parts.values()) for _, parts in live_memory(t, 3, choice, [0, 0, 0])]
@@ -151,6 +153,20 @@ def test_rep_static_under_mixed_precision_and_kept_gradients():
     assert t.static["replicated_grads"] == P
     assert t.static["sharded_grads"] == 2 * P / 4
     assert list(t.rep_grads) == [P, 0, 0]
+
+
+def test_a_direct_rep_units_gradient_is_added_into_its_kept_grad():
+    """fp32 throughout, gradients kept between steps: l1 is direct ([Note: direct
+    replicated units]), autograd adds its gradient into the static .grad (P): l0 sees no
+    buffer of l1 in the bucket being filled, and l1's own transient holds autograd's
+    gradient but no buffer (3 P, as with .grad set to None)."""
+    desc = model(3)
+    t = build_template(desc, device(), PlannerSettings(prefetch_bytes=1e12, rep_units=("l1",),
+                                                       grads_set_to_none=False))
+    assert t.static["replicated_grads"] == P
+    assert list(t.rep_grads) == [0, 0, 0]
+    (o,) = options(t, 1)
+    assert t.opt_transient_bytes[o] == 3 * P
 
 
 R25 = 655360  # parameters of a 2.5 MiB fp32 unit

@@ -253,6 +253,16 @@ def stack_osdp(rank: int, world_size: int):
     }
 
 
+def _accumulator(unit):
+    """Where a rep unit's unreduced gradient waits: its buffer, or (a direct unit, [Note:
+    direct replicated units]) its parameters' .grad; None once reduced."""
+    if unit.grad_flat is not None:
+        return f"buffer {unit.grad_flat.dtype}"
+    if unit.grad_local:
+        return f".grad {unit.params[0].grad.dtype}"
+    return None
+
+
 # ---- gradient clipping, param groups, failures (training_loop_cases' loop) ------------------
 def loop_run(rank: int, world_size: int, kwargs: dict):
     """``training_loop_cases``' loop (param groups by name, clipping by the 2-, 1- and
@@ -311,8 +321,7 @@ def acc_run(rank: int, world_size: int, sync: str):
                 loss.backward()
             total += loss.item()
             if step == 0 and i == 0:
-                probe["rep_accumulators"] = {u.name: (None if u.grad_flat is None else str(u.grad_flat.dtype))
-                                             for u in rep_units}
+                probe["rep_accumulators"] = {u.name: _accumulator(u) for u in rep_units}
                 probe["rep_has_grad_after_first_micro"] = any(p.grad is not None for u in rep_units for p in u.params)
         if step == 0:
             stats = wrapped.memory_stats()

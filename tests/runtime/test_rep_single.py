@@ -165,8 +165,10 @@ class Wide(nn.Module):
 def test_step_peak_counts_rep_parameters_grads_and_optimizer_state():
     """After a first step, a step's peak holds the parameters (P, whole), the .grad kept
     from the step before (P, no zero_grad), AdamW's two moments (2 P), and when the one
-    bucket (P < 4 MiB) is issued at the end of backward every unit's gradient buffer (P)
-    and the staging copy (P): >= 6 P (activations of 2 samples are far smaller)."""
+    bucket (P < 4 MiB) is issued at the end of backward the staging copy (P): >= 5 P
+    (activations of 2 samples are far smaller). These fp32 rep units are direct ([Note:
+    direct replicated units]): autograd adds the step's gradient into the kept .grad, so
+    there is no gradient buffer beside it (the hook path's would make it 6 P)."""
     torch.manual_seed(0)
     model = osdp.OSDP(Wide(), default_mode="rep", modes={"layers.0": "rep"}, memory_limit=2**40)  # modes: no auto mode
     params = sum(p.numel() * 4 for p in model.parameters())
@@ -176,4 +178,4 @@ def test_step_peak_counts_rep_parameters_grads_and_optimizer_state():
         model(x).backward()
         opt.step()  # not zero_grad: the .grad of every rep unit stays
     assert model.step_memory() is not None
-    assert 6 * params <= model.step_memory().peak_bytes < 7 * params
+    assert 5 * params <= model.step_memory().peak_bytes < 6 * params
