@@ -75,6 +75,11 @@ class OpDesc:
     # () for one tensor of param_count, or unknown. The cost model's [Note: optimizer
     # step moment] reads it (a for-loop AdamW's temporaries follow the tensors)
     tensor_numels: tuple = ()
+    # of ``act_bytes_per_sample``, the bytes that are its block's input (a LayerNorm
+    # first in a transformer block saves the block's input): a checkpointed block keeps
+    # that tensor as its input already, so its recompute does not add it again ([Note:
+    # checkpointed block input] in the cost model)
+    block_input_bytes_per_sample: float = 0.0
 
     def __post_init__(self):
         numels = tuple(int(n) for n in self.tensor_numels)
@@ -228,6 +233,10 @@ class _Recorder:
         self.seen_storages: set[int] = set()
         self.current: str | None = None
         self.pending_bytes = 0  # saved before the first unit ran
+        # storage -> the blocks it is the input of (one tensor may enter several: a
+        # pass-through bridge between blocks, then the next block)
+        self.block_inputs: dict[int, set[str]] = {}
+        self.input_saved: dict[str, int] = {}  # unit -> bytes it saved of its block's input
 
     def pre_hook(self, module, _inputs):
         name = self.units[module]
@@ -244,11 +253,15 @@ class _Recorder:
                 self.pending_bytes += storage.nbytes()
             else:
                 self.saved[self.current] = self.saved.get(self.current, 0) + storage.nbytes()
+                blocks = self.block_inputs.get(ptr, ())
+                if any(self.current == block or self.current.startswith(block + ".") for block in blocks):
+                    self.input_saved[self.current] = self.input_saved.get(self.current, 0) + storage.nbytes()
         return tensor
 
 
 def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
-    """One forward pass: unit order, saved bytes per unit, block input bytes, FLOPs."""
+    """One forward pass: unit order, saved bytes per unit, block input bytes, FLOPs, and
+    per unit the bytes of its block's input among what it saved."""
     from torch.utils.flop_counter import FlopCounterMode
 
     rec = _Recorder(units, param_ptrs)
@@ -260,6 +273,8 @@ def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
         def block_hook(_m, args, block=block):
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             block_inputs.setdefault(block, sum(t.numel() * t.element_size() for t in tensors))
+            for t in tensors:
+                rec.block_inputs.setdefault(storage_key(t), set()).add(block)
 
         handles.append(modules[block].register_forward_pre_hook(block_hook))
     try:
@@ -272,7 +287,7 @@ def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
     if rec.order:
         first = rec.order[0]
         rec.saved[first] = rec.saved.get(first, 0) + rec.pending_bytes
-    return rec.order, rec.saved, block_inputs, counter.get_flop_counts()
+    return rec.order, rec.saved, block_inputs, counter.get_flop_counts(), rec.input_saved
 
 
 def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dict[str, int],
@@ -420,7 +435,8 @@ def describe(
                   for m in by_path.values() if isinstance(m, nn.Linear)]
     try:
         try:
-            order, saved, block_in, flops = _measure_forward(model, inputs, units, param_ptrs, block_names)
+            order, saved, block_in, flops, input_saved = _measure_forward(model, inputs, units, param_ptrs,
+                                                                          block_names)
         finally:
             for h in head_hooks:
                 h.remove()
@@ -428,7 +444,7 @@ def describe(
         if half >= 1 and all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors):
             # clones: a view would share (and count) the full batch's storage
             small = inputs.map_batched(lambda t: t[:half].clone())
-            _, saved_half, _, _ = _measure_forward(model, small, units, param_ptrs, [])
+            _, saved_half, _, _, _ = _measure_forward(model, small, units, param_ptrs, [])
         else:
             half, small, saved_half = 0, None, {}
         grads_full = grads_half = {}
@@ -503,6 +519,8 @@ def describe(
                 and per_sample.get(path, 0.0) >= logits else 0.0,
                 param_tensors=len(own),
                 tensor_numels=tuple(p.numel() for p in own),
+                # a block's input grows with the batch (no constant part)
+                block_input_bytes_per_sample=min(input_saved.get(path, 0) / batch_size, per_sample.get(path, 0.0)),
             )
         )
     block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})

@@ -5,7 +5,8 @@ saved-activation bytes that ``describe`` measures on a real forward (a test chec
 so models far larger than this machine can be planned.
 
 Per block (s = seq, h = width, a = heads, e = element bytes), saved per sample:
-    ln_1, ln_2    s h e (input) + 2 s * 4 (fp32 mean and rstd)
+    ln_1, ln_2    s h e (input) + 2 s * 4 (fp32 mean and rstd); ln_1's input is the
+                  block's input (``block_input_bytes_per_sample``; a bridge's too)
     attn.c_attn   s h e (input) + 3 s h e (q, k, v) + a s^2 e (softmax output); also
                   carries the attention matmuls' 4 s^2 h FLOPs
     attn.c_proj   s h e (input)
@@ -50,19 +51,19 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
 
     split = default_split_op_for_kind("linear")  # the registry says along which axis
 
-    def linear(path, fan_in, fan_out, act, grad, extra_flops=0.0, bias=True, block=None):
+    def linear(path, fan_in, fan_out, act, grad, extra_flops=0.0, bias=True, block=None, block_input=0.0):
         count = fan_in * fan_out + (fan_out if bias else 0)
         axis = {"in_features": fan_in, "out_features": fan_out}[split.axis] if split.planned else 0
         ops.append(OpDesc(path, "linear", count, count * e, act, 2.0 * s * fan_in * fan_out + extra_flops,
                           splittable=axis >= 2, in_features=axis if axis >= 2 else 0, block=block,
                           act_grad_bytes_per_sample=grad + ids, split_op=split.op_name if axis >= 2 else "",
                           param_tensors=2 if bias else 1,
-                          tensor_numels=(fan_in * fan_out, fan_out) if bias else ()))
+                          tensor_numels=(fan_in * fan_out, fan_out) if bias else (), block_input_bytes_per_sample=block_input))
 
-    def layernorm(path, h, grad_widths, block=None):
+    def layernorm(path, h, grad_widths, block=None, block_input=0.0):
         ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block,
                           act_grad_bytes_per_sample=grad_widths * s * h * e + ids, param_tensors=2,
-                          tensor_numels=(h, h)))
+                          tensor_numels=(h, h), block_input_bytes_per_sample=block_input))
 
     rows = default_split_op_for_kind("embedding")
 
@@ -79,12 +80,14 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
     for i, (w_in, h) in enumerate(zip(inputs, widths)):
         if w_in != h:
             first = len(ops)
-            linear(f"bridges.{i}", w_in, h, s * w_in * e, (w_in + h) * s * e, block=f"bridges.{i}")
+            # its saved input is its block's input ([Note: checkpointed block input])
+            linear(f"bridges.{i}", w_in, h, s * w_in * e, (w_in + h) * s * e, block=f"bridges.{i}",
+                   block_input=s * w_in * e)
             blocks.append(BlockDesc(f"bridges.{i}", first, 1, s * w_in * e))
         b = f"blocks.{i}"
         first = len(ops)
         scores, sh = a * s * s * e, s * h * e
-        layernorm(f"{b}.ln_1", h, 3, b)
+        layernorm(f"{b}.ln_1", h, 3, b, block_input=sh)  # it saves the block's input
         linear(f"{b}.attn.c_attn", h, 3 * h, 4 * sh + scores, max(2 * scores + 2 * sh, scores + 3 * sh),
                extra_flops=4.0 * s * s * h, block=b)
         linear(f"{b}.attn.c_proj", h, h, sh, 2 * sh, block=b)
