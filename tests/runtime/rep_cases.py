@@ -10,6 +10,7 @@ one big batch for gradient accumulation.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -299,12 +300,19 @@ def loop_run(rank: int, world_size: int, kwargs: dict):
 
 
 # ---- gradient accumulation ------------------------------------------------------------------
-def acc_run(rank: int, world_size: int, sync: str):
+def acc_run(rank: int, world_size: int, sync: str, path: str):
     """fc.MICRO micro-batches per optimizer step on the MIX plan: "last" (no_sync until
-    the last micro-batch) or "every" (sync on each)."""
-    import osdp
+    the last micro-batch) or "every" (sync on each). ``path``: "direct" (these fp32 rep
+    units' own, [Note: direct replicated units]) or "hooked" (every rep unit kept on the
+    per-use hook path, as a cast one runs)."""
+    from unittest import mock
 
-    wrapped = osdp.OSDP(pc.make_model("uneven"), modes=MIX)
+    import osdp
+    import osdp.api
+
+    hooked = mock.patch.object(osdp.api, "direct_units", side_effect=lambda bindings: set())
+    with hooked if path == "hooked" else contextlib.nullcontext():
+        wrapped = osdp.OSDP(pc.make_model("uneven"), modes=MIX)
     opt = torch.optim.AdamW(wrapped.parameters(), lr=pc.LR, eps=pc.EPS)
     local = pc.LOCAL_BATCH * fc.MICRO
     losses, probe = [], {}
@@ -472,7 +480,8 @@ def run_all(rank: int, world_size: int, root: str):
     out["stack"] = stack_osdp(rank, world_size)
     out["loop"] = {"mix": loop_run(rank, world_size, {"modes": MIX}),
                    "all_rep": loop_run(rank, world_size, {"default_mode": "rep"})}
-    out["acc"] = {sync: acc_run(rank, world_size, sync) for sync in ("last", "every")}
+    out["acc"] = {(sync, path): acc_run(rank, world_size, sync, path)
+                  for sync in ("last", "every") for path in ("direct", "hooked")}
     out["mp"] = mp_run(rank, world_size)
     out["mp_fsdp2"] = fc._mp_fsdp2(rank, world_size)
     out["ckpt"] = ckpt_scenario(rank, world_size, root)

@@ -285,17 +285,23 @@ def test_torch_clip_is_refused_with_sharded_grads_and_right_without(results):
 
 
 # ---- gradient accumulation ----------------------------------------------------------------------
+@pytest.mark.parametrize("path", ["direct", "hooked"])
 @pytest.mark.parametrize("sync", ["last", "every"])
-def test_accumulation_matches_one_big_batch(results, sync):
+def test_accumulation_matches_one_big_batch(results, sync, path):
     ref_losses, ref_state = results[0]["acc_ref"]
-    losses, state, probe = results[0]["acc"][sync]
+    losses, state, probe = results[0]["acc"][sync, path]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    _assert_states_close(state, ref_state, sync)
+    _assert_states_close(state, ref_state, f"{sync} {path}")
     rep = sorted(u for u, m in rc.MIX.items() if m == "rep")
     if sync == "last":
-        # no all-reduce before the last micro-batch: the local fp32 sums wait in .grad
-        # (every rep unit of this fp32 plan is direct: [Note: direct replicated units])
-        assert probe["rep_accumulators"] == {u: ".grad torch.float32" for u in rep}
+        # no all-reduce before the last micro-batch: the local fp32 sums wait, in .grad
+        # for a direct unit ([Note: direct replicated units]), in an fp32 accumulator
+        # beside an untouched .grad on the hook path
+        if path == "direct":
+            assert probe["rep_accumulators"] == {u: ".grad torch.float32" for u in rep}
+        else:
+            assert probe["rep_accumulators"] == {u: "buffer torch.float32" for u in rep}
+            assert probe["rep_has_grad_after_first_micro"] is False
         assert probe["all_reduces"] == {u: 1 for u in rep}
     else:
         assert probe["rep_accumulators"] == {u: None for u in rep}
