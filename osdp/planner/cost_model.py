@@ -1282,14 +1282,19 @@ def align_tied(t: ProblemTemplate, option_index, variant) -> tuple[int, ...]:
 def option_unit_uses(t: ProblemTemplate) -> np.ndarray:
     """Unit uses per option and phase: its slice count for an op that is a unit or uses
     one (a tied second use: its owner's), 0 for an op without parameters or using a
-    direct rep unit (no per-use hooks, [Note: rep mode])."""
-    ops = t.desc.ops
-    by_name = {op.name: op for op in ops}
-    rep = t.rep if t.rep is not None else np.zeros(len(ops), dtype=bool)
-    is_unit = np.array([bool(op.param_count or op.tied_to)
-                        and not (rep[i] and rep_is_direct(by_name.get(op.tied_to, op), t.settings))
-                        for i, op in enumerate(ops)])
-    return np.where(is_unit[t.opt_op], t.opt_slices, 0)
+    direct rep unit (no per-use hooks, [Note: rep mode]). Once per template: every
+    batch's option times read it."""
+    uses = t.__dict__.get("_unit_uses")
+    if uses is None:
+        ops = t.desc.ops
+        by_name = {op.name: op for op in ops}
+        rep = t.rep if t.rep is not None else np.zeros(len(ops), dtype=bool)
+        is_unit = np.array([bool(op.param_count or op.tied_to)
+                            and not (rep[i] and rep_is_direct(by_name.get(op.tied_to, op), t.settings))
+                            for i, op in enumerate(ops)])
+        uses = t.__dict__["_unit_uses"] = np.where(is_unit[t.opt_op], t.opt_slices, 0)
+        uses.setflags(write=False)  # shared by every caller
+    return uses
 
 
 def option_compute_s(t: ProblemTemplate, batch: int) -> tuple[np.ndarray, np.ndarray]:

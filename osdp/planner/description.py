@@ -253,8 +253,7 @@ class _Recorder:
                 self.pending_bytes += storage.nbytes()
             else:
                 self.saved[self.current] = self.saved.get(self.current, 0) + storage.nbytes()
-                blocks = self.block_inputs.get(ptr, ())
-                if any(self.current == block or self.current.startswith(block + ".") for block in blocks):
+                if _enclosing_block(self.current, self.block_inputs.get(ptr, ())) is not None:
                     self.input_saved[self.current] = self.input_saved.get(self.current, 0) + storage.nbytes()
         return tensor
 

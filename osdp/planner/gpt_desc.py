@@ -58,7 +58,8 @@ def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = Non
                           splittable=axis >= 2, in_features=axis if axis >= 2 else 0, block=block,
                           act_grad_bytes_per_sample=grad + ids, split_op=split.op_name if axis >= 2 else "",
                           param_tensors=2 if bias else 1,
-                          tensor_numels=(fan_in * fan_out, fan_out) if bias else (), block_input_bytes_per_sample=block_input))
+                          tensor_numels=(fan_in * fan_out, fan_out) if bias else (),
+                          block_input_bytes_per_sample=block_input))
 
     def layernorm(path, h, grad_widths, block=None, block_input=0.0):
         ops.append(OpDesc(path, "layernorm", 2 * h, 2 * h * e, s * h * e + 2 * s * 4, 0.0, False, block=block,

@@ -19,16 +19,16 @@ per unit) cost about 30 ms per step over torch DDP on N&D 12x128's 76 units at e
 batch on this CPU (2 gloo ranks: 146 against 114 ms at b1, 280 against 225 at b5).
 
 What stays as on the hook path: the bucket rule, the staging copy with the mean taken
-before the collective, the ledger's bytes (a unit's G counted from its first accumulated parameter
-until its bucket finished, the staging copy while in flight), and ``.grad`` after the
-step (a view of the bucket's averaged copy). What differs:
+before the collective, the ledger's bytes (a unit's G counted from its first
+accumulated parameter until its bucket finished, the staging copy while in flight), and
+``.grad`` after the step (a view of the bucket's averaged copy). What differs:
 
 - G is the parameters' ``.grad``. Where ``.grad`` was not None before the backward,
   autograd adds into it and the bucket averages the sum. That is the same value (up to
   rounding): what was there is either equal on every rank (a reduced gradient, so its
   mean is itself) or the local sum of ``no_sync`` micro-batches, which is what must be
-  averaged. The bucket's
-  result therefore REPLACES ``.grad`` instead of being added to it.
+  averaged. The bucket's result therefore REPLACES ``.grad`` instead of being added to
+  it.
 - After a failed backward (recovery, scheduler.py), ``.grad`` of a direct unit whose
   bucket had not finished is None: it held this rank's unreduced gradient. Call
   ``zero_grad`` after catching the failure either way, as in plain PyTorch.

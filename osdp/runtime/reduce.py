@@ -89,6 +89,11 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _local_grad_bytes(unit: ShardUnit) -> int:
+    """A direct unit's G: its parameters' ``.grad``, in the parameters' dtype."""
+    return unit.numel * unit.shard.element_size()
+
+
 class GradReducer:
     def __init__(self, comm: CommContext, ledger: MemoryLedger, coalesce_bytes: int):
         self.comm = comm
@@ -138,7 +143,7 @@ class GradReducer:
         ([Note: direct replicated units]), counted from now until its bucket finished."""
         if not unit.grad_local:
             unit.grad_local = True
-            self.ledger.grad_alloc(unit.name, unit.numel * unit.shard.element_size())
+            self.ledger.grad_alloc(unit.name, _local_grad_bytes(unit))
 
     def has_grad(self, unit: ShardUnit) -> bool:
         """An unsharded gradient waits to be reduced (a buffer, or a direct unit's .grad)."""
@@ -276,7 +281,7 @@ class GradReducer:
             elif unit.direct:
                 drop_local_grads(unit)
             offset += unit.numel
-            grad_bytes = _nbytes(flat) if flat is not None else unit.numel * unit.shard.element_size()
+            grad_bytes = _nbytes(flat) if flat is not None else _local_grad_bytes(unit)
             self.ledger.grad_free(unit.name, unit.numel * done.staging.element_size() + grad_bytes)
 
     def _free_grad(self, unit: ShardUnit) -> None:
@@ -286,7 +291,7 @@ class GradReducer:
         if unit.grad_local:
             unit.grad_local = False
             drop_local_grads(unit)
-            self.ledger.grad_free(unit.name, unit.numel * unit.shard.element_size())
+            self.ledger.grad_free(unit.name, _local_grad_bytes(unit))
 
     # ---- end of a step ---------------------------------------------------------------------
     def finish(self) -> None:
