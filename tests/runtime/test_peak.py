@@ -223,6 +223,39 @@ def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset,
           f"limit {plan.memory_limit_bytes:.0f} B")
 
 
+# A known gap, found 2026-11-26 while pricing plans under wider windows: after a unit's
+# backward frees its weights, the runtime prefetches the next units' gathers while that
+# unit's dW and its reduction staging are still alive; the model's moment after the
+# backward (``_option_rows``' release) does not see those prefetches once the window
+# lets more than one unit through. Under the rule's window (2 MiB here) the plan is
+# priced above its measurement; under 3 MiB the measured peak at lm_head's backward is
+# 0.56% above the prediction (4 MiB: 0.03%). strict: the day the model counts them,
+# this test says so.
+@pytest.mark.parametrize("window_mib", [
+    2, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason="the backward release moment misses prefetches "
+                                                               "issued beside a unit's live gradient")),
+])
+@pytest.mark.parametrize("fake_world", [64], indirect=True)
+def test_a_wider_window_is_priced_above_its_measured_peak(fake_world, window_mib):
+    from dataclasses import replace
+
+    config, model, plan = _planned_gpt(fake_world, 20 * MiB, "small", ())
+    plan = replace(plan, prefetch_bytes=window_mib * MiB)
+    torch.manual_seed(0)
+    desc = describe(GPT(config), example_batch(config, 2))
+    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
+        RunSettings(world_size=fake_world, memory_limit_bytes=20 * MiB))
+    a = assignment_of(desc, device, plan)
+    predicted = max(sum(parts.values()) for _, parts in live_memory(a.template, a.batch, a.option_index, a.variant))
+    wrapped = osdp.OSDP(model, plan=plan, node_size=plan.node_size, memory_check=False)
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    _train_step(wrapped, optim, config, plan.batch_size, seed=0)
+    with wrapped.measuring_memory(optim) as measured:
+        _train_step(wrapped, optim, config, plan.batch_size, seed=1)
+    assert sum(u.modes.count("hpz") for u in plan.units) > 0  # the case found: hpz units regathered in backward
+    assert measured[0].peak_bytes <= predicted
+
+
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
 def test_a_step_over_the_limit_raises_at_the_optimizer_step(fake_world):
     config, model, plan = _planned_gpt(fake_world, 40 * MiB)
