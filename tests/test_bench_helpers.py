@@ -17,7 +17,7 @@ BENCH = str(Path(__file__).resolve().parent.parent / "bench")
 
 
 def _bench_modules():
-    """bench/common.py, bench/physical_limit.py and bench/regret.py, imported with bench/ on sys.path only
+    """bench/common.py, physical_limit.py, regret.py and population_fidelity.py, imported with bench/ on sys.path only
     while importing (left on it, bench/kernels.py would shadow the ``kernels`` package
     that transformers looks for), and without the benches' OSDP_MEMORY_CHECK=0 leaking
     into the other tests of this process."""
@@ -26,6 +26,7 @@ def _bench_modules():
     try:
         import common
         import physical_limit
+        import population_fidelity
         import regret
     finally:
         sys.path.remove(BENCH)
@@ -33,10 +34,10 @@ def _bench_modules():
             os.environ.pop("OSDP_MEMORY_CHECK", None)
         else:
             os.environ["OSDP_MEMORY_CHECK"] = check
-    return common, physical_limit, regret
+    return common, physical_limit, regret, population_fidelity
 
 
-common, _, regret_bench = _bench_modules()
+common, _, regret_bench, population_fidelity = _bench_modules()
 
 
 def _largest_fitting(peaks, budget, max_batch, monkeypatch):
@@ -79,7 +80,7 @@ def _physical_limit_worker(rank, world):
     from osdp.models import GPT, GPTConfig
     from osdp.runtime import collectives
 
-    common, limits, _ = _bench_modules()
+    common, limits, _, _ = _bench_modules()
     local_collectives, physical_limit = limits.local_collectives, limits.physical_limit
     recorded_collectives = limits.recorded_collectives
 
@@ -136,3 +137,37 @@ def test_regret_leaves_out_a_finalist_that_runs_the_picks_own_configuration():
     assert best == "other" and value == pytest.approx(52 / 50 - 1)
     rows[1]["same_as_pick"] = False  # another plan after all: it is the best alternative
     assert regret_bench.regret(rows, budget) == (pytest.approx(55 / 50 - 1), "twin")
+
+
+def _population_plan_worker(rank, world):
+    import osdp
+    from osdp.models import GPT, GPTConfig
+    from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
+    from osdp.planner.cost_model import PlannerSettings
+    from osdp.planner.gpt_desc import describe_gpt
+    from osdp.planner.run import RunSettings
+    from osdp.planner.uniform_plan import uniform_plan
+
+    _, _, regret, population_fidelity = _bench_modules()
+    config = GPTConfig(vocab_size=64, seq_len=8, num_layers=2, hidden=32, heads=2)
+    device = load_cluster(DEFAULT_CLUSTER).for_run(RunSettings(world_size=world, memory_limit_bytes=1 << 30))
+    base = uniform_plan(describe_gpt(config), device, PlannerSettings(), 2)
+    torch.manual_seed(0)
+    kwargs = regret.population(GPT(config))
+    out = {}
+    for name in ("all_rep", "random3", "dp_first_half"):
+        torch.manual_seed(0)
+        runs = osdp.OSDP(GPT(config), **kwargs[name], memory_check=False)
+        plan = population_fidelity._as_plan(base, kwargs[name], runs.prefetch_bytes)
+        out[name] = ({u.name: u.modes[0] for u in plan.units}, runs.unit_modes(), plan.prefetch_bytes,
+                     runs.prefetch_bytes)
+    return out
+
+
+def test_population_fidelity_prices_the_modes_and_window_regret_runs():
+    """A regret population plan as a Plan (``_as_plan``): per unit the modes that
+    osdp.OSDP(**kwargs) resolves for it, and the window it runs."""
+    for name, (planned, run, planned_window, run_window) in spawn(_population_plan_worker, 2)[0].items():
+        assert planned == run, name
+        assert planned_window == run_window, name
+    assert len(set(planned.values())) == 2  # dp_first_half: both modes
