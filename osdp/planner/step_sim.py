@@ -283,11 +283,12 @@ class _Sim:
         self.comm = dict.fromkeys(PHASES, 0.0)
         self.duration = dict.fromkeys(PHASES, 0.0)
         self.n_gathers = self.n_reductions = 0
-        # (phase, op, slice) -> gathered bytes while it computes ([Note: exact gathers])
+        # (phase, op, slice) -> gathered bytes while it computes, and ("after backward",
+        # op, slice) -> once its backward freed and prefetched ([Note: exact gathers])
         self.gathered_at: dict[tuple[str, int, int], float] = {}
 
-    def _note_gathered(self, st) -> None:
-        key = (self.phase, st.op, st.slice)
+    def _note_gathered(self, st, phase: str | None = None) -> None:
+        key = (phase or self.phase, st.op, st.slice)
         self.gathered_at[key] = max(self.gathered_at.get(key, 0.0), self.live_bytes)
 
     # ---- clocks ------------------------------------------------------------------------
@@ -549,6 +550,7 @@ class _Sim:
                     self.reduce(u)
                 self.maybe_free(u)
                 self.prefetch(_B, cursor)
+            self._note_gathered(st, "after backward")
         # end of the backward pass: remaining gradients, wait for every reduction, free all
         if sync:
             for u in self.units:
@@ -625,7 +627,9 @@ def gathered_at_compute(template: ProblemTemplate, batch: int, option_index, var
     """``(phase, op, slice) -> bytes``: the gathered weights (kept ``dp`` ones included)
     while each op's (slice's) forward and backward compute, as the runtime's prefetch
     leaves them: whole units in use order, up to the window, skipping gathered ones,
-    stopping at the first that does not fit ([Note: exact gathers] in cost_model.py)."""
+    stopping at the first that does not fit ([Note: exact gathers] in cost_model.py).
+    Phase "after backward": once the op's backward hook freed its weights and
+    prefetched the next units, while its gradient is still live."""
     t = template
     coalesce = int(t.settings.coalesce_bytes) if t.device.world_size > 1 else 0
     steps, order, no_weights_b = _program(t, batch, option_index, variant, coalesce)

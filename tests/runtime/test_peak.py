@@ -223,18 +223,12 @@ def test_planned_gpt_on_a_fake_group_stays_within_the_budget(fake_world, preset,
           f"limit {plan.memory_limit_bytes:.0f} B")
 
 
-# A known gap, found 2026-11-26 while pricing plans under wider windows: after a unit's
-# backward frees its weights, the runtime prefetches the next units' gathers while that
-# unit's dW and its reduction staging are still alive; the model's moment after the
-# backward (``_option_rows``' release) does not see those prefetches once the window
-# lets more than one unit through. Under the rule's window (2 MiB here) the plan is
-# priced above its measurement; under 3 MiB the measured peak at lm_head's backward is
-# 0.56% above the prediction (4 MiB: 0.03%). strict: the day the model counts them,
-# this test says so.
-@pytest.mark.parametrize("window_mib", [
-    2, pytest.param(3, marks=pytest.mark.xfail(strict=True, reason="the backward release moment misses prefetches "
-                                                               "issued beside a unit's live gradient")),
-])
+# [Note: exact gathers]: after a unit's backward frees its weights, its hook prefetches
+# the next units while its dW, its buffer and the reduction's output are live. Priced
+# at the compute moment only, this plan (hpz units regathered in backward) measured
+# 0.56% over its prediction under 3 MiB, 0.03% under 4 and 0.49% under 6; 2 MiB, the
+# rule's window here, lets only one unit through and was already bounded.
+@pytest.mark.parametrize("window_mib", [2, 3, 4, 6])
 @pytest.mark.parametrize("fake_world", [64], indirect=True)
 def test_a_wider_window_is_priced_above_its_measured_peak(fake_world, window_mib):
     from dataclasses import replace
@@ -253,7 +247,7 @@ def test_a_wider_window_is_priced_above_its_measured_peak(fake_world, window_mib
     with wrapped.measuring_memory(optim) as measured:
         _train_step(wrapped, optim, config, plan.batch_size, seed=1)
     assert sum(u.modes.count("hpz") for u in plan.units) > 0  # the case found: hpz units regathered in backward
-    assert measured[0].peak_bytes <= predicted
+    assert predicted * 0.98 <= measured[0].peak_bytes <= predicted
 
 
 @pytest.mark.parametrize("fake_world", [8], indirect=True)
