@@ -21,9 +21,10 @@ few strong alternatives, each priced by ``simulate_step``:
   search's batch and accumulation (a sweep of its own would cost as much as the main
   one: its option space is as large but for the slices).
 
-The one with the most simulated samples/s whose exact peak memory fits (the cost
-model's ``evaluate``) is picked; ties keep the earlier candidate, the search's best
-first. Identical plans are simulated once. Nothing outside the settings is ever picked:
+Each of them is also priced at a wider prefetch window when that could change it
+([Note: window choice]). The one with the most simulated samples/s whose exact peak
+memory fits (the cost model's ``evaluate``) is picked; ties keep the earlier
+candidate, the search's best first. Identical plans are simulated once. Nothing outside the settings is ever picked:
 a user who said checkpointing="none" gets no checkpointed plan.
 """
 from __future__ import annotations
@@ -32,10 +33,12 @@ import time
 from dataclasses import dataclass, replace
 
 from ..errors import InfeasiblePlanError
-from .cost_model import PlannerSettings, evaluate
+from .cost_model import PlannerSettings, build_template, evaluate, gathered_bytes
 from .description import ModelDesc
 from .device import DeviceInfo
 from .scheduler import Scheduled, schedule, search_batch
+from .search import evaluate_assignment
+from .search_problem import SearchResult
 from .step_sim import StepSim, simulate_scheduled
 
 # name -> settings overrides of a baseline configuration (names as in make_plan's baselines)
@@ -154,6 +157,49 @@ def _nearby_batches(best: Scheduled, count: int, backend: str) -> tuple[list[Sch
     return found[:count], searches
 
 
+def widest_slice_bytes(s: Scheduled) -> float:
+    """Gathered bytes of the largest slice the plan gathers (rep units never gather; a
+    tied use is gathered as its owner)."""
+    t, o = s.template, s.result.option_index
+    return max((gathered_bytes(op, t.settings) / int(t.opt_slices[o[i]]) for i, op in enumerate(t.desc.ops)
+                if op.param_count and not op.tied_to and not (t.rep is not None and t.rep[i])), default=0.0)
+
+
+def with_window(s: Scheduled, window_bytes: float) -> Scheduled:
+    """The same assignment (slices, modes, checkpointed blocks, batch) under a template
+    whose prefetch window is ``window_bytes``: its memory and time priced again."""
+    t = s.template
+    wide = build_template(t.desc, t.device, t.settings.with_(prefetch_bytes=float(window_bytes)))
+    option_index = []
+    for i, o in enumerate(s.result.option_index):
+        v, shape = int(t.opt_variant[o]), (int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o]))
+        option_index.append(next(p for p in range(wide.opt_begin[i, v], wide.opt_end[i, v])
+                                 if (int(wide.opt_slices[p]), int(wide.opt_zdp[p]), int(wide.opt_hpz[p])) == shape))
+    variant = tuple(s.result.variant)
+    _, time_s, peak, peak_op = evaluate_assignment(wide.problem(s.batch), option_index, variant)
+    result = SearchResult(True, time_s, peak, peak_op, tuple(option_index), variant)
+    return Scheduled(wide, s.batch, result, evaluate(wide, s.batch, option_index, variant), 0, 0.0, s.batch_capped)
+
+
+def _wider_window(s: Scheduled) -> Scheduled | None:
+    """[Note: window choice]
+    The template's prefetch window is set before the search (``prefetch_window``: two
+    slices of the largest op cut finely enough for 2% of the budget), so when the search
+    leaves a big op whole, that op's gather does not fit the window and runs exposed:
+    the runtime prefetches the next unit only while the gathered bytes plus its own stay
+    within the window ([Note: prefetch window]). W&S 2x768 at 271 MiB: its unsplit
+    9 MiB Linears under a 6.8 MiB window; simulated 5-6% slower than under 18 MiB, at
+    the same batch and a peak 0-11 MiB higher. So each candidate is also priced under
+    the window that prefetches every one of its gathers one use ahead, twice its
+    widest gathered slice, when that is wider than the template's: its exact peak (the
+    plan's own gathers, [Note: exact gathers]) says whether it still fits, the
+    simulation what it gains. Only when the user left the window to the planner."""
+    wide = 2.0 * widest_slice_bytes(s)
+    if s.template.settings.prefetch_bytes is not None or wide <= s.template.window_bytes:
+        return None
+    return with_window(s, wide)
+
+
 def rerank(
     desc: ModelDesc,
     device: DeviceInfo,
@@ -195,6 +241,8 @@ def rerank(
                 continue
             searches += s.searches
         named.append((name, s))
+    if settings.prefetch_bytes is None:  # a window the user gave is theirs
+        named += [(f"{name}+window", w) for name, s in named if (w := _wider_window(s)) is not None]
     seen: dict[tuple, StepSim] = {}
     candidates = []
     for name, s in named:

@@ -12,7 +12,7 @@ from osdp.planner.device import CollectiveCost, DeviceInfo
 from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
-from osdp.planner.rerank import rerank, within
+from osdp.planner.rerank import rerank, with_window, within
 from osdp.planner.run import RunSettings
 from osdp.planner.scheduler import Scheduled, schedule
 from osdp.planner.search_problem import SearchResult
@@ -87,6 +87,72 @@ def test_the_fastest_simulated_candidate_that_fits_is_picked(fits):
     report = ranked.report()
     assert report["picked"] == ranked.picked.name
     assert [c["name"] for c in report["candidates"]] == ["search", "fsdp", "shard_grad_op"]
+
+
+# THREE's ops splittable (in 2 slices at most), a slice costing 5 ms more: the rule's
+# window (cost_model.prefetch_window) is sized for 0.5 MB slices, 1 MB, while no plan
+# worth having splits
+SPLITTABLE = ModelDesc("three", tuple(replace(op, splittable=True, in_features=500) for op in THREE.ops))
+
+
+def _zdp_zdp_dp(dev, settings=PlannerSettings(rep_units=(), max_slices=2)):
+    """l0 and l1 zdp, l2 dp, whole, batch 1, under the rule's window (1 MB): as if the
+    search had found it."""
+    t = build_template(SPLITTABLE, dev, settings)
+    assert t.window_bytes == MB
+    choice = [option(t, 0, 1, 1), option(t, 1, 1, 1), option(t, 2, 1, 0)]
+    estimate = evaluate(t, 1, choice, [0] * 3)
+    result = SearchResult(True, estimate.step_s, estimate.peak_bytes, estimate.peak_op, tuple(choice), (0, 0, 0))
+    return settings, Scheduled(t, 1, result, estimate, 1, 0.0)
+
+
+def test_a_wider_window_prices_the_same_assignment_under_it():
+    """``with_window`` keeps every op's slices and modes, the batch and the variants, and
+    prices them as a template built with that window does. Simulated at 2 MB (two
+    copies fit): forward AG l0 [0,1], AG l1 [1,2], F l0 [1,2], AG l2 [2,3], F l1 [2,3],
+    F l2 [3,4]; backward B l2 [4,6] while the zdp l1 and l0 are gathered again (AG l1
+    [4,5], AG l0 [5,6]), RS l2 [6,7], B l1 [6,8], RS l1 [8,9], B l0 [8,10], RS l0
+    [10,11]; optimizer [11,12]: 12 ms. Under 1 MB no gather runs beside compute's use
+    of another gathered unit, so it is slower."""
+    dev = replace(THREE_DEVICE, memory_limit_bytes=40 * MB, slice_overhead_s=5 * ms)
+    settings, narrow = _zdp_zdp_dp(dev)
+    wide = with_window(narrow, 2 * MB)
+    t = wide.template
+    assert t.window_bytes == 2 * MB
+    shapes = [(int(t.opt_slices[o]), int(t.opt_zdp[o])) for o in wide.result.option_index]
+    assert shapes == [(1, 1), (1, 1), (1, 0)] and wide.batch == 1 and wide.result.variant == (0, 0, 0)
+    built = build_template(SPLITTABLE, dev, settings.with_(prefetch_bytes=2 * MB))
+    direct = evaluate(built, 1, [option(built, 0, 1, 1), option(built, 1, 1, 1), option(built, 2, 1, 0)], [0] * 3)
+    assert wide.estimate == direct and wide.result.time_s == pytest.approx(direct.step_s, rel=1e-12)
+    assert simulate_scheduled(wide).step_s == pytest.approx(12 * ms, rel=1e-9)
+    assert simulate_scheduled(narrow).step_s > 12 * ms
+
+
+@pytest.mark.parametrize("fits", [True, False])
+def test_each_candidate_is_priced_under_its_wider_window_and_kept_only_if_it_fits(fits):
+    """[Note: window choice]: the search's plan (zdp, zdp, dp under the rule's 1 MB
+    window) is also priced under twice its widest slice, 2 MB, where it simulates at
+    12 ms (test above). With the memory limit between the two windows' exact peaks it
+    is a candidate that does not fit, and another is picked; a window the user gave is
+    never widened."""
+    dev = replace(THREE_DEVICE, memory_limit_bytes=40 * MB, slice_overhead_s=5 * ms)
+    _, probe = _zdp_zdp_dp(dev)
+    narrow_peak, wide_peak = probe.estimate.peak_bytes, with_window(probe, 2 * MB).estimate.peak_bytes
+    assert narrow_peak < wide_peak
+    if not fits:  # the rule's window stays 1 MB under this limit (its slices only get finer)
+        dev = replace(dev, memory_limit_bytes=(narrow_peak + wide_peak) / 2)
+    settings, best = _zdp_zdp_dp(dev)
+    ranked = rerank(SPLITTABLE, dev, settings, best, batch=1, backend="python")
+    rows = {c.name: c for c in ranked.candidates}
+    wide = rows["search+window"]
+    assert wide.scheduled.template.window_bytes == 2 * MB and wide.fits == fits
+    assert wide.sim.step_s == pytest.approx(12 * ms, rel=1e-9)
+    # the fastest that fits, ties keeping the earlier
+    fastest = min(c.sim.step_s for c in ranked.candidates if c.fits)
+    assert ranked.picked is next(c for c in ranked.candidates if c.fits and c.sim.step_s == fastest)
+    user_settings, user_best = _zdp_zdp_dp(dev, settings.with_(prefetch_bytes=MB))
+    user = rerank(SPLITTABLE, dev, user_settings, user_best, batch=1, backend="python")
+    assert [c.name for c in user.candidates if c.name.endswith("+window")] == []
 
 
 def test_make_plan_reports_the_simulated_step_and_picks_the_fastest_fitting():
