@@ -105,8 +105,9 @@ def main(argv=None):
           f"{'peak MiB':>8}")
     for r in sorted(rows, key=lambda r: -r["measured_samples_per_s"]):
         err = r["simulated_step_s"] / r["measured_step_s"] - 1
-        print(f"{r['plan']:<16} {r['batch']:>5} {r['window_bytes'] / 2**20:>10.1f} | {r['measured_samples_per_s']:>10.2f} "
-              f"{r['simulated_samples_per_s']:>11.2f} {err:>+7.1%} | {r['measured_peak_bytes'] / 2**20:>8.1f}")
+        print(f"{r['plan']:<16} {r['batch']:>5} {r['window_bytes'] / 2**20:>10.1f} | "
+              f"{r['measured_samples_per_s']:>10.2f} {r['simulated_samples_per_s']:>11.2f} {err:>+7.1%} | "
+              f"{r['measured_peak_bytes'] / 2**20:>8.1f}")
     by_measured = [r["plan"] for r in sorted(rows, key=lambda r: -r["measured_samples_per_s"])]
     by_predicted = [r["plan"] for r in sorted(rows, key=lambda r: -r["simulated_samples_per_s"])]
     spread = max(r["measured_samples_per_s"] for r in rows) / min(r["measured_samples_per_s"] for r in rows) - 1

@@ -1478,9 +1478,9 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> t
     prefetches the next units while the op's dW, its buffer and the reduction's output
     are still live (64 fake ranks, a small GPT's head under a 3 MiB window: 2.4 MB of
     prefetches beside its 4 MiB of gradients, 0.56% over the prediction when only the
-    compute moment was priced: tests/runtime/test_peak.py). The search keeps the bound (it cannot see the
-    neighbours), so a plan it calls feasible is feasible here too; ``evaluate`` prices
-    the plan it returns with these."""
+    compute moment was priced: tests/runtime/test_peak.py). The search keeps the bound
+    (it cannot see the neighbours), so a plan it calls feasible is feasible here too;
+    ``evaluate`` prices the plan it returns with these."""
     from .step_sim import gathered_at_compute  # step_sim prices plans with this module
 
     at = gathered_at_compute(t, batch, option_index, variant)
