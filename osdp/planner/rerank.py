@@ -24,8 +24,9 @@ few strong alternatives, each priced by ``simulate_step``:
 Each of them is also priced at a wider prefetch window when that could change it
 ([Note: window choice]). The one with the most simulated samples/s whose exact peak
 memory fits (the cost model's ``evaluate``) is picked; ties keep the earlier
-candidate, the search's best first. Identical plans are simulated once. Nothing outside the settings is ever picked:
-a user who said checkpointing="none" gets no checkpointed plan.
+candidate, the search's best first. Identical plans are simulated once. Nothing
+outside the settings is ever picked: a user who said checkpointing="none" gets no
+checkpointed plan.
 """
 from __future__ import annotations
 
@@ -120,10 +121,15 @@ def within(settings: PlannerSettings, overrides: dict) -> bool:
     return overrides.get("max_slices", settings.max_slices) <= settings.max_slices
 
 
+def _shape(t, o: int) -> tuple[int, int, int]:
+    """Option ``o``'s (slices, zdp slices, hpz slices): what the runtime runs of it."""
+    return int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
+
+
 def _key(s: Scheduled) -> tuple:
     """Identity of what the runtime would run."""
     t = s.template
-    options = tuple((int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])) for o in s.result.option_index)
+    options = tuple(_shape(t, o) for o in s.result.option_index)
     ckpt = tuple(i for seg, v in zip(t.segments, s.result.variant) if seg.variants[v] for i in seg.ops)
     return (s.batch, s.accumulation_steps, int(t.window_bytes), options, ckpt, t.settings.layout, t.rep_units)
 
@@ -172,9 +178,9 @@ def with_window(s: Scheduled, window_bytes: float) -> Scheduled:
     wide = build_template(t.desc, t.device, t.settings.with_(prefetch_bytes=float(window_bytes)))
     option_index = []
     for i, o in enumerate(s.result.option_index):
-        v, shape = int(t.opt_variant[o]), (int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o]))
+        v = int(t.opt_variant[o])
         option_index.append(next(p for p in range(wide.opt_begin[i, v], wide.opt_end[i, v])
-                                 if (int(wide.opt_slices[p]), int(wide.opt_zdp[p]), int(wide.opt_hpz[p])) == shape))
+                                 if _shape(wide, p) == _shape(t, o)))
     variant = tuple(s.result.variant)
     _, time_s, peak, peak_op = evaluate_assignment(wide.problem(s.batch), option_index, variant)
     result = SearchResult(True, time_s, peak, peak_op, tuple(option_index), variant)
@@ -193,9 +199,10 @@ def _wider_window(s: Scheduled) -> Scheduled | None:
     the window that prefetches every one of its gathers one use ahead, twice its
     widest gathered slice, when that is wider than the template's: its exact peak (the
     plan's own gathers, [Note: exact gathers]) says whether it still fits, the
-    simulation what it gains. Only when the user left the window to the planner."""
+    simulation what it gains. Only when the user left the window to the planner (the
+    caller checks)."""
     wide = 2.0 * widest_slice_bytes(s)
-    if s.template.settings.prefetch_bytes is not None or wide <= s.template.window_bytes:
+    if wide <= s.template.window_bytes:
         return None
     return with_window(s, wide)
 
