@@ -98,7 +98,7 @@ def _run(system: str, s: Scheduled | None, seq: int) -> Run:
         if t.rep is not None and t.rep[i]:
             modes["rep"] += 1
             continue
-        g, k, h = int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
+        g, k, h = t.shape(o)
         modes["zdp"] += k
         modes["hpz"] += h
         modes["dp"] += g - k - h

@@ -170,7 +170,7 @@ def assignment_of(desc: ModelDesc, device: DeviceInfo, plan, settings: PlannerSe
         u = decisions.get(op.tied_to or op.name)  # a tied use runs its owner's choice
         g, k, h = (1, 0, 0) if u is None else (u.slices, u.zdp_slices, u.hpz_slices)
         options = [o for o in range(t.opt_begin[i, v], t.opt_end[i, v]) if int(t.opt_slices[o]) == g]
-        match = [o for o in options if (int(t.opt_zdp[o]), int(t.opt_hpz[o])) == (k, h)]
+        match = [o for o in options if t.shape(o) == (g, k, h)]
         if not match and len(options) == 1:
             match = options  # a use that reads no weights in backward: one option per g
         if not match:

@@ -753,6 +753,10 @@ class ProblemTemplate:
     def budget_bytes(self) -> float:
         return self.device.memory_limit_bytes - sum(self.static.values())
 
+    def shape(self, o: int) -> tuple[int, int, int]:
+        """Option ``o``'s (slices, zdp slices, hpz slices): what the runtime runs of it."""
+        return int(self.opt_slices[o]), int(self.opt_zdp[o]), int(self.opt_hpz[o])
+
     def problem(self, batch: int) -> SearchProblem:
         return _problem_at(self, batch)
 
@@ -1495,7 +1499,7 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> t
     release = np.array([t.opt_release_bytes[o] for o in option_index], dtype=float)
     kept = 0.0  # dp bytes the prefix holds (an hpz slice's node copy is not a gather)
     for i, o in enumerate(option_index):
-        g, k, h = int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
+        g, k, h = t.shape(o)
         owner = desc.ops[_group_of(desc, i)[0]]
         kept += t.opt_held_bytes[o] - (h * gathered_bytes(owner, settings) / g / per_node if h else 0.0)
         if t.rep is not None and t.rep[i]:

@@ -47,7 +47,7 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple
         if op.tied_to:  # a second use of another unit's weights: no unit of its own
             continue
         o = s.result.option_index[i]
-        g, k, h = int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
+        g, k, h = t.shape(o)
         modes = (MODE_ZDP,) * k + (MODE_HPZ,) * h + (MODE_DP,) * (g - k - h)
         if t.rep is not None and t.rep[i]:  # the template's rep set: [Note: rep mode]
             modes = (MODE_REP,)

@@ -121,15 +121,10 @@ def within(settings: PlannerSettings, overrides: dict) -> bool:
     return overrides.get("max_slices", settings.max_slices) <= settings.max_slices
 
 
-def _shape(t, o: int) -> tuple[int, int, int]:
-    """Option ``o``'s (slices, zdp slices, hpz slices): what the runtime runs of it."""
-    return int(t.opt_slices[o]), int(t.opt_zdp[o]), int(t.opt_hpz[o])
-
-
 def _key(s: Scheduled) -> tuple:
     """Identity of what the runtime would run."""
     t = s.template
-    options = tuple(_shape(t, o) for o in s.result.option_index)
+    options = tuple(t.shape(o) for o in s.result.option_index)
     ckpt = tuple(i for seg, v in zip(t.segments, s.result.variant) if seg.variants[v] for i in seg.ops)
     return (s.batch, s.accumulation_steps, int(t.window_bytes), options, ckpt, t.settings.layout, t.rep_units)
 
@@ -180,7 +175,7 @@ def with_window(s: Scheduled, window_bytes: float) -> Scheduled:
     for i, o in enumerate(s.result.option_index):
         v = int(t.opt_variant[o])
         option_index.append(next(p for p in range(wide.opt_begin[i, v], wide.opt_end[i, v])
-                                 if _shape(wide, p) == _shape(t, o)))
+                                 if wide.shape(p) == t.shape(o)))
     variant = tuple(s.result.variant)
     _, time_s, peak, peak_op = evaluate_assignment(wide.problem(s.batch), option_index, variant)
     result = SearchResult(True, time_s, peak, peak_op, tuple(option_index), variant)

@@ -33,7 +33,7 @@ def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
         options = range(t.opt_begin[i, 0], t.opt_end[i, 0])
         offered = {int(t.opt_slices[o]) for o in options}
         want = (slices, zdp_slices) if slices in offered else whole
-        match = [o for o in options if (int(t.opt_slices[o]), int(t.opt_zdp[o])) == want and not int(t.opt_hpz[o])]
+        match = [o for o in options if t.shape(o) == (*want, 0)]
         # a tied use runs its owner's choice; a use whose backward reads no weights (a
         # row-split embedding) has one option per slice count: both modes free its slices
         match = match or [o for o in options if int(t.opt_slices[o]) == want[0]]
