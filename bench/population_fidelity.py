@@ -22,7 +22,7 @@ import time
 import torch
 
 from common import ROOT, spawn
-from regret import population
+from regret import population, reserve
 from throughput import BUDGETS, GPT_params, MODELS
 
 
@@ -64,7 +64,7 @@ def _run(rank, world, model_name, label, batches, steps, cache_dir):
                                  comm_sizes=(4096, 65536, 1 << 20, 8 << 20), repeats=2)
     device = calibrated_device(cluster.for_run(run), pick)
     torch.manual_seed(0)
-    kwargs = population(GPT(config))
+    kwargs = {**population(GPT(config)), **reserve(GPT(config))}  # the plans a regret cell may hold
     names, plans = [], []
     for name, batch in batches.items():
         if "split" in name:  # its slices are not a uniform plan's: left out

@@ -8,9 +8,10 @@ budget (tight and middle, as multiples of the fp32 parameter bytes), a populatio
 plans is measured in the same run: all-dp, all-zdp, both with every block
 checkpointed (FSDP-like), all-rep (DDP), a half-and-half split of the layers, seeded
 random dp/zdp mixes and random mixes with the widest Linears split in 2 or 4 slices
-(13 plans), each
-at its own largest batch whose MEASURED peak fits the budget (secant probes, the answer
-b checked to fit and b + 1 not to), and the planner's pick (auto mode: profile + plan
+(13 plans), each at its own largest batch whose MEASURED peak fits the budget (secant
+probes, the answer b checked to fit and b + 1 not to); where fewer than 12 of them fit
+a tight budget, seeded random mixes with every block checkpointed fill the cell up to
+12 (``reserve``); and the planner's pick (auto mode: profile + plan
 at the budget, run at the plan's batch). Then the pick and the 3 best plans of that
 first pass are timed again with their steps interleaved, and
 regret = best interleaved samples/s among them / the pick's - 1 (a ratio taken in one
@@ -40,6 +41,8 @@ REGRET_BUDGETS = {k: BUDGETS[k] for k in ("tight", "middle")}
 RANDOM_MIXES = 5  # with the 8 fixed plans: 13 plans per cell beside the pick
 FINALISTS = 3  # the best plans of the first pass, measured again beside the pick
 FINAL_ROUNDS = 5  # interleaved steps of each finalist (and of the physical-limit rounds)
+MIN_FITTING = 12  # population plans per cell that fit its budget
+RESERVE_MIXES = 6  # checkpointed random mixes, measured only in a cell short of MIN_FITTING
 
 
 def population(model) -> dict[str, dict]:
@@ -70,6 +73,29 @@ def population(model) -> dict[str, dict]:
             "splits": {n: g for n in widest},
         }
     return plans
+
+
+def reserve(model) -> dict[str, dict]:
+    """Plan name -> OSDP keyword arguments of the plans that fill a cell up to
+    MIN_FITTING: seeded random dp/zdp mixes with every block checkpointed. At a tight
+    budget all-dp, all-rep and the mixes without checkpointing may not fit at any batch
+    (N&D 12x128 and W&S 2x768 at 3x P: 11 and 10 of 13); these hold the fewest
+    activations and do."""
+    from osdp.runtime.config import unit_candidates
+
+    units = unit_candidates(model)
+    blocks = tuple(f"blocks.{i}" for i in range(len(model.blocks)))
+    plans = {}
+    for seed in range(200, 200 + RESERVE_MIXES):
+        rng = random.Random(seed)
+        plans[f"random{seed}_ckpt"] = {"modes": {n: rng.choice(("dp", "zdp")) for n in units},
+                                       "checkpoint_blocks": blocks}
+    return plans
+
+
+def fitting(rows, budget_bytes) -> int:
+    """Population plans (not the pick) in ``rows`` whose measured peak fits the budget."""
+    return sum(1 for r in rows if not r["is_pick"] and r["batch"] and r["peak_bytes"] <= budget_bytes)
 
 
 def _pick(config, budget_bytes, cache_dir, world, steps):
@@ -113,7 +139,6 @@ def _summary(plan) -> str:
 def _run(rank, world, model_name, budgets, steps, max_batch, cache_dir):
     """Every budget of one model in one spawn: a population plan is built once and its
     measured peaks serve every budget's batch search."""
-    import osdp
     from osdp.models import GPT
 
     config = MODELS[model_name]
@@ -126,27 +151,42 @@ def _run(rank, world, model_name, budgets, steps, max_batch, cache_dir):
     torch.manual_seed(0)
     plans = population(GPT(config))
     for name, kwargs in plans.items():
-        torch.manual_seed(0)
-        model = osdp.OSDP(GPT(config), **kwargs)
-        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        peaks = {}
-        for label, budget_bytes in budgets.items():
-            start = time.perf_counter()
-            batch, peak = largest_fitting_batch_of(model, config, budget_bytes, max_batch, optim=optim, peaks=peaks)
-            if batch == 0:
-                rows[label].append(dict(plan=name, batch=0, peak_bytes=peak, step_s=0.0, samples_per_s=0.0,
-                                        is_pick=False))
-                continue
-            # warm: the batch search's probes stepped this model, ``batch`` among them
-            step_s = median_step_s(model, optim, config, batch, steps, warm_up=False)
-            rows[label].append(dict(plan=name, batch=batch, peak_bytes=peak, step_s=step_s,
-                                    samples_per_s=batch * world / step_s, is_pick=False,
-                                    bench_s=time.perf_counter() - start))
-        del model, optim
+        _first_pass(name, kwargs, config, budgets, rows, world, steps, max_batch)
+    torch.manual_seed(0)
+    for name, kwargs in reserve(GPT(config)).items():  # every rank sees the same rows
+        short = {label: b for label, b in budgets.items() if fitting(rows[label], b) < MIN_FITTING}
+        if not short:
+            break
+        plans[name] = kwargs
+        _first_pass(name, kwargs, config, short, rows, world, steps, max_batch)
     for label, budget_bytes in budgets.items():
         if picks[label] is not None:
             _final_round(rows[label], plans, picks[label], config, world, budget_bytes, FINAL_ROUNDS)
     return rows
+
+
+def _first_pass(name, kwargs, config, budgets, rows, world, steps, max_batch):
+    """One population plan at each budget: its largest fitting batch (measured peaks;
+    one model serves every budget, the probes carry over) and a few timed steps there."""
+    import osdp
+    from osdp.models import GPT
+
+    torch.manual_seed(0)
+    model = osdp.OSDP(GPT(config), **kwargs)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peaks = {}
+    for label, budget_bytes in budgets.items():
+        start = time.perf_counter()
+        batch, peak = largest_fitting_batch_of(model, config, budget_bytes, max_batch, optim=optim, peaks=peaks)
+        if batch == 0:
+            rows[label].append(dict(plan=name, batch=0, peak_bytes=peak, step_s=0.0, samples_per_s=0.0,
+                                    is_pick=False))
+            continue
+        # warm: the batch search's probes stepped this model, ``batch`` among them
+        step_s = median_step_s(model, optim, config, batch, steps, warm_up=False)
+        rows[label].append(dict(plan=name, batch=batch, peak_bytes=peak, step_s=step_s,
+                                samples_per_s=batch * world / step_s, is_pick=False,
+                                bench_s=time.perf_counter() - start))
 
 
 def _final_round(rows, plans, plan, config, world, budget_bytes, rounds):
@@ -236,6 +276,9 @@ def main(argv=None):
             if value is not None:
                 regrets.append(value)
             fit = sum(r["fits"] for r in rows)
+            if fitting(rows, budget) < MIN_FITTING:
+                print(f"{name} {label}: only {fitting(rows, budget)} population plans fit the budget, with "
+                      f"{RESERVE_MIXES} reserve plans tried (want {MIN_FITTING})", flush=True)
             print(f"{name:<16} {label:<6} budget {budget / 2**20:6.1f} MiB  {fit}/{len(rows)} plans fit  "
                   f"pick: b={pick['batch'] if pick else '-'} {pick['samples_per_s'] if pick else 0:.1f}/s "
                   f"peak {pick['peak_bytes'] / 2**20 if pick else 0:.1f} MiB"

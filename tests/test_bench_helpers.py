@@ -151,23 +151,39 @@ def _population_plan_worker(rank, world):
     _, _, regret, population_fidelity = _bench_modules()
     config = GPTConfig(vocab_size=64, seq_len=8, num_layers=2, hidden=32, heads=2)
     device = load_cluster(DEFAULT_CLUSTER).for_run(RunSettings(world_size=world, memory_limit_bytes=1 << 30))
-    base = uniform_plan(describe_gpt(config), device, PlannerSettings(), 2)
+    desc = describe_gpt(config)
     torch.manual_seed(0)
-    kwargs = regret.population(GPT(config))
+    kwargs = {**regret.population(GPT(config)), **regret.reserve(GPT(config))}
     out = {}
-    for name in ("all_rep", "random3", "dp_first_half"):
+    for name in ("all_rep", "random3", "dp_first_half", "random201_ckpt"):
         torch.manual_seed(0)
         runs = osdp.OSDP(GPT(config), **kwargs[name], memory_check=False)
+        base = uniform_plan(desc, device, PlannerSettings(), 2, checkpointed="ckpt" in name)
         plan = population_fidelity._as_plan(base, kwargs[name], runs.prefetch_bytes)
         out[name] = ({u.name: u.modes[0] for u in plan.units}, runs.unit_modes(), plan.prefetch_bytes,
-                     runs.prefetch_bytes)
+                     runs.prefetch_bytes, plan.checkpoint_blocks, tuple(runs.checkpoint_blocks))
     return out
 
 
 def test_population_fidelity_prices_the_modes_and_window_regret_runs():
     """A regret population plan as a Plan (``_as_plan``): per unit the modes that
     osdp.OSDP(**kwargs) resolves for it, and the window it runs."""
-    for name, (planned, run, planned_window, run_window) in spawn(_population_plan_worker, 2)[0].items():
+    found = spawn(_population_plan_worker, 2)[0]
+    for name, (planned, run, planned_window, run_window, planned_blocks, run_blocks) in found.items():
         assert planned == run, name
         assert planned_window == run_window, name
-    assert len(set(planned.values())) == 2  # dp_first_half: both modes
+        assert planned_blocks == run_blocks, name
+    assert len(set(found["dp_first_half"][0].values())) == 2  # both modes
+    assert len(set(found["random201_ckpt"][0].values())) == 2
+    assert found["random201_ckpt"][5] == ("blocks.0", "blocks.1")  # a reserve plan checkpoints every block
+
+
+def test_a_cell_short_of_fitting_plans_is_counted_without_the_pick():
+    """``fitting``: population rows with a batch whose measured peak is within the
+    budget; the pick and plans with no fitting batch do not count."""
+    rows = [dict(plan="pick", is_pick=True, batch=4, peak_bytes=90),
+            dict(plan="a", is_pick=False, batch=3, peak_bytes=100),
+            dict(plan="b", is_pick=False, batch=0, peak_bytes=120),
+            dict(plan="c", is_pick=False, batch=2, peak_bytes=101)]
+    assert regret_bench.fitting(rows, 100) == 1
+    assert regret_bench.fitting(rows, 101) == 2
