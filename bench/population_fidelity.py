@@ -22,8 +22,8 @@ import time
 import torch
 
 from common import ROOT, spawn
-from regret import population, reserve
-from throughput import BUDGETS, GPT_params, MODELS
+from regret import ALL_MODELS, QUICK_MODELS, population, reserve
+from throughput import BUDGETS, GPT_params
 
 
 def _population_batches(csv_path, model: str, budget: str) -> dict[str, int]:
@@ -53,7 +53,7 @@ def _run(rank, world, model_name, label, batches, steps, cache_dir):
     from osdp.planner.uniform_plan import uniform_plan
     from osdp.profiler import measure_plans
 
-    config = MODELS[model_name]
+    config = ALL_MODELS[model_name]
     budget = int(BUDGETS[label] * sum(p.numel() for p in GPT_params(config)) * 4)
     settings = PlannerSettings(max_slices=8, checkpointing="auto")  # regret's pick settings
     inputs = example_batch(config, 4)
@@ -90,14 +90,17 @@ def _run(rank, world, model_name, label, batches, steps, cache_dir):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="W&S 2x768", choices=list(MODELS))
+    parser.add_argument("--model", default="W&S 2x768", choices=list(ALL_MODELS))
     parser.add_argument("--budget", default="middle", choices=["tight", "middle"])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--regret-csv", default=str(ROOT / "bench" / "results" / "regret_cpu.csv"))
+    parser.add_argument("--regret-csv", help="default: bench/results/regret_cpu.csv, regret_cpu_quick.csv for a "
+                                             "--quick model")
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / "results" / ".profile-cache"))
     args = parser.parse_args(argv)
     started = time.time()
-    batches = _population_batches(args.regret_csv, args.model, args.budget)
+    regret_csv = args.regret_csv or str(ROOT / "bench" / "results" /
+                                        f"regret_cpu{'_quick' if args.model in QUICK_MODELS else ''}.csv")
+    batches = _population_batches(regret_csv, args.model, args.budget)
     rows = spawn(_run, 2, args.model, args.budget, batches, args.steps, args.cache_dir)[0]
     print(f"{args.model} {args.budget}: each plan at its regret batch, its steps interleaved with the others' "
           f"({args.steps} rounds, medians); predicted = the calibrated step simulation")

@@ -1,9 +1,10 @@
 """Regret of the planner's pick: how far it is from the best plan that could be run.
 
     python bench/regret.py            # 3 GPT families x 2 budgets, 2 gloo ranks
-    python bench/regret.py --quick    # fewer timed steps, smaller batch cap
+    python bench/regret.py --quick    # the families at half width, fewer timed steps
 
-For each GPT family scaled to this machine (bench/throughput.py's MODELS) and each
+For each GPT family scaled to this machine (bench/throughput.py's MODELS; with --quick
+the same families at half the width, QUICK_MODELS) and each
 budget (tight and middle, as multiples of the fp32 parameter bytes), a population of
 plans is measured in the same run: all-dp, all-zdp, both with every block
 checkpointed (FSDP-like), all-rep (DDP), a half-and-half split of the layers, seeded
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import random
 import statistics
 import time
@@ -38,11 +40,21 @@ from physical_limit import physical_limit
 from throughput import BUDGETS, GPT_params, MODELS
 
 REGRET_BUDGETS = {k: BUDGETS[k] for k in ("tight", "middle")}
+# --quick: each family at half the width (a quarter of the parameters, budgets shrinking
+# with them). A measured step at the middle budget's largest all-zdp batch costs 0.53x,
+# 0.22x and 0.29x of the full-width one on this 2-core CPU; at full width the picks'
+# auto mode alone (about 70 measured steps a cell) took 7 of --quick's 21.5 minutes
+QUICK_MODELS = {
+    "N&D 12x64": dataclasses.replace(MODELS["N&D 12x128"], hidden=64),
+    "W&S 2x384": dataclasses.replace(MODELS["W&S 2x768"], hidden=384),
+    "I&C 6x64-256": dataclasses.replace(MODELS["I&C 6x128-512"], hidden=64, block_hidden=(64, 256) * 3),
+}
+ALL_MODELS = {**MODELS, **QUICK_MODELS}
 RANDOM_MIXES = 5  # with the 8 fixed plans: 13 plans per cell beside the pick
 FINALISTS = 3  # the best plans of the first pass, measured again beside the pick
 FINAL_ROUNDS = 5  # interleaved steps of each finalist (and of the physical-limit rounds)
 MIN_FITTING = 12  # population plans per cell that fit its budget
-RESERVE_MIXES = 6  # checkpointed random mixes, measured only in a cell short of MIN_FITTING
+RESERVE_MIXES = 12  # checkpointed random mixes, measured only in a cell short of MIN_FITTING
 
 
 def population(model) -> dict[str, dict]:
@@ -80,7 +92,8 @@ def reserve(model) -> dict[str, dict]:
     MIN_FITTING: seeded random dp/zdp mixes with every block checkpointed. At a tight
     budget all-dp, all-rep and the mixes without checkpointing may not fit at any batch
     (N&D 12x128 and W&S 2x768 at 3x P: 11 and 10 of 13); these hold the fewest
-    activations and do."""
+    activations and do (N&D 12x64 tight: the 6 it tried all fit at b2-3, and the cell still
+    had 8)."""
     from osdp.runtime.config import unit_candidates
 
     units = unit_candidates(model)
@@ -141,7 +154,7 @@ def _run(rank, world, model_name, budgets, steps, max_batch, cache_dir):
     measured peaks serve every budget's batch search."""
     from osdp.models import GPT
 
-    config = MODELS[model_name]
+    config = ALL_MODELS[model_name]
     rows = {label: [] for label in budgets}
     picks = {}
     for label, budget_bytes in budgets.items():
@@ -245,20 +258,31 @@ def regret(rows, budget) -> tuple[float | None, str]:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="2 timed steps in the first pass, batch cap 32")
+    parser.add_argument("--quick", action="store_true",
+                        help="QUICK_MODELS (half width), 2 timed steps in the first pass, batch cap 32")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--max-batch", type=int, default=None)
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / "results" / ".profile-cache"))
-    parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--models", help=f"comma-separated, of: {', '.join(ALL_MODELS)}")
     parser.add_argument("--budgets", help=f"comma-separated subset of: {', '.join(REGRET_BUDGETS)}")
-    parser.add_argument("--out", help="CSV path (default bench/results/regret_<device>.csv)")
+    parser.add_argument("--out", help="CSV path (default bench/results/regret_<device>[_quick].csv)")
     args = parser.parse_args(argv)
     steps = args.steps or (2 if args.quick else 5)
     max_batch = args.max_batch or (32 if args.quick else 128)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    models = {k: MODELS[k] for k in args.models.split(",")} if args.models else MODELS
-    budgets = {k: REGRET_BUDGETS[k] for k in args.budgets.split(",")} if args.budgets else REGRET_BUDGETS
+    models = QUICK_MODELS if args.quick else MODELS
+    if args.models:
+        unknown = [k for k in args.models.split(",") if k not in ALL_MODELS]
+        if unknown:
+            parser.error(f"--models: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(ALL_MODELS)}")
+        models = {k: ALL_MODELS[k] for k in args.models.split(",")}
+    budgets = REGRET_BUDGETS
+    if args.budgets:
+        unknown = [k for k in args.budgets.split(",") if k not in REGRET_BUDGETS]
+        if unknown:
+            parser.error(f"--budgets: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(REGRET_BUDGETS)}")
+        budgets = {k: REGRET_BUDGETS[k] for k in args.budgets.split(",")}
     table, regrets = [], []
     started = time.perf_counter()
     for name, config in models.items():
@@ -297,7 +321,8 @@ def main(argv=None):
     if ratios:
         print(f"pick's step / physical limit over {len(ratios)} cells: median {statistics.median(ratios):.2f}, "
               f"worst {max(ratios):.2f}")
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"regret_{device.replace(' ', '_')}.csv"
+    out = Path(args.out) if args.out else \
+        ROOT / "bench" / "results" / f"regret_{device.replace(' ', '_')}{'_quick' if args.quick else ''}.csv"
     fields = ["model", "budget", "plan", "batch", "samples_per_s", "peak_bytes", "budget_bytes", "is_pick", "fits",
               "step_s", "predicted_samples_per_s", "predicted_peak_bytes", "bench_s", "device", "interleaved",
               "first_pass_samples_per_s", "limit_step_s", "compute_only_s", "comm_only_s", "limit_ratio", "same_as_pick",
