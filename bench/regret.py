@@ -11,8 +11,8 @@ checkpointed (FSDP-like), all-rep (DDP), a half-and-half split of the layers, se
 random dp/zdp mixes and random mixes with the widest Linears split in 2 or 4 slices
 (13 plans), each at its own largest batch whose MEASURED peak fits the budget (secant
 probes, the answer b checked to fit and b + 1 not to); where fewer than 12 of them fit
-a tight budget, seeded random mixes with every block checkpointed fill the cell up to
-12 (``reserve``); and the planner's pick (auto mode: profile + plan
+the budget (tight ones), seeded random mixes with every block checkpointed fill the cell
+up to 12 (``reserve``); and the planner's pick (auto mode: profile + plan
 at the budget, run at the plan's batch). Then the pick and the 3 best plans of that
 first pass are timed again with their steps interleaved, and
 regret = best interleaved samples/s among them / the pick's - 1 (a ratio taken in one
