@@ -57,12 +57,22 @@ MIN_FITTING = 12  # population plans per cell that fit its budget
 RESERVE_MIXES = 12  # checkpointed random mixes, measured only in a cell short of MIN_FITTING
 
 
-def population(model) -> dict[str, dict]:
-    """Plan name -> OSDP keyword arguments (same on every rank: seeded)."""
+def _units_and_blocks(model) -> tuple[list[str], tuple[str, ...]]:
+    """The model's unit names and its blocks' names (all of them checkpointed)."""
     from osdp.runtime.config import unit_candidates
 
-    units = unit_candidates(model)
-    blocks = tuple(f"blocks.{i}" for i in range(len(model.blocks)))
+    return unit_candidates(model), tuple(f"blocks.{i}" for i in range(len(model.blocks)))
+
+
+def _random_modes(seed: int, names) -> dict[str, str]:
+    """A seeded dp/zdp mode for each of ``names``, the same on every rank."""
+    rng = random.Random(seed)
+    return {n: rng.choice(("dp", "zdp")) for n in names}
+
+
+def population(model) -> dict[str, dict]:
+    """Plan name -> OSDP keyword arguments (same on every rank: seeded)."""
+    units, blocks = _units_and_blocks(model)
     linears = sorted((n for n in units if isinstance(model.get_submodule(n), torch.nn.Linear)),
                      key=lambda n: -model.get_submodule(n).weight.numel())
     half = len(units) // 2
@@ -75,13 +85,11 @@ def population(model) -> dict[str, dict]:
         "dp_first_half": {"modes": {n: ("dp" if i < half else "zdp") for i, n in enumerate(units)}},
     }
     for seed in range(RANDOM_MIXES):
-        rng = random.Random(seed)
-        plans[f"random{seed}"] = {"modes": {n: rng.choice(("dp", "zdp")) for n in units}}
+        plans[f"random{seed}"] = {"modes": _random_modes(seed, units)}
     for seed, g in ((100, 2), (101, 4)):
-        rng = random.Random(seed)
         widest = [n for n in linears[:2] if model.get_submodule(n).in_features >= g]
         plans[f"random{seed}_split{g}"] = {
-            "modes": {n: rng.choice(("dp", "zdp")) for n in units if n not in widest},
+            "modes": _random_modes(seed, [n for n in units if n not in widest]),
             "splits": {n: g for n in widest},
         }
     return plans
@@ -94,21 +102,19 @@ def reserve(model) -> dict[str, dict]:
     (N&D 12x128 and W&S 2x768 at 3x P: 11 and 10 of 13); these hold the fewest
     activations and do (N&D 12x64 tight: the 6 it tried all fit at b2-3, and the cell still
     had 8)."""
-    from osdp.runtime.config import unit_candidates
+    units, blocks = _units_and_blocks(model)
+    return {f"random{seed}_ckpt": {"modes": _random_modes(seed, units), "checkpoint_blocks": blocks}
+            for seed in range(200, 200 + RESERVE_MIXES)}
 
-    units = unit_candidates(model)
-    blocks = tuple(f"blocks.{i}" for i in range(len(model.blocks)))
-    plans = {}
-    for seed in range(200, 200 + RESERVE_MIXES):
-        rng = random.Random(seed)
-        plans[f"random{seed}_ckpt"] = {"modes": {n: rng.choice(("dp", "zdp")) for n in units},
-                                       "checkpoint_blocks": blocks}
-    return plans
+
+def fits(row, budget_bytes) -> bool:
+    """Whether a row ran at some batch with its measured peak within the budget."""
+    return bool(row["batch"]) and row["peak_bytes"] <= budget_bytes
 
 
 def fitting(rows, budget_bytes) -> int:
     """Population plans (not the pick) in ``rows`` whose measured peak fits the budget."""
-    return sum(1 for r in rows if not r["is_pick"] and r["batch"] and r["peak_bytes"] <= budget_bytes)
+    return sum(1 for r in rows if not r["is_pick"] and fits(r, budget_bytes))
 
 
 def _pick(config, budget_bytes, cache_dir, world, steps):
@@ -211,7 +217,7 @@ def _final_round(rows, plans, plan, config, world, budget_bytes, rounds):
     from osdp.models import GPT
 
     start = time.perf_counter()
-    fitting = sorted((r for r in rows if not r["is_pick"] and r["batch"] and r["peak_bytes"] <= budget_bytes),
+    fitting = sorted((r for r in rows if not r["is_pick"] and fits(r, budget_bytes)),
                      key=lambda r: -r["samples_per_s"])[:FINALISTS]
     finals = [next(r for r in rows if r["is_pick"])] + fitting
     runs = []
@@ -247,7 +253,7 @@ def regret(rows, budget) -> tuple[float | None, str]:
     """(best fitting samples/s / the pick's - 1, best plan's name); None without a pick.
     A plan that runs the pick's own configuration is not an alternative (``same_as_pick``)."""
     pick = next((r for r in rows if r["is_pick"]), None)
-    fitting = [r for r in rows if r["batch"] and r["peak_bytes"] <= budget and not r.get("same_as_pick")]
+    fitting = [r for r in rows if fits(r, budget) and not r.get("same_as_pick")]
     if any(r.get("interleaved") for r in fitting):  # the ratio measured in one run
         fitting = [r for r in fitting if r.get("interleaved")]
     if pick is None or not fitting or not pick["samples_per_s"]:
@@ -295,7 +301,7 @@ def main(argv=None):
             pick = next((r for r in rows if r["is_pick"]), None)
             for r in rows:
                 r.update(model=name, budget=label, budget_bytes=budget, device=device,
-                         fits=bool(r["batch"]) and r["peak_bytes"] <= budget)
+                         fits=fits(r, budget))
                 table.append(r)
             if value is not None:
                 regrets.append(value)
