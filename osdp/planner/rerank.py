@@ -162,7 +162,7 @@ def widest_slice_bytes(s: Scheduled) -> float:
     """Gathered bytes of the largest slice the plan gathers (rep units never gather; a
     tied use is gathered as its owner)."""
     t, o = s.template, s.result.option_index
-    return max((gathered_bytes(op, t.settings) / int(t.opt_slices[o[i]]) for i, op in enumerate(t.desc.ops)
+    return max((gathered_bytes(op, t.settings) / t.shape(o[i])[0] for i, op in enumerate(t.desc.ops)
                 if op.param_count and not op.tied_to and not (t.rep is not None and t.rep[i])), default=0.0)
 
 
