@@ -14,7 +14,8 @@ does (osdp.planner.calibration.refit to the measurements of --calibrate-on, defa
 searched plan and FSDP) and every plan predicted again: the table shows the additive
 cost model and the step simulation, before and after. Targets: step time within 10%,
 peak memory within 5% and never above the limit. Writes fidelity_<device>.csv into --out-dir
-(default bench/results); its peak_source column says which peak was measured.
+(default bench/results); its peak_source column says which peak was measured. Columns
+uncal_* are the profile's model before calibration, cal_* after it (the targets' figures).
 """
 from __future__ import annotations
 
@@ -113,7 +114,7 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
         m = measured[kind]
         row = dict(kind=kind, in_calibration=kind in calibrate_on, measured_step_s=m.step_s,
                    measured_peak_bytes=m.peak_bytes, limit_bytes=limit_bytes)
-        for tag, dev in (("", device), ("cal_", calibrated)):
+        for tag, dev in (("uncal_", device), ("cal_", calibrated)):
             if dev is None:
                 continue
             step, sim, peak = _predict(desc, dev, plans[kind])
@@ -160,7 +161,7 @@ def main(argv=None):
             print(f"{name}: calibrated on {list(calibrate_on)}: {rows[0].pop('factors')}")
         for r in rows:
             r.update(model=name, device=device, peak_source=peak_source)
-            for tag in ("", "cal_"):
+            for tag in ("uncal_", "cal_"):
                 if f"{tag}predicted_step_s" in r:
                     r[f"{tag}step_err"] = r[f"{tag}predicted_step_s"] / r["measured_step_s"] - 1
                     r[f"{tag}sim_err"] = r[f"{tag}simulated_step_s"] / r["measured_step_s"] - 1
@@ -173,21 +174,22 @@ def main(argv=None):
                         else f"{'-':>7} {'':>7}")
             mark = "*" if r["in_calibration"] else " "
             print(f"{name:<16} {r['kind'] + mark:<13} {r['measured_step_s'] * 1e3:8.1f} | "
-                  f"{r['predicted_step_s'] * 1e3:8.1f} {r['step_err']:+7.1%} {r['simulated_step_s'] * 1e3:8.1f} "
-                  f"{r['sim_err']:+7.1%} | {cal} | {r['measured_peak_bytes'] / 2**20:13.1f} "
-                  f"{r['predicted_peak_bytes'] / 2**20:7.1f} {r['peak_err']:+7.1%} {cal_peak}", flush=True)
+                  f"{r['uncal_predicted_step_s'] * 1e3:8.1f} {r['uncal_step_err']:+7.1%} "
+                  f"{r['uncal_simulated_step_s'] * 1e3:8.1f} {r['uncal_sim_err']:+7.1%} | {cal} | "
+                  f"{r['measured_peak_bytes'] / 2**20:13.1f} {r['uncal_predicted_peak_bytes'] / 2**20:7.1f} "
+                  f"{r['uncal_peak_err']:+7.1%} {cal_peak}", flush=True)
     if not table:
         print("no model measured within the budget; nothing written")
         return
     print("(* calibrated on this plan's measurement; the others are out of sample)")
-    for tag, label in (("", "before calibration"), ("cal_", "after calibration")):
+    for tag, label in (("uncal_", "before calibration"), ("cal_", "after calibration")):
         if f"{tag}step_err" not in table[0]:
             continue
         for key, what in (("step_err", "additive model"), ("sim_err", "step simulation")):
             errs = [abs(r[tag + key]) for r in table]
             out = [abs(r[tag + key]) for r in table if not r["in_calibration"]]
             print(f"{label}, {what}: step time |error| median {np.median(errs):.1%}, worst {max(errs):.1%}"
-                  + (f"; out of sample median {np.median(out):.1%}, worst {max(out):.1%}" if out and tag else ""))
+                  + (f"; out of sample median {np.median(out):.1%}, worst {max(out):.1%}" if out and tag == "cal_" else ""))
         peak_errs = [abs(r[tag + "peak_err"]) for r in table]
         print(f"{label}: peak memory |error| median {np.median(peak_errs):.1%}, worst {max(peak_errs):.1%}; "
               f"measured peak over the limit in {sum(r['measured_peak_bytes'] > r['limit_bytes'] for r in table)}"

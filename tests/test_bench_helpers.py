@@ -139,6 +139,27 @@ def test_regret_leaves_out_a_finalist_that_runs_the_picks_own_configuration():
     assert regret_bench.regret(rows, budget) == (pytest.approx(55 / 50 - 1), "twin")
 
 
+def test_regret_csv_gives_samples_per_s_only_where_regret_compares_it():
+    """A plan timed only in the first pass keeps that value in first_pass_samples_per_s
+    and leaves samples_per_s empty, so a scan of the CSV compares what regret() does;
+    the pick and finalists keep their interleaved values; a cell without a final round
+    is left as measured."""
+    rows = [dict(plan="pick", is_pick=True, batch=4, samples_per_s=50.0, interleaved=True,
+                 first_pass_samples_per_s=49.0),
+            dict(plan="finalist", is_pick=False, batch=5, samples_per_s=52.0, interleaved=True,
+                 first_pass_samples_per_s=51.0),
+            dict(plan="first_pass_only", is_pick=False, batch=6, samples_per_s=58.0),
+            dict(plan="no_batch", is_pick=False, batch=0, samples_per_s=0.0)]
+    out = {r["plan"]: r for r in regret_bench.csv_rows(rows)}
+    assert (out["pick"]["samples_per_s"], out["finalist"]["samples_per_s"]) == (50.0, 52.0)
+    assert out["finalist"]["first_pass_samples_per_s"] == 51.0
+    assert out["first_pass_only"]["samples_per_s"] == "" and out["first_pass_only"]["first_pass_samples_per_s"] == 58.0
+    assert out["no_batch"]["samples_per_s"] == 0.0
+    assert rows[2]["samples_per_s"] == 58.0  # the bench's own rows are not changed
+    unranked = [dict(r, interleaved=False) for r in rows]
+    assert [r["samples_per_s"] for r in regret_bench.csv_rows(unranked)] == [50.0, 52.0, 58.0, 0.0]
+
+
 def _population_plan_worker(rank, world):
     import osdp
     from osdp.models import GPT, GPTConfig
