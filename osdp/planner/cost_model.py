@@ -120,6 +120,12 @@ whole unsharded gradient G lives from the backward of the last use to that of th
 first: a choice-independent term at those ops (``tied_grads``, breakdown
 "tied_unsharded_grads"), counted in forward too (conservative; the peak, at the start
 of backward, holds it).
+A use with parameters of its own beside the shared weight (a head's bias) never splits
+(describe: the runtime cuts a shared weight only for a use computing with nothing else)
+and its own unit runs the owner's mode (``plan_from_schedule``), so that no module mixes
+a direct rep unit with a hooked one; its bytes are priced with the owner's mode (static
+states; a rep bias in the replicated bucket). Its gathers and kept bytes as a sharded
+unit are not priced (a bias beside the weight it follows).
 
 [Note: fused vocabulary-split loss]
 The model's vocabulary head (describe's [Note: the vocabulary head]: its last op, whose
@@ -414,7 +420,9 @@ def rep_is_direct(op: OpDesc, settings: PlannerSettings) -> bool:
 
 
 def _rep_owner(desc: ModelDesc, rep: np.ndarray, i: int) -> bool:
-    return bool(rep[i]) and not desc.ops[i].tied_to and bool(desc.ops[i].param_count)
+    """Whether op i owns parameters of a ``rep`` unit: its own, or a tied use's bias,
+    which runs its owner's mode (``plan_from_schedule``)."""
+    return bool(rep[i]) and bool(desc.ops[i].param_count)
 
 
 def _grad_persists(settings: PlannerSettings) -> bool:
@@ -612,16 +620,16 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     parts["constant"] = float(device.constant_bytes) + LOSS_SCALARS_BYTES
     local = [op.param_count * element_bytes(op) if _rep_owner(desc, rep, i)
              else math.ceil(op.param_count / n) * element_bytes(op)
-             for i, op in enumerate(desc.ops) if not op.tied_to]
+             for i, op in enumerate(desc.ops)]
     # every parameter tensor the optimizer steps, in its order (registration order,
     # which follows op order in the models OSDP describes): a tensor's local piece is at
     # most the tensor and at most its unit's shard
     pieces = [min(numel, math.ceil(op.param_count / n)) * element_bytes(op) if not _rep_owner(desc, rep, i)
               else numel * element_bytes(op)
-              for i, op in enumerate(desc.ops) if not op.tied_to for numel in op.tensors]
+              for i, op in enumerate(desc.ops) for numel in op.tensors]
     if settings.grads_set_to_none:
         parts["sharded_grads"] = float(sum(math.ceil(op.param_count / n) * element_bytes(op)
-                                           for i, op in enumerate(desc.ops) if not rep[i] and not op.tied_to))
+                                           for i, op in enumerate(desc.ops) if not rep[i]))
     rep_done = sum(_rep_grad_sizes(desc.ops[i], settings)[2] for bucket in replicate_buckets(desc, settings, rep)
                    for i in bucket)
     if rep_done:
@@ -878,8 +886,8 @@ def _group_of(desc: ModelDesc, i: int) -> tuple[int, ...]:
 def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) -> tuple:
     """The one option of an op using a ``rep`` unit ([Note: rep mode]): unsplit, nothing
     gathered or kept; ``reduce_s`` its share of its bucket's all-reduce (charged at the
-    owner, the last use in backward); ``pending``: a sharded unit's gradient that may
-    still be reduce-scattering beside it."""
+    owner, the last use in backward; a tied use's: its own bias's, if any); ``pending``:
+    a sharded unit's gradient that may still be reduce-scattering beside it."""
     group = _group_of(desc, i)
     owner = desc.ops[group[0]]
     logits = fused_logits_bytes(desc, i)
@@ -890,8 +898,7 @@ def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) ->
     # unsplit: autograd's gradient is live while the hook copies it in (_grads_live); a
     # direct unit's is not copied, it becomes .grad
     transient = max(min(window, after_i), min(window, before_i) + own_grad + gathered_bytes(owner, settings) + pending)
-    reduce_b = reduce_s if i == group[0] else 0.0
-    return (1, 0, 0, 0.0, transient, 0.0, 0.0, reduce_b, True, 0.0, 1.0, logits, 2.0 * logits, logits, 0.0)
+    return (1, 0, 0, 0.0, transient, 0.0, 0.0, reduce_s, True, 0.0, 1.0, logits, 2.0 * logits, logits, 0.0)
 
 
 def pending_reduce_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
@@ -1134,13 +1141,12 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
                 key = ((op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features,
                                                    op.split_op)) + (checkpointed, after[i], before[i], pending[i], issued[i], flight_out[i])
                 if rep[i]:
-                    key += ("rep", rep_reduce.get(desc.op_index(op.tied_to) if op.tied_to else i, 0.0))
+                    key += ("rep", rep_reduce.get(i, 0.0))
                 rows = cache.get(key)
                 if rows is None:
                     if rep[i]:
-                        owner = desc.op_index(op.tied_to) if op.tied_to else i
                         rows = cache[key] = [_rep_row(desc, i, settings, window, after[i], before[i],
-                                                      rep_reduce.get(owner, 0.0), pending[i])]
+                                                      rep_reduce.get(i, 0.0), pending[i])]
                     else:
                         rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
                                                          window, after[i], before[i], shares, pending[i], issued[i],

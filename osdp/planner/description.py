@@ -489,9 +489,12 @@ def describe(
             axes[path] = (op.op_name, op.axis_length(module))
     for path, owner in tied.items():
         # a tied use is split with its owner's slicing ([Note: tied weights] in the cost
-        # model): only when its own op cuts the owner's axis (rows of the same weight);
+        # model): only when its own op cuts the owner's axis (rows of the same weight)
+        # and it computes with nothing but that weight (the runtime's rule: a module
+        # with a bias of its own, or weights of two owners, cannot follow the slices);
         # otherwise neither use splits
-        if not axes[owner][0] or axes[path][1] != axes[owner][1]:
+        pure = all(owner_of[id(p)] == owner for p in by_path[path].parameters(recurse=False))
+        if not pure or not axes[owner][0] or axes[path][1] != axes[owner][1]:
             axes[path] = axes[owner] = ("", 0)
     for path in order:
         module = by_path[path]

@@ -42,15 +42,19 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple
         if seg.variants[v]
         for i in seg.ops
     }
-    units = []
+    units, modes_of = [], {}
     for i, op in enumerate(desc.ops):
-        if op.tied_to:  # a second use of another unit's weights: no unit of its own
+        if op.tied_to:  # a second use of another unit's weights: its owner's unit
+            if op.param_count:  # and a bias of its own: a unit in its owner's mode (unsplit)
+                units.append(UnitDecision(op.name, op.kind, op.param_bytes, modes_of[op.tied_to],
+                                          op.name in checkpointed, ""))
             continue
         o = s.result.option_index[i]
         g, k, h = t.shape(o)
         modes = (MODE_ZDP,) * k + (MODE_HPZ,) * h + (MODE_DP,) * (g - k - h)
         if t.rep is not None and t.rep[i]:  # the template's rep set: [Note: rep mode]
             modes = (MODE_REP,)
+        modes_of[op.name] = modes
         units.append(UnitDecision(op.name, op.kind, op.param_bytes, modes,
                                   op.name in checkpointed, op.split_op if g > 1 else ""))
     blocks = tuple(seg.name for seg, v in zip(t.segments, s.result.variant) if seg.variants[v])

@@ -195,10 +195,10 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
     units_of: dict[int, list[_Unit]] = {}
     reps_of: dict[int, _RepUnit] = {}
     for i, op in enumerate(desc.ops):
-        if op.tied_to or not op.param_count:
-            continue
-        if rep[i]:
+        if rep[i] and op.param_count:  # a tied use's bias too: it runs its owner's mode
             reps_of[i] = _RepUnit(op.name, reduced_bytes(op, settings))
+            continue
+        if op.tied_to or not op.param_count:  # (a sharded tied use's bias: not simulated)
             continue
         g, k, h = slices[i], zdp[i], hpz[i]
         s = gathered_bytes(op, settings) / g
@@ -216,7 +216,8 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
         owner = desc.op_index(op.tied_to) if op.tied_to else i
         us = units_of.get(owner, ())
         if owner in reps_of:
-            steps_of[i] = [_Step(op.name, (), f, b, reps=(reps_of[owner],))]
+            own = (reps_of[i],) if i != owner and i in reps_of else ()
+            steps_of[i] = [_Step(op.name, (), f, b, reps=(reps_of[owner],) + own)]
         elif not us:
             steps_of[i] = [_Step(op.name, (), f, b)]
         elif len(us) == 1 or (op.tied_to and slices[i] == 1):

@@ -267,6 +267,30 @@ def test_rep_units_are_checked_and_policy_rep_replicates_every_unit():
         assert not build_template(tied, dev, PlannerSettings(policy=policy, rep_units=("e",))).rep.any()
 
 
+def test_a_tied_uses_own_bias_follows_its_owner_into_rep():
+    """A head tied to the embedding with a bias of its own (250 fp32) runs the
+    embedding's mode (``plan_from_schedule``): with the embedding rep, the bias is
+    replicated too (whole params and Adam's two moments, 250 x 12 B, beside the
+    embedding's 1000 x 12), joins the bucket first (the head's backward comes first:
+    one bucket of both, its latency shared) and its share is charged at the head."""
+    tied = ModelDesc("tied", (OpDesc("e", "embedding", 1000, 4000, 0.0, 0.0, False),
+                              linear("x"),
+                              OpDesc("h", "linear", 250, 1000, 0.0, 1e6, False, tied_to="e")))
+    t = build_template(tied, device(), PlannerSettings(rep_units=("e",)))
+    assert list(t.rep) == [True, False, True]
+    assert t.static["replicated_params"] == 5000
+    # (these OpDescs declare no tensor count: no per-tensor state)
+    assert t.static["replicated_optimizer_state"] == 1250 * PlannerSettings().optimizer_state_bytes_per_param
+    assert t.static["sharded_params"] == P / 4
+    latency = all_reduce(0)
+    assert t.opt_reduce_b_s[options(t, 0)[0]] == pytest.approx(all_reduce(4000) - latency / 2, rel=1e-12)
+    assert t.opt_reduce_b_s[options(t, 2)[0]] == pytest.approx(all_reduce(1000) - latency / 2, rel=1e-12)
+    plan = make_plan(tied, device(), PlannerSettings(rep_units=("e",)), batch=1, baselines=False)
+    assert {u.name: u.modes for u in plan.units}["h"] == ("rep",)
+    # the plan read back (calibration, fidelity): the bias is not named in the rep set
+    assert list(assignment_of(tied, device(), plan).template.rep) == [True, False, True]
+
+
 # ---- the search within a fixed rep set ------------------------------------------------------
 
 BLOCKED = ModelDesc("blocked", tuple(linear(f"b.{i}", in_f=64 * (i + 1), act=3000.0, block="b") for i in range(2))

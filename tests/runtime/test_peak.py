@@ -27,6 +27,7 @@ from osdp.planner.cost_model import OPTIMIZER_STEP, PlannerSettings, live_memory
 from osdp.planner.description import describe
 from osdp.planner.run import RunSettings
 from osdp.planner.uniform_plan import uniform_plan
+from osdp.runtime.direct import direct_units
 from osdp.runtime.ledger import MemoryLedger
 from osdp.runtime.peak import CudaPeakMonitor, StepMemory, check_step
 
@@ -552,3 +553,47 @@ def test_a_checkpointed_blocks_input_is_counted_once(fake_world):
     step = _steady_step_memory(config, plan)
     assert (step.unit_at_peak, step.phase_at_peak) == (plan.predicted.peak_op, "backward")
     assert step.peak_bytes <= plan.predicted.peak_bytes <= 1.01 * step.peak_bytes
+
+
+class _TiedHeadWithBias(nn.Module):
+    """An LM head whose weight is the embedding's and which has a bias of its own: its
+    module computes with two units, the embedding's and its own (the bias)."""
+
+    def __init__(self, vocab: int = 1024, hidden: int = 256):
+        super().__init__()
+        torch.manual_seed(0)
+        self.wte = nn.Embedding(vocab, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab)
+        self.head.weight = self.wte.weight
+
+    def forward(self, idx):
+        return self.head(torch.relu(self.mid(self.wte(idx)))).logsumexp(-1).mean()
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("policy", ["zdp", "rep"])
+def test_a_tied_head_with_its_own_bias_runs_its_owners_mode_as_priced(fake_world, policy):
+    """The plan names the head's bias unit, in the embedding's mode: the head never
+    mixes a direct rep unit with a hooked one, so a rep embedding runs direct, as the
+    model prices it (left out of the plan, the bias ran the runtime's default zdp and
+    kept the embedding on the hook path). The pair is not split: the runtime splits a
+    tied weight only when its second use computes with nothing else (describe offered
+    the split, which the runtime refuses at construction)."""
+    idx = torch.randint(0, 1024, (4, 32))
+    desc = describe(_TiedHeadWithBias(), (idx,))
+    assert not desc.ops[desc.op_index("wte")].splittable and not desc.ops[desc.op_index("head")].splittable
+    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
+        RunSettings(world_size=fake_world, memory_limit_bytes=256 * MiB))
+    plan = make_plan(desc, device, PlannerSettings(policy=policy, optimizer_temporaries="per_tensor"), batch=4)
+    assert {u.name: u.modes for u in plan.units} == {"wte": (policy,), "mid": (policy,), "head": (policy,)}
+    wrapped = osdp.OSDP(_TiedHeadWithBias(), plan=plan)
+    assert wrapped.unit_modes() == {"wte": policy, "mid": policy, "head": policy}
+    direct = {u.name for u in direct_units(wrapped._built.bindings)}
+    assert direct == ({"wte", "mid", "head"} if policy == "rep" else set())
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3, foreach=False)
+    for _ in range(3):  # the first step makes AdamW's state
+        wrapped(idx).backward()
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+        assert wrapped.step_memory().peak_bytes <= plan.predicted.peak_bytes
