@@ -150,13 +150,14 @@ def assignment_of(desc: ModelDesc, device: DeviceInfo, plan, settings: PlannerSe
     checkpoints) with its ``rep`` units as the template's rep set, its prefetch window as
     the runtime runs it."""
     settings = settings or settings_of(plan)
+    tied_uses = {op.name for op in desc.ops if op.tied_to}
     settings = settings.with_(
         policy="osdp", prefetch_bytes=float(plan.prefetch_bytes),
         max_slices=max([settings.max_slices] + [u.slices for u in plan.units]),
         checkpointing="auto" if plan.checkpoint_blocks else settings.checkpointing,
         # its rep units, read off its modes ([Note: rep mode] in cost_model.py); a tied
         # use's bias runs its owner's mode and is not a unit of the rep set
-        rep_units=tuple(u.name for u in plan.units if u.modes == ("rep",) and not desc.ops[desc.op_index(u.name)].tied_to))
+        rep_units=tuple(u.name for u in plan.units if u.modes == ("rep",) and u.name not in tied_uses))
     t = build_template(desc, device, settings)
     decisions = {u.name: u for u in plan.units}
     blocks = set(plan.checkpoint_blocks)
