@@ -15,7 +15,7 @@ from .errors import OSDPError, PlanMismatchError
 from .planner.plan import plan_from_arg
 from .sizes import parse_bytes
 from .runtime.args import device_arg
-from .runtime.build import build_units
+from .runtime.build import build_units, register_params
 from .runtime.checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
@@ -55,9 +55,10 @@ class OSDP(nn.Module):
        ``rep`` unit's: whole on every rank);
        ``model.named_parameters()`` then yields the ORIGINAL parameters by their
        original names, each this rank's piece of it (a view of the shard, keeping the
-       original ndim; a split slice's piece is ``<name>[i]``; a rep unit's parameter is
-       whole, in its original shape), so optimizer parameter groups are built by name as
-       with FSDP2; see [Note: original parameters];
+       original ndim; a split parameter is one piece over its slices; a rep unit's
+       parameter is whole, in its original shape), so optimizer parameter groups are
+       built by name as with FSDP2; see [Note: original parameters] and [Note: split
+       parameters];
     4. moves the shards and the (replicated) buffers to ``device``;
     5. wraps ``checkpoint_blocks`` in non-reentrant activation checkpointing;
     6. hooks every module into the stream scheduler.
@@ -228,7 +229,47 @@ class OSDP(nn.Module):
         for mod in module.modules():
             mod._osdp_wrapped = True  # see _refuse_wrapped
         install_torch_clip_guard()  # see [Note: global gradient norm]
-        self.module = module.to(self.device)  # buffers; the shards already live there
+        module.to(self.device)  # buffers; the shards already live there
+        register_params(self._built)
+        self._adopt_tree(module)
+
+    def _adopt_tree(self, module: nn.Module) -> None:
+        """[Note: one module tree] The wrapper's children, parameters and buffers ARE
+        the wrapped model's (the same dicts), so walks over the tree name what
+        ``named_parameters()`` names, without a ``module.`` prefix: Hugging Face's
+        ``get_parameter_names(model, ALL_LAYERNORM_LAYERS)``, ``named_modules()`` +
+        ``isinstance`` rules, ``model.get_submodule("blocks.0")``. The wrapped model is
+        ``self.module``, an attribute outside the tree (registering it would prefix every
+        name); ``train``/``eval`` reach it through :meth:`train`."""
+        self.__dict__["module"] = module
+        self._modules = module._modules
+        self._parameters = module._parameters
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self.module.training = mode  # outside the tree: see [Note: one module tree]
+        return self
+
+    def _apply(self, fn, recurse: bool = True):
+        """``.to()``, ``.cuda()``, ``.half()`` and the like: the buffers only; a change to
+        the parameters is refused (they are views of the sharded flat buffers: moved or
+        cast, they would no longer be what the runtime gathers and the optimizer steps)."""
+        for name, param in self.named_parameters():
+            moved = fn(param)
+            if moved is not param and (moved.device != param.device or moved.dtype != param.dtype
+                                       or moved.data_ptr() != param.data_ptr()):
+                raise OSDPError(
+                    f"cannot move or cast the parameters of an OSDP model ({name!r}: {param.dtype} on "
+                    f"{param.device} -> {moved.dtype} on {moved.device}): they are views of the sharded flat "
+                    "buffers; wrap with device= (and mixed_precision= for a compute dtype) instead"
+                )
+        for module in self.module.modules():
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = fn(buf)
+        return self
 
     def _init_scheduler(self, config, coalesce_bytes) -> None:
         window = config.prefetch_bytes
@@ -399,9 +440,8 @@ class OSDP(nn.Module):
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         """The original parameters by their original names (no ``module.`` prefix):
         this rank's piece of each; see [Note: original parameters]."""
-        for unit in self._built.units:
-            for name, param in zip(unit.param_names, unit.params):
-                yield (f"{prefix}.{name}" if prefix else name), param
+        for name, param in _unique_params(self._built.units):
+            yield (f"{prefix}.{name}" if prefix else name), param
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """This rank's sharded state: ``{original name: local piece}`` for parameters
@@ -444,20 +484,11 @@ class OSDP(nn.Module):
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
 
     def _local_state(self) -> dict[str, torch.Tensor]:
-        """Original state-dict order; the pieces of a cut parameter (``name[i]``) stand
-        where the parameter stood."""
-        pieces: dict[str, list[tuple[str, torch.Tensor]]] = {}
-        for unit in self._built.units:
-            for slot, name, param in zip(unit.slots, unit.param_names, unit.params):
-                for key in slot.fqns or (name,):
-                    pieces.setdefault(key.rsplit("[", 1)[0] if key.endswith("]") else key, []).append((key, param))
-        out = {}
-        for key in self._state_keys:
-            if key in pieces:
-                out.update(pieces[key])
-            else:
-                out[key] = self.module.get_buffer(key)
-        return out
+        """Original state-dict order: each parameter's local piece under each of its
+        names (tied names share it), the buffers whole."""
+        pieces = {key: param for unit in self._built.units
+                  for slot, param in zip(unit.slots, unit.params) for key in slot.fqns}
+        return {key: pieces[key] if key in pieces else self.module.get_buffer(key) for key in self._state_keys}
 
     # ---- gradient clipping -----------------------------------------------------------
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -597,6 +628,19 @@ class OSDP(nn.Module):
             layout = build_layout(self.module, self._built, list(self._state_keys))
             self._view = ShardedView(self.module, self._built, self._comm, tuple(self._state_keys), layout)
         return self._view
+
+
+def _unique_params(units) -> list[tuple[str, nn.Parameter]]:
+    """(original name, local piece) of every parameter once: a split op's cut parameter
+    spans its slice units ([Note: split parameters] in osdp/runtime/split_params.py)."""
+    seen: set[int] = set()
+    out = []
+    for unit in units:
+        for name, param in zip(unit.param_names, unit.params):
+            if id(param) not in seen:
+                seen.add(id(param))
+                out.append((name, param))
+    return out
 
 
 def _coalesce_arg(coalesce_bytes) -> int:

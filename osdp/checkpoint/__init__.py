@@ -252,8 +252,7 @@ def _sharded_state(view: ShardedView, optimizer, layout: Layout) -> tuple[dict, 
         state[f"model.{name}"] = ChunkedTensor.whole(buffers[name].detach().cpu(), present=rank0)
     if optimizer is None:
         return state, None
-    in_optim = _optimizer_units(view, optimizer)
-    unit_states = {i: unit_state(units[i], optimizer) for i in set(in_optim.values())}
+    unit_states = {i: unit_state(units[i], optimizer) for i in _optimizer_units(view, optimizer)}
     kinds: dict[str, dict] = {}
     for fqn, info in layout.params.items():
         states = [unit_states.get(p.unit) for p in info.pieces]
@@ -376,7 +375,7 @@ def _check_optimizer(view: ShardedView, optimizer, layout: Layout, saved: dict |
             f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, "
             f"this optimizer has {len(optimizer.param_groups)}"
         )
-    for i in _optimizer_units(view, optimizer).values():
+    for i in _optimizer_units(view, optimizer):
         fqns = sorted({p.fqn for p in layout.unit_pieces[i]})
         keys = {tuple(sorted(saved["state"][f])) if f in saved["state"] else None for f in fqns}
         if len(keys) > 1:
@@ -430,7 +429,7 @@ def load(model, optimizer, path: str) -> dict:
     if optimizer is not None:
         kinds = meta["optimizer"]["state"]
         elementwise: dict[tuple[int, str], torch.Tensor] = {}
-        for i in _optimizer_units(view, optimizer).values():
+        for i in _optimizer_units(view, optimizer):
             fqns = [p.fqn for p in layout.unit_pieces[i]]
             if fqns and fqns[0] in kinds:
                 new_optim[i] = {}
@@ -496,10 +495,8 @@ def _load_optimizer(view: ShardedView, optimizer, saved: dict, new_state: dict[i
         if "param_names" in group:
             new_group["param_names"] = list(group["param_names"])
         groups.append(new_group)
-    state = {}
+    by_param: dict[int, dict] = {}
     for i, flat in new_state.items():
-        unit = units[i]
-        for p, st in zip(unit.params, param_states(unit, flat, elementwise[i])):
-            if id(p) in index:
-                state[index[id(p)]] = st
+        param_states(units[i], flat, elementwise[i], by_param)
+    state = {index[key]: st for key, st in by_param.items() if key in index}
     optimizer.load_state_dict({"state": state, "param_groups": groups})

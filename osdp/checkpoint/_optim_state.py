@@ -14,11 +14,14 @@ import torch
 from ..errors import OSDPError
 
 
-def optimizer_units(view, optimizer) -> dict[int, int]:
-    """id(parameter) -> unit index, for every parameter the optimizer holds (``view``:
-    the model's ``ShardedView``)."""
-    index = {id(p): i for i, u in enumerate(view.built.units) for p in u.params}
-    found = {}
+def optimizer_units(view, optimizer) -> list[int]:
+    """The indices of the units holding the parameters the optimizer holds (a split
+    op's cut parameter: all of its slices; ``view``: the model's ``ShardedView``)."""
+    index: dict[int, list[int]] = {}
+    for i, unit in enumerate(view.built.units):
+        for p in unit.params:
+            index.setdefault(id(p), []).append(i)
+    found: set[int] = set()
     for group in optimizer.param_groups:
         for p in group["params"]:
             if id(p) not in index:
@@ -26,8 +29,8 @@ def optimizer_units(view, optimizer) -> dict[int, int]:
                     "the optimizer holds a parameter that is not one of this OSDP model's parameters "
                     "(build the optimizer from model.parameters() or model.named_parameters() after wrapping)"
                 )
-            found[id(p)] = index[id(p)]
-    return found
+            found.update(index[id(p)])
+    return sorted(found)
 
 
 def unit_state(unit, optimizer) -> dict | None:
@@ -55,18 +58,22 @@ def unit_state(unit, optimizer) -> dict | None:
     return flat
 
 
-def param_states(unit, flat: dict, elementwise: set[str]) -> list[dict]:
-    """The inverse of :func:`unit_state`: one state dict per parameter of ``unit``
-    (``elementwise``: the keys laid out like the shard)."""
-    out = [{} for _ in unit.params]
-    for key, value in flat.items():
-        if key in elementwise:
-            pieces = unit.split_local(value)
-        else:
-            pieces = [value.clone() if isinstance(value, torch.Tensor) else value for _ in unit.params]
-        for state, piece in zip(out, pieces):
-            state[key] = piece
-    return out
+def param_states(unit, flat: dict, elementwise: set[str], into: dict[int, dict]) -> None:
+    """The inverse of :func:`unit_state`: the unit's part of each of its parameters'
+    states, into ``into[id(param)]`` (``elementwise``: the keys laid out like the shard).
+    A parameter of its own gets views of ``flat``; a split op's cut parameter, whose
+    slices are several units, one tensor that each of them fills its part of."""
+    for param, (start, n), offset in zip(unit.params, unit.local_ranges, unit.param_offsets):
+        state = into.setdefault(id(param), {})
+        for key, value in flat.items():
+            if key not in elementwise:
+                state.setdefault(key, value.clone() if isinstance(value, torch.Tensor) else value)
+            elif unit.split_params is None:
+                state[key] = value.narrow(0, start, n).view(param.shape)
+            else:
+                if key not in state:
+                    state[key] = torch.zeros(param.shape, dtype=value.dtype, device=value.device)
+                state[key].view(-1).narrow(0, offset, n).copy_(value.narrow(0, start, n))
 
 
 def same_state(a, b) -> bool:

@@ -7,7 +7,9 @@ axis it cuts:
 - ``cut = "in"``: along the input features K: ``Y = sum_i X[:, k_i] @ W[:, k_i]^T + b``;
   slice 0 also owns the bias (added once);
 - ``cut = "out"``: along the output features N: ``Y[:, n_i] = X @ W[n_i, :]^T + b[n_i]``;
-  each slice owns its rows of ``W`` and its part of ``b``;
+  each slice owns its rows of ``W``; slice 0 owns the whole bias (kept whole so that the
+  weight is the one parameter cut: [Note: split parameters] in
+  osdp/runtime/split_params.py), copied when it is gathered for the later slices;
 - ``transposed``: the module stores ``W^T`` ([K, N], Hugging Face ``Conv1D``), so the
   Linear-layout view of a slice is a transpose (a stride swap, never a copy).
 
@@ -149,8 +151,8 @@ class MatmulSplit(SplitModule):
             kernels.slice_dw(dy2, x2, k0, ks, out=dw, accumulate=accumulate)
         else:  # dW_i^T = X^T @ dY[:, n_i]
             kernels.slice_dw(x2, dy2, k0, ks, out=dw.t(), accumulate=accumulate)
-        if self.has_bias and (not cut_in or i == 0):
-            _bias_grad(dy2 if cut_in else dy2.narrow(1, k0, ks), grads[1], accumulate)
+        if self.has_bias and i == 0:  # slice 0 owns the whole bias
+            _bias_grad(dy2, grads[1], accumulate)
 
     @classmethod
     def timed_step(cls, x2: torch.Tensor, weight: torch.Tensor, dy2: torch.Tensor, g: int) -> None:
@@ -179,10 +181,12 @@ class MatmulSplit(SplitModule):
         None, ``n0 = offsets[i]``. Returns the uses: hand them to :meth:`backward_slices`
         from the consumer's autograd backward. The op's own forward is one consumer; a
         fused head + loss is another (it never builds the whole output)."""
-        sched, uses = self.scheduler, []
+        sched, uses, bias = self.scheduler, [], None
         for i, unit in enumerate(self.units):
             use = sched.pre_forward(unit)
-            fn(i, self.slice_weight(unit, i), self.slice_bias(unit, i), self.offsets[i])
+            if i == 0 and self.has_bias and self.cut == "out":
+                bias = unit.views[1].clone()  # slice 0's, the later slices' blocks of it too
+            fn(i, self.slice_weight(unit, i), self.slice_bias(unit, i, bias), self.offsets[i])
             sched.post_forward(use, expects_backward, self.needs_weights_in_backward)
             uses.append(use)
         return uses
@@ -207,10 +211,14 @@ class MatmulSplit(SplitModule):
     def slice_weight(self, unit, i: int) -> torch.Tensor:
         return self.linear_view(unit.views[0])
 
-    def slice_bias(self, unit, i: int) -> torch.Tensor | None:
-        if not self.has_bias or (self.cut == "in" and i != 0):
+    def slice_bias(self, unit, i: int, whole: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Slice ``i``'s part of the bias: all of it (``cut="in"``, added once by slice 0)
+        or its block of ``whole``, the copy of slice 0's (``cut="out"``)."""
+        if not self.has_bias:
             return None
-        return unit.views[1]
+        if self.cut == "out":
+            return whole.narrow(0, self.offsets[i], self.sizes[i])
+        return unit.views[1] if i == 0 else None
 
     # ---- SplitModule ------------------------------------------------------------------------
     @classmethod
@@ -229,9 +237,7 @@ class MatmulSplit(SplitModule):
         result, k0 = [], 0
         for i, ks in enumerate(split_sizes(cls.axis_length(module), g)):
             tensors = {"weight": weight.narrow(dim, k0, ks)}
-            if bias is not None and cls.cut == "out":
-                tensors["bias"] = bias.narrow(0, k0, ks)
-            elif bias is not None and i == 0:
+            if bias is not None and i == 0:
                 tensors["bias"] = bias
             result.append(tensors)
             k0 += ks
@@ -241,7 +247,7 @@ class MatmulSplit(SplitModule):
     def merge(cls, slices: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         merged = {"weight": torch.cat([s["weight"] for s in slices], dim=cls.stored_dim())}
         if "bias" in slices[0]:
-            merged["bias"] = torch.cat([s["bias"] for s in slices]) if cls.cut == "out" else slices[0]["bias"]
+            merged["bias"] = slices[0]["bias"]
         return merged
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

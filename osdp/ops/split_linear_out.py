@@ -1,8 +1,8 @@
 """nn.Linear split along ``out_features``: ``Y[:, n_i] = X @ W[n_i, :]^T + b[n_i]``.
 
-Slice ``i`` owns the rows ``W[n_i:n_i+ns_i, :]`` (contiguous) and its part of the bias,
-so each slice computes its own block of output columns and no slice's product is
-summed with another's. Suited to fused projections (a GPT QKV ``c_attn``: out = 3 x
+Slice ``i`` owns the rows ``W[n_i:n_i+ns_i, :]`` (contiguous), slice 0 also the whole
+bias (``matmul_split.py``), so each slice computes its own block of output columns and
+no slice's product is summed with another's. Suited to fused projections (a GPT QKV ``c_attn``: out = 3 x
 in) and wide heads, where the K-split's fp32 accumulator would be the whole output.
 Not the default for nn.Linear: chosen by name (``split_ops={name:
 "linear_out_features"}``). Schedule: [Note: split matmul schedule] in

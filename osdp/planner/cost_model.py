@@ -1064,8 +1064,10 @@ def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, win
                  planner.py orders a unit's modes zdp, hpz, dp) and backward reads them,
                  and the window's prefetch around it (as unsplit)
       gradients  slice j's buffer, the reduction in flight (``pending`` for the first
-                 slice, else slice j+1's buffer) and the g - j outputs made so far (one
-                 slice's sharded gradient each, ``reduced_slice``: they become .grad);
+                 slice, else slice j+1's buffer) and the op's sharded gradient, all g
+                 slices' outputs (``reduced_slice`` each): the first reduction allocates
+                 it whole, each slice's writes its part ([Note: split parameters] in
+                 runtime/split_params.py);
                  where gradients persist (``persist_flight_out`` given) an output is
                  freed once reduced: its own and the one in flight (slice j+1's, or
                  ``persist_flight_out`` before the first)
@@ -1089,7 +1091,7 @@ def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, win
         gathers = own if s > window else min(window, own + ahead + before_i)
         in_flight = pending if j == g - 1 else grad
         if persist_flight_out is None:
-            outputs = (g - j) * reduced_slice
+            outputs = g * reduced_slice
         else:
             outputs = reduced_slice + (persist_flight_out if j == g - 1 else reduced_slice)
         # its dp slices after j were freed after their own backward (the prefix holds them)

@@ -26,6 +26,7 @@ from ..ops import SplitModule, get_split_op
 from .config import tied_uses
 from .modes import Mode
 from .shard_unit import ParamSlot, ShardUnit
+from .split_params import SplitParams, shard_numel
 
 
 @dataclass
@@ -37,6 +38,18 @@ class BuiltModel:
     # with its owner's slice units (``tied`` names the owner)
     splits: dict[str, tuple[SplitModule, list[ShardUnit]]] = field(default_factory=dict)
     tied: dict[str, str] = field(default_factory=dict)  # module path -> owning unit (split: owner path)
+    # (module, attr, parameter): where each original parameter sits in the module tree
+    # (tied ones under each of their modules), for ``register_params``
+    tree: list[tuple[nn.Module, str, nn.Parameter]] = field(default_factory=list)
+
+
+def register_params(built: BuiltModel) -> None:
+    """Put the original parameters (this rank's pieces) back into the modules'
+    ``_parameters`` under their attribute names, so that tree walks see what
+    ``named_parameters`` yields; modules still compute with the gathered views the hooks
+    put in their instance dict, which attribute reads find first."""
+    for module, attr, param in built.tree:
+        module._parameters[attr] = param
 
 
 def _consistent(path: str, params) -> tuple[torch.dtype, bool]:
@@ -90,29 +103,15 @@ def build_units(
             op = get_split_op(module, path, (split_ops or {}).get(path))
             op.check(module, len(modes), path)
             _, requires_grad = _consistent(path, [p for _, p in params])
-            slice_units = []
             whole = dict(params)
             sliced[path] = op.slice_tensors(module, len(modes))
-            for i, tensors in enumerate(sliced[path]):
-                slots, names, offset = [], [], 0
-                for attr, t in tensors.items():
-                    # an uncut parameter (a bias kept by one slice) keeps its name(s);
-                    # a cut one is name[i] under each of its names (tied: several)
-                    cut = t.shape != whole[attr].shape
-                    all_names = tuple(f"{n}[{i}]" if cut else n for n in fqns[id(whole[attr])])
-                    slots.append(ParamSlot(attr, all_names, t.shape, offset, t.numel()))
-                    offset += t.numel()
-                    names.append(all_names[0])
-                slice_units.append(
-                    ShardUnit(
-                        f"{path}[{i}]", slots, list(tensors.values()), modes[i], rank, world_size, device,
-                        requires_grad, param_dtype, reduce_dtype, param_names=names,
-                    )
-                )
+            slice_units = _build_slices(path, sliced[path], whole, fqns, modes, rank, world_size, device,
+                                        requires_grad, param_dtype, reduce_dtype)
             new = op(module, len(modes))
             _set_submodule(model, path, new)
             built.units.extend(slice_units)
             built.splits[path] = (new, slice_units)
+            built.tree += _slice_params(new, slice_units, [[s.attr for s in u.slots] for u in slice_units])
             continue
 
         own = [(a, p) for a, p in params if id(p) not in owner]
@@ -134,6 +133,7 @@ def build_units(
         for attr, p in params:
             u, i = owner[id(p)]
             entries.setdefault(u, []).append((attr, i))
+            built.tree.append((module, attr, u.params[i]))
             if u is not unit:
                 built.tied.setdefault(path, u.name)
         for attr, _ in params:
@@ -141,6 +141,34 @@ def build_units(
         built.bindings.append((module, path, list(entries.items())))
     del keep_alive
     return built
+
+
+def _build_slices(path, sliced, whole, fqns, modes, rank, world_size, device, requires_grad, param_dtype,
+                  reduce_dtype) -> list[ShardUnit]:
+    """The slice units of split op ``path``, their shards side by side in one storage and
+    each cut parameter one tensor over them ([Note: split parameters])."""
+    layouts = []  # per slice: its slots, tensors and parameter names
+    for i, tensors in enumerate(sliced):
+        # the parameters kept whole (a bias of slice 0) first, the cut one last
+        cut = {attr: t.shape != whole[attr].shape for attr, t in tensors.items()}
+        offsets, offset = {}, 0
+        for attr in sorted(tensors, key=lambda a: cut[a]):
+            offsets[attr], offset = offset, offset + tensors[attr].numel()
+        slots = [ParamSlot(attr, tuple(fqns[id(whole[attr])]), t.shape, offsets[attr], t.numel())
+                 for attr, t in tensors.items()]
+        layouts.append((slots, list(tensors.values()), [slot.fqns[0] for slot in slots], offset))
+    sizes = [shard_numel(numel, world_size) for *_, numel in layouts]
+    storage = torch.empty(sum(sizes), dtype=next(iter(whole.values())).dtype, device=device)
+    units, start = [], 0
+    for i, ((slots, tensors, names, _), size) in enumerate(zip(layouts, sizes)):
+        units.append(ShardUnit(
+            f"{path}[{i}]", slots, tensors, modes[i], rank, world_size, device, requires_grad, param_dtype,
+            reduce_dtype, param_names=names, local_storage=storage.narrow(0, start, size),
+        ))
+        start += size
+    cut_shapes = {attr: whole[attr].shape for attr, t in sliced[0].items() if t.shape != whole[attr].shape}
+    SplitParams(path, units, storage, cut_shapes)
+    return units
 
 
 def _check_splittable(model: nn.Module, path: str, params, fqns: dict, owner: dict, tied: dict[str, str]) -> None:
@@ -195,4 +223,16 @@ def _build_tied_use(model: nn.Module, path: str, module: nn.Module, owner_path: 
     _set_submodule(model, path, new)
     built.splits[path] = (new, units)
     built.tied[path] = owner_path
+    built.tree += _slice_params(new, units, [list(tensors) for tensors in op.slice_tensors(module, g)])
+
+
+def _slice_params(module: nn.Module, units: list[ShardUnit], attrs: list[list[str]]):
+    """(module, attr, parameter) of each parameter of a split op once, ``attrs[i]``
+    naming slice i's slots as ``module`` calls them (a tied use: its names for its
+    owner's slots)."""
+    found: dict[str, nn.Parameter] = {}
+    for unit, names in zip(units, attrs):
+        for attr, param in zip(names, unit.params):
+            found.setdefault(attr, param)
+    return [(module, attr, param) for attr, param in found.items()]
 

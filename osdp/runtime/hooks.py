@@ -88,7 +88,9 @@ class ModuleBinding:
         """Point the module's parameter attributes at the (freed) gathered buffers."""
         for unit, attrs in self.entries:
             for attr, i in attrs:
-                setattr(self.module, attr, unit.views[i])
+                # the instance dict: the module's _parameters hold the original
+                # parameters (shards) under the same names, attribute reads find this
+                self.module.__dict__[attr] = unit.views[i]
 
     def _pre_forward(self, module, args, kwargs):
         sched = self.scheduler
@@ -107,7 +109,7 @@ class ModuleBinding:
             else:
                 tensors = [v.view_as(v) for v in unit.views]
             for attr, i in attrs:
-                setattr(module, attr, tensors[i])
+                module.__dict__[attr] = tensors[i]  # see set_views
         frozen = [u for u in uses if not u.unit.requires_grad and u.state is not UseState.RECOMPUTE]
         if frozen and grad_enabled:
             args, kwargs = _hook_inputs(sched, frozen, args, kwargs)

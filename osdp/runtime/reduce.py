@@ -180,7 +180,7 @@ class GradReducer:
             flat, unit.grad_flat = unit.grad_flat, None
             self._grad_bytes[unit] = flat.numel() * flat.element_size()
             flats.append(flat if flat.dtype == dtype else flat.to(dtype))  # fp32 accumulators
-            outs.append(torch.empty(unit.shard_numel, dtype=unit.shard_dtype, device=flat.device))
+            outs.append(unit.reduce_output())
             self.ledger.reduce_scattered(unit.name)
         if len(units) == 1:
             pending = self.comm.reduce_scatter(outs[0], flats[0], f"reduce-scatter of unit {units[0].name!r}")
@@ -314,3 +314,5 @@ class GradReducer:
         self._buckets, self._bucket_fill = {}, {}
         for unit in units:
             self._free_grad(unit)
+            if unit.split_params is not None:
+                unit.split_params.abandon()

@@ -64,8 +64,10 @@ from .modes import GatherState, Mode
 # their ORIGINAL shapes (what a DDP user expects), except that a 0-d parameter is
 # ``(1,)`` there too (for the same checkpoint reason); element-wise optimizer state
 # follows the parameter's shape, and checkpoints map it by flattening, so nothing else
-# depends on the shape. A slice of a split op holds a box of its original parameter;
-# that piece is named ``<name>[i]`` (slice ``i``), an uncut parameter keeps its name.
+# depends on the shape. A split op's slices each hold a box of a cut parameter; the
+# rank's pieces of all of them are ONE parameter under the original name, a view of
+# the slices' shards side by side (padding between included), see [Note: split
+# parameters] in split_params.py: every original parameter appears once, by its name.
 # Gradients: the reduce-scattered shard gradient is handed out as views too (``p.grad``),
 # added onto ``p.grad`` when it exists (no ``zero_grad``), so gradients accumulate across
 # backward passes as in plain PyTorch. A rep unit's averaged all-reduced gradient is
@@ -84,7 +86,7 @@ class ParamSlot:
 
     attr: str  # attribute name on the module that computes with it
     # its names in the original model's state dict (several if tied); a slice of a cut
-    # parameter: ``name[i]`` for each of them
+    # parameter holds a box of the parameter these name
     fqns: tuple[str, ...]
     shape: torch.Size
     offset: int
@@ -107,6 +109,7 @@ class ShardUnit:
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype | None = None,
         param_names: list[str] | None = None,
+        local_storage: torch.Tensor | None = None,
     ):
         self.name = name
         self.slots = tuple(slots)
@@ -125,7 +128,10 @@ class ShardUnit:
             flat = torch.zeros(self.padded_numel, dtype=dtype)
             for slot, tensor in zip(slots, tensors):
                 flat[slot.offset : slot.offset + slot.numel].copy_(tensor.reshape(-1))
-            local = flat[lo : lo + self.shard_numel].to(device).clone()
+            local = flat[lo : lo + self.shard_numel]
+            # a split op's slices keep their shards side by side in one storage, so that
+            # each cut parameter is one tensor per rank ([Note: split parameters])
+            local = local.to(device).clone() if local_storage is None else local_storage.copy_(local)
         # the flat shard is the storage; autograd sees it as the input of the gather
         # (hooks.py), the optimizer sees the original-parameter views below
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
@@ -143,6 +149,10 @@ class ShardUnit:
             param._osdp_full_shape = slot.shape
             self.params.append(param)
         self.param_names = names
+        # where each slot's piece starts in its parameter's local elements: 0 unless a
+        # split op's cut parameter spans several units ([Note: split parameters])
+        self.param_offsets = [0] * len(slots)
+        self.split_params = None  # the SplitParams owning such a parameter, if any
         # mixed precision (see [Note: mixed precision] in mixed_precision.py): the shard
         # keeps the parameters' dtype (the master copy the optimizer steps); the gathered
         # buffer, and so compute, is in param_dtype; gradients are reduced in reduce_dtype
@@ -220,9 +230,19 @@ class ShardUnit:
             return 0, 0
         return lo - rank * self.shard_numel, hi - lo
 
+    def reduce_output(self) -> torch.Tensor:
+        """The buffer this unit's reduce-scatter writes its ``shard_numel`` elements into."""
+        if self.split_params is not None:
+            return self.split_params.reduce_output(self)
+        return torch.empty(self.shard_numel, dtype=self.shard_dtype, device=self.shard.device)
+
     def accumulate_sharded_grad(self, flat: torch.Tensor) -> None:
-        """Hand this rank's reduced gradient (``shard_numel`` elements) to the original
-        parameters: views of ``flat`` where they have none, added otherwise."""
+        """Hand this rank's reduced gradient (``shard_numel`` elements, from
+        :meth:`reduce_output`) to the original parameters: views of ``flat`` where they
+        have none, added otherwise."""
+        if self.split_params is not None:
+            self.split_params.accumulate(self, flat)
+            return
         for param, piece in zip(self.params, self.split_local(flat)):
             if param.grad is None:
                 param.grad = piece
@@ -249,14 +269,22 @@ class ShardUnit:
         shard (a copy; padding and missing pieces zero), in the pieces' dtype."""
         dtype = next((t.dtype for t in pieces if t is not None), self.shard_dtype)
         flat = torch.zeros(self.shard_numel, dtype=dtype, device=self.shard.device)
-        for piece, (start, n) in zip(pieces, self.local_ranges):
+        for piece, (start, n), offset in zip(pieces, self.local_ranges, self.param_offsets):
             if piece is not None:
-                flat.narrow(0, start, n).copy_(piece.reshape(-1))
+                flat.narrow(0, start, n).copy_(piece.reshape(-1).narrow(0, offset, n))
         return flat
 
     def split_local(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """The inverse of :meth:`flatten_local`: views of ``flat`` shaped like the params."""
+        """The inverse of :meth:`flatten_local`: views of ``flat`` shaped like the params
+        (a unit whose parameters are its own: not a split op's slice)."""
+        assert self.split_params is None, "a split op's cut parameter spans several units"
         return [flat.narrow(0, start, n).view(p.shape) for p, (start, n) in zip(self.params, self.local_ranges)]
+
+    def local_pieces(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Per slot, this unit's elements of a tensor shaped like its parameter (a view;
+        ``values`` one per slot, shaped like ``self.params``), flat."""
+        return [v.reshape(-1).narrow(0, offset, n)
+                for v, (_, n), offset in zip(values, self.local_ranges, self.param_offsets)]
 
     def sharded_grad(self) -> torch.Tensor | None:
         """This rank's gradient as one flat shard (padding zero; a copy), or None when

@@ -12,8 +12,7 @@ derived from the split op's own ``merge`` applied to element ids (no split op ne
 describe itself), and checked: a split op whose slots are not boxes is refused.
 Tied parameters are one piece under their first name (``named_parameters`` order);
 the other names are aliases, also when the tied weight is split (its slices carry
-every name, ``wte.weight[i]`` and ``lm_head.weight[i]``; see [Note: tied row split] in
-contract.py). Padding belongs to no piece.
+every name; see [Note: tied row split] in contract.py). Padding belongs to no piece.
 
 Everything that maps between "unit shards" and "original parameters" (full state
 dicts, loading them, sharded DCP checkpoints in ``osdp.checkpoint``) goes through this
@@ -138,8 +137,7 @@ def build_layout(model: nn.Module, built: BuiltModel, state_keys: list[str]) -> 
         split_shapes, pieces = _split_pieces(path, module, units, index_of)
         shapes.update(split_shapes)
         for slot in units[0].slots:  # the other names of a tied split weight: aliases
-            names = [n.rsplit("[", 1)[0] if n.endswith("]") else n for n in slot.fqns]
-            aliases.update({alias: names[0] for alias in names[1:]})
+            aliases.update({alias: slot.fqns[0] for alias in slot.fqns[1:]})
         for piece in pieces:
             dtypes[piece.fqn] = built.units[piece.unit].dtype
             by_fqn.setdefault(piece.fqn, []).append(piece)

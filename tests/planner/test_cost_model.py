@@ -147,21 +147,22 @@ def test_peak_is_early_in_backward_with_a_breakdown():
 @pytest.mark.parametrize("g", [2, 4, 16])
 def test_a_split_op_holds_two_slice_buffers_and_its_own_slices_shards_in_backward(g):
     """[Note: pending reduction] for a split op, by hand: l1 (first in backward) holds
-    its slice buffer, nothing reducing before it and its first slice's reduce-scatter
-    output; its busiest moment is its last slice's issue: two slice buffers (it and
-    the previous slice, still reducing) and all g outputs, ceil(N/g/4) elements each.
-    l0 beside l1's whole gradient still reducing: the larger of that with one output,
-    and the same two buffers and g outputs."""
+    its slice buffer, nothing reducing before it and, from its first slice's
+    reduce-scatter on, the op's whole sharded gradient (all g outputs, ceil(N/g/4)
+    elements each: [Note: split parameters]); its busiest moment is its last slice's
+    issue: two slice buffers (it and the previous slice, still reducing) and the g
+    outputs. l0 beside l1's whole gradient still reducing: the larger of that with the
+    g outputs, and the same two buffers and g outputs."""
     desc = linear_model(n_ops=2)
     t = build_template(desc, device(), PlannerSettings(prefetch_bytes=0))  # no prefetch: own gathers only
     P = 256 * 256 * 4
     grad, out = P / g, math.ceil(256 * 256 / g / 4) * 4
     own_gather = P / g  # zdp slices gather again in backward
     last = option(t, 1, g, g)
-    assert t.opt_transient_bytes[last] == own_gather + grad + max(0 + out, grad + g * out)
+    assert t.opt_transient_bytes[last] == own_gather + grad + max(0 + g * out, grad + g * out)
     first = option(t, 0, g, g)
     pending = P  # l1 reduces alone; counted whole whatever its slicing
-    assert t.opt_transient_bytes[first] == own_gather + grad + max(pending + out, grad + g * out)
+    assert t.opt_transient_bytes[first] == own_gather + grad + max(pending + g * out, grad + g * out)
     # gradients kept between steps: the shards are static, not made by backward; an
     # output is freed once reduced, so two are live (its own and the previous slice's)
     kept = build_template(desc, device(), PlannerSettings(prefetch_bytes=0, grads_set_to_none=False))

@@ -157,16 +157,16 @@ def test_split_linear_matches_linear(in_features, g, modes):
     state = model.full_state_dict()
     torch.testing.assert_close(model(x), ref(x_ref), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-6, atol=1e-6)
-    grads = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    grads = dict((n, p.grad) for n, p in model.named_parameters())
+    assert list(grads) == ["0.weight", "0.bias"]  # one parameter each, by its original name
     assert torch.equal(state["0.weight"], ref[0].weight.detach())
     sizes = split_sizes(in_features, g)
     expected, k0 = [], 0
-    for i, ks in enumerate(sizes):  # flat slice i = [W[:, k0:k0+ks] (+ bias for slice 0)]
+    for ks in sizes:  # one rank holds every slice's box W[:, k0:k0+ks], slice after slice
         expected.append(ref[0].weight.grad[:, k0 : k0 + ks].reshape(-1))
-        if i == 0:
-            expected.append(ref[0].bias.grad)
         k0 += ks
-    torch.testing.assert_close(grads, torch.cat(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads["0.weight"].reshape(-1), torch.cat(expected), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads["0.bias"], ref[0].bias.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_split_embedding_matches_embedding_with_padding_idx():
@@ -276,16 +276,14 @@ def test_eval_forward_frees_everything_and_state_is_inspectable():
     assert model.memory_stats()["peak_gathered_bytes"] == 0
     assert model.unwrapped is model.module
     assert "blocks.0.mlp.c_fc[1]" in model.unit_names()
-    # the optimizer sees the original parameters by name: each this rank's piece (world
-    # size 1: all of it), with the original ndim; the split weight's slices are name[i]
+    # the optimizer sees the original parameters by name, in order, each once: this
+    # rank's piece (world size 1: all of it), with the original ndim; the split weight
+    # too, one piece over its two slices
     plain = dict(gpt().named_parameters())
-    names = [n for n, _ in model.named_parameters()]
-    assert [n for n in names if "[" not in n] == [n for n in plain if n != "blocks.0.mlp.c_fc.weight"]
-    assert [n for n in names if "[" in n] == ["blocks.0.mlp.c_fc.weight[0]", "blocks.0.mlp.c_fc.weight[1]"]
+    assert [n for n, _ in model.named_parameters()] == list(plain)
     for name, p in model.named_parameters():
-        full = plain[name.split("[")[0]]
-        assert isinstance(p, nn.Parameter) and p.dim() == full.dim(), name
-        assert p.numel() == (full.numel() // 2 if "[" in name else full.numel()), name
+        assert isinstance(p, nn.Parameter) and p.dim() == plain[name].dim(), name
+        assert p.numel() == plain[name].numel(), name
 
 
 def test_weights_updated_between_forwards_are_regathered():
