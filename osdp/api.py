@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .contract import DEFAULT_COALESCE_BYTES, RuntimeConfig, default_prefetch_bytes
-from .errors import OSDPError, PlanMismatchError
+from .errors import ConfigError, OSDPError, PlanMismatchError
 from .planner.plan import plan_from_arg
 from .sizes import parse_bytes
 from .runtime.args import device_arg
@@ -85,7 +85,10 @@ class OSDP(nn.Module):
     profiler runs backward on ``loss_fn(output)`` when given (a scalar tensor, for any
     batch), else on ``output.loss`` (a ``ModelOutput`` given labels) or on the output
     tensor (summed if not a scalar); tuple outputs need ``loss_fn``. See
-    [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
+    [Note: example inputs and the loss] in ``osdp/planner/inputs.py``. ``example_inputs``,
+    ``settings``, ``loss_fn`` and ``auto_kwargs`` given with a plan, ``modes`` or ``splits``
+    would be ignored and are refused (:class:`ConfigError`); ``memory_limit`` there is the
+    limit of the per-step memory check (below).
 
     Plan checks: every unit the plan names must be a module of ``module`` owning the
     parameter count the plan priced, the plan's dtypes must match ``mixed_precision``
@@ -195,6 +198,8 @@ class OSDP(nn.Module):
         """``self.plan`` (given, loaded from a path, or made in auto mode) and the typed
         ``self._run`` the runtime executes, checked against the model and dtypes."""
         plan = plan_from_arg(plan)  # a Plan, or the path of a plan file (loaded), or a dict
+        _check_auto_only_args(plan, modes, splits, memory_limit, example_inputs,
+                              {"loss_fn": loss_fn, "settings": settings, "auto_kwargs": auto_kwargs})
         if plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None):
             plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision,
                               {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {}),
@@ -628,6 +633,21 @@ class OSDP(nn.Module):
             layout = build_layout(self.module, self._built, list(self._state_keys))
             self._view = ShardedView(self.module, self._built, self._comm, tuple(self._state_keys), layout)
         return self._view
+
+
+def _check_auto_only_args(plan, modes, splits, memory_limit, example_inputs, auto_only: dict) -> None:
+    """Arguments only auto mode reads, given where it does not run, are refused rather
+    than ignored. (``memory_limit`` is not among them: with a plan or modes it is the
+    limit every step's measured peak is checked against.)"""
+    auto = plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None)
+    unused = [n for n, v in {"example_inputs": example_inputs, **auto_only}.items() if v is not None]
+    if not auto and unused:
+        one = len(unused) == 1
+        raise ConfigError(
+            f"{', '.join(f'{n}=' for n in unused)} {'is' if one else 'are'} read by auto mode only (memory_limit= "
+            f"and example_inputs= with no plan=, modes= or splits=): here {'it' if one else 'they'} would be "
+            f"ignored; drop {'it' if one else 'them'}, or plan in auto mode"
+        )
 
 
 def _unique_params(units) -> list[tuple[str, nn.Parameter]]:

@@ -295,9 +295,32 @@ def cmd_demo(args) -> int:
     return run_demo(args)
 
 
+def _attach_dash_values(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``--memory -1GiB`` -> ``--memory=-1GiB``: argparse takes a value that starts with
+    ``-`` and is no number for the next option ("expected one argument"); attached, it
+    reaches the option's own check, which says what is wrong with it."""
+    parsers = [parser]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            parsers += list(action.choices.values())
+    flags = {opt: action for p in parsers for opt, action in p._option_string_actions.items()}
+    out, i = [], 0
+    while i < len(argv):
+        token = argv[i]
+        action = flags.get(token)
+        takes_value = action is not None and action.nargs is None and action.option_strings
+        if takes_value and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] not in flags:
+            out.append(f"{token}={argv[i + 1]}")
+            i += 2
+            continue
+        out.append(token)
+        i += 1
+    return out
+
+
 def main(argv=None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_attach_dash_values(list(sys.argv[1:] if argv is None else argv), parser))
     try:
         return args.func(args)
     except OSDPError as exc:

@@ -103,7 +103,7 @@ class GPT(nn.Module):
 
     ``forward(idx, targets=None)`` returns logits, or the mean cross-entropy loss when
     targets are given (fused with the head, no logits kept, when the runtime replaced
-    ``lm_head`` by a vocabulary-split op: anything with a ``cross_entropy`` method).
+    ``lm_head`` by a vocabulary-split op whose ``fuses_loss()`` says so).
     """
 
     # the planner counts the logits a split head never holds ([Note: fused head loss])
@@ -145,7 +145,7 @@ class GPT(nn.Module):
         for bridge, block in zip(self.bridges, self.blocks):
             x = block(bridge(x))
         x = self.ln_f(x)
-        if targets is not None and hasattr(self.lm_head, "cross_entropy"):
+        if targets is not None and getattr(self.lm_head, "fuses_loss", lambda: False)():
             # the head split along vocabulary (by OSDP's runtime): the loss slice by slice,
             # no [batch, seq, vocab] logits ([Note: fused head on split slices])
             return self.lm_head.cross_entropy(x, targets)

@@ -81,7 +81,7 @@ class _LossForward:
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         head = getattr(self, "lm_head", None)
-        if targets is not None and hasattr(head, "cross_entropy"):
+        if targets is not None and getattr(head, "fuses_loss", lambda: False)():
             # the head split along vocabulary by OSDP's runtime: the loss slice by slice from
             # the base model's last hidden states, no logits ([Note: fused head on split slices])
             hidden = self.base_model(input_ids=idx, use_cache=False)[0]

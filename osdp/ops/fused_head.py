@@ -84,6 +84,22 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         return (dx, None, None, None, None) + (None,) * module.g
 
 
+def head_hooks(head) -> list[str]:
+    """The kinds of hooks registered on ``head`` itself, which a call of the module runs
+    and the fused loss cannot (it never builds the output they would see)."""
+    kinds = {"forward pre-hook": head._forward_pre_hooks, "forward hook": head._forward_hooks,
+             "backward hook": head._backward_hooks, "backward pre-hook": head._backward_pre_hooks}
+    return [kind for kind, hooks in kinds.items() if hooks]
+
+
+def fuses_loss(head) -> bool:
+    """Whether a model's forward should take ``head.cross_entropy`` (the fused loss) over
+    ``head(x)`` and a loss on the logits: a vocabulary-cut split op, bias-free, with no
+    hooks of its own that the fused loss would bypass."""
+    return (getattr(head, "cut", None) == "out" and hasattr(head, "cross_entropy") and not head.has_bias
+            and not head_hooks(head))
+
+
 def fused_head_cross_entropy(head, x: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,
                              reduction: str = "mean", label_smoothing: float = 0.0) -> torch.Tensor:
     """Cross-entropy of ``head(x)`` (``head`` a vocabulary-cut :class:`MatmulSplit`)
@@ -96,6 +112,10 @@ def fused_head_cross_entropy(head, x: torch.Tensor, targets: torch.Tensor, *, ig
     if head.has_bias:
         raise ConfigError("the fused head loss supports bias-free heads only (LM heads are bias-free); this head "
                           "has a bias: call the head and F.cross_entropy on its logits instead")
+    if head_hooks(head):
+        raise ConfigError(f"the head has {' and '.join(head_hooks(head))}s of its own, which the fused loss would "
+                          "not run (it never builds the logits they see): call the head and F.cross_entropy on "
+                          "its logits instead, or remove the hooks")
     if label_smoothing != 0.0:
         raise ConfigError(f"label_smoothing={label_smoothing!r} is not supported by the fused head loss: only 0.0")
     if reduction not in REDUCTIONS:
@@ -113,4 +133,4 @@ def fused_head_cross_entropy(head, x: torch.Tensor, targets: torch.Tensor, *, ig
     return loss.reshape(targets.shape) if reduction == "none" else loss
 
 
-__all__ = ["fused_head_cross_entropy"]
+__all__ = ["fused_head_cross_entropy", "fuses_loss", "head_hooks"]

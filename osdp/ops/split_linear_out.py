@@ -14,9 +14,11 @@ embedding's (the slices are the embedding's units; see [Note: tied row split] in
 """
 from __future__ import annotations
 
+import warnings
+
 import torch.nn as nn
 
-from .fused_head import fused_head_cross_entropy
+from .fused_head import fused_head_cross_entropy, fuses_loss, head_hooks
 from .matmul_split import MatmulSplit
 from .registry import register_split_op
 
@@ -32,6 +34,18 @@ class SplitLinearOut(MatmulSplit):
     default_for_type = False
     # an Embedding tied to the split weight looks up the same rows, slice for slice
     tied_use_op = "embedding_rows"
+
+    def fuses_loss(self) -> bool:
+        """Whether a model's forward should compute its loss with :meth:`cross_entropy`:
+        bias-free and no hooks of its own, which only a call of the head runs (with such
+        hooks the logits are built, once warned: the plan assumed they never exist)."""
+        hooks = head_hooks(self)
+        if hooks and not getattr(self, "_warned_hooks", False):
+            self._warned_hooks = True
+            warnings.warn(f"the vocabulary-split head has {' and '.join(hooks)}s of its own: its loss runs on whole "
+                          "logits so that they run, above the plan's memory (it assumed the fused loss, which "
+                          "builds no logits)", stacklevel=3)
+        return fuses_loss(self)
 
     def cross_entropy(self, x, targets, *, ignore_index: int = -100, reduction: str = "mean",
                       label_smoothing: float = 0.0):

@@ -64,7 +64,18 @@ def _consistent(path: str, params) -> tuple[torch.dtype, bool]:
     return dtypes.pop(), grads.pop()
 
 
+# a module's hook registries: a split op that replaces it takes them over, the same
+# dicts (so the users' handles still remove them), so its hooks run as before
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+               "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_backward_pre_hooks",
+               "_backward_hooks", "_is_full_backward_hook")
+
+
 def _set_submodule(model: nn.Module, path: str, new: nn.Module) -> None:
+    old = model.get_submodule(path)
+    for name in _HOOK_DICTS:
+        if hasattr(old, name):
+            setattr(new, name, getattr(old, name))
     parent_path, _, child = path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     setattr(parent, child, new)

@@ -249,12 +249,20 @@ def own_param_counts(model: nn.Module) -> dict[str, int]:
 
 def check_plan_matches_model(model: nn.Module, plan: RuntimeConfig) -> None:
     """Every unit a plan names must be a module of ``model`` that owns the parameter
-    count the plan priced (``param_bytes`` / element size); a plan made for another
-    model fails here, naming the first unit that differs. A RuntimeConfig without
-    ``unit_param_bytes`` (made by hand) is not checked."""
+    count the plan priced (``param_bytes`` / element size), and every module owning
+    parameters must be a unit of it (left out, it would run the default mode the plan
+    never priced); a plan made for another model fails here, naming the first unit that
+    differs. A RuntimeConfig without ``unit_param_bytes`` (made by hand) is not checked."""
     if not plan.unit_param_bytes:
         return
     counts = own_param_counts(model)
+    missing = [name for name, count in counts.items() if count and name not in plan.unit_param_bytes]
+    if missing:
+        raise PlanMismatchError(
+            f"the plan (for model {plan.model_name!r}) leaves out {len(missing)} module(s) of this model that own "
+            f"parameters ({', '.join(map(repr, missing[:6]))}{', ...' if len(missing) > 6 else ''}): it was made "
+            "for another model or edited; make a plan for this one"
+        )
     modules = dict(model.named_modules())
     elements = {p.element_size() for p in model.parameters()}
     if plan.param_dtype_bytes:

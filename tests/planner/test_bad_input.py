@@ -457,3 +457,9 @@ def test_profiling_collectives_warns_nothing():
     done = subprocess.run([sys.executable, "-W", "error::DeprecationWarning", "-W", "error::FutureWarning", "-c", code],
                           capture_output=True, text=True, cwd=root, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_cli_negative_memory_is_the_memory_check_not_an_argparse_error(capsys):
+    # '-1GiB' starts with '-': argparse took it for the next option ("expected one argument")
+    err = cli_error(["plan", "--preset", "tiny", "--memory", "-1GiB"], capsys)
+    assert err == "osdp: error: --memory: memory size must be at least 1 byte, got '-1GiB'"

@@ -143,3 +143,56 @@ def test_edited_plan_file_is_refused_before_wrapping(plan, tmp_path):
         osdp.OSDP(model, plan=str(path))
     assert str(info.value) == f"plan file {path}: plan field 'batch_size' must be an integer >= 1, got 0"
     assert_unchanged(model, before)
+
+
+# ---- issue 35.5: what a user meets --------------------------------------------------
+@pytest.mark.parametrize("given", ["plan", "modes", "splits"])
+@pytest.mark.parametrize("auto_only", ["loss_fn", "example_inputs", "settings", "auto_kwargs"])
+def test_auto_mode_arguments_without_auto_mode_are_refused(plan, given, auto_only):
+    values = {"loss_fn": lambda out: out, "example_inputs": example_batch(CFG, 2),
+              "settings": osdp.planner.PlannerSettings(), "auto_kwargs": {"batch": 2}}
+    where = {"plan": {"plan": plan}, "modes": {"modes": {"lm_head": "dp"}},
+             "splits": {"splits": {"blocks.0.mlp.c_fc": 2}}}[given]
+    model = gpt()
+    before = snapshot(model)
+    with pytest.raises(OSDPError) as info:
+        osdp.OSDP(model, **where, **{auto_only: values[auto_only]})
+    assert str(info.value) == (f"{auto_only}= is read by auto mode only (memory_limit= and example_inputs= with no "
+                               "plan=, modes= or splits=): here it would be ignored; drop it, or plan in auto mode")
+    assert_unchanged(model, before)
+
+
+def test_memory_limit_with_modes_is_the_step_checks_limit():
+    from osdp.errors import MemoryLimitExceeded
+
+    wrapped = osdp.OSDP(gpt(), modes={"lm_head": "dp"}, memory_limit="1KiB")
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    wrapped(*example_batch(CFG, 2)).backward()
+    with pytest.raises(MemoryLimitExceeded):
+        optim.step()
+
+
+def test_a_plan_that_leaves_a_unit_out_is_refused(plan):
+    data = json.loads(json.dumps(plan.to_dict()))
+    data["units"] = [u for u in data["units"] if u["name"] != "blocks.1.ln_2"]
+    model = gpt()
+    before = snapshot(model)
+    with pytest.raises(OSDPError) as info:
+        osdp.OSDP(model, plan=data)
+    assert "leaves out 1 module(s) of this model that own parameters ('blocks.1.ln_2')" in str(info.value)
+    assert_unchanged(model, before)
+
+
+def test_hooks_on_a_split_head_still_run_and_the_fused_loss_refuses_to_bypass_them():
+    idx, targets = example_batch(CFG, 2)
+    plain = osdp.OSDP(gpt(), modes={"lm_head": ("dp", "dp")}, split_ops={"lm_head": "linear_out_features"})
+    model = gpt()
+    seen = []
+    model.lm_head.register_forward_hook(lambda mod, args, out: seen.append(tuple(out.shape)))  # before wrapping
+    hooked = osdp.OSDP(model, modes={"lm_head": ("dp", "dp")}, split_ops={"lm_head": "linear_out_features"})
+    with pytest.warns(UserWarning, match="forward hooks of its own: its loss runs on whole logits"):
+        loss = hooked(idx, targets)
+    assert seen == [(2, CFG.seq_len, CFG.vocab_size)]  # the hook saw the logits
+    torch.testing.assert_close(loss, plain(idx, targets), rtol=1e-6, atol=1e-6)  # plain: the fused loss
+    with pytest.raises(OSDPError, match="forward hooks of its own, which the fused loss would not run"):
+        hooked.module.lm_head.cross_entropy(torch.randn(2, CFG.seq_len, CFG.hidden), targets)
