@@ -23,6 +23,7 @@ from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
 from .runtime.ledger import MemoryLedger
+from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
 from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
 from .runtime.modes import Mode
@@ -119,6 +120,12 @@ class OSDP(nn.Module):
     step's measurement, ``memory_check=False`` (or ``OSDP_MEMORY_CHECK=0``) turns it off.
     See [Note: measured peak] in ``osdp/runtime/peak.py``.
 
+    A model built on the meta device (``with torch.device("meta"): model = ...``) is made
+    real one module at a time, each initialized and cut to this rank's shard before the
+    next: by ``param_init_fn(module)`` when given, else the module's own
+    ``reset_parameters()``; seed every rank alike first. See [Note: meta initialization]
+    in ``osdp/runtime/materialize.py`` (what equals a CPU build bitwise, and buffers).
+
     Gradient accumulation: ``no_sync()`` / ``set_requires_gradient_sync(False)`` keep
     unsharded fp32 gradients across micro-batches (no reduce-scatter, no rep bucket
     all-reduce) until a backward runs with sync on; ``micro_batch(i)`` applies the plan's
@@ -150,6 +157,7 @@ class OSDP(nn.Module):
         auto_kwargs: dict | None = None,
         loss_fn=None,
         memory_check: bool = True,
+        param_init_fn=None,
     ):
         super().__init__()
         group = self._init_checks(module, process_group, mixed_precision, timeout_s)
@@ -171,7 +179,7 @@ class OSDP(nn.Module):
             world_size=self.layout.world.size,
         )
         self._init_comm(module, group, config, mixed_precision, coalesce_bytes, timeout_s, sync_module_states)
-        self._init_units(module, config, mixed_precision)
+        self._init_units(module, config, mixed_precision, param_init_fn)
         self._init_scheduler(config, coalesce_bytes)
         self._init_hooks(config)
         self._init_memory_check(memory_limit, memory_check)
@@ -223,14 +231,24 @@ class OSDP(nn.Module):
         self.timeout_s = float(timeout_s)
         self._check_same_config(config, own_param_counts(module), mixed_precision, coalesce_bytes)
         if sync_module_states:
+            if has_meta(module):
+                raise ConfigError("sync_module_states=True broadcasts rank 0's weights, and this model is on the "
+                                  "meta device (no weights yet): seed every rank alike (torch.manual_seed) before "
+                                  "wrapping, so that every rank initializes the same values")
             with torch.no_grad():
                 for tensor in list(module.parameters()) + list(module.buffers()):
                     dist.broadcast(tensor.data, src=dist.get_global_rank(group, 0), group=group)
 
-    def _init_units(self, module, config, mixed_precision) -> None:
-        """Split ops swapped in, parameters flattened into sharded units, buffers moved."""
+    def _init_units(self, module, config, mixed_precision, param_init_fn) -> None:
+        """Split ops swapped in, parameters flattened into sharded units (a model built on
+        the meta device made real one module at a time: [Note: meta initialization] in
+        osdp/runtime/materialize.py), buffers moved."""
+        meta_init = MetaInit(self.device, param_init_fn) if has_meta(module) else None
+        if param_init_fn is not None and meta_init is None:
+            raise ConfigError("param_init_fn= initializes a model built on the meta device; this one has no "
+                              "meta parameters or buffers (it is initialized already): drop param_init_fn")
         self._built = build_units(module, config.unit_modes, self._comm.rank, self._comm.world_size, self.device,
-                                  mixed_precision, config.split_ops)
+                                  mixed_precision, config.split_ops, meta_init)
         for mod in module.modules():
             mod._osdp_wrapped = True  # see _refuse_wrapped
         install_torch_clip_guard()  # see [Note: global gradient norm]

@@ -7,6 +7,9 @@
 - :func:`save` / :func:`load`: sharded checkpoints with optimizer state through
   ``torch.distributed.checkpoint`` (every rank writes only its shard), loadable at
   another world size or with another plan (modes, splits).
+- :func:`load_hf` / :func:`save_hf`: Hugging Face safetensors checkpoint directories,
+  read straight into the shards and written one unit at a time ([Note: Hugging Face
+  checkpoints] in ``hf.py``).
 
 Every function is a collective over the model's process group (with a 2-D mesh: all
 of the mesh's ranks): call it on every rank.
@@ -63,7 +66,6 @@ import math
 import os
 import shutil
 import warnings
-from typing import NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -79,42 +81,21 @@ from ..runtime.state_dict import (
 from ..runtime.state_dict import full_state_dict as _gather_full_state_dict
 from . import _atomic
 from ._atomic import META_FILE, agree, broadcast_from_rank0, gather_to_rank0, on_rank0
+from ._view import prepare as _prepare
+from ._view import world as _world
 from ._optim_state import optimizer_units as _optimizer_units
 from ._optim_state import param_states, same_state, unit_state
+from .hf import load_hf, save_hf
 from ._dcp import ChunkedTensor, ChunkLoadPlanner, ChunkSavePlanner, flat_index, range_boxes
 from ._integrity import ALGORITHM, ChecksumWriter, VerifyingReader, dcp_errors
 
-__all__ = ["save", "load", "full_state_dict", "load_full_state_dict", "save_full", "load_full"]
+__all__ = ["save", "load", "full_state_dict", "load_full_state_dict", "save_full", "load_full", "load_hf", "save_hf"]
 
 FORMAT = "osdp-sharded"
 FORMAT_VERSION = 2  # 2: per-chunk checksums; 1 (no checksums) still loads, with a warning
 
 
 # ---- helpers --------------------------------------------------------------------------
-class _Ranks(NamedTuple):
-    """All ranks of the model's layout (replicas included), as ``_atomic``'s helpers take
-    them; see [Note: checkpoints of replicated layouts]."""
-
-    group: object
-    rank: int
-    world_size: int
-    device: torch.device
-
-
-def _world(view: ShardedView) -> _Ranks:
-    level = view.comm.layout.world
-    return _Ranks(level.group, level.rank, level.size, view.comm.device)
-
-
-def _prepare(model) -> ShardedView:
-    """The wrapped model's sharded view (units, comm, layout), its pending gradient
-    reductions finished; OSDPError for anything but an osdp.OSDP model."""
-    view_of = getattr(model, "_sharded_view", None)
-    if view_of is None:
-        raise OSDPError(f"expected an osdp.OSDP-wrapped model, got {type(model).__name__}")
-    return view_of()
-
-
 def _chunked(view: ShardedView, layout: Layout, fqn: str, flat_of, saving: bool = False) -> ChunkedTensor:
     """This rank's boxes of original tensor ``fqn``; ``flat_of(unit index)`` is the
     rank's flat local tensor of that unit (the shard or an element-wise state). A unit's

@@ -125,16 +125,21 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(widths[-1], config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
+        self.apply(self.init_module)
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def init_module(module: nn.Module) -> None:
+        """GPT-2's initialization of one module's own parameters: the ``param_init_fn``
+        of a GPT built on the meta device (``osdp.OSDP(meta_gpt, ...,
+        param_init_fn=GPT.init_module)``; [Note: meta initialization])."""
         if isinstance(module, nn.Linear):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = idx.shape[1]

@@ -26,6 +26,7 @@ from ..ops import SplitModule, get_split_op
 from .config import tied_uses
 from .modes import Mode
 from .shard_unit import ParamSlot, ShardUnit
+from .materialize import MetaInit
 from .split_params import SplitParams, shard_numel
 
 
@@ -89,7 +90,10 @@ def build_units(
     device: torch.device,
     mixed_precision=None,
     split_ops: dict[str, str] | None = None,
+    meta_init: MetaInit | None = None,
 ) -> BuiltModel:
+    """The units of ``model`` (see the module docstring); ``meta_init``: how a model built
+    on the meta device is made real, one module at a time ([Note: meta initialization])."""
     param_dtype = getattr(mixed_precision, "param_dtype", None)
     reduce_dtype = getattr(mixed_precision, "effective_reduce_dtype", None)
     keep_alive = list(model.parameters())  # ids below must not be reused while we work
@@ -99,59 +103,76 @@ def build_units(
     owner: dict[int, tuple[ShardUnit, int]] = {}
     built = BuiltModel()
     tied = tied_uses(model)
-    sliced: dict[str, list[dict[str, torch.Tensor]]] = {}  # split path -> its slice tensors
+    sliced: dict[str, list[list[tuple]]] = {}  # split path -> per slice, its tensors' (offset, shape, stride)
 
     for path, module in list(model.named_modules()):
+        if meta_init is not None:
+            meta_init.materialize(path, module)
         params = [(a, p) for a, p in module._parameters.items() if p is not None]
         if not params:
             continue
-        modes = unit_modes[path]
-        if tied.get(path) in built.splits:
-            _build_tied_use(model, path, module, tied[path], built, sliced, split_ops or {})
-            continue
-        if len(modes) > 1:
-            _check_splittable(model, path, params, fqns, owner, tied)
-            op = get_split_op(module, path, (split_ops or {}).get(path))
-            op.check(module, len(modes), path)
-            _, requires_grad = _consistent(path, [p for _, p in params])
-            whole = dict(params)
-            sliced[path] = op.slice_tensors(module, len(modes))
-            slice_units = _build_slices(path, sliced[path], whole, fqns, modes, rank, world_size, device,
-                                        requires_grad, param_dtype, reduce_dtype)
-            new = op(module, len(modes))
-            _set_submodule(model, path, new)
-            built.units.extend(slice_units)
-            built.splits[path] = (new, slice_units)
-            built.tree += _slice_params(new, slice_units, [[s.attr for s in u.slots] for u in slice_units])
-            continue
-
-        own = [(a, p) for a, p in params if id(p) not in owner]
-        entries: dict[ShardUnit, list[tuple[str, int]]] = {}
-        unit = None
-        if own:
-            _, requires_grad = _consistent(path, [p for _, p in own])
-            slots, offset = [], 0
-            for attr, p in own:
-                slots.append(ParamSlot(attr, tuple(fqns[id(p)]), p.shape, offset, p.numel()))
-                offset += p.numel()
-            unit = ShardUnit(
-                path, slots, [p.detach() for _, p in own], modes[0], rank, world_size, device, requires_grad,
-                param_dtype, reduce_dtype, param_names=[fqns[id(p)][0] for _, p in own],
-            )
-            built.units.append(unit)
-            for i, (attr, p) in enumerate(own):
-                owner[id(p)] = (unit, i)
-        for attr, p in params:
-            u, i = owner[id(p)]
-            entries.setdefault(u, []).append((attr, i))
-            built.tree.append((module, attr, u.params[i]))
-            if u is not unit:
-                built.tied.setdefault(path, u.name)
-        for attr, _ in params:
-            del module._parameters[attr]
-        built.bindings.append((module, path, list(entries.items())))
+        _build_module(model, path, module, params, unit_modes[path], built, owner, fqns, tied, sliced, rank,
+                      world_size, device, param_dtype, reduce_dtype, split_ops or {})
+        if meta_init is not None:
+            meta_init.release(module, [p for _, p in params])
     del keep_alive
     return built
+
+
+def _build_module(model, path, module, params, modes, built, owner, fqns, tied, sliced, rank, world_size, device,
+                  param_dtype, reduce_dtype, split_ops) -> None:
+    """The unit(s) of one module that holds parameters: a tied use of a split unit, its
+    split op's slice units, or a unit of the parameters it owns (tied ones: an earlier
+    unit's)."""
+    if tied.get(path) in built.splits:
+        _build_tied_use(model, path, module, tied[path], built, sliced, split_ops)
+        return
+    if len(modes) > 1:
+        _check_splittable(model, path, params, fqns, owner, tied)
+        op = get_split_op(module, path, split_ops.get(path))
+        op.check(module, len(modes), path)
+        _, requires_grad = _consistent(path, [p for _, p in params])
+        tensors = op.slice_tensors(module, len(modes))
+        sliced[path] = [[_cut_of(t) for t in slice_.values()] for slice_ in tensors]
+        slice_units = _build_slices(path, tensors, dict(params), fqns, modes, rank, world_size, device,
+                                    requires_grad, param_dtype, reduce_dtype)
+        new = op(module, len(modes))
+        _set_submodule(model, path, new)
+        built.units.extend(slice_units)
+        built.splits[path] = (new, slice_units)
+        built.tree += _slice_params(new, slice_units, [[s.attr for s in u.slots] for u in slice_units])
+        return
+
+    own = [(a, p) for a, p in params if id(p) not in owner]
+    entries: dict[ShardUnit, list[tuple[str, int]]] = {}
+    unit = None
+    if own:
+        _, requires_grad = _consistent(path, [p for _, p in own])
+        slots, offset = [], 0
+        for attr, p in own:
+            slots.append(ParamSlot(attr, tuple(fqns[id(p)]), p.shape, offset, p.numel()))
+            offset += p.numel()
+        unit = ShardUnit(
+            path, slots, [p.detach() for _, p in own], modes[0], rank, world_size, device, requires_grad,
+            param_dtype, reduce_dtype, param_names=[fqns[id(p)][0] for _, p in own],
+        )
+        built.units.append(unit)
+        for i, (attr, p) in enumerate(own):
+            owner[id(p)] = (unit, i)
+    for attr, p in params:
+        u, i = owner[id(p)]
+        entries.setdefault(u, []).append((attr, i))
+        built.tree.append((module, attr, u.params[i]))
+        if u is not unit:
+            built.tied.setdefault(path, u.name)
+    for attr, _ in params:
+        del module._parameters[attr]
+    built.bindings.append((module, path, list(entries.items())))
+
+
+def _cut_of(tensor: torch.Tensor) -> tuple:
+    """Where a slice tensor sits in its parameter: (offset, shape, stride)."""
+    return tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride())
 
 
 def _build_slices(path, sliced, whole, fqns, modes, rank, world_size, device, requires_grad, param_dtype,
@@ -217,14 +238,8 @@ def _build_tied_use(model: nn.Module, path: str, module: nn.Module, owner_path: 
     g = len(units)
     op.check(module, g, path)
     # the tied use must cut the shared weight exactly as the owner does, slot for slot
-    owner_tensors = sliced[owner_path]
     for i, tensors in enumerate(op.slice_tensors(module, g)):
-        ours, theirs = list(tensors.values()), list(owner_tensors[i].values())
-        same = len(ours) == len(theirs) and all(
-            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
-            for a, b in zip(ours, theirs)
-        )
-        if not same:
+        if [_cut_of(t) for t in tensors.values()] != sliced[owner_path][i]:
             raise OSDPError(
                 f"cannot split the tied pair {owner_path!r} / {path!r}: split op {op.op_name!r} of {path!r} "
                 f"cuts slice {i} of the shared weight otherwise than {type(owner_module).op_name!r} of "

@@ -1,0 +1,180 @@
+"""Hugging Face safetensors checkpoints straight into and out of the shards
+(``osdp.checkpoint.load_hf`` / ``save_hf``, [Note: Hugging Face checkpoints]): stock
+``transformers`` GPT-2 and Llama (tiny configs, ``save_pretrained``) loaded into models
+built on the meta device give the pretrained model's logits, on 1 and 2 ranks, split,
+tied and rep units included; ``save_hf`` -> ``from_pretrained`` is the same model; every
+bad input is one error that changes nothing."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import osdp
+import osdp.checkpoint as ckpt
+from osdp.errors import OSDPError
+
+from runtime.dist_harness import spawn
+
+transformers = pytest.importorskip("transformers")
+from safetensors.torch import load_file, save_file  # noqa: E402 - after the importorskip
+
+VOCAB = 101
+
+
+def llama():
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return transformers.LlamaForCausalLM, config
+
+
+def gpt2():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    return transformers.GPT2LMHeadModel, config
+
+
+MODELS = {"llama": llama, "gpt2": gpt2}
+# split (in features; the tied GPT-2 embedding by rows, its head following), rep, dp, zdp
+PLANS = {
+    "llama": dict(splits={"model.layers.0.mlp.down_proj": 2}, modes={"model.norm": "rep", "lm_head": "dp"}),
+    "gpt2": dict(modes={"transformer.wte": ("zdp", "dp"), "transformer.ln_f": "rep"},
+                 splits={"transformer.h.0.mlp.c_fc": 2}),
+}
+
+
+def pretrained(name: str, path) -> torch.nn.Module:
+    cls, config = MODELS[name]()
+    torch.manual_seed(0)
+    model = cls(config).eval()
+    model.save_pretrained(path)
+    return model
+
+
+def on_meta(name: str, **kwargs):
+    cls, config = MODELS[name]()
+    with torch.device("meta"):
+        model = cls(config)
+    torch.manual_seed(1)  # other weights than the checkpoint's: load_hf must replace them all
+    return osdp.OSDP(model, param_init_fn=model._init_weights, **kwargs).eval()
+
+
+def tokens():
+    return torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(3))
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=tokens()).logits
+
+
+single = pytest.mark.usefixtures("one_rank_group")
+
+
+@single
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_load_hf_into_a_meta_model_gives_the_pretrained_logits(name, tmp_path):
+    ref = pretrained(name, tmp_path / "ckpt")
+    plain = on_meta(name)  # no splits: the same products, bitwise
+    ckpt.load_hf(plain, tmp_path / "ckpt")
+    assert torch.equal(logits(plain), logits(ref))
+    planned = on_meta(name, **PLANS[name])  # split matmuls accumulate in another order
+    ckpt.load_hf(planned, tmp_path / "ckpt")
+    torch.testing.assert_close(logits(planned), logits(ref), rtol=1e-6, atol=1e-6)
+
+
+@single
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_save_hf_then_from_pretrained_is_the_same_model(name, tmp_path):
+    ref = pretrained(name, tmp_path / "ckpt")
+    model = on_meta(name, **PLANS[name])
+    ckpt.load_hf(model, tmp_path / "ckpt")
+    ckpt.save_hf(model, tmp_path / "out")
+    cls, _ = MODELS[name]()
+    back = cls.from_pretrained(tmp_path / "out").eval()
+    mine, theirs = back.state_dict(), ref.state_dict()
+    assert list(mine) == list(theirs)
+    for key in theirs:
+        assert torch.equal(mine[key], theirs[key]), key
+
+
+@single
+def test_sharded_checkpoint_with_an_index_round_trips(tmp_path):
+    ref = pretrained("llama", tmp_path / "ckpt")
+    model = on_meta("llama", **PLANS["llama"])
+    ckpt.load_hf(model, tmp_path / "ckpt")
+    ckpt.save_hf(model, tmp_path / "sharded", max_shard_size="40KB")
+    files = sorted(os.listdir(tmp_path / "sharded"))
+    index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and all(f in files for f in shards)
+    again = on_meta("llama", **PLANS["llama"])
+    ckpt.load_hf(again, tmp_path / "sharded")
+    torch.testing.assert_close(logits(again), logits(ref), rtol=1e-6, atol=1e-6)
+
+
+def _shards(model):
+    return [u.shard.detach().clone() for u in model._built.units]
+
+
+@single
+@pytest.mark.parametrize("case", ["not a directory", "no checkpoint in it", "a key missing", "an unexpected key",
+                                  "a wrong shape"])
+def test_bad_checkpoints_are_one_clear_error_and_change_nothing(case, tmp_path):
+    pretrained("llama", tmp_path / "ckpt")
+    target = tmp_path / "ckpt"
+    state = load_file(target / "model.safetensors")
+    if case == "not a directory":
+        target, text = target / "model.safetensors", "is not a directory: load_hf reads a Hugging Face checkpoint"
+    elif case == "no checkpoint in it":
+        (tmp_path / "empty").mkdir()
+        target, text = tmp_path / "empty", "holds neither model.safetensors nor model.safetensors.index.json"
+    elif case == "a key missing":
+        del state["model.norm.weight"]
+        save_file(state, target / "model.safetensors")
+        text = "keys missing from the checkpoint: ['model.norm.weight']"
+    elif case == "an unexpected key":
+        state["model.extra.weight"] = torch.zeros(3)
+        save_file(state, target / "model.safetensors")
+        text = "keys the model does not have: ['model.extra.weight']"
+    else:
+        state["model.norm.weight"] = torch.ones(33)
+        save_file(state, target / "model.safetensors")
+        text = "'model.norm.weight' is [33] in the checkpoint, [32] in the model"
+    model = on_meta("llama", **PLANS["llama"])
+    before = _shards(model)
+    with pytest.raises(OSDPError) as info:
+        ckpt.load_hf(model, target)
+    assert text in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, _shards(model)))
+
+
+@single
+def test_a_meta_rotary_table_left_unset_is_named():
+    cls, config = llama()
+    with torch.device("meta"):
+        model = cls(config)
+
+    def weights_only(module):  # initializes every parameter, not the rotary embedding's table
+        if "RotaryEmbedding" not in type(module).__name__:
+            model._init_weights(module)
+
+    with pytest.raises(OSDPError, match="buffer 'inv_freq' of 'model.rotary_emb' .* was built on the meta device"):
+        osdp.OSDP(model, param_init_fn=weights_only)
+
+
+def _two_ranks(rank, world_size, path):
+    out = {}
+    for name in sorted(MODELS):
+        model = on_meta(name, **PLANS[name])
+        ckpt.load_hf(model, os.path.join(path, name))
+        out[name] = logits(model)
+    return out
+
+
+def test_load_hf_on_two_ranks(tmp_path):
+    refs = {name: logits(pretrained(name, tmp_path / name)) for name in sorted(MODELS)}
+    for result in spawn(_two_ranks, 2, str(tmp_path)):
+        for name, ref in refs.items():
+            torch.testing.assert_close(result[name], ref, rtol=1e-6, atol=1e-6)
