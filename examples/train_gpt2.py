@@ -20,9 +20,9 @@ What each piece does:
    on rank 0 and broadcasts the plan; ``model.batch_size`` is the micro-batch per rank
    and ``model.accumulation_steps`` the micro-batches per optimizer step (the planner
    picks them for ``--global-batch``, or ``--micro-batch`` fixes the micro-batch).
-3. AdamW over ``model.named_parameters()``, which yields the ORIGINAL names
-   (``transformer.h.0.attn.c_attn.weight``; a slice of a split weight is ``<name>[i]``):
-   no weight decay for biases and norms.
+3. AdamW over ``model.named_parameters()``, which yields the ORIGINAL names, each once
+   (``transformer.h.0.attn.c_attn.weight``, a split weight too): no weight decay for
+   biases and norms.
 4. Each step: ``with model.micro_batch(i)`` for every micro-batch (gradients are
    reduce-scattered in the last one only), ``model.clip_grad_norm_`` (the global norm,
    the same on every rank), ``optimizer.step``.
@@ -131,9 +131,8 @@ def batch_for(args, step: int, micro: int, rank: int, size: int) -> torch.Tensor
 
 
 def no_decay(name: str) -> bool:
-    """Biases and norm weights: ``...bias``, modules named ln_*/…norm… (``[i]`` of a slice
-    of a split weight ignored)."""
-    parts = re.sub(r"\[\d+\]$", "", name).split(".")
+    """Biases and norm weights: ``...bias``, modules named ln_*/…norm…."""
+    parts = name.split(".")
     module = parts[-2] if len(parts) > 1 else ""
     return parts[-1] == "bias" or module.startswith("ln") or "norm" in module
 

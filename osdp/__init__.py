@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it: the runtime (what a training script uses)
 _EXPORTS = {
-    "OSDP": "osdp.api",
+    "OSDP": "osdp.entry",
     "MixedPrecision": "osdp.runtime.mixed_precision",
     "RuntimeConfig": "osdp.contract",
     "auto_plan": "osdp.auto",

@@ -1,17 +1,21 @@
-"""``osdp.OSDP``: wrap a model so that it trains with a per-unit OSDP plan."""
+"""``ShardedModel``: a model wrapped so that it trains with a per-unit OSDP plan (the
+runtime side of ``osdp.OSDP``, which ``osdp/entry.py`` makes public with auto mode)."""
 from __future__ import annotations
 
 import contextlib
 import hashlib
 import json
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from .contract import DEFAULT_COALESCE_BYTES, RuntimeConfig, default_prefetch_bytes
+from .checkpoint import full_state_dict as gathered_state_dict
 from .errors import ConfigError, OSDPError, PlanMismatchError
+from .planner.calibration import format_report
 from .planner.plan import plan_from_arg
 from .sizes import parse_bytes
 from .runtime.args import device_arg
@@ -35,17 +39,18 @@ from .runtime.view import ShardedView
 
 
 
-def _default_device() -> torch.device:
+def default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-class OSDP(nn.Module):
-    """Optimal Sharded Data Parallel.
+class ShardedModel(nn.Module):
+    """The runtime of a plan: ``osdp.OSDP`` without auto mode (``osdp/entry.py`` adds
+    it, one layer above: this module never imports the planner's measuring side).
 
-    ``OSDP(module, plan)`` or ``OSDP(module, default_mode="zdp", modes={...}, splits={...})``.
-    What it applies, in order:
+    ``ShardedModel(module, plan)`` or ``ShardedModel(module, default_mode="zdp",
+    modes={...}, splits={...})``. What it applies, in order:
 
     1. resolves every unit's per-slice modes (``plan.unit_modes()`` or the keyword
        arguments; units not named follow ``default_mode``) and checks the plan's world
@@ -74,22 +79,6 @@ class OSDP(nn.Module):
     ``"linear_out_features"``).
     ``prefetch_bytes``: the prefetch window (default: twice the largest
     unit's gathered bytes).
-
-    Auto mode: with no plan and no ``modes``/``splits``, ``memory_limit`` and
-    ``example_inputs`` make OSDP call :func:`osdp.auto.auto_plan` first (every rank: it
-    profiles, plans on rank 0 and broadcasts; ``settings``, ``loss_fn`` and
-    ``auto_kwargs`` such as ``batch``/``global_batch`` are passed on). ``model.plan`` is
-    the plan and ``model.batch_size`` the per-device batch the training loop must use.
-    ``example_inputs`` is one forward's arguments: a tuple (positional), a dict (keyword:
-    a stock Hugging Face model takes ``{"input_ids": x, "labels": y}``) or
-    ``osdp.ExampleInputs(args, kwargs)``; the batch is dim 0 of the first tensor. The
-    profiler runs backward on ``loss_fn(output)`` when given (a scalar tensor, for any
-    batch), else on ``output.loss`` (a ``ModelOutput`` given labels) or on the output
-    tensor (summed if not a scalar); tuple outputs need ``loss_fn``. See
-    [Note: example inputs and the loss] in ``osdp/planner/inputs.py``. ``example_inputs``,
-    ``settings``, ``loss_fn`` and ``auto_kwargs`` given with a plan, ``modes`` or ``splits``
-    would be ignored and are refused (:class:`ConfigError`); ``memory_limit`` there is the
-    limit of the per-step memory check (below).
 
     Plan checks: every unit the plan names must be a module of ``module`` owning the
     parameter count the plan priced, the plan's dtypes must match ``mixed_precision``
@@ -152,21 +141,16 @@ class OSDP(nn.Module):
         timeout_s: float = DEFAULT_TIMEOUT_S,
         coalesce_bytes: int | None = None,
         memory_limit=None,
-        example_inputs=None,
-        settings=None,
-        auto_kwargs: dict | None = None,
-        loss_fn=None,
         memory_check: bool = True,
         param_init_fn=None,
     ):
         super().__init__()
-        group = self._init_checks(module, process_group, mixed_precision, timeout_s)
+        group = check_wrappable(module, process_group, mixed_precision, timeout_s)
         self.layout = ShardLayout.from_arg(process_group, mesh, node_size)
         group = self.layout.world.group
         coalesce_bytes = _coalesce_arg(coalesce_bytes)
-        self.device = device_arg(device) if device is not None else _default_device()
-        self._init_plan(module, plan, modes, splits, memory_limit, example_inputs, process_group, settings,
-                        mixed_precision, auto_kwargs, loss_fn)
+        self.device = device_arg(device) if device is not None else default_device()
+        self._init_plan(module, plan, mixed_precision)
         config = resolve_config(
             module,
             plan=self._run,
@@ -185,33 +169,10 @@ class OSDP(nn.Module):
         self._init_memory_check(memory_limit, memory_check)
 
     # ---- construction, in order ----------------------------------------------------------
-    def _init_checks(self, module, process_group, mixed_precision, timeout_s):
-        """Refuse what cannot be wrapped, before anything changes; the process group."""
-        if not dist.is_available() or not dist.is_initialized():
-            raise OSDPError("OSDP needs torch.distributed initialized (dist.init_process_group) before wrapping")
-        _refuse_wrapped(module)
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise OSDPError(f"mixed_precision must be an osdp MixedPrecision, got {type(mixed_precision).__name__}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-            raise OSDPError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
-        if not any(True for _ in module.parameters()):
-            raise OSDPError(
-                f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
-                "models with parameters; run a parameter-free module as it is)"
-            )
-        return process_group if process_group is not None else dist.group.WORLD
-
-    def _init_plan(self, module, plan, modes, splits, memory_limit, example_inputs, process_group, settings,
-                   mixed_precision, auto_kwargs, loss_fn) -> None:
-        """``self.plan`` (given, loaded from a path, or made in auto mode) and the typed
-        ``self._run`` the runtime executes, checked against the model and dtypes."""
+    def _init_plan(self, module, plan, mixed_precision) -> None:
+        """``self.plan`` (given, or loaded from a path) and the typed ``self._run`` the
+        runtime executes, checked against the model and dtypes."""
         plan = plan_from_arg(plan)  # a Plan, or the path of a plan file (loaded), or a dict
-        _check_auto_only_args(plan, modes, splits, memory_limit, example_inputs,
-                              {"loss_fn": loss_fn, "settings": settings, "auto_kwargs": auto_kwargs})
-        if plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None):
-            plan = _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision,
-                              {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {}),
-                               "layout": self.layout})
         run = _runtime_config(plan)
         if run is not None:
             check_plan_matches_model(module, run)
@@ -567,10 +528,6 @@ class OSDP(nn.Module):
         what was measured on the runtime: per phase (forward, backward, optimizer), the
         step, peak memory and per unit group, with the calibration's decision and
         fitted factors (auto mode; see [Note: calibrate and re-plan] in osdp/auto.py)."""
-        import sys
-
-        from .planner.calibration import format_report
-
         text = format_report(self.plan if hasattr(self.plan, "units") else None)
         print(text, file=file or sys.stdout, flush=True)
         return text
@@ -639,9 +596,7 @@ class OSDP(nn.Module):
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """The original model's state dict, gathered (a collective: call on every rank);
         the same as ``osdp.checkpoint.full_state_dict(model)``."""
-        from .checkpoint import full_state_dict
-
-        return full_state_dict(self, rank0_only)
+        return gathered_state_dict(self, rank0_only)
 
     def _sharded_view(self) -> ShardedView:
         """The model as ``osdp.checkpoint`` reads it, pending gradient reductions finished
@@ -651,21 +606,6 @@ class OSDP(nn.Module):
             layout = build_layout(self.module, self._built, list(self._state_keys))
             self._view = ShardedView(self.module, self._built, self._comm, tuple(self._state_keys), layout)
         return self._view
-
-
-def _check_auto_only_args(plan, modes, splits, memory_limit, example_inputs, auto_only: dict) -> None:
-    """Arguments only auto mode reads, given where it does not run, are refused rather
-    than ignored. (``memory_limit`` is not among them: with a plan or modes it is the
-    limit every step's measured peak is checked against.)"""
-    auto = plan is None and not modes and not splits and (memory_limit is not None or example_inputs is not None)
-    unused = [n for n, v in {"example_inputs": example_inputs, **auto_only}.items() if v is not None]
-    if not auto and unused:
-        one = len(unused) == 1
-        raise ConfigError(
-            f"{', '.join(f'{n}=' for n in unused)} {'is' if one else 'are'} read by auto mode only (memory_limit= "
-            f"and example_inputs= with no plan=, modes= or splits=): here {'it' if one else 'they'} would be "
-            f"ignored; drop {'it' if one else 'them'}, or plan in auto mode"
-        )
 
 
 def _unique_params(units) -> list[tuple[str, nn.Parameter]]:
@@ -703,33 +643,31 @@ def _runtime_config(plan) -> RuntimeConfig | None:
     return to_config()
 
 
+def check_wrappable(module: nn.Module, process_group, mixed_precision, timeout_s):
+    """Refuse what cannot be wrapped, before anything changes; the process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise OSDPError("OSDP needs torch.distributed initialized (dist.init_process_group) before wrapping")
+    _refuse_wrapped(module)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise OSDPError(f"mixed_precision must be an osdp MixedPrecision, got {type(mixed_precision).__name__}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise OSDPError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+    if not any(True for _ in module.parameters()):
+        raise OSDPError(
+            f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
+            "models with parameters; run a parameter-free module as it is)"
+        )
+    return process_group if process_group is not None else dist.group.WORLD
+
+
 def _refuse_wrapped(module: nn.Module) -> None:
     """Refuse a module that an OSDP wrapper already owns (itself, a part of it, or a
     model containing one): wrapping again would rebuild its units under the first
     wrapper and break it. Checked before anything is changed."""
     for path, sub in module.named_modules():
-        if isinstance(sub, OSDP) or getattr(sub, "_osdp_wrapped", False):
+        if isinstance(sub, ShardedModel) or getattr(sub, "_osdp_wrapped", False):
             where = f"its submodule {path!r}" if path else "it"
             raise OSDPError(
                 f"cannot wrap this {type(module).__name__}: {where} is already wrapped by osdp.OSDP (each "
                 "module can belong to one OSDP model; wrap the unwrapped model once, or train the existing wrapper)"
             )
-
-
-def _auto_plan(module, example_inputs, memory_limit, process_group, settings, mixed_precision, auto_kwargs):
-    """``osdp.auto.auto_plan`` with the runtime's mixed-precision dtypes in the settings."""
-    if example_inputs is None:
-        raise OSDPError("auto mode needs example_inputs= (one forward's arguments: a tuple, or a dict of "
-                        "keyword arguments) beside memory_limit=")
-    from .auto import auto_plan
-    from .planner.cost_model import PlannerSettings
-
-    settings = settings if settings is not None else PlannerSettings()
-    if mixed_precision is not None and mixed_precision.param_dtype is not None:
-        p_bytes = torch.empty((), dtype=mixed_precision.param_dtype).element_size()
-        r_dtype = mixed_precision.effective_reduce_dtype
-        r_bytes = torch.empty((), dtype=r_dtype).element_size()
-        if settings.param_dtype_bytes is None and settings.reduce_dtype_bytes is None:
-            settings = settings.with_(param_dtype_bytes=p_bytes, reduce_dtype_bytes=r_bytes)
-    return auto_plan(module, example_inputs, memory_limit, process_group=process_group, settings=settings,
-                     **{"mixed_precision": mixed_precision, **dict(auto_kwargs or {})})

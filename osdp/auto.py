@@ -10,13 +10,24 @@ from dataclasses import asdict, replace
 import torch
 import torch.distributed as dist
 
+from .api import ShardedModel
 from .errors import InfeasiblePlanError, OSDPError
 from .measured_choice import measured_choice
+from .measured_plans import MeasuredPlans
+from .planner import calibration as cal
 from .planner.cost_model import PlannerSettings
+from .planner.device import DeviceInfo
+from .planner.inputs import as_example_inputs
 from .planner.plan import Plan
 from .planner.planner import make_plan
 from .planner.profiler import profile
+from .planner.uniform_plan import uniform_plan
+from .profiler import TrialPool, measure_plans
 from .rank_agreement import broadcast_from_rank0, check_same_plan, is_rank0
+from .planner.calibration import Measurement
+from .planning_budget import DEFAULT_BUDGET_S, PlanningBudget, predicted_step_s, show_progress
+from .runtime.materialize import has_meta, meta_skeleton
+from .sizes import format_bytes
 
 log = logging.getLogger("osdp.auto")
 
@@ -68,6 +79,7 @@ def auto_plan(
     calibrate: bool = True,
     calibration_steps: int = 3,
     mixed_precision=None,
+    param_init_fn=None,
     **profile_kwargs,
 ) -> Plan:
     """Measure this cluster, then plan for the most samples per second within
@@ -104,6 +116,38 @@ def auto_plan(
     re-plan]. The returned plan carries ``measured`` and ``calibration``.
     ``mixed_precision``: the policy the model will be wrapped with (for that measurement).
     """
+    holder = None
+    if has_meta(model):  # its values: initialized under a forked state, the caller's draws stay its own
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            holder = value_holder(model, process_group, layout, mixed_precision, param_init_fn)
+    plan, values = plan_with_values(
+        model, example_inputs, memory_limit, holder=holder, process_group=process_group, settings=settings,
+        batch=batch, global_batch=global_batch, loss_fn=loss_fn, backend=backend, cache_dir=cache_dir,
+        progress=progress, layout=layout, calibrate=calibrate, calibration_steps=calibration_steps,
+        mixed_precision=mixed_precision, **profile_kwargs)
+    values.close()
+    return plan
+
+
+def value_holder(model, process_group, layout, mixed_precision, param_init_fn):
+    """``model`` (on the meta device) wrapped as FSDP, all units ``zdp`` (the least memory
+    a wrapped model holds), and initialized: what holds its values while auto mode
+    measures it ([Note: one trial at a time] in osdp/profiler/runtime.py)."""
+    where = {"mesh": layout} if layout is not None else {"process_group": process_group}
+    return ShardedModel(meta_skeleton(model), default_mode="zdp", mixed_precision=mixed_precision, memory_check=False,
+                        param_init_fn=param_init_fn, **where)
+
+
+def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, process_group=None,
+                     settings: PlannerSettings | None = None, batch: int | None = None,
+                     global_batch: int | None = None, loss_fn=None, backend: str = "auto", cache_dir=None,
+                     progress: bool = True, layout=None, calibrate: bool = True, calibration_steps: int = 3,
+                     mixed_precision=None, budget_s: float | None = DEFAULT_BUDGET_S, use_plan_cache: bool = True,
+                     **profile_kwargs):
+    """:func:`auto_plan`'s work: ``(plan, values)``, ``values`` the ``RuntimeMeasure``
+    whose ``holder()`` is the wrapped model holding the values of a ``model`` on the meta
+    device (``holder``: the one it started from; the last trial after measuring); the
+    caller builds from it, then closes it."""
     if batch is not None and global_batch is not None:
         raise OSDPError(
             f"auto_plan got batch={batch} and global_batch={global_batch}: give the per-device "
@@ -111,8 +155,12 @@ def auto_plan(
         )
     if layout is not None and process_group is None and layout.world.group is not dist.group.WORLD:
         process_group = layout.world.group  # a mesh over some of the ranks
+    show_progress(progress, process_group)
+    budget = PlanningBudget(budget_s, process_group)  # [Note: planning budget]
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
+    log.info("described %d units%s and profiled this machine in %.1f s", len(desc.ops),
+             " on fake tensors (the model is on the meta device)" if has_meta(model) else "", budget.spent())
     device = cluster.for_run(run)
     settings = for_model_device(settings, model)
     if layout is not None:
@@ -120,25 +168,47 @@ def auto_plan(
     hardware = device  # the profile on this layout, before calibration refits it
     calibrate = calibrate and dist.is_available() and dist.is_initialized()
     measure = RuntimeMeasure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
-                             steps=calibration_steps, mixed_precision=mixed_precision, layout=layout)
+                             steps=calibration_steps, mixed_precision=mixed_precision, layout=layout, holder=holder,
+                             budget=budget)
+    cache = MeasuredPlans(cache_dir, enabled=use_plan_cache and calibrate, group=process_group)
+    key = cache.key(desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision)
     try:
+        plan = cache.get(key)
+        if plan is not None:
+            log.info("plan from the cache of measured plans (%s): %s, batch %d", cache.path, plan_summary(plan),
+                     plan.batch_size)
+            return plan, measure
         if calibrate:  # [Note: calibrate and re-plan] step 1
-            from .planner.inputs import as_example_inputs
-
             device, reference = runtime_profile(desc, device, settings or PlannerSettings(),
                                                 as_example_inputs(example_inputs).batch_size(), measure,
                                                 process_group=process_group, backend=backend)
+            log.info("fitted the runtime's factors to %d measured FSDP steps", len(reference))
         plan = _plan_on_rank0(desc, device, settings, batch, global_batch, backend, process_group)
+        if calibrate and batch is None and global_batch is None:
+            cap = budget.batch_cap(plan)
+            if cap is not None:
+                batch = cap
+                plan = _plan_on_rank0(desc, device, settings, batch, None, backend, process_group)
+        log.info("planned: %s, batch %d, predicted step %.0f ms, peak %s of %s", plan_summary(plan), plan.batch_size,
+                 predicted_step_s(plan) * 1e3, format_bytes(plan.predicted.peak_bytes),
+                 format_bytes(device.memory_limit_bytes))
         if calibrate:
             plan = calibrate_plan(desc, hardware, device, plan, measure, reference=reference, settings=settings,
                                   batch=batch, global_batch=global_batch, backend=backend,
                                   process_group=process_group)
+            log.info("calibration: %s", (plan.calibration or {}).get("decision", "-"))
             plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
                                    global_batch=global_batch, backend=backend, process_group=process_group)
-    finally:
-        measure.close()  # the warm copies of the model
-    check_same_plan(plan, process_group)
-    return plan
+            plan = replace(plan, calibration={**(plan.calibration or {}), "budget": budget.record()})
+            cache.put(key, plan)
+        check_same_plan(plan, process_group)
+        log.info("picked: %s, batch %d%s; %.0f s in auto mode", plan_summary(plan), plan.batch_size,
+                 f", measured {Measurement.from_dict(plan.measured).step_s * 1e3:.0f} ms a step"
+                 if plan.measured else "", budget.spent())
+    except BaseException:
+        measure.close()
+        raise
+    return plan, measure
 
 
 def _plan_on_rank0(desc, device, settings, batch, global_batch, backend, process_group) -> Plan:
@@ -166,26 +236,37 @@ def _plan_on_rank0(desc, device, settings, batch, global_batch, backend, process
 
 class RuntimeMeasure:
     """``measure([plan, ...]) -> [Measurement, ...]``: ``osdp.profiler.measure_plans``
-    of ``model`` (a copy per plan, their steps interleaved). The copies of the last call
-    stay warm for the next one ([Note: warm trials]) until :meth:`close`."""
+    of ``model``, one trial at a time, the last one kept warm for the next call ([Note:
+    one trial at a time]) until :meth:`close`. ``holder``: the wrapped model holding the
+    values of a ``model`` on the meta device."""
 
     def __init__(self, model, example_inputs, *, loss_fn=None, process_group=None, steps: int = 3,
-                 mixed_precision=None, layout=None):
-        from .profiler import TrialPool
-
+                 mixed_precision=None, layout=None, holder=None, budget: PlanningBudget | None = None):
         self.model, self.example_inputs, self.steps = model, example_inputs, steps
         self.options = dict(loss_fn=loss_fn, process_group=process_group, mixed_precision=mixed_precision,
                             layout=layout)
-        self.pool = TrialPool()
+        self.pool = TrialPool(holder=holder)
+        self.budget = budget if budget is not None else PlanningBudget(None, process_group)
+        self.count = 0
 
     def __call__(self, plans):
-        from .profiler import measure_plans
+        steps = self.budget.steps(plans, self.steps, warmup=2)
+        results = measure_plans(self.model, plans, self.example_inputs, steps=steps, pool=self.pool, **self.options)
+        for plan, m in zip(plans, results):
+            self.count += 1
+            log.info("measured plan %d: %s, batch %d: step %.0f ms (%d timed), %.1f samples/s, peak %s; %.0f s of "
+                     "the budget left", self.count, plan_summary(plan), plan.batch_size, m.step_s * 1e3, m.steps,
+                     m.samples_per_s(plan.world_size, plan.accumulation_steps), format_bytes(m.peak_bytes),
+                     max(self.budget.left(), 0))
+        return results
 
-        return measure_plans(self.model, plans, self.example_inputs, steps=self.steps, pool=self.pool,
-                             **self.options)
+    def holder(self):
+        """The wrapped model that holds a meta model's values now (None for a real model)."""
+        return self.pool.values()
 
     def close(self) -> None:
         self.pool.close()
+        self.pool.holder = None
 
 
 def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,
@@ -198,9 +279,6 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
     refitted to all three.
     Returns the refitted device and the [(plan, measurement)] it was fitted to ([] and
     ``device`` when FSDP does not fit at ``batch``)."""
-    from .planner import calibration as cal
-    from .planner.device import DeviceInfo
-
     refs = None
     if is_rank0(process_group):
         fsdp = settings.with_(policy="zdp", checkpointing="none", rerank=False, accumulation_steps=1)
@@ -238,8 +316,6 @@ def split_reference(desc, device, settings: PlannerSettings, batch: int) -> Plan
     cannot tell the runtime's per-unit overhead and the collectives' latency from
     compute, and it under-priced split plans by 20-27% (bench/fidelity.py, I&C
     split4_mixed)."""
-    from .planner.uniform_plan import uniform_plan
-
     slices = min(REFERENCE_SLICES, settings.max_slices)
     if settings.policy != "osdp" or slices < 2 or not any(op.splittable for op in desc.ops):
         return None
@@ -278,9 +354,6 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
        Rank 0 decides and broadcasts the plan returned on every rank.
     ``measure([plan, ...]) -> [Measurement, ...]`` (``RuntimeMeasure``); ``reference``: step 1's
     [(plan, measurement)]."""
-    from .planner import calibration as cal
-    from .planner.device import DeviceInfo
-
     group = process_group
     settings = settings or PlannerSettings()
     margin = settings.memory_tolerance
@@ -300,7 +373,7 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
                             for p, m in [(plan, first)] + [(p, m) for p, m in reference if m is not first]]
     if not reasons:
         return _annotated(plan, first, {**info, "decision": "kept: the model predicted it within 5% and with room "
-                                                            "below the limit", **_predictions(cal, desc, device, plan)})
+                                                            "below the limit", **cal.predictions(desc, device, plan)})
     outcome = None
     if is_rank0(group):
         try:
@@ -313,16 +386,20 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     if "error" in outcome:
         log.warning("calibration could not re-plan (%s); keeping the plan", outcome["error"])
         return _annotated(plan, first, {**info, "decision": f"kept: re-planning failed ({outcome['error']})",
-                                        **_predictions(cal, desc, device, plan)})
+                                        **cal.predictions(desc, device, plan)})
     fitted = DeviceInfo.from_dict(outcome["device"], "calibrated device")
     info.update(factors=asdict(fitted.calibration), memory_bandwidth_bytes_per_s=fitted.memory_bandwidth_bytes_per_s,
                 constant_bytes=fitted.constant_bytes)
     replan = Plan.from_dict(outcome["replan"])
     if replan.plan_hash() == plan.plan_hash():
         return _annotated(replan, first, {**info, "decision": "kept: the re-plan on the refitted model is the same plan",
-                                          **_predictions(cal, desc, fitted, replan)})
-    # both measured again, their steps interleaved: a load that drifts since the first
-    # measurement slows both alike ("measured better" is a ratio taken in one run)
+                                          **cal.predictions(desc, fitted, replan)})
+    budget = getattr(measure, "budget", None)
+    afford = budget is None or not is_rank0(group) or bool(budget.affordable([plan, replan], "calibration's re-plan"))
+    if not broadcast_from_rank0(afford, group):
+        return _annotated(plan, first, {**info, "decision": "kept: the re-plan was not measured (the planning "
+                                        "budget was spent)", **cal.predictions(desc, device, plan)})
+    # both measured again, one after the other ([Note: one trial at a time])
     first, second = measure([plan, replan])
     keep = None
     if is_rank0(group):
@@ -333,21 +410,22 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
                     if keep_replan else
                     f"kept: the re-plan measured {samples[1]:.2f} samples/s against the plan's {samples[0]:.2f}")
         extra = {**info, "decision": decision, "other": {"plan": other[0].to_dict(), "measured": other[1].to_dict()},
-                 **_predictions(cal, desc, fitted, chosen[0])}
+                 **cal.predictions(desc, fitted, chosen[0])}
         keep = _annotated(chosen[0], chosen[1], extra).to_dict()
     return Plan.from_dict(broadcast_from_rank0(keep, group))
 
 
-def _predictions(cal, desc, device, plan) -> dict:
-    """Predicted seconds per phase and per unit group of ``plan`` on ``device``."""
-    try:
-        a = cal.assignment_of(desc, device, plan)
-        sim = cal.simulate(a, device)
-        return {"predicted_phases": {k: v.duration_s for k, v in sim.phases.items()},
-                "predicted_step_s": sim.step_s,
-                "predicted_groups": cal.predicted_groups(a, device)}
-    except OSDPError as exc:
-        return {"predicted_error": str(exc)}
+def plan_summary(plan: Plan) -> str:
+    """One line of what a plan runs: its modes and slices, checkpointed blocks."""
+    modes: dict[str, int] = {}
+    for unit in plan.units:
+        for mode in unit.modes:
+            modes[mode] = modes.get(mode, 0) + 1
+    split = sum(1 for u in plan.units if u.slices > 1)
+    parts = [" ".join(f"{n} {m}" for m, n in sorted(modes.items()))]
+    parts += [f"{split} split"] if split else []
+    parts += [f"{len(plan.checkpoint_blocks)} blocks checkpointed"] if plan.checkpoint_blocks else []
+    return ", ".join(parts)
 
 
 def _annotated(plan: Plan, measured, calibration: dict) -> Plan:

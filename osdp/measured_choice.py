@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from .errors import OSDPError
+from .planner import calibration as cal
 from .planner.cost_model import PlannerSettings
+from .planner.device import Calibration
 from .planner.plan import Plan
 from .planner.planner import make_plan
 from .rank_agreement import broadcast_from_rank0, is_rank0
@@ -15,8 +17,6 @@ from .sizes import format_bytes
 def calibrated_device(device, plan: Plan):
     """``device`` with the factors, optimizer bandwidth and memory constant that
     calibration recorded on ``plan`` (the device the plan was made on)."""
-    from .planner.device import Calibration
-
     info = plan.calibration or {}
     if "factors" not in info:
         return device
@@ -186,6 +186,10 @@ def _tiebreak(best, measured, measure, group):
     always over one over its limit. Returns ((plan, its last measurement), a record) or
     None when there was no tiebreak. Rank 0 decides; every rank measures."""
     runner = close_runner_up(best, measured) if is_rank0(group) else None
+    budget = getattr(measure, "budget", None)  # [Note: planning budget]
+    if runner is not None and budget is not None and not budget.affordable([best[0], runner[0]] * TIEBREAK_REPEATS,
+                                                                            "measured choice's tiebreak"):
+        runner = None
     found = broadcast_from_rank0(runner[0].to_dict() if runner is not None else None, group)
     if found is None:
         return None
@@ -236,8 +240,6 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     apart), the two are measured again TIEBREAK_REPEATS times, interleaved, and the
     faster over those measurements is kept (``_tiebreak``). Every plan handed out has
     been measured on this machine. Rank 0 decides and broadcasts."""
-    from .planner import calibration as cal
-
     if not plan.measured:
         return plan
     group = process_group
@@ -248,8 +250,12 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     measured = [(plan, cal.Measurement.from_dict(plan.measured))]
     best = measured[0]
 
+    budget = getattr(measure, "budget", None)  # [Note: planning budget]
+
     def round_of(candidates):
         nonlocal best
+        if budget is not None and is_rank0(group) and candidates:
+            candidates = budget.affordable([best[0]] + candidates, "measured choice's candidates")[1:]
         found = broadcast_from_rank0([p.to_dict() for p in candidates] if is_rank0(group) else None, group)
         found = [Plan.from_dict(p) for p in found]
         if not found:
@@ -292,9 +298,7 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
             # the report sets these predictions beside the kept plan's measurement: they
             # must be its own, not the calibrated plan's (the demo printed the b18 plan's
             # 841 ms beside the b9 plan's measured 392 ms)
-            from .auto import _predictions
-
-            info.update(_predictions(cal, desc, device, chosen))
+            info.update(cal.predictions(desc, device, chosen))
         if tiebreak is not None:
             info["measured_choice"]["tiebreak"] = tiebreak_row
         keep = replace(chosen, measured=result.to_dict(), calibration=info).to_dict()

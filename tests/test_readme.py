@@ -8,6 +8,8 @@ a private profile cache):
   ``python -m torch.distributed.run <args> <the block's file>``;
 - a block with a line ``# not run by tests/test_readme.py: <why>`` is skipped (it says
   why in the README; at most one such block);
+- a block with a line ``# slow in tests/test_readme.py: <why>`` runs with the ``slow``
+  tests (``.ci/run`` runs them when its budget allows);
 - any other block runs as ``python <the block's file>``.
 
 Each must exit 0. The README's two one-line commands are checked for what can be
@@ -71,7 +73,12 @@ def _env(tmp_path: Path) -> dict:
                 OMP_NUM_THREADS="1")
 
 
-@pytest.mark.parametrize("index", range(len(BLOCKS)), ids=[f"{i}-{h}" for i, (h, _) in enumerate(BLOCKS)])
+SLOW_MARK = "# slow in tests/test_readme.py:"  # such a block runs with the `slow` tests
+
+
+@pytest.mark.parametrize("index", [pytest.param(i, marks=pytest.mark.slow) if SLOW_MARK in code else i
+                                   for i, (_, code) in enumerate(BLOCKS)],
+                         ids=[f"{i}-{h}" for i, (h, _) in enumerate(BLOCKS)])
 def test_readme_python_block_runs(index, tmp_path):
     heading, code = BLOCKS[index]
     if SKIP_MARK in code:

@@ -558,3 +558,16 @@ def format_report(plan) -> str:
         for g in sorted(set(groups_p) | set(groups_m)):
             lines.append(row(g, groups_p.get(g), groups_m.get(g)))
     return "\n".join(lines)
+
+
+def predictions(desc: ModelDesc, device: DeviceInfo, plan) -> dict:
+    """Predicted seconds per phase and per unit group of ``plan`` on ``device``, as a
+    plan's calibration record keeps them."""
+    try:
+        a = assignment_of(desc, device, plan)
+        sim = simulate(a, device)
+        return {"predicted_phases": {k: v.duration_s for k, v in sim.phases.items()},
+                "predicted_step_s": sim.step_s,
+                "predicted_groups": predicted_groups(a, device)}
+    except OSDPError as exc:
+        return {"predicted_error": str(exc)}

@@ -32,6 +32,16 @@ cached, ``reprofile=True`` / ``$OSDP_REPROFILE=1`` bypass it): compute fits per 
 shape (the shape key holds the unit's kind, size, FLOPs and activation bytes, so a
 changed model re-measures only its changed units), collectives per world size.
 
+[Note: compute of a model on meta]
+A model built on the meta device has no weights to time its units with, and nothing
+may make it whole on one rank. Its description is fake-tensor work (describe_fake); its
+compute is priced from FLOPs: every op at the rate of its widest splittable matmul
+(timed alone at the example batch's tokens; DeviceInfo's op overhead per op), no
+per-unit fits. Auto mode then measures it wrapped, on the runtime, and calibration fits
+the compute scales, the per-unit overhead and the rest to those steps ([Note: what the
+profiler fits] in calibration.py): what per-op fits would have said about ops slower
+per FLOP than a matmul (norms, softmax) is averaged into the scales.
+
 [Note: timing units]
 Forward time of a unit runs from its forward pre-hook to the next unit's (work between
 units belongs to the unit before it, as in describe's attribution). Backward time of a
@@ -300,6 +310,19 @@ def profile_split_efficiency(in_features: int, out_features: int, tokens: int, s
     return {str(g): timed(lambda g=g: split(g)) / base for g in slices if g <= axis}
 
 
+def matmul_flops_per_s(in_features: int, out_features: int, tokens: int, device, noisy: set | None = None,
+                       dtype=torch.float32, repeats: int = 5) -> float:
+    """FLOPs per second of one ``[tokens, in] @ [in, out]`` product on ``device`` (the
+    median of ``repeats``, re-measured while noisy)."""
+    x = torch.randn(tokens, in_features, device=device, dtype=dtype)
+    w = torch.randn(out_features, in_features, device=device, dtype=dtype)
+    kept = steady(lambda: timed_samples(lambda: torch.nn.functional.linear(x, w), repeats,
+                                        sync=lambda: _sync(device)), "matmul rate")
+    if kept.noisy and noisy is not None:
+        noisy.add("compute")
+    return 2.0 * tokens * in_features * out_features / kept.median
+
+
 # ---- cache and driver -----------------------------------------------------------------
 
 def _device_label(device: torch.device) -> str:
@@ -372,6 +395,9 @@ def profile(
     world = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
     device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
+    on_meta = device.type == "meta"  # [Note: compute of a model on meta]
+    if on_meta:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
         capacity_source = "torch.cuda.get_device_properties(...).total_memory"
@@ -409,7 +435,7 @@ def profile(
         comm = found.get(("comm", comm_key), {"all_gather": {"alpha_s": 0.0, "beta_s_per_byte": 0.0},
                                              "reduce_scatter": {"alpha_s": 0.0, "beta_s_per_byte": 0.0}})
     fits = dict(cached_fits)
-    if todo_keys:
+    if todo_keys and not on_meta:
         fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar, noisy))
     from ..ops import MatmulSplit, registered_split_ops as _ops
 
@@ -433,7 +459,11 @@ def profile(
     bar.step("split efficiency")
 
     total_flops = sum(op.flops_per_sample for op in desc.ops)
-    slope = sum(fits[shape_key(op)].fwd_per_sample_s for op in desc.ops)
+    if on_meta:  # no unit timed: every op at the widest matmul's rate
+        fits = {}
+        slope = total_flops / matmul_flops_per_s(k, n, tokens, device, noisy) if widest else 0.0
+    else:
+        slope = sum(fits[shape_key(op)].fwd_per_sample_s for op in desc.ops)
     measured = {
         "name": f"{world}x {label} ({backend})",
         "node_size": world,
@@ -445,7 +475,8 @@ def profile(
                             **({"all_reduce": comm["reduce_scatter"]}
                                if gradient_collective(torch.device(device).type) == "all_reduce" else {})}},
         "flops_per_s": total_flops / slope if slope > 0 and total_flops > 0 else 1e12,
-        "op_overhead_s": statistics.median([f.fwd_intercept_s for f in fits.values()]) if fits else 0.0,
+        "op_overhead_s": (statistics.median([f.fwd_intercept_s for f in fits.values()]) if fits
+                          else DeviceInfo.op_overhead_s),
         "slice_overhead_s": 0.0,  # measured as split_efficiency instead
         "split_efficiency": split,
         "op_compute": {k: v.__dict__ for k, v in fits.items()},
@@ -462,7 +493,7 @@ def profile(
     if rank == 0 and use_cache:  # rank 0's numbers, as broadcast; noisy ones are not kept
         if need_comm and "comm" not in noisy:
             cache.put("comm", comm_key, dict(measured["links"]["intra"]))
-        if "compute" not in noisy:
+        if "compute" not in noisy and not on_meta:
             for key in todo_keys:
                 cache.put("compute", f"{compute_key}|{key}", measured["op_compute"][key])
         if split_measured and "split" not in noisy:

@@ -1,22 +1,35 @@
 """``measure_plan``: time a plan on the runtime that will run it.
 
-A deep copy of the (unwrapped) model is wrapped by ``osdp.OSDP`` with the plan, so what
-is measured is what training runs: the real scheduler, prefetch window, coalescing of
-small units, reduction queue and split ops. It trains with AdamW (the optimizer the
-cost model prices; lr 0, the copy is thrown away) on the example inputs repeated or cut
-to the plan's batch, ``accumulation_steps`` micro-batches per step (``OSDP.micro_batch``): ``warmup`` steps (the first records the use order and creates the
-optimizer state), then ``steps`` timed steps. The peak memory is read in the last
-warm-up step, a steady one (the runtime's own tracker of live tensors on CPU, which
-slows it by about 5%, so it is not timed; the allocator's peak on CUDA); with fewer
-than 2 warm-up steps, in one more step after the timed ones. Every rank measures; the step reported is the median timed step with its own
+The model is wrapped by ``osdp.OSDP`` with the plan, so what is measured is what
+training runs: the real scheduler, prefetch window, coalescing of small units, reduction
+queue and split ops. It trains with AdamW (the optimizer the cost model prices; lr 0:
+the weights do not move) on the example inputs repeated or cut to the plan's batch,
+``accumulation_steps`` micro-batches per step (``OSDP.micro_batch``): ``warmup`` steps
+(the first records the use order and creates the optimizer state), then ``steps`` timed
+steps. The peak memory is read in the last warm-up step, a steady one (the runtime's own
+tracker of live tensors on CPU, which slows it by about 5%, so it is not timed; the
+allocator's peak on CUDA); with fewer than 2 warm-up steps, in one more step after the
+timed ones. Every rank measures; the step reported is the median timed step with its own
 phases (so forward + backward + optimizer = step), taken from the slowest rank (it
 decides when a step is done for everyone); peak and group times are maxima over ranks.
-Every rank holds the same ``Measurement``. A plan timed again through a ``TrialPool``
-runs on its warm copy: no warm-up, the peak read the first time ([Note: warm trials]).
+Every rank holds the same ``Measurement``.
+
+[Note: one trial at a time]
+No plan is measured on a copy of the model: the model may not fit twice, or not even
+once whole (built on the meta device). A trial is the model's skeleton (its structure
+on meta, ``meta_skeleton``) wrapped with the plan, its units filled one module at a time
+([Note: meta initialization]) from a value source: the model's own tensors when it is a
+real model, else the trial before it (its shards gathered unit by unit,
+``ShardValues``), the first one from the wrapped model the caller holds. Only one trial
+lives at a time (the next is built from it, then it is closed): plans are measured one
+after the other, not with their steps interleaved, so a load that drifts between two
+measurements is not cancelled out. While a trial is built from the one before, both
+shards are alive (no optimizer state, no gradients: far below a step's peak). A ``TrialPool`` keeps the last trial for the next
+call: a plan timed again runs on it warm (no rebuild, no warm-up, its peak read the
+first time), and it is the value source of the next trial.
 """
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 
@@ -25,6 +38,10 @@ import torch.distributed as dist
 
 from ..planner.calibration import Measurement, group_of
 from ..planner.inputs import as_example_inputs, batch_loss
+from ..api import ShardedModel
+from ..errors import OSDPError
+from ..runtime.materialize import ModuleValues, ValuesFrom, has_meta, meta_skeleton
+from ..runtime.state_dict import ShardValues
 
 __all__ = ["TrialPool", "measure_plan", "measure_plans"]
 
@@ -41,7 +58,9 @@ def _group_stamps(model, names):
     handles = []
     for name in names:
         module = modules.get(name)
-        if module is None:
+        # a vocabulary-split head computes its fused loss outside its call (no hook would
+        # fire), and a hook of its own would turn the fused loss off (fuses_loss)
+        if module is None or hasattr(module, "fuses_loss"):
             continue
 
         def hook(*_, name=name):  # returns None: a pre-hook's value would replace the inputs
@@ -59,92 +78,93 @@ def measure_plan(module, plan, example_inputs, **kwargs) -> Measurement:
 
 
 class TrialPool:
-    """[Note: warm trials]
-    Calibration measures a few plans in several rounds, and the best so far is in
-    every round (its steps interleaved with the newcomers'). A plan's first
-    measurement pays for a deep copy, the wrap and ``warmup`` untimed steps (the use
-    order, AdamW's state, the peak); timed again, it needs none of them: its wrapped
-    copy is warm and its peak, read in a steady step of the very shapes it runs, is
-    the same. So ``measure_plans(..., pool=pool)`` keeps the trials of its call in the
-    pool, and the next call reuses those of its plans (by ``plan_hash``) and closes
-    the others before it makes new ones: no more copies are alive than that call's
-    plans, as without a pool. ``close()`` (the caller's, when its rounds are over)
-    frees the last call's."""
+    """The one live trial ([Note: one trial at a time]) and where the next one's values
+    come from: ``holder``, a wrapped model holding the values of a model on the meta
+    device, until a trial exists, then the live trial; without a holder, the model's
+    own tensors (cheaper than gathering a trial's shards)."""
 
-    def __init__(self):
-        self._trials: dict[str, _Trial] = {}
+    def __init__(self, holder=None):
+        self.holder = holder
+        self.current: _Trial | None = None
 
-    def take(self, plans) -> dict[str, _Trial]:
-        """The warm trials of ``plans`` (by hash); every other kept trial is closed."""
-        wanted = {p.plan_hash() for p in plans}
-        reused = {h: t for h, t in self._trials.items() if h in wanted}
-        for h, trial in self._trials.items():
-            if h not in wanted:
-                trial.close()
-        self._trials = {}
-        return reused
-
-    def keep(self, trials) -> None:
-        for trial in trials:
-            twin = self._trials.setdefault(trial.plan.plan_hash(), trial)
-            if twin is not trial:  # a plan given twice in one call: one copy stays warm
-                trial.close()
+    def trial(self, make, plan, module) -> tuple[_Trial, bool]:
+        """The trial of ``plan``: the live one when it runs ``plan`` (warm: True), else
+        ``make(source)``, the live one closed after (before, when not its source)."""
+        if self.current is not None and self.current.plan.plan_hash() == plan.plan_hash():
+            return self.current, True
+        if self.holder is None:
+            self.close()  # the model's own tensors: nothing needs the live trial
+            source = ModuleValues(module)
+        else:  # built from the live trial's shards (or the holder's), freed after
+            source = ShardValues(self.holder if self.current is None else self.current.model)
+        trial = make(source)
+        self.close()
+        self.current = trial
+        return trial, False
 
     def close(self) -> None:
-        self.take([])
+        if self.current is not None:
+            self.current.close()
+            self.current = None
+
+    def values(self):
+        """The wrapped model that holds the values now: the live trial, else the holder."""
+        return self.holder if self.current is None else self.current.model
 
 
 def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3, warmup: int = 2,
                   process_group=None, device=None, mixed_precision=None, coalesce_bytes=None, layout=None,
                   group_times: bool = True, pool: TrialPool | None = None) -> list[Measurement]:
-    """Measure several plans, each on its own copy of ``module``, their timed steps
-    interleaved (plan 1, plan 2, ..., plan 1, ...) so that a machine whose load drifts
-    slows them alike: their ratios hold even where their absolute times do not. Neither
-    ``module`` nor the random number generators' states change (dropout in the copies
-    draws from a forked state). ``group_times``: also time the forward of every unit
-    group (module hooks that read the clock; on CUDA they do not synchronize, so group
-    times there are launch times). ``pool``: keep the copies warm for the next call
-    of the same ``module`` and arguments ([Note: warm trials])."""
+    """Measure several plans of ``module``, one after the other, each on a trial built
+    from ``module``'s skeleton ([Note: one trial at a time]). Neither ``module`` nor the
+    random number generators' states change (dropout in the trials draws from a forked
+    state). ``group_times``: also time the forward of every unit group (module hooks that
+    read the clock; on CUDA they do not synchronize, so group times there are launch
+    times). ``pool``: the live trial and value source across calls (required for a
+    ``module`` on the meta device, whose values a wrapped model holds:
+    ``TrialPool(holder=wrapped)``); without one, ``module``'s own tensors, and the trial
+    is closed at the end."""
+    if has_meta(module) and (pool is None or pool.values() is None):
+        raise OSDPError("measure_plans of a model on the meta device needs its values: a pool holding the wrapped "
+                        "model that has them, TrialPool(holder=wrapped)")
+    own = pool is None
+    if own:
+        pool = TrialPool()
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.random.fork_rng(devices=devices):
-        warm = pool.take(plans) if pool is not None else {}
-        trials = []
-        for plan in plans:
-            trial = warm.pop(plan.plan_hash(), None)
-            if trial is None:
-                trial = _Trial(module, plan, example_inputs, loss_fn, process_group, layout, device,
-                               mixed_precision, coalesce_bytes)
-                for k in range(warmup):
-                    # the first step records the use order and makes AdamW's state: the
-                    # second is the first steady one
-                    trial.step(measure_peak=k >= 1 and k == warmup - 1)
-            trials.append(trial)
-        for trial in trials:
-            trial.begin_round()
-            if group_times:
-                trial.hook_groups()
-        try:
-            for _ in range(steps):
-                for trial in trials:
-                    trial.timed_step()
-        finally:
-            for trial in trials:
-                trial.unhook()
-        out = [trial.result() for trial in trials]
-        if pool is not None:
-            pool.keep(trials)
-        else:
-            for trial in trials:
-                trial.close()
-        return out
+    out = []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            for plan in plans:
+                def make(source, plan=plan):
+                    return _Trial(module, plan, example_inputs, loss_fn, process_group, layout, device,
+                                  mixed_precision, coalesce_bytes, source)
+
+                trial, warm = pool.trial(make, plan, module)
+                if not warm:
+                    for k in range(warmup):
+                        # the first step records the use order and makes AdamW's state:
+                        # the second is the first steady one
+                        trial.step(measure_peak=k >= 1 and k == warmup - 1)
+                trial.begin_round()
+                if group_times:
+                    trial.hook_groups()
+                try:
+                    for _ in range(steps):
+                        trial.timed_step()
+                finally:
+                    trial.unhook()
+                out.append(trial.result())
+    finally:
+        if own:
+            pool.close()
+    return out
 
 
 class _Trial:
     """One plan on its own wrapped copy of the model, with its optimizer and inputs."""
 
-    def __init__(self, module, plan, example_inputs, loss_fn, group, layout, device, mixed_precision, coalesce_bytes):
-        from ..api import OSDP
-
+    def __init__(self, module, plan, example_inputs, loss_fn, group, layout, device, mixed_precision, coalesce_bytes,
+                 source):
         inputs = as_example_inputs(example_inputs)
         self.example_batch = inputs.batch_size()
         self.plan, self.batch, self.loss_fn, self.group = plan, plan.batch_size, loss_fn, group
@@ -153,8 +173,10 @@ class _Trial:
         # over its limit is what calibration is there to find, not an error mid-measurement
         # on the caller's layout (its mesh and node size) when it has one
         where = {"mesh": layout} if layout is not None else {"process_group": group}
-        self.model = OSDP(copy.deepcopy(module), plan=plan, **where, device=device,
-                          mixed_precision=mixed_precision, coalesce_bytes=coalesce_bytes, memory_check=False)
+        skeleton = meta_skeleton(module)
+        self.model = ShardedModel(skeleton, plan=plan, **where, device=device, mixed_precision=mixed_precision,
+                          coalesce_bytes=coalesce_bytes, memory_check=False,
+                          param_init_fn=ValuesFrom(skeleton, source))
         self.dev = self.model.device
         self.inputs = inputs.map_batched(lambda t: t.to(self.dev))
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.0)

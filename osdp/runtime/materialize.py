@@ -40,6 +40,8 @@ constructed in another order than ``modules()`` lists them, a parent's
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn as nn
 
@@ -145,3 +147,53 @@ class MetaInit:
             for p in params:
                 if not p.is_meta:
                     _swap_in(p, torch.empty_like(p, device="meta"))
+
+
+# ---- other values than a fresh initialization: a model's skeleton and where its values come from
+def meta_skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are on the meta device (ties
+    kept: one meta tensor per tensor of ``model``); nothing of its data is copied."""
+    memo = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in memo:
+            continue
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) if isinstance(
+            tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+class ValuesFrom:
+    """A ``param_init_fn`` that fills the modules of ``model`` (the one being wrapped)
+    from ``source`` instead of initializing them: ``source.fill(path, module)`` copies
+    that module's own parameters and buffers (the ones of its name in the source)."""
+
+    def __init__(self, model: nn.Module, source):
+        self.paths = {id(m): path for path, m in model.named_modules()}
+        self.source = source
+
+    def __call__(self, module: nn.Module) -> None:
+        self.source.fill(self.paths[id(module)], module)
+
+
+def copy_own(module: nn.Module, path: str, value_of) -> None:
+    """``module``'s own parameters and buffers <- ``value_of(full name)`` (None: skipped)."""
+    with torch.no_grad():
+        for kind in ("_parameters", "_buffers"):
+            for key, tensor in getattr(module, kind).items():
+                if tensor is None or tensor.is_meta:
+                    continue
+                value = value_of(f"{path}.{key}" if path else key, kind == "_buffers")
+                if value is not None:
+                    tensor.copy_(value)
+
+
+class ModuleValues:
+    """Values of a real (unwrapped) model, read where they are."""
+
+    def __init__(self, model: nn.Module):
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.buffers = dict(model.named_buffers(remove_duplicate=False))
+
+    def fill(self, path: str, module: nn.Module) -> None:
+        copy_own(module, path, lambda name, buffer: (self.buffers if buffer else self.params).get(name))

@@ -28,6 +28,7 @@ import torch.nn as nn
 
 from ..errors import OSDPError
 from .build import BuiltModel
+from .materialize import copy_own
 from .collectives import CommContext
 
 
@@ -260,3 +261,46 @@ def local_shards_from_full(
         src = box_view(tensor, piece).reshape(-1)[a:b]
         start = piece.offset + a - rank * unit.shard_numel
         into[piece.unit][start : start + (b - a)].copy_(src)
+
+
+class ShardValues:
+    """Full values of a wrapped model's parameters and buffers, gathered unit by unit as
+    they are asked for, in the order of the units (every rank asks for the same names in
+    the same order: each gather is a collective): the value source of a model rebuilt
+    from another one's shards (``osdp.runtime.materialize.ValuesFrom``). A tied
+    parameter's second name is not asked again (its owner holds it)."""
+
+    def __init__(self, wrapped):
+        view = wrapped._sharded_view()
+        self.layout, self.built, self.comm = view.layout, view.built, view.comm
+        self.buffers = dict(view.module.named_buffers(remove_duplicate=False))
+        self._flats: dict[int, torch.Tensor] = {}  # unit -> its gathered flat buffer, until used up
+        self._left = {i: len(pieces) for i, pieces in enumerate(self.layout.unit_pieces)}
+        self._done: set[str] = set()
+
+    def _flat(self, i: int) -> torch.Tensor:
+        if i not in self._flats:
+            unit = self.built.units[i]
+            self._flats[i] = unit.shard.detach() if unit.replicated else self.comm.all_gather_sync(unit.shard.detach())
+        return self._flats[i]
+
+    def value(self, name: str) -> torch.Tensor | None:
+        """The full parameter ``name`` (None: asked already, under this or a tied name)."""
+        fqn = self.layout.aliases.get(name, name)
+        if fqn in self._done:
+            return None
+        self._done.add(fqn)
+        info = self.layout.params[fqn]
+        full = None
+        for piece in info.pieces:
+            flat = self._flat(piece.unit)
+            if full is None:
+                full = torch.empty(info.shape, dtype=flat.dtype, device=flat.device)
+            box_view(full, piece).copy_(flat[piece.offset:piece.offset + piece.numel].view(piece.box_sizes))
+            self._left[piece.unit] -= 1
+            if self._left[piece.unit] == 0:
+                del self._flats[piece.unit]
+        return full
+
+    def fill(self, path: str, module: nn.Module) -> None:
+        copy_own(module, path, lambda name, buffer: self.buffers.get(name) if buffer else self.value(name))

@@ -61,51 +61,74 @@ def _plans():
     return module, inputs, fsdp, dp
 
 
-def test_a_pool_times_a_plan_again_on_its_warm_copy_and_closes_the_copies_no_call_wants(monkeypatch):
-    module, inputs, fsdp, dp = _plans()
-    made, steps = [], []
-    real_init, real_step = runtime_profiler._Trial.__init__, runtime_profiler._Trial.step
+def _counting(monkeypatch):
+    """Trials made (plan hashes), trials alive at once (max), steps taken."""
+    made, alive, steps = [], [0, 0], []
+    real_init, real_close, real_step = (runtime_profiler._Trial.__init__, runtime_profiler._Trial.close,
+                                        runtime_profiler._Trial.step)
 
     def counting_init(self, module, plan, *args):
         made.append(plan.plan_hash())
         real_init(self, module, plan, *args)
+        alive[0] += 1
+        alive[1] = max(alive)
+
+    def counting_close(self):
+        alive[0] -= self.model is not None
+        real_close(self)
 
     def counting_step(self, measure_peak=False):
         steps.append((self.plan.plan_hash(), measure_peak))
         return real_step(self, measure_peak)
 
     monkeypatch.setattr(runtime_profiler._Trial, "__init__", counting_init)
+    monkeypatch.setattr(runtime_profiler._Trial, "close", counting_close)
     monkeypatch.setattr(runtime_profiler._Trial, "step", counting_step)
+    return made, alive, steps
+
+
+def test_a_pool_times_a_plan_again_on_its_warm_trial_and_keeps_one_trial_alive(monkeypatch):
+    module, inputs, fsdp, dp = _plans()
+    made, alive, steps = _counting(monkeypatch)
     pool = TrialPool()
     first = measure_plans(module, [fsdp], inputs, steps=2, group_times=False, pool=pool)[0]
     # warm-up: a first step, then the peak's (which runs one step inside); 2 timed steps
     warmed_up = [False, True, False]
     assert made == [fsdp.plan_hash()] and [s[1] for s in steps] == warmed_up + [False] * 2
-    warm = pool._trials[fsdp.plan_hash()]
+    warm = pool.current
     steps.clear()
     again, other = measure_plans(module, [fsdp, dp], inputs, steps=3, group_times=False, pool=pool)
-    # fsdp: no new copy, no warm-up, 3 timed steps of this call only; dp: a copy warmed up
+    # fsdp: its warm trial, no warm-up, 3 timed steps; dp: a trial of its own, warmed up
     assert made == [fsdp.plan_hash(), dp.plan_hash()]
     assert [s for s in steps if s[0] == fsdp.plan_hash()] == [(fsdp.plan_hash(), False)] * 3
     assert [s[1] for s in steps if s[0] == dp.plan_hash()] == warmed_up + [False] * 3
-    assert pool._trials[fsdp.plan_hash()] is warm and again.steps == 3
-    assert again.peak_bytes == first.peak_bytes  # the steady step's peak, read once
-    kept_dp = pool._trials[dp.plan_hash()]
-    measure_plans(module, [fsdp], inputs, steps=1, group_times=False, pool=pool)
-    assert kept_dp.model is None and dp.plan_hash() not in pool._trials  # closed: not in this call
+    assert again.steps == 3 and again.peak_bytes == first.peak_bytes  # the steady step's peak, read once
+    assert warm.model is None and pool.current.plan.plan_hash() == dp.plan_hash()  # one trial at a time
     pool.close()
-    assert warm.model is None and not pool._trials
+    assert pool.current is None and alive == [0, 1]
 
 
-def test_without_a_pool_no_copy_outlives_the_call(monkeypatch):
-    module, inputs, fsdp, _ = _plans()
-    trials = []
-    real_init = runtime_profiler._Trial.__init__
+def test_without_a_pool_no_trial_outlives_the_call(monkeypatch):
+    module, inputs, fsdp, dp = _plans()
+    made, alive, _ = _counting(monkeypatch)
+    measure_plans(module, [fsdp, dp, fsdp], inputs, steps=1, group_times=False)
+    assert made == [fsdp.plan_hash(), dp.plan_hash(), fsdp.plan_hash()] and alive == [0, 1]
 
-    def keeping_init(self, *args):
-        trials.append(self)
-        real_init(self, *args)
 
-    monkeypatch.setattr(runtime_profiler._Trial, "__init__", keeping_init)
-    measure_plans(module, [fsdp, fsdp], inputs, steps=1, group_times=False)
-    assert len(trials) == 2 and all(t.model is None for t in trials)
+def test_measuring_moves_no_weight_and_a_meta_model_is_measured_from_a_wrapped_ones_values():
+    """The trials are filled from the model (real) or from a wrapped model's shards
+    (meta: nothing else holds its values); lr-0 steps leave every weight as it was."""
+    module, inputs, fsdp, dp = _plans()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with torch.device("meta"):
+        skeleton = GPT(CONFIG)
+    holder = osdp.OSDP(copy.deepcopy(module), default_mode="zdp")
+    pool = TrialPool(holder=holder)
+    measure_plans(skeleton, [dp, fsdp], inputs, steps=1, group_times=False, pool=pool)  # the second from the first
+    trial = pool.current.model
+    for key, value in trial.full_state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
+    with pytest.raises(osdp.OSDPError, match="on the meta device needs its values"):
+        measure_plans(skeleton, [fsdp], inputs, steps=1, group_times=False)
+    pool.close()

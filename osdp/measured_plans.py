@@ -1,0 +1,90 @@
+"""Plans auto mode measured, kept on disk so that a restarted job re-plans in seconds.
+
+[Note: measured plan cache]
+Auto mode's pick is a function of the model (its full description: units, sizes,
+activations), the run (world size, node size, layout, memory limit), the machine (the
+profiled device's name: processor and backend; the host; the torch version), the
+planner's settings, the batch asked for, the example inputs' shapes and dtypes, the
+loss function and the mixed-precision policy. A key hashing all of them names a plan
+file under the profile cache's directory (``plans/<key>.json``, beside
+``profile-cache.json``: ``cache_dir=``, ``$OSDP_CACHE_DIR`` or ``~/.cache/osdp``). A
+fresh one (younger than the profile cache's entries may be, ``$OSDP_PROFILE_MAX_AGE_S``)
+is the plan, unmeasured again; ``reprofile`` (``$OSDP_REPROFILE=1``) measures anew.
+Rank 0 reads and writes; every rank gets its plan. A file that does not load is
+ignored (and replaced by the next measured plan).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+import time
+from dataclasses import asdict
+
+import torch
+
+from .planner.inputs import as_example_inputs
+from .planner.plan import Plan
+from .planner.profile_cache import cache_dir, default_max_age_s, reprofile_requested
+from .rank_agreement import broadcast_from_rank0, is_rank0
+
+log = logging.getLogger("osdp.auto")
+
+
+def _inputs_signature(example_inputs) -> list:
+    inputs = as_example_inputs(example_inputs)
+    out = []
+    for name, value in [(str(i), a) for i, a in enumerate(inputs.args)] + sorted(inputs.kwargs.items()):
+        out.append([name, list(value.shape), str(value.dtype)] if isinstance(value, torch.Tensor) else [name, repr(value)])
+    return out
+
+
+class MeasuredPlans:
+    """See [Note: measured plan cache]."""
+
+    def __init__(self, directory=None, *, enabled: bool = True, group=None):
+        self.path = cache_dir(directory) / "plans"
+        self.enabled, self.group = enabled, group
+
+    def key(self, desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision) -> str:
+        loss = None if loss_fn is None else f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}"
+        parts = {
+            "desc": desc.to_dict(),
+            "run": [device.world_size, device.node_size, device.memory_limit_bytes],
+            "machine": [device.name, platform.node(), torch.__version__],
+            "settings": asdict(settings),
+            "batch": [batch, global_batch],
+            "inputs": _inputs_signature(example_inputs),
+            "loss": loss,
+            "mixed_precision": repr(mixed_precision),
+        }
+        return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+    def _file(self, key: str):
+        return self.path / f"{key}.json"
+
+    def get(self, key: str) -> Plan | None:
+        """The cached plan of ``key`` (rank 0's, on every rank), or None."""
+        found = None
+        if self.enabled and is_rank0(self.group) and not reprofile_requested():
+            path = self._file(key)
+            try:
+                if path.is_file() and time.time() - path.stat().st_mtime <= default_max_age_s():
+                    found = Plan.load(str(path)).to_dict()
+            except Exception as exc:  # a damaged file: measured again, and replaced
+                log.warning("ignoring the cached plan %s (%s: %s); measuring again", path, type(exc).__name__, exc)
+        found = broadcast_from_rank0(found, self.group)
+        return None if found is None else Plan.from_dict(found)
+
+    def put(self, key: str, plan: Plan) -> None:
+        if not self.enabled or not is_rank0(self.group):
+            return
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+            tmp = self._file(key).with_suffix(f".tmp{os.getpid()}")
+            plan.save(str(tmp))
+            os.replace(tmp, self._file(key))
+        except OSError as exc:
+            log.warning("could not cache the measured plan in %s (%s)", self.path, exc)

@@ -1,0 +1,134 @@
+"""How long auto mode may measure, what it cut to fit, and the lines it prints.
+
+[Note: planning budget]
+Auto mode measures on the machine it plans for (the profile, then plans wrapped and
+trained for a few steps), and a measured step at the batch the planner likes best can
+take seconds (a CPU run at a 20 GiB limit picked batches in the hundreds). So it works
+within ``budget_s`` (default a minute; ``auto_kwargs={"budget_s": ...}``), counted from
+its start, and cuts, in this order, each time saying so (``plan.calibration["budget"]``
+and a progress line):
+
+1. the batch: when the first plan's predicted step, times the steps the measurements
+   after it take (``STEPS_AFTER_PLAN``), is more than the budget left (at least a
+   quarter of it, ``MIN_SHARE``: a spent budget still measures the plan it hands out),
+   the plan is made again at the batch that fits (steps grow about in proportion to
+   the batch);
+2. timed steps: a measurement whose steps do not fit in what is left times 1 step;
+3. candidates: an alternative plan (calibration's re-plan, measured choice's candidates,
+   its tiebreak) whose estimated cost (a rebuild and its steps at their predicted time)
+   is more than what is left is not measured.
+
+Every decision is rank 0's, broadcast (the ranks' clocks differ; their collectives must
+not). The budget is a target, not a deadline: a measurement that started runs to its
+end, and the first plan is always measured.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+
+from .errors import ConfigError
+from .rank_agreement import broadcast_from_rank0, is_rank0
+
+log = logging.getLogger("osdp.auto")
+
+DEFAULT_BUDGET_S = 60.0
+# after the first plan: calibration's measurement and re-plan, measured choice's two
+# rounds of about three candidates: about 7 trials of 2 warm-up + 3 timed steps
+STEPS_AFTER_PLAN = 35
+REBUILD_STEPS = 1.0  # a trial's build (every unit gathered once), in steps of its plan
+MIN_SHARE = 0.25  # of the budget: the least the measurements after the first plan get
+
+
+def show_progress(enabled: bool, group=None) -> None:
+    """Progress lines on rank 0 go to stderr when nothing else handles ``osdp``'s logs
+    (a script that configured logging keeps its own); ``enabled=False``: none."""
+    logger = logging.getLogger("osdp")
+    if not enabled or not is_rank0(group):
+        log.setLevel(logging.WARNING)
+        return
+    log.setLevel(logging.INFO)
+    if not logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("osdp: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+
+
+def predicted_step_s(plan) -> float:
+    p = plan.predicted
+    step = p.simulated_step_s if p.simulated_step_s is not None else p.step_s
+    return float(step) * max(1, getattr(plan, "accumulation_steps", 1))
+
+
+class PlanningBudget:
+    """The seconds auto mode may take, what is left, and what was cut (rank 0 decides)."""
+
+    def __init__(self, seconds: float | None = DEFAULT_BUDGET_S, group=None):
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or not seconds > 0):
+            raise ConfigError(f"budget_s must be a number of seconds > 0 (or None: no budget), got {seconds!r}")
+        self.seconds = math.inf if seconds is None else float(seconds)
+        self.group = group
+        self.started = time.perf_counter()
+        self.cuts: list[str] = []
+
+    def spent(self) -> float:
+        return time.perf_counter() - self.started
+
+    def left(self) -> float:
+        return self.seconds - self.spent()
+
+    def cut(self, what: str) -> None:
+        self.cuts.append(what)
+        log.info("budget: %s", what)
+
+    def batch_cap(self, plan) -> int | None:
+        """The batch to plan at instead of ``plan``'s (None: it fits), rank 0's."""
+        cap = None
+        if is_rank0(self.group):
+            step = predicted_step_s(plan)
+            need = step * STEPS_AFTER_PLAN
+            # a spent budget still measures the first plan: at the batch a quarter of it allows
+            room = max(self.left(), MIN_SHARE * self.seconds)
+            if need > room and plan.batch_size > 1:
+                cap = max(1, int(plan.batch_size * room / need))
+                self.cut(f"batch capped at {cap}: the uncapped pick (batch {plan.batch_size}) steps in "
+                         f"{step * 1e3:.0f} ms predicted, and the ~{STEPS_AFTER_PLAN} steps measured after it "
+                         f"would take {need:.0f} s, {room:.0f} s are left")
+        return broadcast_from_rank0(cap, self.group)
+
+    def steps(self, plans, steps: int, warmup: int) -> int:
+        """Timed steps for measuring ``plans`` (rank 0's): ``steps``, or 1 when they
+        would not fit in what is left."""
+        out = steps
+        if is_rank0(self.group) and steps > 1:
+            cost = sum(predicted_step_s(p) * (REBUILD_STEPS + warmup + steps) for p in plans)
+            if cost > self.left():
+                out = 1
+                self.cut(f"1 timed step instead of {steps} for {len(plans)} plan(s): "
+                         f"{cost:.1f} s estimated, {max(self.left(), 0):.1f} s left")
+        return broadcast_from_rank0(out, self.group)
+
+    def affordable(self, plans, what: str, warmup: int = 2, steps: int = 1) -> list:
+        """The prefix of ``plans`` whose measurement fits in what is left (at least
+        ``steps`` timed steps each); the rest is cut, said once. Call on rank 0 (the
+        callers broadcast the plans they measure)."""
+        kept, cost = [], 0.0
+        for plan in plans:
+            cost += predicted_step_s(plan) * (REBUILD_STEPS + warmup + steps)
+            if cost > self.left():
+                break
+            kept.append(plan)
+        if len(kept) < len(plans):
+            self.cut(f"{what}: {len(plans) - len(kept)} of {len(plans)} not measured (estimated "
+                     f"{cost:.1f} s, {max(self.left(), 0):.1f} s left)")
+        return kept
+
+    def record(self) -> dict:
+        """What the plan says about the budget."""
+        return {"budget_s": None if math.isinf(self.seconds) else self.seconds, "spent_s": round(self.spent(), 3),
+                "cuts": list(self.cuts)}

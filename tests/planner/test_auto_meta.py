@@ -1,0 +1,84 @@
+"""Auto mode on a model built on the meta device, one trial at a time, within a time
+budget, with progress lines and a cache of measured plans ([Note: one trial at a time],
+[Note: planning budget], [Note: measured plan cache])."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import osdp
+from osdp.models import GPT, GPTConfig, example_batch
+from osdp.profiler import runtime as runtime_profiler
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")
+
+CONFIG = GPTConfig(vocab_size=128, seq_len=16, num_layers=2, hidden=32, heads=4)
+
+
+def meta_gpt():
+    with torch.device("meta"):
+        return GPT(CONFIG)
+
+
+def auto(model, cache_dir, **extra):
+    return osdp.OSDP(model, memory_limit="24MiB", example_inputs=example_batch(CONFIG, 4),
+                     param_init_fn=GPT.init_module,
+                     auto_kwargs={"cache_dir": cache_dir, "budget_s": 20, **extra})
+
+
+def test_auto_mode_on_meta_initializes_as_a_plain_build_and_trains(tmp_path, caplog):
+    torch.manual_seed(0)
+    with caplog.at_level(logging.INFO, logger="osdp"):
+        wrapped = auto(meta_gpt(), tmp_path)
+    torch.manual_seed(0)
+    plain = osdp.OSDP(meta_gpt(), default_mode="zdp", param_init_fn=GPT.init_module)
+    mine, theirs = wrapped.full_state_dict(), plain.full_state_dict()
+    assert all(torch.equal(mine[k], theirs[k]) for k in theirs)  # the draws of a build without auto mode
+    assert not any(t.is_meta for t in list(wrapped.parameters()) + list(wrapped.buffers()))
+    lines = [r.getMessage() for r in caplog.records if r.name.startswith("osdp")]
+    for stage in ("described", "measured plan 1:", "planned:", "calibration:", "picked:"):
+        assert any(line.startswith(stage) for line in lines), (stage, lines)
+    budget = wrapped.plan.calibration["budget"]
+    assert budget["budget_s"] == 20 and budget["spent_s"] > 0
+    optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+    for step in range(2):
+        wrapped(*example_batch(CONFIG, wrapped.batch_size, seed=step)).backward()
+        optim.step()
+        optim.zero_grad()
+
+
+@pytest.mark.slow  # auto mode three times
+def test_a_restarted_job_takes_the_measured_plan_from_the_cache(tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    first = auto(meta_gpt(), tmp_path)
+    made = []
+    real_init = runtime_profiler._Trial.__init__
+
+    def counting(self, *args):
+        made.append(1)
+        real_init(self, *args)
+
+    monkeypatch.setattr(runtime_profiler._Trial, "__init__", counting)
+    torch.manual_seed(0)
+    again = auto(meta_gpt(), tmp_path)
+    assert again.plan.plan_hash() == first.plan.plan_hash()
+    assert made == []  # nothing measured: the plan came from the cache
+    monkeypatch.setenv("OSDP_REPROFILE", "1")
+    torch.manual_seed(0)
+    auto(meta_gpt(), tmp_path)
+    assert made  # measured anew when asked to
+
+
+def test_a_spent_budget_caps_the_batch_and_says_what_it_cut(tmp_path):
+    torch.manual_seed(0)
+    wrapped = auto(meta_gpt(), tmp_path, budget_s=0.01, use_plan_cache=False)
+    cuts = wrapped.plan.calibration["budget"]["cuts"]
+    assert any(cut.startswith("batch capped at") for cut in cuts), cuts
+    assert wrapped.plan.measured  # the plan handed out was measured all the same
+
+
+def test_a_bad_budget_is_refused(tmp_path):
+    with pytest.raises(osdp.ConfigError, match="budget_s must be a number of seconds > 0"):
+        auto(meta_gpt(), tmp_path, budget_s=-1)
