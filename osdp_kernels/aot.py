@@ -425,7 +425,7 @@ def _ops(d):
 
 def _rule(reason: str) -> str:
     """Short name of a `drop_reason` (rule 1/2/3 of the Note in _configs.py)."""
-    return "smem" if reason.startswith("shared memory") else "warps" if "warps" in reason else "regs"
+    return "smem" if reason.startswith("shared memory") else "warps" if "warp-group" in reason else "regs"
 
 
 def _measured(problems: list[str]) -> str:
