@@ -7,8 +7,8 @@ instantiations in csrc/cuda/split_matmul.cu. All of it is compile-time evidence.
 
 The default run compiles a representative subset (one config per kernel x dtype x arch,
 one shipped config too big for A100, one too-big and one spilling extra config, two fp32
-extra configs that spill within the old register budgets) and reads the stored reports
-under bench/results; the exhaustive run is opt-in
+extra configs that spill within the old register budgets, the --quick report for sm_90)
+and reads the stored reports under bench/results; the exhaustive run is opt-in
 (`pytest -m slow tests/kernels/test_aot.py`, or OSDP_AOT_FULL=1).
 """
 import json
@@ -204,6 +204,32 @@ def test_filter_drops_what_the_stored_reports_saw_spill(path):
     assert sum(r[4] > 0 for r in rows) >= 10  # the reports hold spilling configs: the check is not vacuous
 
 
+def test_quick_compiles_what_a_launch_autotunes_over(tmp_path):
+    """--quick for sm_90: what a launch on an H100 autotunes over, one dtype per kernel."""
+    from osdp_kernels import _configs, aot
+
+    proc, report = run_aot(tmp_path, "--quick", "--arch", "sm_90", "--jobs", "2", "--no-cuda")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert report["quick"] and "--quick" in proc.stdout
+    want = set()
+    for spec in aot.KERNELS:
+        dtype = aot.DTYPES[spec.quick_dtype]
+        kept = spec.tuner.early_config_prune.kept(spec.tuner.configs, "sm_90", dtype,
+                                                   "ieee" if dtype == torch.float32 else "tf32")
+        assert kept and len(kept) < len(spec.tuner.configs)
+        want |= {(spec.name, spec.quick_dtype, c) for c in map(_configs.config_label, kept)}
+    assert {(r["kernel"], r["dtype"], r["config"]) for r in report["triton"]} == want
+    assert {r["dtype"] for r in report["triton"]} == {"fp32", "bf16"}  # both code paths
+    for r in report["triton"]:
+        assert r["status"] == "ok" and not r["drop_reason"] and r["spill_store_bytes"] == 0, r
+
+
+def test_quick_refuses_dtype_and_config_choices(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "osdp_kernels.aot", "--quick", "--dtypes", "fp16", "--cache-dir",
+                           str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--quick picks the dtype and configs itself" in proc.stderr, proc.stderr
+
+
 def test_shipped_config_too_big_for_a100_is_dropped_there(tmp_path):
     """fp32 128x128x64 with 4 stages is in the autotune list; on A100 it cannot launch."""
     proc, report = run_aot(tmp_path, "--arch", "sm_80", "--kernels", "slice_dx", "--dtypes", "fp32",
@@ -233,7 +259,7 @@ def test_launch_filter_is_the_reported_one(monkeypatch, capability, dtype):
         assert isinstance(pruner, _configs.ArchPruner) and pruner.operand_arg == arg
         kept = pruner(tuner.configs, {arg: torch.empty(1, dtype=dtype)}, PRECISION="ieee")
         assert kept and kept == [c for c in tuner.configs if pruner.drop_reason(c, arch, dtype, "ieee") is None]
-        assert kept == pruner.kept(tuner.configs, arch, dtype, "ieee")
+        assert kept == pruner.kept(tuner.configs, arch, dtype, "ieee")  # what `aot --quick` compiles
         if arch == "sm_80" and dtype == torch.float32:  # the shipped config the A100 test above compiles
             assert not any(_configs.config_label(c) == "128x128x64 s4 w8" for c in kept)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
