@@ -3,7 +3,7 @@ compiler made of each autotune config: shared memory, registers, spills, and whe
 matmul reached the tensor cores, read from the SASS.
 
     python -m osdp_kernels.aot --arch sm_80,sm_90 [--json FILE] [--jobs N]
-        [--kernels addmm_slice,...] [--dtypes fp16,...] [--configs 0,7 | 64x64x64s4w4]
+        [--quick | [--dtypes fp16,...] [--configs 0,7 | 64x64x64s4w4]] [--kernels addmm_slice,...]
         [--extra-config BM,BN,BK,STAGES,WARPS] [--cuda-so PATH | --no-cuda] [--cache-dir DIR]
 
 For the Triton kernels, every kernel x autotune config x dtype (fp32, fp16, bf16) x
@@ -27,6 +27,11 @@ are still compiled and reported with the reason; only configs that can really be
 launched make the exit status non-zero (see [Note: one source of truth for per-arch
 configs] in _configs.py). Exit status: 0 all launchable configs pass, 1 some fail, 2
 bad arguments or environment.
+
+--quick compiles, per architecture, only what a launch there autotunes over: for each
+kernel one dtype (`KernelSpec.quick_dtype`) and the configs its launch filter keeps for
+that dtype on that architecture (about a tenth of the full report's compiles, most of
+whose time goes to configs the filter drops).
 
 Compiled kernels and their analysis are cached under --cache-dir (default
 $OSDP_AOT_CACHE, else ~/.cache/osdp/aot), never inside the repository.
@@ -85,6 +90,9 @@ class KernelSpec(NamedTuple):
     tuner: object
     example: Callable[[torch.dtype], tuple[tuple, dict]]
     variant: str
+    # the dtype --quick compiles: fp32 (the FMA loop, rule 3b) for the kernels whose fp32
+    # tiles spilled in issue 35, bf16 (tensor cores, rules 2 and 3a) for the others
+    quick_dtype: str
 
 
 def _e(*shape, dtype=torch.float32):
@@ -122,13 +130,14 @@ def _hce_grad_example(dtype):
 
 KERNELS: tuple[KernelSpec, ...] = (
     KernelSpec("addmm_slice", _addmm._addmm_slice_kernel, _addmm._addmm_slice_tuned, _addmm_example,
-               "bias + fp32 accumulate + cast copy"),
-    KernelSpec("slice_dx", _dx._slice_dx_kernel, _dx._slice_dx_tuned, _dx_example, "cast into dx block"),
-    KernelSpec("slice_dw", _dw._slice_dw_kernel, _dw._slice_dw_tuned, _dw_example, "accumulate into fp32 main grad"),
+               "bias + fp32 accumulate + cast copy", "fp32"),
+    KernelSpec("slice_dx", _dx._slice_dx_kernel, _dx._slice_dx_tuned, _dx_example, "cast into dx block", "fp32"),
+    KernelSpec("slice_dw", _dw._slice_dw_kernel, _dw._slice_dw_tuned, _dw_example, "accumulate into fp32 main grad",
+               "bf16"),
     KernelSpec("head_ce_fwd", _hce._head_ce_fwd_kernel, _hce._head_ce_fwd_tuned, _hce_fwd_example,
-               "online log-sum-exp over the slice + target logit"),
+               "online log-sum-exp over the slice + target logit", "bf16"),
     KernelSpec("head_ce_grad", _hce._head_ce_grad_kernel, _hce._head_ce_grad_tuned, _hce_grad_example,
-               "softmax - onehot, scaled, cast"),
+               "softmax - onehot, scaled, cast", "fp32"),
 )
 
 
@@ -425,7 +434,7 @@ def _ops(d):
 
 def _rule(reason: str) -> str:
     """Short name of a `drop_reason` (rule 1/2/3 of the Note in _configs.py)."""
-    return "smem" if reason.startswith("shared memory") else "warps" if "warps" in reason else "regs"
+    return "smem" if reason.startswith("shared memory") else "warps" if "warp-group" in reason else "regs"
 
 
 def _measured(problems: list[str]) -> str:
@@ -519,11 +528,34 @@ def _select_configs(spec: KernelSpec, wanted: list[str] | None) -> list[int]:
     return picked
 
 
+def _kept_on(spec: KernelSpec, arch: str, dtype_name: str) -> list[int]:
+    """Indices of the configs the kernel's launch filter keeps on `arch` (--quick)."""
+    dtype = DTYPES[dtype_name]
+    configs = spec.tuner.configs
+    kept = spec.tuner.early_config_prune.kept(configs, arch, dtype, spec.example(dtype)[1]["PRECISION"])
+    return [i for i, c in enumerate(configs) if any(c is k for k in kept)]
+
+
+def _tasks(archs, specs, dtype_names, configs, extra_configs, quick, cache_dir, apply_filter) -> list[tuple]:
+    """One (kernel, config index | -1, extra config, dtype, arch, ...) per compile, grouped
+    by arch, kernel, config (the table's order)."""
+    def picked(spec, arch):  # [(config index, dtype)]
+        if quick:
+            return [(i, spec.quick_dtype) for i in _kept_on(spec, arch, spec.quick_dtype)]
+        return [(i, d) for i in _select_configs(spec, configs) for d in dtype_names]
+
+    common = (str(cache_dir), apply_filter)
+    tasks = [(s.name, i, None, d, a, *common) for a in archs for s in specs for i, d in picked(s, a)]
+    return tasks + [(s.name, -1, c, d, a, *common) for a in archs for s in specs for c in extra_configs
+                    for d in ([s.quick_dtype] if quick else dtype_names)]
+
+
 def run(archs=("sm_80", "sm_90"), kernels=None, dtypes=None, configs=None, extra_configs=(),
         cuda_so: Path | None | str = "auto", cache_dir: Path | None = None, jobs: int = 1,
-        apply_filter: bool = True, log=print) -> dict:
+        apply_filter: bool = True, quick: bool = False, log=print) -> dict:
     """Compile and check; returns the report (what --json writes). With
-    apply_filter=False every config counts as launched (judge a list before filtering)."""
+    apply_filter=False every config counts as launched (judge a list before filtering);
+    with quick=True only what the launch filter keeps, in each kernel's quick_dtype."""
     if C.INTERPRET:
         raise RuntimeError("osdp_kernels was imported with TRITON_INTERPRET=1, so its kernels are interpreter "
                            "functions that cannot be compiled; run `python -m osdp_kernels.aot` with "
@@ -535,11 +567,10 @@ def run(archs=("sm_80", "sm_90"), kernels=None, dtypes=None, configs=None, extra
     dtype_names = list(dtypes or DTYPES)
     if any(d not in DTYPES for d in dtype_names):
         raise ValueError(f"unknown dtype in {dtype_names}; known: {list(DTYPES)}")
+    if quick and (dtypes or configs):
+        raise ValueError("--quick picks the dtype and configs itself; leave out --dtypes and --configs")
     cache_dir = Path(cache_dir or default_cache_dir())
-    tasks = [(s.name, i, None, d, a, str(cache_dir), apply_filter) for a in archs for s in specs
-             for i in _select_configs(s, configs) for d in dtype_names]
-    tasks += [(s.name, -1, c, d, a, str(cache_dir), apply_filter) for a in archs for s in specs
-              for c in extra_configs for d in dtype_names]
+    tasks = _tasks(archs, specs, dtype_names, configs, extra_configs, quick, cache_dir, apply_filter)
     t0, cpu0 = time.perf_counter(), time.process_time()
     if jobs > 1:
         import multiprocessing as mp
@@ -551,7 +582,7 @@ def run(archs=("sm_80", "sm_90"), kernels=None, dtypes=None, configs=None, extra
         rows = [_triton_row(t) for t in tasks]
     triton_s = time.perf_counter() - t0
     report = dict(triton_version=triton.__version__, torch_version=torch.__version__, archs=archs,
-                  launch_filter_applied=apply_filter,
+                  launch_filter_applied=apply_filter, quick=quick,
                   limits={a: _configs.arch_limits(a)._asdict() for a in archs},
                   representative_shape=dict(M=EX_M, N=EX_N, K=EX_K), triton=rows, cuda=[], cuda_so=None,
                   triton_compile_s=round(triton_s, 1), compiles=len(rows),
@@ -583,7 +614,8 @@ def run(archs=("sm_80", "sm_90"), kernels=None, dtypes=None, configs=None, extra
     report.update(failures=len(failing), dropped=len(dropped), exit_status=1 if failing else 0)
     for r in failing:
         log(f"FAIL     {r['arch']} {r['kernel']} {r.get('dtype', '')} {r.get('config', '')}: {'; '.join(r['problems'])}")
-    log(f"{len(rows)} Triton compiles in {triton_s:.0f} s ({report['process_cpu_s']:.0f} s CPU in this process), "
+    log(f"{'--quick (kept configs, one dtype per kernel): ' if quick else ''}"
+        f"{len(rows)} Triton compiles in {triton_s:.0f} s ({report['process_cpu_s']:.0f} s CPU in this process), "
         f"{sum(r['kernel'] != '(none)' for r in report['cuda'])} CUDA kernels; {len(dropped)} dropped at launch, {len(failing)} failing "
         f"(compile-time evidence only, nothing ran on a GPU)")
     return report
@@ -597,6 +629,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", help="comma-separated subset of " + ",".join(DTYPES))
     p.add_argument("--configs", help="comma-separated config indices or labels like 64x64x64s4w4 (default all; "
                    "'none': only --extra-config)")
+    p.add_argument("--quick", action="store_true",
+                   help="per arch, only the configs the launch filter keeps, one dtype per kernel")
     p.add_argument("--extra-config", action="append", type=parse_extra_config, default=[],
                    metavar="BM,BN,BK,STAGES,WARPS", help="also check this config (not in any autotune list)")
     p.add_argument("--cuda-so", help="the built CUDA module (default: osdp_kernels/_cuda*.so if present)")
@@ -612,7 +646,7 @@ def main(argv=None) -> int:
         report = run(archs=split(a.arch), kernels=split(a.kernels), dtypes=split(a.dtypes),
                      configs=split(a.configs), extra_configs=a.extra_config,
                      cuda_so=None if a.no_cuda else (a.cuda_so or "auto"), cache_dir=a.cache_dir, jobs=a.jobs,
-                     apply_filter=not a.no_filter)
+                     apply_filter=not a.no_filter, quick=a.quick)
     except (ValueError, RuntimeError, FileNotFoundError) as e:
         print(f"osdp_kernels.aot: {e}", file=sys.stderr)
         return 2

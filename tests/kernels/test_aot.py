@@ -6,8 +6,10 @@ the same compile, a second disassembler (nvdisasm) on the cubin, the template
 instantiations in csrc/cuda/split_matmul.cu. All of it is compile-time evidence.
 
 The default run compiles a representative subset (one config per kernel x dtype x arch,
-one shipped config too big for A100, one too-big and one spilling extra config); the
-exhaustive run is opt-in (`pytest -m slow tests/kernels/test_aot.py`, or OSDP_AOT_FULL=1).
+one shipped config too big for A100, one too-big and one spilling extra config, two fp32
+extra configs that spill within the old register budgets, the --quick report for sm_90)
+and reads the stored reports under bench/results; the exhaustive run is opt-in
+(`pytest -m slow tests/kernels/test_aot.py`, or OSDP_AOT_FULL=1).
 """
 import json
 import os
@@ -28,6 +30,10 @@ ITEMSIZE = {"fp32": 4, "fp16": 2, "bf16": 2}
 KERNELS = {"addmm_slice", "slice_dx", "slice_dw", "head_ce_fwd", "head_ce_grad"}
 TOO_BIG = (64, 64, 256, 8, 4)    # one stage of A+B bf16 tiles is 64 KiB: 7 buffers > 227 KiB
 SPILLS = (128, 256, 32, 2, 4)    # 128*256 fp32 accumulators over 128 threads = 256 > 255 registers
+# fp32 head_ce_fwd tiles with 32 accumulators a thread that spill on both archs: a 128-deep
+# K-step (the FMA loop's operand fragments), and 16 warps (512 threads: 128 registers each)
+FMA_SPILLS = {(64, 64, 128, 3, 4): "FMAs per K-step", (128, 128, 32, 4, 16): "holds 128 registers"}
+STORED_REPORTS = sorted((ROOT / "bench" / "results").glob("aot_*sm80_sm90.txt"))
 
 
 def _env():
@@ -139,6 +145,91 @@ def test_too_big_and_spilling_configs_are_rejected(extras):
         assert re.search(rf"FAIL\s+{arch} slice_dx bf16 {label}: .*{want}", unfiltered.stdout)
 
 
+def test_fma_tiles_that_spill_are_dropped(tmp_path):
+    """Both spill under the budgets before issue 35 (32 accumulators were within them)."""
+    args = ["--arch", "sm_80,sm_90", "--kernels", "head_ce_fwd", "--dtypes", "fp32", "--configs", "none", "--no-cuda"]
+    for cfg in FMA_SPILLS:
+        args += ["--extra-config", ",".join(map(str, cfg))]
+    proc, report = run_aot(tmp_path, *args)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert len(report["triton"]) == 4
+    for r in report["triton"]:
+        bm, bn, bk, stages, warps = cfg = _parse(r["config"])
+        assert bm * bn // (32 * warps) == 32
+        assert r["spill_store_bytes"] > 0 and r["local_mem_ops"].get("STL", 0) > 0, r
+        assert r["status"] == "dropped" and FMA_SPILLS[cfg] in r["drop_reason"], r
+        assert r["regs"] <= min(255, 65536 // (32 * warps))  # ptxas's cap for the block size
+
+
+def _stored_rows(path):
+    """(arch, kernel, dtype, (bm, bn, bk, stages, warps), spill bytes, launch column) of
+    every compiled Triton row of a stored `aot` report."""
+    row = re.compile(r"^(\w+)\s+(fp32|fp16|bf16)\s+(\d+x\d+x\d+ s\d+ w\d+)\*?\s+\S+\s+\S+\s+\d+\s+"
+                     r"(\d+)/(\d+)\s+\S+\s+\S+\s+(\S+)")
+    arch, rows = None, []
+    for line in path.read_text().splitlines():
+        head = re.match(r"Triton kernels, (sm_\d+)", line)
+        arch = head.group(1) if head else arch
+        m = row.match(line)
+        if m and arch:
+            kernel, dtype, label, st, ld, launch = m.groups()
+            rows.append((arch, kernel, dtype, _parse(label), int(st) + int(ld), launch))
+    return rows
+
+
+@pytest.mark.parametrize("path", STORED_REPORTS, ids=lambda p: p.name)
+def test_filter_drops_what_the_stored_reports_saw_spill(path):
+    """The launch filter of this tree against the compiler's facts stored under
+    bench/results: every spilling row is dropped, and the report's launch column is
+    this filter's (a rule change regenerates the reports)."""
+    import triton
+
+    from osdp_kernels import aot
+
+    pruners = {s.name: s.tuner.early_config_prune for s in aot.KERNELS}
+    rows = _stored_rows(path)
+    assert len(rows) >= 40 and {r[0] for r in rows} == {"sm_80", "sm_90"}, path
+    kept_spilling, stale = [], []
+    for arch, kernel, dtype, (bm, bn, bk, stages, warps), spill, launch in rows:
+        config = triton.Config(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8), num_stages=stages,
+                               num_warps=warps)
+        reason = pruners[kernel].drop_reason(config, arch, aot.DTYPES[dtype], "ieee" if dtype == "fp32" else "tf32")
+        where = f"{arch} {kernel} {dtype} {bm}x{bn}x{bk} s{stages} w{warps}"
+        if spill and reason is None:
+            kept_spilling.append(f"{where}: spill stores + loads {spill} B")
+        if launch != ("dropped:" + aot._rule(reason) if reason else "kept"):
+            stale.append(f"{where}: {launch}, the filter says {reason or 'kept'}")
+    assert not kept_spilling, f"{path.name}: the filter keeps what spilled:\n" + "\n".join(kept_spilling)
+    assert not stale, f"{path.name} is not this filter's report (regenerate it):\n" + "\n".join(stale)
+    assert sum(r[4] > 0 for r in rows) >= 10  # the reports hold spilling configs: the check is not vacuous
+
+
+def test_quick_compiles_what_a_launch_autotunes_over(tmp_path):
+    """--quick for sm_90: what a launch on an H100 autotunes over, one dtype per kernel."""
+    from osdp_kernels import _configs, aot
+
+    proc, report = run_aot(tmp_path, "--quick", "--arch", "sm_90", "--jobs", "2", "--no-cuda")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert report["quick"] and "--quick" in proc.stdout
+    want = set()
+    for spec in aot.KERNELS:
+        dtype = aot.DTYPES[spec.quick_dtype]
+        kept = spec.tuner.early_config_prune.kept(spec.tuner.configs, "sm_90", dtype,
+                                                   "ieee" if dtype == torch.float32 else "tf32")
+        assert kept and len(kept) < len(spec.tuner.configs)
+        want |= {(spec.name, spec.quick_dtype, c) for c in map(_configs.config_label, kept)}
+    assert {(r["kernel"], r["dtype"], r["config"]) for r in report["triton"]} == want
+    assert {r["dtype"] for r in report["triton"]} == {"fp32", "bf16"}  # both code paths
+    for r in report["triton"]:
+        assert r["status"] == "ok" and not r["drop_reason"] and r["spill_store_bytes"] == 0, r
+
+
+def test_quick_refuses_dtype_and_config_choices(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "osdp_kernels.aot", "--quick", "--dtypes", "fp16", "--cache-dir",
+                           str(tmp_path)], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--quick picks the dtype and configs itself" in proc.stderr, proc.stderr
+
+
 def test_shipped_config_too_big_for_a100_is_dropped_there(tmp_path):
     """fp32 128x128x64 with 4 stages is in the autotune list; on A100 it cannot launch."""
     proc, report = run_aot(tmp_path, "--arch", "sm_80", "--kernels", "slice_dx", "--dtypes", "fp32",
@@ -168,10 +259,25 @@ def test_launch_filter_is_the_reported_one(monkeypatch, capability, dtype):
         assert isinstance(pruner, _configs.ArchPruner) and pruner.operand_arg == arg
         kept = pruner(tuner.configs, {arg: torch.empty(1, dtype=dtype)}, PRECISION="ieee")
         assert kept and kept == [c for c in tuner.configs if pruner.drop_reason(c, arch, dtype, "ieee") is None]
+        assert kept == pruner.kept(tuner.configs, arch, dtype, "ieee")  # what `aot --quick` compiles
         if arch == "sm_80" and dtype == torch.float32:  # the shipped config the A100 test above compiles
             assert not any(_configs.config_label(c) == "128x128x64 s4 w8" for c in kept)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 6))
     assert pruner(tuner.configs, {arg: torch.empty(1, dtype=dtype)}) == tuner.configs  # unknown arch: untouched
+
+
+def test_every_kernel_keeps_a_config_per_dtype_and_arch():
+    """Within the rules, not by `configs_for`'s keep-one fallback: the autotuner of every
+    kernel has a config that passed them, for every dtype on every architecture."""
+    from osdp_kernels import aot
+
+    for spec in aot.KERNELS:
+        pruner, configs = spec.tuner.early_config_prune, spec.tuner.configs
+        for arch in ("sm_80", "sm_90"):
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                precision = "ieee" if dtype == torch.float32 else "tf32"
+                passed = [c for c in configs if pruner.drop_reason(c, arch, dtype, precision) is None]
+                assert passed and pruner.kept(configs, arch, dtype, precision) == passed, (spec.name, arch, dtype)
 
 
 def test_cuda_module_cubins(subset):
