@@ -32,7 +32,7 @@ import shutil
 import torch
 
 from ..errors import OSDPError, PlanMismatchError
-from ..runtime.state_dict import box_view, local_range
+from ..runtime.state_dict import box_view, listed, local_range
 from ..sizes import parse_bytes
 from . import _atomic
 from ._atomic import agree, on_rank0
@@ -117,9 +117,9 @@ def _match(layout, shapes: dict) -> tuple[dict[str, str], str | None]:
     unexpected = [k for k in shapes if k not in known]
     problems = []
     if missing:
-        problems.append(f"keys missing from the checkpoint: {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        problems.append(f"keys missing from the checkpoint: {listed(missing)}")
     if unexpected:
-        problems.append(f"keys the model does not have: {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(f"keys the model does not have: {listed(unexpected)}")
     problems += wrong[:8]
     return keys, "; ".join(problems) or None
 

@@ -219,6 +219,11 @@ def full_state_dict(
     return {k: full[k] for k in state_keys if k in full}
 
 
+def listed(names: list, most: int = 8) -> str:
+    """The first ``most`` of ``names`` for an error message, `` ...`` when there are more."""
+    return f"{names[:most]}{' ...' if len(names) > most else ''}"
+
+
 def check_full_state_dict(layout: Layout, state_dict) -> str | None:
     """Why ``state_dict`` cannot be loaded into the model (strict), or None."""
     if not isinstance(state_dict, dict):
@@ -228,9 +233,9 @@ def check_full_state_dict(layout: Layout, state_dict) -> str | None:
     unexpected = [k for k in state_dict if k not in expected]
     problems = []
     if missing:
-        problems.append(f"missing keys {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+        problems.append(f"missing keys {listed(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys {unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}")
+        problems.append(f"unexpected keys {listed(unexpected)}")
     wanted = {k: p.shape for k, p in layout.params.items()}
     wanted.update({a: layout.params[c].shape for a, c in layout.aliases.items()})
     wanted.update(layout.buffers)
