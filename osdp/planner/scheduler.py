@@ -3,13 +3,16 @@
 [Note: exact batch sweep]
 Memory grows with the batch for every plan, so feasibility is monotone in b: the largest
 feasible batch is found by doubling then bisection (from a first guess read off the
-least-memory plan's bytes per sample), each probe an exact feasibility search over the
-least-memory options only (``least_memory_problem``); at most ~2 log2(MAX_BATCH) probes.
+least-memory plan's bytes per sample), each probe an exact feasibility test over the
+least-memory options only (``least_memory_problem``; ``search.feasible``, one pass
+without a DP); at most ~2 log2(MAX_BATCH) probes.
 The batches below it are then searched from the largest down while their throughput
 bound b / (least possible step time at b, memory ignored) can beat the best plan found
-so far. That bound never decreases with b: every option's time is a sum of terms
-max(intercept + slope * b, comm) and constants, with intercepts and comm >= 0
-(device.py checks them), so time / b never increases. Hence the walk stops at the first
+so far; each search is told the step time it must beat (``search``'s ``time_bound``):
+it drops the states that cannot, and returns no plan where the walk would have
+discarded the one it found. That bound never decreases with b: every option's time is
+a sum of terms max(intercept + slope * b, comm) and constants, with intercepts and
+comm >= 0 (device.py checks them), so time / b never increases. Hence the walk stops at the first
 batch whose bound cannot win: the result is the exact maximum of samples/s over all
 batch sizes, at a few searches instead of one per batch. When even MAX_BATCH fits
 (a huge memory limit), the sweep stops there and says so (``Scheduled.batch_capped``).
@@ -55,7 +58,7 @@ from .cost_model import (Estimate, PlannerSettings, ProblemTemplate, _option_tim
                          option_local_bytes, template_optimizer_s, tied_choices, unit_indices)
 from .description import ModelDesc
 from .device import DeviceInfo
-from .search import search
+from .search import feasible, search
 from .search_problem import SearchProblem, SearchResult
 
 MAX_BATCH = 1 << 20  # a sweep never goes past this (a model with nothing batch-dependent)
@@ -118,8 +121,10 @@ def _templates(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings):
         yield from tied_choices(base)
 
 
-def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto") -> SearchResult:
-    result = search(t.problem(batch), backend=backend)
+def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto", time_bound: float = math.inf) -> SearchResult:
+    """The best plan of ``t`` at ``batch`` (``time_bound``: only one faster than that,
+    else a result that is not feasible; see ``search``)."""
+    result = search(t.problem(batch), backend=backend, time_bound=time_bound)
     if result.feasible:  # every use of a tied unit on one (g, k): cost_model.align_tied
         result = replace(result, option_index=align_tied(t, result.option_index, result.variant))
     return result
@@ -129,22 +134,24 @@ def memory_pareto_options(t: ProblemTemplate, batch: int) -> np.ndarray:
     """Indices of each op's memory-Pareto options at ``batch``: those no other option of
     the same op and variant beats in both kept and local bytes (time ignored). Per batch:
     a vocabulary head's options differ in how their bytes grow with it ([Note: fused
-    vocabulary-split loss]). Cached on the template."""
+    vocabulary-split loss]). Cached on the template.
+    All ops in one pass: options sorted by (op, variant), kept bytes, local bytes (a
+    stable sort: exact ties keep the lower index first); one is kept where its local
+    bytes are below those of every earlier option of its (op, variant): a running
+    minimum over local-byte ranks shifted down group by group, so that no group sees
+    the ones before it."""
     cache = t.__dict__.setdefault("_memory_pareto", {})
     if batch in cache:
         return cache[batch]
-    local_all = option_local_bytes(t, batch)
-    keep = []
-    for i in range(len(t.desc.ops)):
-        for v in range(2):
-            lo, hi = t.opt_begin[i, v], t.opt_end[i, v]
-            held, local = t.opt_held_bytes[lo:hi], local_all[lo:hi]
-            best_local = np.inf
-            for j in np.lexsort((local, held)):  # by held, then local: a sweep keeps the frontier
-                if local[j] < best_local:
-                    keep.append(lo + int(j))
-                    best_local = local[j]
-    cache[batch] = np.array(sorted(keep), dtype=np.int64)
+    local = option_local_bytes(t, batch)
+    group = t.opt_op * 2 + t.opt_variant
+    order = np.lexsort((local, t.opt_held_bytes, group))
+    rank = np.unique(local, return_inverse=True)[1].reshape(-1).astype(np.int64)  # compared as ints
+    shifted = rank[order] - (len(local) + 1) * group[order]
+    keep = np.ones(len(order), dtype=bool)  # the first of each group always
+    later = group[order][1:] == group[order][:-1]
+    keep[1:] = ~later | (shifted[1:] < np.minimum.accumulate(shifted)[:-1])
+    cache[batch] = np.sort(order[keep]).astype(np.int64)
     return cache[batch]
 
 
@@ -175,8 +182,16 @@ def least_memory_problem(t: ProblemTemplate, batch: int) -> SearchProblem:
 
 
 def fits_at(t: ProblemTemplate, batch: int, backend: str = "auto") -> bool:
-    """Whether any plan fits at ``batch`` (exact, through the least-memory problem)."""
-    return search(least_memory_problem(t, batch), backend=backend).feasible
+    """Whether any plan fits at ``batch``: the least-memory problem's feasibility, by the
+    one-pass test ([Note: feasibility] in search.py), which answers as its search did."""
+    return feasible(least_memory_problem(t, batch), backend=backend)
+
+
+def beat_bound(batch: int, rate: float) -> float:
+    """The step time a plan at ``batch`` must be under to beat ``rate`` (batch / step
+    seconds), with a margin of 1e-9 so that no plan the caller's own ``batch / time_s >
+    rate`` accepts is cut off by rounding; +inf when there is nothing to beat."""
+    return batch / rate * (1 + 1e-9) if rate > 0 else math.inf
 
 
 def finish_schedule(t, batch, result, searches, started, batch_capped=False) -> Scheduled:
@@ -238,15 +253,15 @@ def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
     searches = 0
     results: dict[int, SearchResult] = {}
 
-    def probe(b: int) -> SearchResult:
+    def probe(b: int, rate: float) -> SearchResult:
         nonlocal searches
         searches += 1
-        results[b] = search_batch(t, b, backend)
+        results[b] = search_batch(t, b, backend, time_bound=beat_bound(b, rate))
         return results[b]
 
     def fits(b: int) -> bool:
         nonlocal searches
-        searches += 1
+        searches += 1  # counted as the search it replaced, so plans report the same count
         return fits_at(t, b, backend)
 
     if not fits(1):
@@ -282,7 +297,7 @@ def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
         bound = b / (_time_lower_bound(t, b) + constant_s)
         if bound <= best_rate:
             break  # the bound never grows as b falls: no smaller batch can win
-        r = probe(b)
+        r = probe(b, best_rate)  # not feasible: nothing at b beats best_rate
         if r.feasible and b / r.time_s > best_rate:
             best_b, best_rate = b, b / r.time_s
     if best_b == 0:  # nothing beats ``beat``
