@@ -1130,6 +1130,22 @@ def tied_grads_bytes(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:
     return alive
 
 
+def _rows_key(desc: ModelDesc, i: int, owners, checkpointed, *moment_terms) -> tuple:
+    """What op ``i``'s option rows depend on besides the template's own settings: its
+    sizes and split op (its name when it is tied, owns a tied unit or is a fused head),
+    whether it is checkpointed, and its ``_option_rows`` byte terms (``moment_terms``).
+    Identical layers share one key, so their rows are computed once."""
+    op = desc.ops[i]
+    special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
+    sizes = (op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features, op.split_op)
+    return sizes + (checkpointed,) + tuple(moment_terms)
+
+
+# the fields of an option row (_option_rows, _rep_row), in order
+_ROW_FIELDS = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff",
+               "logits", "loss_grad", "logits_grad", "release")
+
+
 def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings | None = None) -> ProblemTemplate:
     settings = settings or PlannerSettings()
     static = static_bytes(desc, device, settings)
@@ -1147,41 +1163,41 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
     quantum = max(budget, 1.0) / buckets
 
-    names = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff",
-             "logits", "loss_grad", "logits_grad", "release")
-    cols = {k: [] for k in ("op", "variant", "ckpt") + names}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
-    cache: dict[tuple, list[tuple]] = {}  # identical layers share their option rows
+    blocks: list[np.ndarray] = []  # option rows (_ROW_FIELDS) per distinct key
+    block_of: dict[tuple, int] = {}  # identical layers share their option rows
+    runs = []  # per (op, variant) in option order: (op, variant, checkpointed, block)
+    count = 0
     owners = {group[0] for group in tied_groups(desc)}
     for seg in segments:
         for variant, checkpointed in enumerate(seg.variants):
             for i in seg.ops:
-                op = desc.ops[i]
-                special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
-                key = ((op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features,
-                                                   op.split_op)) + (checkpointed, after[i], before[i], pending[i], issued[i], flight_out[i])
+                key = _rows_key(desc, i, owners, checkpointed, after[i], before[i], pending[i], issued[i],
+                                flight_out[i])
                 if rep[i]:
                     key += ("rep", rep_reduce.get(i, 0.0))
-                rows = cache.get(key)
-                if rows is None:
+                b = block_of.get(key)
+                if b is None:
                     if rep[i]:
-                        rows = cache[key] = [_rep_row(desc, i, settings, window, after[i], before[i],
-                                                      rep_reduce.get(i, 0.0), pending[i])]
+                        rows = [_rep_row(desc, i, settings, window, after[i], before[i], rep_reduce.get(i, 0.0),
+                                         pending[i])]
                     else:
-                        rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
-                                                         window, after[i], before[i], shares, pending[i], issued[i],
-                                                         flight_out[i])
-                begin[i, variant] = len(cols["op"])
-                cols["op"].extend([i] * len(rows))
-                cols["variant"].extend([variant] * len(rows))
-                cols["ckpt"].extend([checkpointed] * len(rows))
-                for name, values in zip(names, zip(*rows)):
-                    cols[name].extend(values)
-                end[i, variant] = len(cols["op"])
+                        rows = _option_rows(desc, i, device, settings, checkpointed, window, after[i], before[i],
+                                            shares, pending[i], issued[i], flight_out[i])
+                    b = block_of[key] = len(blocks)
+                    blocks.append(np.array(rows, dtype=np.float64).reshape(len(rows), len(_ROW_FIELDS)))
+                begin[i, variant] = count
+                count += len(blocks[b])
+                end[i, variant] = count
+                runs.append((i, variant, checkpointed, b))
+    # one array per field, as the rows would give them (small ints and bools are exact as floats)
+    table = np.concatenate([blocks[b] for *_, b in runs] + [np.zeros((0, len(_ROW_FIELDS)))])
+    col = {name: table[:, j].copy() for j, name in enumerate(_ROW_FIELDS)}
+    sizes = np.array([len(blocks[b]) for *_, b in runs], dtype=np.int64)
+    per_run = np.array([r[:3] for r in runs], dtype=np.int64).reshape(-1, 3)
 
     fits = [_compute_fit(op, device, settings) for op in desc.ops]
-    arr = lambda key, dtype=np.float64: np.asarray(cols[key], dtype=dtype)  # noqa: E731
     return ProblemTemplate(
         desc=desc,
         device=device,
@@ -1190,24 +1206,24 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         static=static,
         quantum_bytes=quantum,
         segments=segments,
-        opt_op=arr("op", np.int64),
-        opt_variant=arr("variant", np.int64),
-        opt_checkpointed=arr("ckpt", bool),
-        opt_slices=arr("g", np.int64),
-        opt_zdp=arr("k", np.int64),
-        opt_hpz=arr("h", np.int64),
-        opt_held_bytes=arr("held"),
-        opt_transient_bytes=arr("transient"),
-        opt_comm_f_s=arr("comm_f"),
-        opt_gather_b_s=arr("gather_b"),
-        opt_reduce_b_s=arr("reduce_b"),
-        opt_overlap=arr("overlap", bool),
-        opt_split_overhead_s=arr("ovh"),
-        opt_split_eff=arr("eff"),
-        opt_logits_per_sample=arr("logits"),
-        opt_loss_grad_per_sample=arr("loss_grad"),
-        opt_logits_grad_per_sample=arr("logits_grad"),
-        opt_release_bytes=arr("release"),
+        opt_op=np.repeat(per_run[:, 0], sizes),
+        opt_variant=np.repeat(per_run[:, 1], sizes),
+        opt_checkpointed=np.repeat(per_run[:, 2], sizes).astype(bool),
+        opt_slices=col["g"].astype(np.int64),
+        opt_zdp=col["k"].astype(np.int64),
+        opt_hpz=col["h"].astype(np.int64),
+        opt_held_bytes=col["held"],
+        opt_transient_bytes=col["transient"],
+        opt_comm_f_s=col["comm_f"],
+        opt_gather_b_s=col["gather_b"],
+        opt_reduce_b_s=col["reduce_b"],
+        opt_overlap=col["overlap"].astype(bool),
+        opt_split_overhead_s=col["ovh"],
+        opt_split_eff=col["eff"],
+        opt_logits_per_sample=col["logits"],
+        opt_loss_grad_per_sample=col["loss_grad"],
+        opt_logits_grad_per_sample=col["logits_grad"],
+        opt_release_bytes=col["release"],
         opt_begin=begin,
         opt_end=end,
         fwd_intercept_s=np.array([f[0] for f in fits]),
@@ -1528,6 +1544,8 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> t
     out = np.array([t.opt_transient_bytes[o] for o in option_index], dtype=float)
     release = np.array([t.opt_release_bytes[o] for o in option_index], dtype=float)
     kept = 0.0  # dp bytes the prefix holds (an hpz slice's node copy is not a gather)
+    owners = {group[0] for group in tied_groups(desc)}
+    rows_of: dict[tuple, tuple] = {}  # identical layers with the same gathers: one row
     for i, o in enumerate(option_index):
         g, k, h = t.shape(o)
         owner = desc.ops[_group_of(desc, i)[0]]
@@ -1538,9 +1556,13 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> t
         fwd = max(at.get(("forward", i, j), 0.0) for j in range(steps)) - kept
         bwd = [max(at.get((phase, i, min(j, steps - 1)), 0.0) for phase in ("backward", "after backward")) - kept
                for j in range(g)]
-        rows = _option_rows(desc, i, device, settings, checkpointed_at[i], window, after[i], before[i], shares,
-                            pending[i], issued[i], flight_out[i], exact=(fwd, bwd), only=(g, k, h))
-        row = next(row for row in rows if row[:3] == (g, k, h))
+        key = _rows_key(desc, i, owners, checkpointed_at[i], after[i], before[i], pending[i], issued[i],
+                        flight_out[i]) + (g, k, h, fwd, tuple(bwd))
+        row = rows_of.get(key)
+        if row is None:
+            rows = _option_rows(desc, i, device, settings, checkpointed_at[i], window, after[i], before[i], shares,
+                                pending[i], issued[i], flight_out[i], exact=(fwd, bwd), only=(g, k, h))
+            row = rows_of[key] = next(row for row in rows if row[:3] == (g, k, h))
         out[i], release[i] = row[4], row[14]
     return out, release
 

@@ -55,7 +55,7 @@ from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .collective_cost import LAYOUTS, spans_nodes
 from .cost_model import (Estimate, PlannerSettings, ProblemTemplate, _option_times, align_tied, build_template, evaluate,
-                         option_local_bytes, template_optimizer_s, tied_choices, unit_indices)
+                         option_local_bytes, static_bytes, template_optimizer_s, tied_choices, unit_indices)
 from .description import ModelDesc
 from .device import DeviceInfo
 from .search import feasible, search
@@ -115,10 +115,10 @@ def _templates(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings):
     bytes fit (none after the first that does not: they only grow), one per joint choice
     of tied units (cost_model.tied_choices)."""
     for i, member in enumerate(rep_family(desc, settings)):
-        base = build_template(desc, device, member)
-        if i > 0 and sum(base.static.values()) > device.memory_limit_bytes:
+        # the template's own static bytes, read before building the rest of it
+        if i > 0 and sum(static_bytes(desc, device, member).values()) > device.memory_limit_bytes:
             return
-        yield from tied_choices(base)
+        yield from tied_choices(build_template(desc, device, member))
 
 
 def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto", time_bound: float = math.inf) -> SearchResult:
