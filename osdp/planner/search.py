@@ -69,6 +69,7 @@ __all__ = [
     "feasible",
     "feasible_python",
     "feasible_cpp",
+    "cannot_beat",
     "brute_force",
     "evaluate_assignment",
     "validate_problem",
@@ -602,12 +603,116 @@ def _native_backend(backend: str) -> bool:
     return True
 
 
+# [Note: Lagrangian bound]
+# Whether a problem has a plan faster than a time bound is often settled before any DP:
+# keep one memory constraint, "the state entering op J+1 is at most L_J" (J the last op
+# of a segment; L_J the largest last fitting state of op J+1's options less their held
+# buckets, +1 against the division's rounding: every feasible plan meets it), and move
+# it into the objective at a price lam >= 0 per bucket. For every such J and lam,
+#     constant - lam * L_J
+#     + sum over the segments up to J's of the least over variants of
+#         (extra + lam * carry + sum over its ops of the least (time + lam * held_q))
+#     + sum over the later segments of the least over variants of (extra + sum of least time)
+# is at most the time of every feasible plan (the priced term is <= 0 for one), so when
+# one (J, lam) puts it above the bound, no plan beats the bound and no DP is run. The
+# batch sweep's searches at batches that cannot win stop here (a 96x12288 GPT's DP only
+# ruled them out near its last ops, its memory-blind time bound being too loose). The
+# sums are floats in another order than a plan's: the bound must exceed time_bound by
+# 1e-9 of the largest magnitude the terms could sum to (rounding is ~1e-13 of it).
+def cannot_beat(problem: SearchProblem, time_bound: float) -> bool:
+    """Whether the Lagrangian bound ([Note: Lagrangian bound]) shows that no plan of
+    ``problem`` is faster than ``time_bound``; False: not shown (the search decides).
+    ``problem`` is taken as validated. Prices: a coarse decade grid, then a finer one
+    around the decade that came closest."""
+    p = problem
+    if not time_bound < math.inf or p.num_segments < 2:
+        return False
+    margin = _bound_margin(p, time_bound)
+    unit = margin.unit
+    coarse = [unit * 10.0 ** k for k in range(-4, 3)]
+    margins = [margin(price) for price in coarse]
+    if max(margins) > 0:
+        return True
+    best = coarse[int(np.argmax(margins))]
+    return any(margin(best * 10.0 ** (k / 6)) > 0 for k in (-5, -4, -3, -2, -1, 1, 2, 3, 4, 5))
+
+
+class _bound_margin:
+    """``margin(price)``: the largest over J of the Lagrangian bound less time_bound and
+    the rounding slack; > 0 proves that no plan beats time_bound."""
+
+    def __init__(self, p: SearchProblem, time_bound: float):
+        begin, end = p.opt_begin.reshape(-1), p.opt_end.reshape(-1)
+        self.p, self.time_bound = p, time_bound
+        self.runs = np.flatnonzero(end > begin)  # (op, variant) ranges with options, row-major
+        lengths = end[self.runs] - begin[self.runs]
+        self.starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        idx = np.repeat(begin[self.runs] - self.starts, lengths) + np.arange(lengths.sum(), dtype=np.int64)
+        self.time, self.held = p.opt_time_s[idx], p.opt_held_q[idx].astype(np.float64)
+        self.largest_time = self._per_run(np.abs(self.time), np.maximum, 0.0)
+        self.largest_held = self._per_run(self.held, np.maximum, 0.0)
+        self.carry = p.seg_carry_act_q.astype(np.float64)
+        self.carry[-1] = 0.0  # the last segment's carry is never held
+        self.limit = self._entry_limits(idx, lengths)  # L_J per segment but the last
+        free, free_size = self._segments(0.0)
+        self.tail = np.cumsum(free[::-1])[::-1][1:]  # the segments after J's, unpriced
+        self.tail_size = free_size.sum()
+        self.unit = max(abs(float(p.constant_time_s) + free.sum()), 1e-300) / max(
+            float(p.budget_bytes) / float(p.quantum_bytes), 1.0)
+
+    def __call__(self, price: float) -> float:
+        p = self.p
+        least, size = self._segments(price)
+        with np.errstate(invalid="ignore"):  # inf - inf where an op fits nowhere: not shown
+            bound = float(p.constant_time_s) - price * self.limit + np.cumsum(least)[:-1] + self.tail
+            slack = 1e-9 * (abs(float(p.constant_time_s)) + abs(self.time_bound) + price * np.abs(self.limit)
+                            + size.sum() + self.tail_size)
+            margin = bound - (self.time_bound + slack)
+        return float(np.nanmax(margin)) if np.any(~np.isnan(margin)) else -math.inf
+
+    def _per_run(self, values: np.ndarray, ufunc, empty: float) -> np.ndarray:
+        out = np.full(2 * self.p.num_ops, empty)
+        if len(self.runs):
+            out[self.runs] = ufunc.reduceat(values, self.starts)
+        return out
+
+    def _segments(self, price: float):
+        """Per segment: the least over its variants of extra + price * carry + its ops'
+        least time + price * held_q; and a bound of the magnitude of that sum."""
+        p = self.p
+        least = self._per_run(self.time + price * self.held, np.minimum, np.inf)
+        size = self.largest_time + price * self.largest_held
+        out, mag = np.full(p.num_segments, np.inf), np.zeros(p.num_segments)
+        for v in range(2):
+            total = p.seg_extra_time_s[:, v] + price * self.carry[:, v] + np.add.reduceat(least[v::2], p.seg_first_op)
+            out = np.where(p.seg_num_variants > v, np.minimum(out, total), out)
+            mag = np.maximum(mag, np.abs(p.seg_extra_time_s[:, v]) + price * self.carry[:, v]
+                             + np.add.reduceat(size[v::2], p.seg_first_op))
+        return out, mag
+
+    def _entry_limits(self, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """L_J ([Note: Lagrangian bound]) per segment but the last: the largest state a
+        feasible plan enters the next segment's first op with (-inf: no option fits)."""
+        p = self.p
+        q, budget = float(p.quantum_bytes), float(p.budget_bytes)
+        act = p.act_in_segment_bytes.reshape(-1)[np.repeat(self.runs, lengths)]
+        last = np.floor((budget - act - p.opt_local_bytes[idx]) / q) + 1 - self.held
+        per_run = self._per_run(last, np.maximum, -np.inf)
+        first = p.seg_first_op[1:]
+        return np.maximum(per_run[2 * first], np.where(p.seg_num_variants[1:] > 1, per_run[2 * first + 1], -np.inf))
+
+
 def search(problem: SearchProblem, backend: str = "auto", time_bound: float = math.inf) -> SearchResult:
     """The exact optimum of ``problem``. backend: "cpp", "python" or "auto"
     (the C++ core if it is built, else the reference, with a one-time warning).
     ``time_bound``: only a plan faster than it is wanted: the optimum when its time is
-    below it, else a result that is not feasible (faster to find: the DP drops the
-    states that cannot beat it, [Note: time bound] in csrc/search/search.cpp)."""
+    below it, else a result that is not feasible (faster to find: a bound may settle it
+    before the search, [Note: Lagrangian bound], and the DP drops the states that cannot
+    beat it, [Note: time bound] in csrc/search/search.cpp)."""
+    if time_bound < math.inf:
+        validate_problem(problem)
+        if cannot_beat(problem, time_bound):
+            return SearchResult(feasible=False)
     if _native_backend(backend):
         return search_cpp(problem, time_bound=time_bound)
     return search_python(problem, time_bound)

@@ -275,6 +275,35 @@ def test_feasible_is_the_search_answer(seed, kind):
     assert answers == {True, False}
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_lagrangian_bound_never_hides_a_faster_plan(seed):
+    """[Note: Lagrangian bound]: whatever it proves holds (no plan under the bound)."""
+    rng = np.random.default_rng([seed, 37])
+    proved = 0
+    for _ in range(120):
+        p = random_problem(rng, dyadic=seed % 2 == 1)
+        full = S.search_python(p)
+        bounds = [0.5, 2.0, 10.0] + ([full.time_s * f for f in (0.3, 0.6, 0.9, 0.99, 1.0)] +
+                                     [float(np.nextafter(full.time_s, math.inf))] if full.feasible else [])
+        for bound in bounds:
+            if S.cannot_beat(p, bound):
+                proved += 1
+                assert not (full.feasible and full.time_s < bound)
+                assert not S.search(p, time_bound=bound).feasible
+    assert proved > 0
+
+
+def test_lagrangian_bound_prices_memory():
+    # op A keeps 10 buckets to run in 1 s, or none in 3 s; op B (next segment) runs
+    # with 8 of act in a budget of 10: A cannot keep, the optimum is 3 + 1 = 4, and the
+    # price of memory shows it though every op's fastest option sums to 2
+    p = build_problem([{"variants": [{"ops": [{"act": 0.0, "options": [(10, 0.0, 1.0), (0, 0.0, 3.0)]}]}]},
+                       {"variants": [{"ops": [{"act": 8.0, "options": [(0, 0.0, 1.0)]}]}]}], limit=10.0)
+    assert S.search_python(p).time_s == 4.0
+    assert S.cannot_beat(p, 3.3) and not S.cannot_beat(p, 4.0)
+    assert not S.search(p, time_bound=3.3).feasible and S.search(p, time_bound=4.5).time_s == 4.0
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_time_bound_drops_slow_states(seed):
     p = medium_problem(np.random.default_rng(seed))
