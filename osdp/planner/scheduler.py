@@ -69,7 +69,7 @@ class Scheduled:
     template: ProblemTemplate
     batch: int
     result: SearchResult
-    estimate: Estimate  # exact bytes of the chosen plan
+    estimate: Estimate | None  # exact bytes of the chosen plan (None: a losing rep set's, never priced)
     searches: int  # exact searches run (feasibility probes included)
     search_s: float  # wall time of the whole sweep
     batch_capped: bool = False  # the sweep stopped at max_batch, which fits: larger batches may too
@@ -194,9 +194,18 @@ def beat_bound(batch: int, rate: float) -> float:
     return batch / rate * (1 + 1e-9) if rate > 0 else math.inf
 
 
-def finish_schedule(t, batch, result, searches, started, batch_capped=False) -> Scheduled:
-    estimate = evaluate(t, batch, result.option_index, result.variant)
+def finish_schedule(t, batch, result, searches, started, batch_capped=False, priced=True) -> Scheduled:
+    """The Scheduled of ``result``, its exact bytes priced unless ``priced`` is False
+    (a rep set's best, which another set may beat: ``schedule`` prices the winner)."""
+    estimate = evaluate(t, batch, result.option_index, result.variant) if priced else None
     return Scheduled(t, batch, result, estimate, searches, time.perf_counter() - started, batch_capped)
+
+
+def _priced(s: Scheduled) -> Scheduled:
+    """``s`` with its estimate (exact bytes: [Note: exact gathers]), computed if missing."""
+    if s.estimate is not None:
+        return s
+    return replace(s, estimate=evaluate(s.template, s.batch, s.result.option_index, s.result.variant))
 
 
 def schedule(
@@ -221,9 +230,11 @@ def schedule(
     best, errors, searches = None, [], 0
     # one template per rep set of the family ([Note: rep family]) and joint choice of tied
     # units (cost_model.tied_choices)
+    # (the rep sets' bests are priced in exact bytes only once one has won: the pricing
+    # plays the plan's gathers, and the sweep picks by time alone)
     for t in _templates(desc, device, settings):
         try:
-            s = _schedule_template(t, batch, backend, max_batch, started, beat=best)
+            s = _schedule_template(t, batch, backend, max_batch, started, beat=best, priced=False)
         except InfeasiblePlanError as exc:
             errors.append(exc)
             continue
@@ -232,23 +243,30 @@ def schedule(
             best = s
     if best is None:
         raise min(errors, key=lambda e: getattr(e, "min_bytes", math.inf) or math.inf)
-    return replace(best, searches=searches, search_s=time.perf_counter() - started)
+    return replace(_priced(best), searches=searches, search_s=time.perf_counter() - started)
 
 
 def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
-                       beat: Scheduled | None = None) -> Scheduled:
+                       beat: Scheduled | None = None, priced: bool = True) -> Scheduled:
     """``schedule`` on one template (see [Note: exact batch sweep]). ``beat``: the best
     plan of the templates searched before (same accumulation and world size): the sweep
     stops where its bound cannot beat it, and returns a Scheduled whose result is not
-    feasible when no batch did."""
+    feasible when no batch did. ``priced``: as in ``finish_schedule``."""
     if batch is not None:
         if beat is not None and _cannot_beat(t, batch, beat.result.time_s):
             # cannot be strictly faster at this batch, even ignoring memory
             return Scheduled(t, batch, SearchResult(feasible=False), beat.estimate, 0, time.perf_counter() - started)
-        result = search_batch(t, batch, backend)
+        if beat is None:
+            result = search_batch(t, batch, backend)
+        elif not feasible(t.problem(batch), backend=backend):
+            raise _infeasible(t, batch)
+        else:  # it fits: only a plan faster than beat's is searched for (none: nothing to keep)
+            result = search_batch(t, batch, backend, time_bound=beat_bound(batch, batch / beat.result.time_s))
+            if not result.feasible:
+                return Scheduled(t, batch, result, beat.estimate, 1, time.perf_counter() - started)
         if not result.feasible:
             raise _infeasible(t, batch)
-        return finish_schedule(t, batch, result, 1, started)
+        return finish_schedule(t, batch, result, 1, started, priced=priced)
 
     searches = 0
     results: dict[int, SearchResult] = {}
@@ -302,7 +320,8 @@ def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
             best_b, best_rate = b, b / r.time_s
     if best_b == 0:  # nothing beats ``beat``
         return Scheduled(t, lo, SearchResult(feasible=False), beat.estimate, searches, time.perf_counter() - started)
-    return finish_schedule(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch)
+    return finish_schedule(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch,
+                           priced=priced)
 
 
 def _schedule_layouts(desc, device, settings, batch, backend, max_batch, global_batch) -> Scheduled:
