@@ -4,7 +4,7 @@ the time of one `osdp plan` command as a user runs it.
     python bench/planner.py                 # 12..192 layers at hidden 12288, full batch sweep, + the command
     python bench/planner.py --quick         # fewer sizes, fewer repeats
     python bench/planner.py --command       # the command only (median of --repeats runs)
-    python bench/planner.py --command --root DIR   # the command of another checkout (a baseline)
+    python bench/planner.py --command --baseline DIR   # and another checkout's, in turns (a baseline)
 
 For GPT models of 12 to 192 layers at hidden 12288 (seq 2048, the GPT-3 shape) on the
 8xH100 profile scaled to 256 ranks at 80 GiB (so that 192 layers fit), splitting up to 16 and per-block
@@ -12,7 +12,8 @@ checkpointing, it times the whole plan (template, feasibility probes, batch swee
 each search backend and prints medians and the C++/Python speed ratio.
 The command (COMMAND below, issue 35's: every feature on, hpz, tied choices, layouts,
 re-rank) runs as a fresh process, imports included: its wall time and the plan's own
-search_s (the batch sweep), medians over the repeats.
+search_s (the batch sweep), medians over the repeats; with --baseline, runs of the two
+checkouts take turns (the load of a shared machine falls on both alike).
 Every run appends its rows to bench/results/planner.csv (one per model size, one for the
 command), with the commit and date, so the file keeps the history.
 """
@@ -49,24 +50,26 @@ FIELDS = ["layers", "ops", "batch", "searches", "cpp_s", "python_s", "ratio", "c
           "date"]
 
 
-def time_command(root: Path, repeats: int) -> dict:
-    """COMMAND run ``repeats`` times as its own process from ``root`` (its code, its
-    imports): medians of the wall time and of the plan's search_s (the batch sweep)."""
-    walls, searches = [], []
-    env = dict(os.environ, PYTHONPATH=str(root))
+def time_commands(roots: list[Path], repeats: int) -> list[dict]:
+    """COMMAND run ``repeats`` times from each checkout in ``roots`` (its code, its
+    imports), the checkouts taking turns so that a shared machine's load falls on each
+    alike: per checkout, medians of the wall time and of the plan's search_s."""
+    walls, searches, plans = ([[] for _ in roots] for _ in range(3))
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "plan.json"
         for _ in range(repeats):
-            start = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "osdp.cli", *COMMAND, "--json", str(out)], cwd=root, env=env,
-                           check=True, stdout=subprocess.DEVNULL)
-            walls.append(time.perf_counter() - start)
-            plan = json.loads(out.read_text())
-            searches.append(plan["search_s"])
+            for k, root in enumerate(roots):
+                start = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "osdp.cli", *COMMAND, "--json", str(out)], cwd=root,
+                               env=dict(os.environ, PYTHONPATH=str(root)), check=True, stdout=subprocess.DEVNULL)
+                walls[k].append(time.perf_counter() - start)
+                plans[k] = json.loads(out.read_text())
+                searches[k].append(plans[k]["search_s"])
     layers = int(COMMAND[COMMAND.index("--layers") + 1])
-    return dict(layers=layers, ops=len(plan["units"]), batch=plan["batch_size"], searches=plan["searches"],
-                cpp_s=statistics.median(searches), command_s=statistics.median(walls), run="osdp plan",
-                repeats=repeats, commit=_commit(root))
+    return [dict(layers=layers, ops=len(plan["units"]), batch=plan["batch_size"], searches=plan["searches"],
+                 cpp_s=statistics.median(search), command_s=statistics.median(wall), run="osdp plan",
+                 repeats=repeats, commit=_commit(root))
+            for root, plan, search, wall in zip(roots, plans, searches, walls)]
 
 
 def _commit(root: Path) -> str:
@@ -74,7 +77,8 @@ def _commit(root: Path) -> str:
     try:
         head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], check=True,
                               capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD"]).returncode != 0
+        dirty = subprocess.run(["git", "-C", str(root), "diff", "--quiet", "HEAD", "--", ".",
+                                ":(exclude)bench/results"]).returncode != 0
         return head + ("+" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return root.name
@@ -109,16 +113,19 @@ def main(argv=None):
     parser.add_argument("--python-max-layers", type=int, default=96, help="skip the slow reference above this")
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "planner.csv"))
     parser.add_argument("--command", action="store_true", help="time only the `osdp plan` command (COMMAND)")
-    parser.add_argument("--root", default=str(ROOT), help="the checkout whose command is timed (a baseline)")
+    parser.add_argument("--baseline", help="another checkout whose command is timed too, in turns (a row of its own)")
     parser.add_argument("--repeats", type=int, help="runs per measurement (default 3, --quick 1; command: 5)")
     args = parser.parse_args(argv)
     date = datetime.date.today().isoformat()
 
+    roots = ([Path(args.baseline).resolve()] if args.baseline else []) + [ROOT]
     if args.command:
-        row = dict(time_command(Path(args.root).resolve(), args.repeats or 5), date=date)
-        print(f"osdp {' '.join(COMMAND)}\n  {row['commit']}: search_s {row['cpp_s']:.3f} s, command "
-              f"{row['command_s']:.2f} s (medians of {row['repeats']}); batch {row['batch']}, {row['searches']} searches")
-        append_rows(Path(args.out), [row])
+        rows = [dict(row, date=date) for row in time_commands(roots, args.repeats or 5)]
+        print(f"osdp {' '.join(COMMAND)}")
+        for row in rows:
+            print(f"  {row['commit']}: search_s {row['cpp_s']:.3f} s, command {row['command_s']:.2f} s "
+                  f"(medians of {row['repeats']}); batch {row['batch']}, {row['searches']} searches")
+        append_rows(Path(args.out), rows)
         print(f"appended to {args.out}")
         return
 
@@ -144,10 +151,11 @@ def main(argv=None):
         rows.append(dict(layers=n, ops=len(desc.ops), batch=res.batch, searches=res.searches,
                          cpp_s=cpp_s, python_s=py_s if py_s else "", ratio=py_s / cpp_s if py_s else "",
                          run="schedule", repeats=repeats, commit=_commit(ROOT), date=date))
-    command = dict(time_command(ROOT, args.repeats or (3 if args.quick else 5)), date=date)
-    print(f"osdp {' '.join(COMMAND)}: search_s {command['cpp_s']:.3f} s, command {command['command_s']:.2f} s "
-          f"(medians of {command['repeats']})")
-    append_rows(Path(args.out), rows + [command])
+    commands = [dict(row, date=date) for row in time_commands(roots, args.repeats or (3 if args.quick else 5))]
+    for row in commands:
+        print(f"osdp {' '.join(COMMAND)} ({row['commit']}): search_s {row['cpp_s']:.3f} s, command "
+              f"{row['command_s']:.2f} s (medians of {row['repeats']})")
+    append_rows(Path(args.out), rows + commands)
     print(f"appended to {args.out}")
 
 
