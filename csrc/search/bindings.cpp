@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -45,12 +46,12 @@ const T* view(const py::object& obj, const char* name, std::vector<int64_t> shap
   return static_cast<const T*>(a.data());
 }
 
-py::dict search(py::object seg_first_op, py::object seg_num_ops, py::object seg_num_variants,
-                py::object seg_carry_act_q, py::object seg_extra_time_s,
-                py::object act_in_segment_bytes, py::object opt_begin, py::object opt_end,
-                py::object opt_held_q, py::object opt_local_bytes, py::object opt_time_s,
-                double quantum_bytes, double budget_bytes, double constant_time_s,
-                int64_t max_buckets, const std::string& isa) {
+ProblemView make_view(py::object seg_first_op, py::object seg_num_ops, py::object seg_num_variants,
+                      py::object seg_carry_act_q, py::object seg_extra_time_s,
+                      py::object act_in_segment_bytes, py::object opt_begin, py::object opt_end,
+                      py::object opt_held_q, py::object opt_local_bytes, py::object opt_time_s,
+                      double quantum_bytes, double budget_bytes, double constant_time_s,
+                      int64_t max_buckets) {
   ProblemView p;
   p.seg_first_op = view<int64_t>(seg_first_op, "seg_first_op", {-1}, &p.num_segments);
   const int64_t S = p.num_segments;
@@ -70,6 +71,19 @@ py::dict search(py::object seg_first_op, py::object seg_num_ops, py::object seg_
   p.budget_bytes = budget_bytes;
   p.constant_time_s = constant_time_s;
   p.max_buckets = max_buckets;
+  return p;
+}
+
+py::dict search(py::object seg_first_op, py::object seg_num_ops, py::object seg_num_variants,
+                py::object seg_carry_act_q, py::object seg_extra_time_s,
+                py::object act_in_segment_bytes, py::object opt_begin, py::object opt_end,
+                py::object opt_held_q, py::object opt_local_bytes, py::object opt_time_s,
+                double quantum_bytes, double budget_bytes, double constant_time_s,
+                int64_t max_buckets, const std::string& isa, double time_bound) {
+  ProblemView p = make_view(seg_first_op, seg_num_ops, seg_num_variants, seg_carry_act_q, seg_extra_time_s,
+                            act_in_segment_bytes, opt_begin, opt_end, opt_held_q, opt_local_bytes,
+                            opt_time_s, quantum_bytes, budget_bytes, constant_time_s, max_buckets);
+  p.time_bound = time_bound;
 
   Result r;
   {
@@ -89,6 +103,20 @@ py::dict search(py::object seg_first_op, py::object seg_num_ops, py::object seg_
   return out;
 }
 
+bool feasible(py::object seg_first_op, py::object seg_num_ops, py::object seg_num_variants,
+              py::object seg_carry_act_q, py::object seg_extra_time_s, py::object act_in_segment_bytes,
+              py::object opt_begin, py::object opt_end, py::object opt_held_q, py::object opt_local_bytes,
+              py::object opt_time_s, double quantum_bytes, double budget_bytes, double constant_time_s,
+              int64_t max_buckets) {
+  const ProblemView p = make_view(seg_first_op, seg_num_ops, seg_num_variants, seg_carry_act_q,
+                                  seg_extra_time_s, act_in_segment_bytes, opt_begin, opt_end, opt_held_q,
+                                  opt_local_bytes, opt_time_s, quantum_bytes, budget_bytes,
+                                  constant_time_s, max_buckets);
+  py::gil_scoped_release release;
+  osdp::search::validate(p);
+  return osdp::search::feasible(p);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -99,10 +127,19 @@ PYBIND11_MODULE(_C, m) {
         py::arg("opt_held_q"), py::arg("opt_local_bytes"), py::arg("opt_time_s"),
         py::arg("quantum_bytes"), py::arg("budget_bytes"), py::arg("constant_time_s"),
         py::arg("max_buckets") = int64_t(1) << 24, py::arg("isa") = "auto",
+        py::arg("time_bound") = std::numeric_limits<double>::infinity(),
         "Optimum of one SearchProblem's tables (exact; see [Note: exact search]).\n"
         "Returns a dict: feasible, time_s, peak_inner_bytes (without static_bytes),\n"
         "option_index[n], variant[S], states_visited, num_buckets.\n"
-        "isa: relax kernel, 'auto' or one of available_isas() (all give the same result).");
+        "isa: relax kernel, 'auto' or one of available_isas() (all give the same result).\n"
+        "time_bound: only a plan faster than this is wanted; none: not feasible ([Note: time bound]).");
+  m.def("feasible", &feasible, py::kw_only(), py::arg("seg_first_op"), py::arg("seg_num_ops"),
+        py::arg("seg_num_variants"), py::arg("seg_carry_act_q"), py::arg("seg_extra_time_s"),
+        py::arg("act_in_segment_bytes"), py::arg("opt_begin"), py::arg("opt_end"),
+        py::arg("opt_held_q"), py::arg("opt_local_bytes"), py::arg("opt_time_s"),
+        py::arg("quantum_bytes"), py::arg("budget_bytes"), py::arg("constant_time_s"),
+        py::arg("max_buckets") = int64_t(1) << 24,
+        "Whether any plan of the tables fits (search's feasible, in one pass: [Note: feasibility]).");
   m.def("available_isas", &osdp::search::available_isas,
         "Relax kernels this build and CPU can run (for tests and benchmarks).");
 }

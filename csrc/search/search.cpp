@@ -228,6 +228,99 @@ int64_t max_fitting_state(const double* qy, int64_t B, double q, double act,
   return y;
 }
 
+// [Note: dead states]
+// Per op and variant, the largest state after the op from which the rest of the plan
+// can still fit (-1: none). Every later memory test only gets harder as the prefix
+// grows, so the states that can still finish are a prefix [0, alive]; walking back from
+// the end (every state up to B), the bound before an op is the largest x with
+// x + held_q <= min(the option's last fitting state, the bound after the op) over its
+// options, and a segment's carry moves the bound by itself. A state above it is on no
+// feasible plan, and no state within it is reached from one above (x + held_q within
+// the bound after the op means x within the bound before it), so dropping them changes
+// no winner: the same plan, fewer states (a model whose memory peaks late, at the end of
+// forward, has most of its high states dead early on).
+std::vector<int64_t> alive_after(const ProblemView& p, int64_t B, const double* qy,
+                                 const std::vector<int64_t>& kept,
+                                 const std::vector<int64_t>& kept_at) {
+  std::vector<int64_t> out(size_t(2 * p.num_ops), -1);
+  int64_t next_in = B;  // the bound entering the next segment
+  for (int64_t s = p.num_segments - 1; s >= 0; --s) {
+    const bool last_seg = s + 1 == p.num_segments;
+    int64_t seg_in = -1;
+    for (int64_t v = 0; v < p.seg_num_variants[s]; ++v) {
+      const int64_t c = last_seg ? 0 : p.seg_carry_act_q[2 * s + v];
+      int64_t bound = next_in - c < 0 ? -1 : next_in - c;
+      for (int64_t i = p.seg_first_op[s] + p.seg_num_ops[s] - 1; i >= p.seg_first_op[s]; --i) {
+        out[size_t(2 * i + v)] = bound;
+        int64_t before = -1;
+        for (int64_t k = kept_at[2 * i + v]; bound >= 0 && k < kept_at[2 * i + v + 1]; ++k) {
+          const int64_t o = kept[k];
+          const int64_t ymax = max_fitting_state(qy, B, p.quantum_bytes, p.act_in_segment_bytes[2 * i + v],
+                                                 p.opt_local_bytes[o], p.budget_bytes);
+          before = std::max(before, std::min(ymax, bound) - p.opt_held_q[o]);
+        }
+        bound = before < 0 ? -1 : before;
+      }
+      seg_in = std::max(seg_in, bound);
+    }
+    next_in = seg_in;
+  }
+  return out;
+}
+
+// [Note: time bound]
+// A caller that only wants a plan faster than time_bound (the batch sweep: one that
+// beats the best so far) lets the DP drop the states that cannot lead to one: a state
+// after op i whose time plus the least time of everything after it (each op's fastest
+// option, each segment's cheaper variant, memory ignored) exceeds the bound. The ends of
+// the reachable range are trimmed (the low states keep little and are slow); a plan
+// faster than the bound has every prefix within it, so it and every winner on its path
+// are untouched and the result is the same optimum; when the optimum is not faster the
+// search reports no plan. The lower bounds are float sums in another order than the
+// plan's own, so a state is dropped only past a slack of 1e-9 of the largest time any
+// plan could sum to (rounding is ~1e-13 of it).
+struct TimeBound {
+  std::vector<double> rest;  // per op and variant: least time still to come after it
+  double limit = kInf;       // drop a state when time + rest > limit
+};
+
+TimeBound time_bound_of(const ProblemView& p, const std::vector<int64_t>& kept,
+                        const std::vector<int64_t>& kept_at) {
+  TimeBound tb;
+  if (!(p.time_bound < kInf)) return tb;
+  tb.rest.assign(size_t(2 * p.num_ops), 0.0);
+  double tail = 0, scale = std::fabs(p.constant_time_s);
+  for (int64_t s = p.num_segments - 1; s >= 0; --s) {
+    double seg_least = kInf, seg_abs = 0;
+    for (int64_t v = 0; v < p.seg_num_variants[s]; ++v) {
+      double within = p.seg_extra_time_s[2 * s + v], abs_sum = std::fabs(within);
+      for (int64_t i = p.seg_first_op[s] + p.seg_num_ops[s] - 1; i >= p.seg_first_op[s]; --i) {
+        tb.rest[size_t(2 * i + v)] = within + tail;
+        double least = kInf, most = 0;
+        for (int64_t k = kept_at[2 * i + v]; k < kept_at[2 * i + v + 1]; ++k) {
+          least = std::min(least, p.opt_time_s[kept[k]]);
+          most = std::max(most, std::fabs(p.opt_time_s[kept[k]]));
+        }
+        within += least;  // an op without options ends every path: +inf, nothing dropped wrongly
+        abs_sum += most;
+      }
+      seg_least = std::min(seg_least, within);
+      seg_abs = std::max(seg_abs, abs_sum);
+    }
+    tail += seg_least;
+    scale += seg_abs;
+  }
+  tb.limit = p.time_bound + 1e-9 * (std::fabs(p.time_bound) + scale);
+  return tb;
+}
+
+// Trim [*lo, *hi] of states whose time plus rest exceeds tb.limit (see [Note: time bound]).
+void trim_slow(const TimeBound& tb, const double* t, double rest, int64_t* lo, int64_t* hi) {
+  if (!(tb.limit < kInf)) return;
+  while (*lo <= *hi && !(t[*lo] + rest <= tb.limit)) ++*lo;
+  while (*hi >= *lo && !(t[*hi] + rest <= tb.limit)) --*hi;
+}
+
 struct Table {  // winners for states lo .. lo + size - 1
   int64_t lo = 0;
   std::vector<uint16_t> op;    // per op and variant: option - opt_begin
@@ -322,6 +415,36 @@ std::vector<std::string> available_isas() {
   return out;
 }
 
+// [Note: feasibility] (osdp/planner/search.py): the least state reachable after each op,
+// the same memory test as the DP. Mirrors feasible() there step for step.
+bool feasible(const ProblemView& p) {
+  if (num_buckets(p) < 0) return false;
+  const double q = p.quantum_bytes, budget = p.budget_bytes;
+  int64_t least = 0;  // the least state entering the segment
+  for (int64_t s = 0; s < p.num_segments; ++s) {
+    int64_t after = -1;
+    for (int64_t v = 0; v < p.seg_num_variants[s]; ++v) {
+      int64_t y = least;
+      for (int64_t i = p.seg_first_op[s]; y >= 0 && i < p.seg_first_op[s] + p.seg_num_ops[s]; ++i) {
+        int64_t next = -1;
+        for (int64_t o = p.opt_begin[2 * i + v]; o < p.opt_end[2 * i + v]; ++o) {
+          const int64_t z = y + p.opt_held_q[o];
+          if (fits(double(z) * q, p.act_in_segment_bytes[2 * i + v], p.opt_local_bytes[o], budget) &&
+              (next < 0 || z < next))
+            next = z;
+        }
+        y = next;
+      }
+      if (y < 0) continue;
+      if (s + 1 < p.num_segments) y += p.seg_carry_act_q[2 * s + v];
+      if (after < 0 || y < after) after = y;
+    }
+    if (after < 0) return false;
+    least = after;
+  }
+  return true;
+}
+
 Result solve(const ProblemView& p, const std::string& isa) {
   const RelaxFn relax_op = pick_kernel(isa);
   Result r;
@@ -380,6 +503,8 @@ Result solve(const ProblemView& p, const std::string& isa) {
   double* qy = qy_store.data() + pad_lo;
   for (int64_t y = 0; y < N + pad_hi; ++y) qy[y] = double(y) * q;  // as in search_python
   std::vector<int8_t> seg_v(N);
+  const std::vector<int64_t> live_hi = alive_after(p, B, qy, kept, kept_at);
+  const TimeBound tb = time_bound_of(p, kept, kept_at);
   std::vector<Table> op_tab(2 * n), seg_tab(S);
   // per op: the kept options that fit somewhere in the reachable range
   std::vector<int64_t> f_held, f_ymax;
@@ -423,7 +548,12 @@ Result solve(const ProblemView& p, const std::string& isa) {
           alive = false;
           break;
         }
-        const int64_t rlo = clo + hmin, rhi = std::min(chi + hmax, B);
+        // [Note: dead states]: nothing above live_hi[2i+v] can still finish
+        const int64_t rlo = clo + hmin, rhi = std::min(std::min(chi + hmax, B), live_hi[2 * i + v]);
+        if (rlo > rhi) {
+          alive = false;
+          break;
+        }
         const int64_t nblocks = (rhi - rlo + kLanes) / kLanes;
         // [Note: relax kernel] inputs outside [clo, chi] that the blocks read: unreachable
         std::fill(cur->t + (rlo - hmax), cur->t + clo, kInf);
@@ -441,6 +571,7 @@ Result solve(const ProblemView& p, const std::string& isa) {
                  f_held.data(), f_local.data(), f_time.data(), f_rel.data(), f_ymax.data(),
                  int64_t(f_held.size()));
         reach_range(nxt->t, rlo, rhi, &clo, &chi);
+        if (!tb.rest.empty()) trim_slow(tb, nxt->t, tb.rest[2 * i + v], &clo, &chi);
         if (clo > chi) {
           alive = false;
           break;
@@ -484,6 +615,7 @@ Result solve(const ProblemView& p, const std::string& isa) {
   int64_t y = lo;
   for (int64_t x = lo + 1; x <= hi; ++x)
     if (in.t[x] < in.t[y] || (in.t[x] == in.t[y] && in.p[x] < in.p[y])) y = x;
+  if (!(in.t[y] < p.time_bound)) return r;  // [Note: time bound]: none faster
   r.feasible = true;
   r.time_s = in.t[y];
   r.peak_inner_bytes = in.p[y];

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -26,6 +27,8 @@ struct ProblemView {
   const double* opt_time_s = nullptr;         // [P]
   double quantum_bytes = 1, budget_bytes = 0, constant_time_s = 0;
   int64_t max_buckets = int64_t(1) << 24;     // refuse problems with more states
+  // only plans faster than this are wanted ([Note: time bound]); +inf: the optimum
+  double time_bound = std::numeric_limits<double>::infinity();
 };
 
 struct Result {
@@ -47,6 +50,10 @@ int64_t num_buckets(const ProblemView& p);
 // The optimum. Call validate() first. isa picks the relax kernel: "auto" (the widest the
 // CPU runs) or one of available_isas(); every kernel returns the same result.
 Result solve(const ProblemView& p, const std::string& isa = "auto");
+
+// Whether any plan fits: solve(p).feasible in one pass over the options, no DP ([Note:
+// feasibility] in osdp/planner/search.py). Call validate() first.
+bool feasible(const ProblemView& p);
 
 // Kernels this build and CPU can run, e.g. {"scalar", "avx2", "avx512"}.
 std::vector<std::string> available_isas();

@@ -858,12 +858,30 @@ def tied_groups(desc: ModelDesc) -> list[tuple[int, ...]]:
     """Ops that use one unit's weights, owner first, in op order: one tuple per tied unit
     (``OpDesc.tied_to``). They share one slicing and one mode per slice: [Note: tied
     weights]."""
-    groups: dict[int, list[int]] = {}
-    for i, op in enumerate(desc.ops):
-        if op.tied_to:
-            owner = desc.op_index(op.tied_to)
-            groups.setdefault(owner, [owner]).append(i)
-    return [tuple(sorted(v)) for v in groups.values()]
+    return list(_tied_index(desc)[0])
+
+
+def _tied_index(desc: ModelDesc) -> tuple[tuple[tuple[int, ...], ...], dict[int, tuple[int, ...]]]:
+    """The tied groups and, per op in one of them, its group. Once per description: the
+    option rows ask it per op, and a scan per call made pricing a plan quadratic in the
+    ops (a ModelDesc is frozen, so the cache cannot go stale)."""
+    cached = desc.__dict__.get("_tied_index")
+    if cached is None:
+        names = {op.name: i for i, op in enumerate(desc.ops)}  # unique (ModelDesc checks)
+        groups: dict[int, list[int]] = {}
+        for i, op in enumerate(desc.ops):
+            if op.tied_to:
+                owner = names.get(op.tied_to)
+                if owner is None:
+                    owner = desc.op_index(op.tied_to)  # raises its KeyError
+                groups.setdefault(owner, [owner]).append(i)
+        ordered = tuple(tuple(sorted(v)) for v in groups.values())
+        group_of: dict[int, tuple[int, ...]] = {}
+        for group in ordered:
+            for i in group:
+                group_of.setdefault(i, group)  # an op in two groups: the first, as a scan finds
+        cached = desc.__dict__["_tied_index"] = (ordered, group_of)
+    return cached
 
 
 def fused_logits_bytes(desc: ModelDesc, i: int) -> float:
@@ -877,10 +895,7 @@ def fused_logits_bytes(desc: ModelDesc, i: int) -> float:
 
 
 def _group_of(desc: ModelDesc, i: int) -> tuple[int, ...]:
-    for group in tied_groups(desc):
-        if i in group:
-            return group
-    return (i,)
+    return _tied_index(desc)[1].get(i, (i,))
 
 
 def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) -> tuple:
@@ -948,7 +963,7 @@ def pending_reduce_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
 
 
 def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i,
-                 shares=(1.0, 1.0), pending=0.0, issued=0.0, flight_out=0.0, exact=None) -> list[tuple]:
+                 shares=(1.0, 1.0), pending=0.0, issued=0.0, flight_out=0.0, exact=None, only=None) -> list[tuple]:
     """(g, k, h, held, transient, comm_f, gather_b, reduce_b, overlap, slice overhead,
     split efficiency, logits saved, the loss's backward transients, logits grads in the
     head's backward, release) for every option of op ``i`` (see the
@@ -958,7 +973,9 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
     unsplit backward's reduce-scatter allocates, ``flight_out``: those of the one in
     flight before it where nothing else counts them ([Note: pending reduction]).
     ``exact``: a concrete plan's gathered bytes beyond the kept prefix, ``(forward,
-    [backward per slice j])``, in place of the window's bound ([Note: exact gathers])."""
+    [backward per slice j])``, in place of the window's bound ([Note: exact gathers]).
+    ``only``: a (g, k, h) whose row alone is wanted (pricing one plan: the other rows'
+    slice-by-slice backward made ``exact_transients`` the planner's largest cost)."""
     coll = layout_collectives(device, settings)
     group = _group_of(desc, i)
     owner = desc.ops[group[0]]
@@ -967,6 +984,8 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
     rows = []
     splittable = all(desc.ops[j].splittable for j in group)
     for g in slice_choices(owner, settings) if splittable else (1,):
+        if only is not None and g != only[0]:
+            continue
         ex = exact if exact is not None and len(exact[1]) == g else None  # the plan's g only
         needs = [backward_needs_weights(desc.ops[j], g) for j in group]
         # dp slices are kept by the first use that reads them in backward, until the end
@@ -987,6 +1006,8 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
         if len(group) == 1 and not weights_b:
             choices = ((g, 0),)  # no weights in backward: dp and zdp slices are both freed after forward
         for k, h in choices:
+            if only is not None and (k, h) != only[1:]:
+                continue
             held = ((g - k - h) * s + h * s / coll.per_node) if keeper == i else 0.0
             # a use gathers what no earlier use keeps; in backward, its zdp / hpz slices
             gathered_f = k if keeper is not None and keeper < i else g
@@ -1111,6 +1132,22 @@ def tied_grads_bytes(desc: ModelDesc, settings: PlannerSettings) -> np.ndarray:
     return alive
 
 
+def _rows_key(desc: ModelDesc, i: int, owners, checkpointed, *moment_terms) -> tuple:
+    """What op ``i``'s option rows depend on besides the template's own settings: its
+    sizes and split op (its name when it is tied, owns a tied unit or is a fused head),
+    whether it is checkpointed, and its ``_option_rows`` byte terms (``moment_terms``).
+    Identical layers share one key, so their rows are computed once."""
+    op = desc.ops[i]
+    special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
+    sizes = (op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features, op.split_op)
+    return sizes + (checkpointed,) + tuple(moment_terms)
+
+
+# the fields of an option row (_option_rows, _rep_row), in order
+_ROW_FIELDS = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff",
+               "logits", "loss_grad", "logits_grad", "release")
+
+
 def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings | None = None) -> ProblemTemplate:
     settings = settings or PlannerSettings()
     static = static_bytes(desc, device, settings)
@@ -1128,41 +1165,41 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     buckets = min(settings.max_buckets, max(settings.min_buckets, math.ceil(terms / settings.memory_tolerance)))
     quantum = max(budget, 1.0) / buckets
 
-    names = ("g", "k", "h", "held", "transient", "comm_f", "gather_b", "reduce_b", "overlap", "ovh", "eff",
-             "logits", "loss_grad", "logits_grad", "release")
-    cols = {k: [] for k in ("op", "variant", "ckpt") + names}
     begin = np.zeros((len(desc.ops), 2), dtype=np.int64)
     end = np.zeros((len(desc.ops), 2), dtype=np.int64)
-    cache: dict[tuple, list[tuple]] = {}  # identical layers share their option rows
+    blocks: list[np.ndarray] = []  # option rows (_ROW_FIELDS) per distinct key
+    block_of: dict[tuple, int] = {}  # identical layers share their option rows
+    runs = []  # per (op, variant) in option order: (op, variant, checkpointed, block)
+    count = 0
     owners = {group[0] for group in tied_groups(desc)}
     for seg in segments:
         for variant, checkpointed in enumerate(seg.variants):
             for i in seg.ops:
-                op = desc.ops[i]
-                special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
-                key = ((op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features,
-                                                   op.split_op)) + (checkpointed, after[i], before[i], pending[i], issued[i], flight_out[i])
+                key = _rows_key(desc, i, owners, checkpointed, after[i], before[i], pending[i], issued[i],
+                                flight_out[i])
                 if rep[i]:
                     key += ("rep", rep_reduce.get(i, 0.0))
-                rows = cache.get(key)
-                if rows is None:
+                b = block_of.get(key)
+                if b is None:
                     if rep[i]:
-                        rows = cache[key] = [_rep_row(desc, i, settings, window, after[i], before[i],
-                                                      rep_reduce.get(i, 0.0), pending[i])]
+                        rows = [_rep_row(desc, i, settings, window, after[i], before[i], rep_reduce.get(i, 0.0),
+                                         pending[i])]
                     else:
-                        rows = cache[key] = _option_rows(desc, i, device, settings, checkpointed,
-                                                         window, after[i], before[i], shares, pending[i], issued[i],
-                                                         flight_out[i])
-                begin[i, variant] = len(cols["op"])
-                cols["op"].extend([i] * len(rows))
-                cols["variant"].extend([variant] * len(rows))
-                cols["ckpt"].extend([checkpointed] * len(rows))
-                for name, values in zip(names, zip(*rows)):
-                    cols[name].extend(values)
-                end[i, variant] = len(cols["op"])
+                        rows = _option_rows(desc, i, device, settings, checkpointed, window, after[i], before[i],
+                                            shares, pending[i], issued[i], flight_out[i])
+                    b = block_of[key] = len(blocks)
+                    blocks.append(np.array(rows, dtype=np.float64).reshape(len(rows), len(_ROW_FIELDS)))
+                begin[i, variant] = count
+                count += len(blocks[b])
+                end[i, variant] = count
+                runs.append((i, variant, checkpointed, b))
+    # one array per field, as the rows would give them (small ints and bools are exact as floats)
+    table = np.concatenate([blocks[b] for *_, b in runs] + [np.zeros((0, len(_ROW_FIELDS)))])
+    col = {name: table[:, j].copy() for j, name in enumerate(_ROW_FIELDS)}
+    sizes = np.array([len(blocks[b]) for *_, b in runs], dtype=np.int64)
+    per_run = np.array([r[:3] for r in runs], dtype=np.int64).reshape(-1, 3)
 
     fits = [_compute_fit(op, device, settings) for op in desc.ops]
-    arr = lambda key, dtype=np.float64: np.asarray(cols[key], dtype=dtype)  # noqa: E731
     return ProblemTemplate(
         desc=desc,
         device=device,
@@ -1171,24 +1208,24 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         static=static,
         quantum_bytes=quantum,
         segments=segments,
-        opt_op=arr("op", np.int64),
-        opt_variant=arr("variant", np.int64),
-        opt_checkpointed=arr("ckpt", bool),
-        opt_slices=arr("g", np.int64),
-        opt_zdp=arr("k", np.int64),
-        opt_hpz=arr("h", np.int64),
-        opt_held_bytes=arr("held"),
-        opt_transient_bytes=arr("transient"),
-        opt_comm_f_s=arr("comm_f"),
-        opt_gather_b_s=arr("gather_b"),
-        opt_reduce_b_s=arr("reduce_b"),
-        opt_overlap=arr("overlap", bool),
-        opt_split_overhead_s=arr("ovh"),
-        opt_split_eff=arr("eff"),
-        opt_logits_per_sample=arr("logits"),
-        opt_loss_grad_per_sample=arr("loss_grad"),
-        opt_logits_grad_per_sample=arr("logits_grad"),
-        opt_release_bytes=arr("release"),
+        opt_op=np.repeat(per_run[:, 0], sizes),
+        opt_variant=np.repeat(per_run[:, 1], sizes),
+        opt_checkpointed=np.repeat(per_run[:, 2], sizes).astype(bool),
+        opt_slices=col["g"].astype(np.int64),
+        opt_zdp=col["k"].astype(np.int64),
+        opt_hpz=col["h"].astype(np.int64),
+        opt_held_bytes=col["held"],
+        opt_transient_bytes=col["transient"],
+        opt_comm_f_s=col["comm_f"],
+        opt_gather_b_s=col["gather_b"],
+        opt_reduce_b_s=col["reduce_b"],
+        opt_overlap=col["overlap"].astype(bool),
+        opt_split_overhead_s=col["ovh"],
+        opt_split_eff=col["eff"],
+        opt_logits_per_sample=col["logits"],
+        opt_loss_grad_per_sample=col["loss_grad"],
+        opt_logits_grad_per_sample=col["logits_grad"],
+        opt_release_bytes=col["release"],
         opt_begin=begin,
         opt_end=end,
         fwd_intercept_s=np.array([f[0] for f in fits]),
@@ -1502,10 +1539,15 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> t
     shares = coalesced_latency_shares(desc, settings)
     pending, issued, flight_out = pending_reduce_bytes(desc, device, settings, t.rep)
     per_node = layout_collectives(device, settings).per_node
-    seg_variant = {i: int(variant[s]) for s, seg in enumerate(t.segments) for i in seg.ops}
+    checkpointed_at = {}  # per op, whether its segment runs checkpointed in this plan
+    for s, seg in enumerate(t.segments):
+        for i in seg.ops:
+            checkpointed_at.setdefault(i, seg.variants[int(variant[s])])
     out = np.array([t.opt_transient_bytes[o] for o in option_index], dtype=float)
     release = np.array([t.opt_release_bytes[o] for o in option_index], dtype=float)
     kept = 0.0  # dp bytes the prefix holds (an hpz slice's node copy is not a gather)
+    owners = {group[0] for group in tied_groups(desc)}
+    rows_of: dict[tuple, tuple] = {}  # identical layers with the same gathers: one row
     for i, o in enumerate(option_index):
         g, k, h = t.shape(o)
         owner = desc.ops[_group_of(desc, i)[0]]
@@ -1516,10 +1558,13 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> t
         fwd = max(at.get(("forward", i, j), 0.0) for j in range(steps)) - kept
         bwd = [max(at.get((phase, i, min(j, steps - 1)), 0.0) for phase in ("backward", "after backward")) - kept
                for j in range(g)]
-        checkpointed = t.segments[[s for s, seg in enumerate(t.segments) if i in seg.ops][0]].variants[seg_variant[i]]
-        rows = _option_rows(desc, i, device, settings, checkpointed, window, after[i], before[i], shares,
-                            pending[i], issued[i], flight_out[i], exact=(fwd, bwd))
-        row = next(row for row in rows if row[:3] == (g, k, h))
+        key = _rows_key(desc, i, owners, checkpointed_at[i], after[i], before[i], pending[i], issued[i],
+                        flight_out[i]) + (g, k, h, fwd, tuple(bwd))
+        row = rows_of.get(key)
+        if row is None:
+            rows = _option_rows(desc, i, device, settings, checkpointed_at[i], window, after[i], before[i], shares,
+                                pending[i], issued[i], flight_out[i], exact=(fwd, bwd), only=(g, k, h))
+            row = rows_of[key] = next(row for row in rows if row[:3] == (g, k, h))
         out[i], release[i] = row[4], row[14]
     return out, release
 
@@ -1544,8 +1589,12 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant,
     held_prefix = act_prefix = 0.0
     own_bytes, loss_bytes = _local_moments(t, batch)
     option_index = [int(o) for o in option_index]
+    variant_of = {}  # per op, its segment's variant (the first segment holding it)
+    for s, seg in enumerate(t.segments):
+        for i in seg.ops:
+            variant_of.setdefault(i, int(variant[s]))
     for i, o in enumerate(option_index):
-        v = next(int(variant[s]) for s, seg in enumerate(t.segments) if i in seg.ops)
+        v = variant_of[i]
         if not (t.opt_begin[i, v] <= o < t.opt_end[i, v]):
             raise OSDPError(f"option {o} is not an option of op {t.desc.ops[i].name!r} in variant {v}")
     bound, bound_release = t.opt_transient_bytes[option_index], t.opt_release_bytes[option_index]

@@ -30,6 +30,7 @@ checkpointed plan.
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, replace
 
@@ -37,8 +38,8 @@ from ..errors import InfeasiblePlanError
 from .cost_model import PlannerSettings, build_template, evaluate, gathered_bytes
 from .description import ModelDesc
 from .device import DeviceInfo
-from .scheduler import Scheduled, schedule, search_batch
-from .search import evaluate_assignment
+from .scheduler import Scheduled, beat_bound, schedule, search_batch
+from .search import evaluate_assignment, feasible
 from .search_problem import SearchResult
 from .step_sim import StepSim, simulate_scheduled
 
@@ -139,12 +140,21 @@ def _nearby_batches(best: Scheduled, count: int, backend: str) -> tuple[list[Sch
     found = []
 
     def probe(p: int) -> bool:
+        """Whether anything fits at ``p``; its best plan joins ``found`` if it can be
+        among the ``count`` best: once ``count`` are found, only by beating the last of
+        them (the sort below is stable, an equal rate stays behind), so the search is
+        told that bound and skips the states that cannot."""
         started = time.perf_counter()
-        r = search_batch(t, p, backend)
+        if not feasible(t.problem(p), backend=backend):
+            return False
+        rates = sorted((s.samples_per_s for s in found), reverse=True)
+        per_batch = best.accumulation_steps * t.device.world_size  # samples/s = batch / step_s * this
+        bound = beat_bound(p, rates[count - 1] / per_batch) if len(rates) >= count else math.inf
+        r = search_batch(t, p, backend, time_bound=bound)
         if r.feasible:
             estimate = evaluate(t, p, r.option_index, r.variant)
             found.append(Scheduled(t, p, r, estimate, 1, time.perf_counter() - started))
-        return r.feasible
+        return True
 
     searches = 1
     if probe(b + 1):  # memory grows with the batch: b + 2 fits only if b + 1 does

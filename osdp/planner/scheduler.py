@@ -3,13 +3,16 @@
 [Note: exact batch sweep]
 Memory grows with the batch for every plan, so feasibility is monotone in b: the largest
 feasible batch is found by doubling then bisection (from a first guess read off the
-least-memory plan's bytes per sample), each probe an exact feasibility search over the
-least-memory options only (``least_memory_problem``); at most ~2 log2(MAX_BATCH) probes.
+least-memory plan's bytes per sample), each probe an exact feasibility test over the
+least-memory options only (``least_memory_problem``; ``search.feasible``, one pass
+without a DP); at most ~2 log2(MAX_BATCH) probes.
 The batches below it are then searched from the largest down while their throughput
 bound b / (least possible step time at b, memory ignored) can beat the best plan found
-so far. That bound never decreases with b: every option's time is a sum of terms
-max(intercept + slope * b, comm) and constants, with intercepts and comm >= 0
-(device.py checks them), so time / b never increases. Hence the walk stops at the first
+so far; each search is told the step time it must beat (``search``'s ``time_bound``):
+it drops the states that cannot, and returns no plan where the walk would have
+discarded the one it found. That bound never decreases with b: every option's time is
+a sum of terms max(intercept + slope * b, comm) and constants, with intercepts and
+comm >= 0 (device.py checks them), so time / b never increases. Hence the walk stops at the first
 batch whose bound cannot win: the result is the exact maximum of samples/s over all
 batch sizes, at a few searches instead of one per batch. When even MAX_BATCH fits
 (a huge memory limit), the sweep stops there and says so (``Scheduled.batch_capped``).
@@ -52,10 +55,10 @@ from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .collective_cost import LAYOUTS, spans_nodes
 from .cost_model import (Estimate, PlannerSettings, ProblemTemplate, _option_times, align_tied, build_template, evaluate,
-                         option_local_bytes, template_optimizer_s, tied_choices, unit_indices)
+                         option_local_bytes, static_bytes, template_optimizer_s, tied_choices, unit_indices)
 from .description import ModelDesc
 from .device import DeviceInfo
-from .search import search
+from .search import feasible, search
 from .search_problem import SearchProblem, SearchResult
 
 MAX_BATCH = 1 << 20  # a sweep never goes past this (a model with nothing batch-dependent)
@@ -66,7 +69,7 @@ class Scheduled:
     template: ProblemTemplate
     batch: int
     result: SearchResult
-    estimate: Estimate  # exact bytes of the chosen plan
+    estimate: Estimate | None  # exact bytes of the chosen plan (None: a losing rep set's, never priced)
     searches: int  # exact searches run (feasibility probes included)
     search_s: float  # wall time of the whole sweep
     batch_capped: bool = False  # the sweep stopped at max_batch, which fits: larger batches may too
@@ -112,14 +115,16 @@ def _templates(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings):
     bytes fit (none after the first that does not: they only grow), one per joint choice
     of tied units (cost_model.tied_choices)."""
     for i, member in enumerate(rep_family(desc, settings)):
-        base = build_template(desc, device, member)
-        if i > 0 and sum(base.static.values()) > device.memory_limit_bytes:
+        # the template's own static bytes, read before building the rest of it
+        if i > 0 and sum(static_bytes(desc, device, member).values()) > device.memory_limit_bytes:
             return
-        yield from tied_choices(base)
+        yield from tied_choices(build_template(desc, device, member))
 
 
-def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto") -> SearchResult:
-    result = search(t.problem(batch), backend=backend)
+def search_batch(t: ProblemTemplate, batch: int, backend: str = "auto", time_bound: float = math.inf) -> SearchResult:
+    """The best plan of ``t`` at ``batch`` (``time_bound``: only one faster than that,
+    else a result that is not feasible; see ``search``)."""
+    result = search(t.problem(batch), backend=backend, time_bound=time_bound)
     if result.feasible:  # every use of a tied unit on one (g, k): cost_model.align_tied
         result = replace(result, option_index=align_tied(t, result.option_index, result.variant))
     return result
@@ -129,22 +134,24 @@ def memory_pareto_options(t: ProblemTemplate, batch: int) -> np.ndarray:
     """Indices of each op's memory-Pareto options at ``batch``: those no other option of
     the same op and variant beats in both kept and local bytes (time ignored). Per batch:
     a vocabulary head's options differ in how their bytes grow with it ([Note: fused
-    vocabulary-split loss]). Cached on the template."""
+    vocabulary-split loss]). Cached on the template.
+    All ops in one pass: options sorted by (op, variant), kept bytes, local bytes (a
+    stable sort: exact ties keep the lower index first); one is kept where its local
+    bytes are below those of every earlier option of its (op, variant): a running
+    minimum over local-byte ranks shifted down group by group, so that no group sees
+    the ones before it."""
     cache = t.__dict__.setdefault("_memory_pareto", {})
     if batch in cache:
         return cache[batch]
-    local_all = option_local_bytes(t, batch)
-    keep = []
-    for i in range(len(t.desc.ops)):
-        for v in range(2):
-            lo, hi = t.opt_begin[i, v], t.opt_end[i, v]
-            held, local = t.opt_held_bytes[lo:hi], local_all[lo:hi]
-            best_local = np.inf
-            for j in np.lexsort((local, held)):  # by held, then local: a sweep keeps the frontier
-                if local[j] < best_local:
-                    keep.append(lo + int(j))
-                    best_local = local[j]
-    cache[batch] = np.array(sorted(keep), dtype=np.int64)
+    local = option_local_bytes(t, batch)
+    group = t.opt_op * 2 + t.opt_variant
+    order = np.lexsort((local, t.opt_held_bytes, group))
+    rank = np.unique(local, return_inverse=True)[1].reshape(-1).astype(np.int64)  # compared as ints
+    shifted = rank[order] - (len(local) + 1) * group[order]
+    keep = np.ones(len(order), dtype=bool)  # the first of each group always
+    later = group[order][1:] == group[order][:-1]
+    keep[1:] = ~later | (shifted[1:] < np.minimum.accumulate(shifted)[:-1])
+    cache[batch] = np.sort(order[keep]).astype(np.int64)
     return cache[batch]
 
 
@@ -175,13 +182,30 @@ def least_memory_problem(t: ProblemTemplate, batch: int) -> SearchProblem:
 
 
 def fits_at(t: ProblemTemplate, batch: int, backend: str = "auto") -> bool:
-    """Whether any plan fits at ``batch`` (exact, through the least-memory problem)."""
-    return search(least_memory_problem(t, batch), backend=backend).feasible
+    """Whether any plan fits at ``batch``: the least-memory problem's feasibility, by the
+    one-pass test ([Note: feasibility] in search.py), which answers as its search did."""
+    return feasible(least_memory_problem(t, batch), backend=backend)
 
 
-def finish_schedule(t, batch, result, searches, started, batch_capped=False) -> Scheduled:
-    estimate = evaluate(t, batch, result.option_index, result.variant)
+def beat_bound(batch: int, rate: float) -> float:
+    """The step time a plan at ``batch`` must be under to beat ``rate`` (batch / step
+    seconds), with a margin of 1e-9 so that no plan the caller's own ``batch / time_s >
+    rate`` accepts is cut off by rounding; +inf when there is nothing to beat."""
+    return batch / rate * (1 + 1e-9) if rate > 0 else math.inf
+
+
+def finish_schedule(t, batch, result, searches, started, batch_capped=False, priced=True) -> Scheduled:
+    """The Scheduled of ``result``, its exact bytes priced unless ``priced`` is False
+    (a rep set's best, which another set may beat: ``schedule`` prices the winner)."""
+    estimate = evaluate(t, batch, result.option_index, result.variant) if priced else None
     return Scheduled(t, batch, result, estimate, searches, time.perf_counter() - started, batch_capped)
+
+
+def _priced(s: Scheduled) -> Scheduled:
+    """``s`` with its estimate (exact bytes: [Note: exact gathers]), computed if missing."""
+    if s.estimate is not None:
+        return s
+    return replace(s, estimate=evaluate(s.template, s.batch, s.result.option_index, s.result.variant))
 
 
 def schedule(
@@ -206,9 +230,11 @@ def schedule(
     best, errors, searches = None, [], 0
     # one template per rep set of the family ([Note: rep family]) and joint choice of tied
     # units (cost_model.tied_choices)
+    # (the rep sets' bests are priced in exact bytes only once one has won: the pricing
+    # plays the plan's gathers, and the sweep picks by time alone)
     for t in _templates(desc, device, settings):
         try:
-            s = _schedule_template(t, batch, backend, max_batch, started, beat=best)
+            s = _schedule_template(t, batch, backend, max_batch, started, beat=best, priced=False)
         except InfeasiblePlanError as exc:
             errors.append(exc)
             continue
@@ -217,36 +243,43 @@ def schedule(
             best = s
     if best is None:
         raise min(errors, key=lambda e: getattr(e, "min_bytes", math.inf) or math.inf)
-    return replace(best, searches=searches, search_s=time.perf_counter() - started)
+    return replace(_priced(best), searches=searches, search_s=time.perf_counter() - started)
 
 
 def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
-                       beat: Scheduled | None = None) -> Scheduled:
+                       beat: Scheduled | None = None, priced: bool = True) -> Scheduled:
     """``schedule`` on one template (see [Note: exact batch sweep]). ``beat``: the best
     plan of the templates searched before (same accumulation and world size): the sweep
     stops where its bound cannot beat it, and returns a Scheduled whose result is not
-    feasible when no batch did."""
+    feasible when no batch did. ``priced``: as in ``finish_schedule``."""
     if batch is not None:
         if beat is not None and _cannot_beat(t, batch, beat.result.time_s):
             # cannot be strictly faster at this batch, even ignoring memory
             return Scheduled(t, batch, SearchResult(feasible=False), beat.estimate, 0, time.perf_counter() - started)
-        result = search_batch(t, batch, backend)
+        if beat is None:
+            result = search_batch(t, batch, backend)
+        elif not feasible(t.problem(batch), backend=backend):
+            raise _infeasible(t, batch)
+        else:  # it fits: only a plan faster than beat's is searched for (none: nothing to keep)
+            result = search_batch(t, batch, backend, time_bound=beat_bound(batch, batch / beat.result.time_s))
+            if not result.feasible:
+                return Scheduled(t, batch, result, beat.estimate, 1, time.perf_counter() - started)
         if not result.feasible:
             raise _infeasible(t, batch)
-        return finish_schedule(t, batch, result, 1, started)
+        return finish_schedule(t, batch, result, 1, started, priced=priced)
 
     searches = 0
     results: dict[int, SearchResult] = {}
 
-    def probe(b: int) -> SearchResult:
+    def probe(b: int, rate: float) -> SearchResult:
         nonlocal searches
         searches += 1
-        results[b] = search_batch(t, b, backend)
+        results[b] = search_batch(t, b, backend, time_bound=beat_bound(b, rate))
         return results[b]
 
     def fits(b: int) -> bool:
         nonlocal searches
-        searches += 1
+        searches += 1  # counted as the search it replaced, so plans report the same count
         return fits_at(t, b, backend)
 
     if not fits(1):
@@ -282,12 +315,13 @@ def _schedule_template(t: ProblemTemplate, batch, backend, max_batch, started,
         bound = b / (_time_lower_bound(t, b) + constant_s)
         if bound <= best_rate:
             break  # the bound never grows as b falls: no smaller batch can win
-        r = probe(b)
+        r = probe(b, best_rate)  # not feasible: nothing at b beats best_rate
         if r.feasible and b / r.time_s > best_rate:
             best_b, best_rate = b, b / r.time_s
     if best_b == 0:  # nothing beats ``beat``
         return Scheduled(t, lo, SearchResult(feasible=False), beat.estimate, searches, time.perf_counter() - started)
-    return finish_schedule(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch)
+    return finish_schedule(t, best_b, results[best_b], searches, started, batch_capped=hi is None and lo >= max_batch,
+                           priced=priced)
 
 
 def _schedule_layouts(desc, device, settings, batch, backend, max_batch, global_batch) -> Scheduled:

@@ -2,6 +2,7 @@
 
     search(problem, backend="auto") -> SearchResult     the optimum (C++ core or reference)
     search_python(problem)          -> SearchResult     numpy reference, same result bit for bit
+    feasible(problem, backend)      -> bool             whether any plan fits (one pass, no DP)
     evaluate_assignment(problem, option_index, variant) -> (feasible, time_s, peak_bytes, peak_op)
     brute_force(problem)            -> SearchResult     enumeration, for tests on small problems
     validate_problem(problem)                            clear ValueErrors for malformed tables
@@ -40,7 +41,9 @@ whose step does not fit has no feasible plan, checked once before the DP
 (``_step_fits``), and a plan's peak is the larger of its ops' and the step's.
 
 Work is (ops x variants x reachable states x options); only the reachable range
-[lo, hi] of states is scanned. Per op and variant the winning option per end state is
+[lo, hi] of states is scanned, less the states above the largest one from which the rest
+of the plan can still fit ([Note: dead states] in csrc/search/search.cpp) and, given a
+``time_bound``, the ends too slow to beat it ([Note: time bound] there). Per op and variant the winning option per end state is
 kept (uint16, relative to ``opt_begin``) and per segment the winning variant per state,
 for backtracking. The reference pushes option by option over all states; the C++ core
 pulls, per end state, over the options (see [Note: relax kernel] in
@@ -63,6 +66,10 @@ __all__ = [
     "search",
     "search_python",
     "search_cpp",
+    "feasible",
+    "feasible_python",
+    "feasible_cpp",
+    "cannot_beat",
     "brute_force",
     "evaluate_assignment",
     "validate_problem",
@@ -250,13 +257,120 @@ def _kept_options(p: SearchProblem, i: int, v: int) -> np.ndarray:
     return idx[~dominated]
 
 
+def feasible_python(problem: SearchProblem) -> bool:
+    """Whether any plan fits: ``search(problem).feasible``, in one pass over the options.
+
+    [Note: feasibility] Every memory test is monotone in the prefix state (a smaller
+    prefix passes whatever a larger one passes), so a plan can be finished from a state
+    whenever it can from a larger one, and only the least state reachable after each op
+    matters: from it, each option that fits gives its least next state. The least over
+    the options (over the variants, carry added, at a segment's end) is the least state
+    of every plan so far, and some plan fits iff that walk never runs out of options.
+    The memory test is the DP's own expression, so the answer is the DP's. The C++ core
+    runs the same walk (``feasible``)."""
+    validate_problem(problem)
+    p = problem
+    if not _step_fits(p) or num_buckets(p) < 0:
+        return False
+    q, budget = float(p.quantum_bytes), float(p.budget_bytes)
+    least = 0  # the least state entering the segment
+    for s in range(p.num_segments):
+        first, count = int(p.seg_first_op[s]), int(p.seg_num_ops[s])
+        after = None
+        for v in range(int(p.seg_num_variants[s])):
+            y = least
+            for i in range(first, first + count):
+                b, e = int(p.opt_begin[i, v]), int(p.opt_end[i, v])
+                ys = y + p.opt_held_q[b:e]
+                ok = (ys.astype(np.float64) * q + float(p.act_in_segment_bytes[i, v])) + p.opt_local_bytes[b:e] \
+                    <= budget
+                if not ok.any():
+                    y = None
+                    break
+                y = int(ys[ok].min())
+            if y is not None:
+                y += 0 if s + 1 == p.num_segments else int(p.seg_carry_act_q[s, v])
+                after = y if after is None else min(after, y)
+        if after is None:
+            return False
+        least = after
+    return True
+
+
 def _step_fits(p: SearchProblem) -> bool:
     """Whether the optimizer step's moment fits: it does for every plan or for none."""
     return float(p.step_bytes) <= float(p.limit_bytes)
 
 
-def search_python(problem: SearchProblem) -> SearchResult:
-    """The numpy reference of [Note: exact search]. Same plan as the C++ core."""
+def _max_fitting_state(qy: np.ndarray, B: int, q: float, act: float, local: float, budget: float) -> int:
+    """Largest state y <= B whose memory test passes with ``act`` and ``local`` (-1:
+    none). The test is monotone in y: a guess from the division, corrected by steps.
+    Mirrors ``max_fitting_state`` in csrc/search/search.cpp."""
+    g = math.floor((budget - act - local) / q)
+    y = -1 if g < -1 else (B if g > B else int(g))
+    while y >= 0 and not (float(qy[y]) + act) + local <= budget:
+        y -= 1
+    while y < B and (float(qy[y + 1]) + act) + local <= budget:
+        y += 1
+    return y
+
+
+def _live_bounds(p: SearchProblem, B: int, qy: np.ndarray, kept: dict) -> dict:
+    """[Note: dead states] in csrc/search/search.cpp: per (op, variant), the largest state
+    after the op from which the rest of the plan can still fit (-1: none)."""
+    out = {}
+    next_in = B
+    for s in reversed(range(p.num_segments)):
+        last_seg = s + 1 == p.num_segments
+        seg_in = -1
+        first, count = int(p.seg_first_op[s]), int(p.seg_num_ops[s])
+        for v in range(int(p.seg_num_variants[s])):
+            c = 0 if last_seg else int(p.seg_carry_act_q[s, v])
+            bound = max(next_in - c, -1)
+            for i in reversed(range(first, first + count)):
+                out[i, v] = bound
+                act = float(p.act_in_segment_bytes[i, v])
+                before = -1
+                for o in kept[i, v] if bound >= 0 else ():
+                    ymax = _max_fitting_state(qy, B, float(p.quantum_bytes), act, float(p.opt_local_bytes[o]),
+                                              float(p.budget_bytes))
+                    before = max(before, min(ymax, bound) - int(p.opt_held_q[o]))
+                bound = max(before, -1)
+            seg_in = max(seg_in, bound)
+        next_in = seg_in
+    return out
+
+
+def _time_rest(p: SearchProblem, kept: dict, time_bound: float):
+    """[Note: time bound] in csrc/search/search.cpp: per (op, variant) the least time still
+    to come after it, and the limit a state's time plus that may not exceed; (None,
+    inf) without a bound. The same float sums, in the same order, as the C++ core."""
+    if not time_bound < math.inf:
+        return None, math.inf
+    rest = {}
+    tail, scale = 0.0, abs(float(p.constant_time_s))
+    for s in reversed(range(p.num_segments)):
+        seg_least, seg_abs = math.inf, 0.0
+        first, count = int(p.seg_first_op[s]), int(p.seg_num_ops[s])
+        for v in range(int(p.seg_num_variants[s])):
+            within = float(p.seg_extra_time_s[s, v])
+            abs_sum = abs(within)
+            for i in reversed(range(first, first + count)):
+                rest[i, v] = within + tail
+                times = [float(p.opt_time_s[o]) for o in kept[i, v]]
+                within += min(times, default=math.inf)
+                abs_sum += max((abs(t) for t in times), default=0.0)
+            seg_least = min(seg_least, within)
+            seg_abs = max(seg_abs, abs_sum)
+        tail += seg_least
+        scale += seg_abs
+    return rest, time_bound + 1e-9 * (abs(time_bound) + scale)
+
+
+def search_python(problem: SearchProblem, time_bound: float = math.inf) -> SearchResult:
+    """The numpy reference of [Note: exact search]. Same plan as the C++ core.
+    ``time_bound``: only a plan faster than it is wanted (else: not feasible), see
+    [Note: time bound] in csrc/search/search.cpp."""
     validate_problem(problem)
     p = problem
     if not _step_fits(p):
@@ -269,6 +383,10 @@ def search_python(problem: SearchProblem) -> SearchResult:
     nstates = B + 1
     qy = np.arange(nstates, dtype=np.float64) * q  # fl(float(y) * q), as in evaluate_assignment
     inf = math.inf
+    kept = {(i, v): _kept_options(p, i, v) for s in range(S) for v in range(int(p.seg_num_variants[s]))
+            for i in range(int(p.seg_first_op[s]), int(p.seg_first_op[s] + p.seg_num_ops[s]))}
+    live = _live_bounds(p, B, qy, kept)
+    rest, limit = _time_rest(p, kept, float(time_bound))
     # distribution entering the current segment
     in_t = np.full(nstates, inf)
     in_p = np.full(nstates, -inf)
@@ -295,7 +413,7 @@ def search_python(problem: SearchProblem) -> SearchResult:
                 nxt_p = np.full(nstates, -inf)
                 choice = np.zeros(nstates, dtype=np.uint16)
                 base = int(p.opt_begin[i, v])
-                for o in _kept_options(p, i, v):
+                for o in kept[i, v]:
                     h = int(p.opt_held_q[o])
                     ylo, yhi = clo + h, min(chi + h, B)
                     if ylo > yhi:
@@ -310,7 +428,11 @@ def search_python(problem: SearchProblem) -> SearchResult:
                     ot[better] = t[better]
                     op_[better] = pk[better]
                     choice[ys][better] = o - base
+                nxt_t[live[i, v] + 1:] = inf  # [Note: dead states]: none of them can finish
                 reach = np.flatnonzero(nxt_t < inf)
+                if rest is not None and reach.size:  # [Note: time bound]: trim the slow ends
+                    fast = np.flatnonzero(nxt_t[reach[0]:reach[-1] + 1] + rest[i, v] <= limit)
+                    reach = reach[0] + fast
                 if reach.size == 0:
                     clo, chi = 1, 0
                     break
@@ -345,6 +467,8 @@ def search_python(problem: SearchProblem) -> SearchResult:
     cand = np.flatnonzero(t_end == t_end.min())
     y = lo + int(cand[np.argmin(in_p[lo:hi + 1][cand])])  # argmin: first of equal peaks
     time_s, peak_inner = float(in_t[y]), float(in_p[y])
+    if not time_s < time_bound:  # [Note: time bound]: no plan faster
+        return SearchResult(feasible=False, states_visited=visited)
 
     option_index = [0] * p.num_ops
     variant = [0] * S
@@ -422,22 +546,18 @@ def _native():
             f"from the repository root ({err})") from err
 
 
-def search_cpp(problem: SearchProblem, isa: str = "auto") -> SearchResult:
+def search_cpp(problem: SearchProblem, isa: str = "auto", time_bound: float = math.inf) -> SearchResult:
     """The C++ core (osdp._C). Same plan as ``search_python``.
 
     ``isa`` picks the relax kernel ("auto": the widest the CPU runs; see
-    ``osdp._C.available_isas()``); every kernel gives the same result."""
+    ``osdp._C.available_isas()``); every kernel gives the same result. ``time_bound``:
+    as in ``search``."""
     validate_problem(problem)
     C = _native()
     p = problem
     if not _step_fits(p):
         return SearchResult(feasible=False)
-    arrays = {name: np.ascontiguousarray(getattr(p, name)) for name in (
-        "seg_first_op", "seg_num_ops", "seg_num_variants", "seg_carry_act_q",
-        "seg_extra_time_s", "act_in_segment_bytes", "opt_begin", "opt_end", "opt_held_q",
-        "opt_local_bytes", "opt_time_s")}
-    r = C.search(**arrays, quantum_bytes=float(p.quantum_bytes), budget_bytes=float(p.budget_bytes),
-                 constant_time_s=float(p.constant_time_s), max_buckets=MAX_BUCKETS, isa=isa)
+    r = C.search(**_native_arrays(p), isa=isa, time_bound=float(time_bound))
     if not r["feasible"]:
         return SearchResult(feasible=False, states_visited=int(r["states_visited"]))
     return _result(p, r["time_s"], r["peak_inner_bytes"], r["option_index"].tolist(),
@@ -447,21 +567,160 @@ def search_cpp(problem: SearchProblem, isa: str = "auto") -> SearchResult:
 _warned_fallback = False
 
 
-def search(problem: SearchProblem, backend: str = "auto") -> SearchResult:
-    """The exact optimum of ``problem``. backend: "cpp", "python" or "auto"
-    (the C++ core if it is built, else the reference, with a one-time warning)."""
+def feasible_cpp(problem: SearchProblem) -> bool:
+    """``feasible_python`` in the C++ core (osdp._C)."""
+    validate_problem(problem)
+    if not _step_fits(problem):
+        return False
+    return bool(_native().feasible(**_native_arrays(problem)))
+
+
+def _native_arrays(p: SearchProblem) -> dict:
+    """The keyword arguments osdp._C's functions take for ``p``."""
+    arrays = {name: np.ascontiguousarray(getattr(p, name)) for name in (
+        "seg_first_op", "seg_num_ops", "seg_num_variants", "seg_carry_act_q",
+        "seg_extra_time_s", "act_in_segment_bytes", "opt_begin", "opt_end", "opt_held_q",
+        "opt_local_bytes", "opt_time_s")}
+    return dict(arrays, quantum_bytes=float(p.quantum_bytes), budget_bytes=float(p.budget_bytes),
+                constant_time_s=float(p.constant_time_s), max_buckets=MAX_BUCKETS)
+
+
+def _native_backend(backend: str) -> bool:
+    """Whether ``backend`` ("cpp", "python" or "auto") runs the C++ core: "auto" does
+    when it is built (else the reference, with a one-time warning)."""
     global _warned_fallback
-    if backend == "python":
-        return search_python(problem)
-    if backend == "cpp":
-        return search_cpp(problem)
-    if backend != "auto":
+    if backend not in ("auto", "cpp", "python"):
         raise ValueError(f"backend must be 'auto', 'cpp' or 'python', got {backend!r}")
+    if backend != "auto":
+        return backend == "cpp"
     try:
         _native()
     except ImportError as err:
         if not _warned_fallback:
-            warnings.warn(f"{err}; using the (slower) Python search", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"{err}; using the (slower) Python search", RuntimeWarning, stacklevel=3)
             _warned_fallback = True
-        return search_python(problem)
-    return search_cpp(problem)
+        return False
+    return True
+
+
+# [Note: Lagrangian bound]
+# Whether a problem has a plan faster than a time bound is often settled before any DP:
+# keep one memory constraint, "the state entering op J+1 is at most L_J" (J the last op
+# of a segment; L_J the largest last fitting state of op J+1's options less their held
+# buckets, +1 against the division's rounding: every feasible plan meets it), and move
+# it into the objective at a price lam >= 0 per bucket. For every such J and lam,
+#     constant - lam * L_J
+#     + sum over the segments up to J's of the least over variants of
+#         (extra + lam * carry + sum over its ops of the least (time + lam * held_q))
+#     + sum over the later segments of the least over variants of (extra + sum of least time)
+# is at most the time of every feasible plan (the priced term is <= 0 for one), so when
+# one (J, lam) puts it above the bound, no plan beats the bound and no DP is run. The
+# batch sweep's searches at batches that cannot win stop here (a 96x12288 GPT's DP only
+# ruled them out near its last ops, its memory-blind time bound being too loose). The
+# sums are floats in another order than a plan's: the bound must exceed time_bound by
+# 1e-9 of the largest magnitude the terms could sum to (rounding is ~1e-13 of it).
+def cannot_beat(problem: SearchProblem, time_bound: float) -> bool:
+    """Whether the Lagrangian bound ([Note: Lagrangian bound]) shows that no plan of
+    ``problem`` is faster than ``time_bound``; False: not shown (the search decides).
+    ``problem`` is taken as validated. Prices: a coarse decade grid, then a finer one
+    around the decade that came closest."""
+    p = problem
+    if not time_bound < math.inf or p.num_segments < 2:
+        return False
+    margin = _bound_margin(p, time_bound)
+    unit = margin.unit
+    coarse = [unit * 10.0 ** k for k in range(-4, 3)]
+    margins = [margin(price) for price in coarse]
+    if max(margins) > 0:
+        return True
+    best = coarse[int(np.argmax(margins))]
+    return any(margin(best * 10.0 ** (k / 6)) > 0 for k in (-5, -4, -3, -2, -1, 1, 2, 3, 4, 5))
+
+
+class _bound_margin:
+    """``margin(price)``: the largest over J of the Lagrangian bound less time_bound and
+    the rounding slack; > 0 proves that no plan beats time_bound."""
+
+    def __init__(self, p: SearchProblem, time_bound: float):
+        begin, end = p.opt_begin.reshape(-1), p.opt_end.reshape(-1)
+        self.p, self.time_bound = p, time_bound
+        self.runs = np.flatnonzero(end > begin)  # (op, variant) ranges with options, row-major
+        lengths = end[self.runs] - begin[self.runs]
+        self.starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+        idx = np.repeat(begin[self.runs] - self.starts, lengths) + np.arange(lengths.sum(), dtype=np.int64)
+        self.time, self.held = p.opt_time_s[idx], p.opt_held_q[idx].astype(np.float64)
+        self.largest_time = self._per_run(np.abs(self.time), np.maximum, 0.0)
+        self.largest_held = self._per_run(self.held, np.maximum, 0.0)
+        self.carry = p.seg_carry_act_q.astype(np.float64)
+        self.carry[-1] = 0.0  # the last segment's carry is never held
+        self.limit = self._entry_limits(idx, lengths)  # L_J per segment but the last
+        free, free_size = self._segments(0.0)
+        self.tail = np.cumsum(free[::-1])[::-1][1:]  # the segments after J's, unpriced
+        self.tail_size = free_size.sum()
+        self.unit = max(abs(float(p.constant_time_s) + free.sum()), 1e-300) / max(
+            float(p.budget_bytes) / float(p.quantum_bytes), 1.0)
+
+    def __call__(self, price: float) -> float:
+        p = self.p
+        least, size = self._segments(price)
+        with np.errstate(invalid="ignore"):  # inf - inf where an op fits nowhere: not shown
+            bound = float(p.constant_time_s) - price * self.limit + np.cumsum(least)[:-1] + self.tail
+            slack = 1e-9 * (abs(float(p.constant_time_s)) + abs(self.time_bound) + price * np.abs(self.limit)
+                            + size.sum() + self.tail_size)
+            margin = bound - (self.time_bound + slack)
+        return float(np.nanmax(margin)) if np.any(~np.isnan(margin)) else -math.inf
+
+    def _per_run(self, values: np.ndarray, ufunc, empty: float) -> np.ndarray:
+        out = np.full(2 * self.p.num_ops, empty)
+        if len(self.runs):
+            out[self.runs] = ufunc.reduceat(values, self.starts)
+        return out
+
+    def _segments(self, price: float):
+        """Per segment: the least over its variants of extra + price * carry + its ops'
+        least time + price * held_q; and a bound of the magnitude of that sum."""
+        p = self.p
+        least = self._per_run(self.time + price * self.held, np.minimum, np.inf)
+        size = self.largest_time + price * self.largest_held
+        out, mag = np.full(p.num_segments, np.inf), np.zeros(p.num_segments)
+        for v in range(2):
+            total = p.seg_extra_time_s[:, v] + price * self.carry[:, v] + np.add.reduceat(least[v::2], p.seg_first_op)
+            out = np.where(p.seg_num_variants > v, np.minimum(out, total), out)
+            mag = np.maximum(mag, np.abs(p.seg_extra_time_s[:, v]) + price * self.carry[:, v]
+                             + np.add.reduceat(size[v::2], p.seg_first_op))
+        return out, mag
+
+    def _entry_limits(self, idx: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """L_J ([Note: Lagrangian bound]) per segment but the last: the largest state a
+        feasible plan enters the next segment's first op with (-inf: no option fits)."""
+        p = self.p
+        q, budget = float(p.quantum_bytes), float(p.budget_bytes)
+        act = p.act_in_segment_bytes.reshape(-1)[np.repeat(self.runs, lengths)]
+        last = np.floor((budget - act - p.opt_local_bytes[idx]) / q) + 1 - self.held
+        per_run = self._per_run(last, np.maximum, -np.inf)
+        first = p.seg_first_op[1:]
+        return np.maximum(per_run[2 * first], np.where(p.seg_num_variants[1:] > 1, per_run[2 * first + 1], -np.inf))
+
+
+def search(problem: SearchProblem, backend: str = "auto", time_bound: float = math.inf) -> SearchResult:
+    """The exact optimum of ``problem``. backend: "cpp", "python" or "auto"
+    (the C++ core if it is built, else the reference, with a one-time warning).
+    ``time_bound``: only a plan faster than it is wanted: the optimum when its time is
+    below it, else a result that is not feasible (faster to find: a bound may settle it
+    before the search, [Note: Lagrangian bound], and the DP drops the states that cannot
+    beat it, [Note: time bound] in csrc/search/search.cpp)."""
+    if time_bound < math.inf:
+        validate_problem(problem)
+        if cannot_beat(problem, time_bound):
+            return SearchResult(feasible=False)
+    if _native_backend(backend):
+        return search_cpp(problem, time_bound=time_bound)
+    return search_python(problem, time_bound)
+
+
+def feasible(problem: SearchProblem, backend: str = "auto") -> bool:
+    """Whether any plan of ``problem`` fits: ``search(problem).feasible`` without the
+    search ([Note: feasibility]). backend: as in ``search``."""
+    if _native_backend(backend):
+        return feasible_cpp(problem)
+    return feasible_python(problem)

@@ -585,6 +585,30 @@ def simulate_step(
     template's ``settings.coalesce_bytes`` (default ``RUNTIME_COALESCE_BYTES``).
     ``timeline``: keep every interval (``StepSim.timeline``) for debugging and plots."""
     t = template
+    plain = coalesce_bytes is None and not all_reduce and not timeline
+    if plain:  # the run gathered_at_compute makes too: one per plan ([Note: one simulation per plan])
+        return _plain_run(t, batch, option_index, variant)[0]
+    return _simulate(t, batch, option_index, variant, coalesce_bytes, all_reduce, timeline)[0]
+
+
+# [Note: one simulation per plan]
+# Re-ranking prices each candidate in exact bytes (cost_model.evaluate: the gathers of
+# gathered_at_compute) and then simulates its step (simulate_step); with the template's
+# own coalescing, no all-reduce and one micro-batch, both play the very same simulation
+# (a forward, a backward that syncs). So that run is made once per plan and kept on its
+# template: its StepSim and its gathered bytes.
+def _plain_run(t: ProblemTemplate, batch: int, option_index, variant) -> tuple:
+    key = (int(batch), tuple(int(o) for o in option_index), tuple(int(v) for v in variant))
+    runs = t.__dict__.setdefault("_plain_runs", {})
+    if key not in runs:
+        runs[key] = _simulate(t, batch, option_index, variant, None, False, False)
+    return runs[key]
+
+
+def _simulate(t: ProblemTemplate, batch: int, option_index, variant, coalesce_bytes, all_reduce: bool,
+              timeline: bool) -> tuple:
+    """``simulate_step``'s run: its StepSim and the gathered bytes its first micro-batch
+    noted (``gathered_at_compute``'s when that is the only one)."""
     if coalesce_bytes is None:
         coalesce_bytes = getattr(t.settings, "coalesce_bytes", RUNTIME_COALESCE_BYTES)
     coalesce = int(coalesce_bytes) if t.device.world_size > 1 else 0
@@ -621,7 +645,7 @@ def simulate_step(
         all_gathers=sim.n_gathers,
         reductions=sim.n_reductions,
         timeline=tuple(sim.events) if timeline else None,
-    )
+    ), (sim.gathered_at if micro == 1 else None)
 
 
 def gathered_at_compute(template: ProblemTemplate, batch: int, option_index, variant) -> dict:
@@ -632,6 +656,8 @@ def gathered_at_compute(template: ProblemTemplate, batch: int, option_index, var
     Phase "after backward": once the op's backward hook freed its weights and
     prefetched the next units, while its gradient is still live."""
     t = template
+    if t.settings.accumulation_steps == 1:  # simulate_step's own run ([Note: one simulation per plan])
+        return _plain_run(t, batch, option_index, variant)[1]
     coalesce = int(t.settings.coalesce_bytes) if t.device.world_size > 1 else 0
     steps, order, no_weights_b = _program(t, batch, option_index, variant, coalesce)
     sim = _Sim(t, steps, order, coalesce, False, False, no_weights_b)

@@ -14,7 +14,8 @@ from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
 from osdp.planner.run import RunSettings
-from osdp.planner.scheduler import fits_at, rep_family, schedule, search_batch
+from osdp.planner.scheduler import (fits_at, least_memory_problem, memory_pareto_options, rep_family, schedule,
+                                    search_batch)
 from osdp.sizes import format_bytes
 
 MiB = 2**20
@@ -52,12 +53,27 @@ def test_sweep_finds_the_best_samples_per_second_over_every_batch(ckpt, limit_mi
     assert best.estimate.fits and best.estimate.peak_bytes <= dev.memory_limit_bytes
 
 
-def test_least_memory_feasibility_agrees_with_the_full_search():
+def test_feasibility_agrees_with_the_full_search():
     desc = describe_gpt(TINY)
     for limit in (10, 16, 24, 40):
         t = build_template(desc, small_device(limit), PlannerSettings(checkpointing="auto", max_slices=4))
         for b in (1, 2, 5, 9, 17):
             assert fits_at(t, b, "python") == search_batch(t, b, "python").feasible
+
+
+@pytest.mark.xfail(strict=True, reason="least_memory_problem lays its option ranges out per (op, variant), but "
+                   "the chosen options come in the template's order (per segment: every op's variant 0, then "
+                   "variant 1), so a checkpointable block of several ops gets other ops' options; fits_at "
+                   "then misjudges some batches (tiny at 600 MiB: 212 fits, fits_at says not)")
+def test_least_memory_problem_keeps_each_ops_own_options():
+    t = build_template(describe_gpt(TINY), small_device(24), PlannerSettings(checkpointing="auto", max_slices=4))
+    full, least = t.problem(2), least_memory_problem(t, 2)
+    chosen = memory_pareto_options(t, 2)
+    for i in range(len(t.desc.ops)):
+        for v in range(2):
+            own = chosen[(t.opt_op[chosen] == i) & (t.opt_variant[chosen] == v)]
+            got = least.opt_held_q[least.opt_begin[i, v]:least.opt_end[i, v]]
+            assert np.array_equal(got, full.opt_held_q[own]), (t.desc.ops[i].name, v)
 
 
 def test_infeasible_plan_error_names_the_minimum_memory():

@@ -222,6 +222,100 @@ def test_cpp_matches_python_medium(seed):
         check_plan(p, py)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dead_states_are_dropped(backend):
+    # op 0 may keep 5 buckets, but op 1 runs with 6 of act in a budget of 10: only a
+    # prefix <= 4 - 0 can still finish, so op 0's state 5 is dead ([Note: dead states])
+    ops = [{"act": 0.0, "options": [(5, 0.0, 1.0), (1, 0.0, 2.0), (0, 0.0, 3.0)]},
+           {"act": 6.0, "options": [(0, 0.0, 1.0)]}]
+    p = one_seg(ops, limit=10.0)
+    r = run(p, backend)
+    assert r == S.brute_force(p) and r.option_index == (1, 3)
+    # visited: op 0 from state 0 (1), op 1 from states 0..1 (2); state 5 never entered
+    assert r.states_visited == 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_time_bound_keeps_the_optimum(seed):
+    """A bound above the optimum returns the very same plan, one at or below it none,
+    and both backends drop the same states ([Note: time bound])."""
+    rng = np.random.default_rng([seed, 35])
+    isas = native_isas()
+    for _ in range(60):
+        p = random_problem(rng, dyadic=seed % 2 == 1, ties=seed == 2)
+        full = S.search_python(p)
+        bounds = [math.inf, 1e30, 0.5]
+        if full.feasible:
+            t = full.time_s
+            bounds += [t, float(np.nextafter(t, math.inf)), t * 0.9 - 1e-3, t + 0.25, t * 2 + 1]
+        for bound in bounds:
+            py = S.search_python(p, time_bound=bound)
+            assert py == (full if full.feasible and full.time_s < bound else SearchResult(feasible=False))
+            for isa in isas:
+                cpp = S.search_cpp(p, isa=isa, time_bound=bound)
+                assert cpp == py and cpp.states_visited == py.states_visited
+
+
+@pytest.mark.parametrize("kind", ["float", "ties"])
+@pytest.mark.parametrize("seed", range(4))
+def test_feasible_is_the_search_answer(seed, kind):
+    """[Note: feasibility]: the one-pass walk says what the DP and enumeration say."""
+    rng = np.random.default_rng([seed, 36, len(kind)])
+    answers = set()
+    for _ in range(150):
+        p = random_problem(rng, dyadic=False, ties=kind == "ties")
+        answer = S.feasible_python(p)
+        assert answer == S.search_python(p).feasible == S.brute_force(p).feasible
+        if native_isas():
+            assert S.feasible_cpp(p) == answer
+        answers.add(answer)
+    for seed_ in range(3):
+        p = medium_problem(np.random.default_rng([seed, seed_]))
+        assert S.feasible(p, backend="python") == S.search_python(p).feasible == S.feasible(p)
+    assert answers == {True, False}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_lagrangian_bound_never_hides_a_faster_plan(seed):
+    """[Note: Lagrangian bound]: whatever it proves holds (no plan under the bound)."""
+    rng = np.random.default_rng([seed, 37])
+    proved = 0
+    for _ in range(120):
+        p = random_problem(rng, dyadic=seed % 2 == 1)
+        full = S.search_python(p)
+        bounds = [0.5, 2.0, 10.0] + ([full.time_s * f for f in (0.3, 0.6, 0.9, 0.99, 1.0)] +
+                                     [float(np.nextafter(full.time_s, math.inf))] if full.feasible else [])
+        for bound in bounds:
+            if S.cannot_beat(p, bound):
+                proved += 1
+                assert not (full.feasible and full.time_s < bound)
+                assert not S.search(p, time_bound=bound).feasible
+    assert proved > 0
+
+
+def test_lagrangian_bound_prices_memory():
+    # op A keeps 10 buckets to run in 1 s, or none in 3 s; op B (next segment) runs
+    # with 8 of act in a budget of 10: A cannot keep, the optimum is 3 + 1 = 4, and the
+    # price of memory shows it though every op's fastest option sums to 2
+    p = build_problem([{"variants": [{"ops": [{"act": 0.0, "options": [(10, 0.0, 1.0), (0, 0.0, 3.0)]}]}]},
+                       {"variants": [{"ops": [{"act": 8.0, "options": [(0, 0.0, 1.0)]}]}]}], limit=10.0)
+    assert S.search_python(p).time_s == 4.0
+    assert S.cannot_beat(p, 3.3) and not S.cannot_beat(p, 4.0)
+    assert not S.search(p, time_bound=3.3).feasible and S.search(p, time_bound=4.5).time_s == 4.0
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_time_bound_drops_slow_states(seed):
+    p = medium_problem(np.random.default_rng(seed))
+    full = S.search_python(p)
+    assert full.feasible
+    for backend in ("python",) + (("cpp",) if native_isas() else ()):
+        near = S.search(p, backend=backend, time_bound=full.time_s * 1.01)
+        below = S.search(p, backend=backend, time_bound=full.time_s * 0.9)
+        assert near == full and not below.feasible
+        assert below.states_visited < near.states_visited < full.states_visited
+
+
 def one_seg(ops, variants_extra=None, **kw):
     return build_problem([{"variants": [{"ops": ops}]}], **kw)
 
