@@ -84,8 +84,10 @@ class OSDP(nn.Module):
     ``osdp.ExampleInputs(args, kwargs)``; the batch is dim 0 of the first tensor. The
     profiler runs backward on ``loss_fn(output)`` when given (a scalar tensor, for any
     batch), else on ``output.loss`` (a ``ModelOutput`` given labels) or on the output
-    tensor (summed if not a scalar); tuple outputs need ``loss_fn``. See
-    [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
+    tensor: a scalar itself, logits a cross-entropy over their last dimension (assumed:
+    logged once, kept as ``plan.assumed_loss``, named by the memory check), else the sum;
+    tuple outputs need ``loss_fn``. See [Note: example inputs and the loss] in
+    ``osdp/planner/inputs.py``.
 
     Plan checks: every unit the plan names must be a module of ``module`` owning the
     parameter count the plan priced, the plan's dtypes must match ``mixed_precision``
@@ -320,7 +322,8 @@ class OSDP(nn.Module):
         monitor = make_monitor(self._ledger, self.device, limit, predicted,
                                tensors=[u.shard for u in units] + [u.gathered for u in units if u.casts]
                                + list(self.module.buffers()),
-                               ignored_storages=[u.gathered.untyped_storage() for u in units if not u.replicated])
+                               ignored_storages=[u.gathered.untyped_storage() for u in units if not u.replicated],
+                               assumed_loss=getattr(self.plan, "assumed_loss", ""))
         return StepMemoryCheck(monitor, [p for u in units for p in u.params] + [u.shard for u in units])
 
     def _check_same_config(self, config, param_counts, mixed_precision, coalesce_bytes) -> None:

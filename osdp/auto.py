@@ -13,6 +13,7 @@ import torch.distributed as dist
 from .errors import InfeasiblePlanError, OSDPError
 from .measured_choice import measured_choice
 from .planner.cost_model import PlannerSettings
+from .planner.inputs import auto_mode_loss
 from .planner.plan import Plan
 from .planner.planner import make_plan
 from .planner.profiler import profile
@@ -87,8 +88,8 @@ def auto_plan(
     The batch is dim 0 of the first tensor. The profiler runs backward on, in order:
     ``loss_fn(output)`` (a scalar tensor; it must work for any batch: the profiler also
     runs halved and repeated batches), ``output.loss`` (a Hugging Face ``ModelOutput``
-    given ``labels``, or a dict's ``"loss"``), the output tensor itself (its sum if it is
-    not a scalar). A tuple output, or one without a loss, needs ``loss_fn``. See
+    given ``labels``, or a dict's ``"loss"``), the output tensor itself when it is a scalar;
+    for logits (no ``loss_fn``) a cross-entropy it assumes and logs, else the sum. A tuple output, or one without a loss, needs ``loss_fn``. See
     [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
 
     ``batch``: plan at this per-device batch instead of sweeping for the fastest;
@@ -111,6 +112,7 @@ def auto_plan(
         )
     if layout is not None and process_group is None and layout.world.group is not dist.group.WORLD:
         process_group = layout.world.group  # a mesh over some of the ranks
+    loss_fn = auto_mode_loss(loss_fn, announce=is_rank0(process_group))  # [Note: example inputs and the loss]
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
     device = cluster.for_run(run)
@@ -137,6 +139,7 @@ def auto_plan(
                                    global_batch=global_batch, backend=backend, process_group=process_group)
     finally:
         measure.close()  # the warm copies of the model
+    plan = replace(plan, assumed_loss=getattr(loss_fn, "assumed", ""))
     check_same_plan(plan, process_group)
     return plan
 

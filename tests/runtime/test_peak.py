@@ -128,6 +128,21 @@ def test_over_the_limit_is_an_error_naming_unit_peak_limit_prediction_and_what_t
     assert "Lower the batch size" in text
     assert info.value.step.peak_bytes == 120 * MiB
     assert isinstance(info.value, OSDPError)
+    assert "loss_fn" not in text  # the caller's loss was priced
+
+
+def test_over_the_limit_with_an_assumed_loss_names_loss_fn_first():
+    """[Note: example inputs and the loss]: a plan made for the loss auto mode assumed
+    (no loss_fn given) names loss_fn= as the fix, before the batch and the limit."""
+    from dataclasses import replace
+
+    assumed = "cross_entropy over the last dimension of the output (101 classes)"
+    for predicted in (90 * MiB, None):
+        with pytest.raises(MemoryLimitExceeded) as info:
+            check_step(replace(_step(120 * MiB, limit=100 * MiB, predicted=predicted), assumed_loss=assumed))
+        text = str(info.value)
+        assert f"planned for a loss it assumed ({assumed}): pass loss_fn=" in text
+        assert text.index("loss_fn=") < text.lower().index("lower the batch size")
 
 
 def test_at_the_limit_passes_and_reserved_over_the_limit_warns():
@@ -597,3 +612,4 @@ def test_a_tied_head_with_its_own_bias_runs_its_owners_mode_as_priced(fake_world
         optim.step()
         optim.zero_grad(set_to_none=True)
         assert wrapped.step_memory().peak_bytes <= plan.predicted.peak_bytes
+
