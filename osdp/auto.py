@@ -88,8 +88,9 @@ def auto_plan(
     The batch is dim 0 of the first tensor. The profiler runs backward on, in order:
     ``loss_fn(output)`` (a scalar tensor; it must work for any batch: the profiler also
     runs halved and repeated batches), ``output.loss`` (a Hugging Face ``ModelOutput``
-    given ``labels``, or a dict's ``"loss"``), the output tensor itself when it is a scalar;
-    for logits (no ``loss_fn``) a cross-entropy it assumes and logs, else the sum. A tuple output, or one without a loss, needs ``loss_fn``. See
+    given ``labels``, or a dict's ``"loss"``), the output tensor itself when a scalar, else
+    a cross-entropy over logits it assumes (and logs), else the sum. A tuple output, or
+    one without a loss, needs ``loss_fn``. See
     [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
 
     ``batch``: plan at this per-device batch instead of sweeping for the fastest;

@@ -144,7 +144,8 @@ def test_auto_mode_assumes_a_cross_entropy_over_logits_says_so_once_and_keeps_th
         out = logits * 1.0
         held = weakref.ref(out)
         loss = assumed(out)
-        torch.testing.assert_close(loss, F.cross_entropy(logits.detach().view(10, 7), torch.zeros(10, dtype=torch.long)))
+        want = F.cross_entropy(logits.detach().view(10, 7), torch.zeros(10, dtype=torch.long))
+        torch.testing.assert_close(loss, want)
         del out
         gc.collect()
         assert held() is not None, "the output lives as long as the loss, as the loop's logits"
