@@ -304,7 +304,8 @@ class ShardedModel(nn.Module):
         monitor = make_monitor(self._ledger, self.device, limit, predicted,
                                tensors=[u.shard for u in units] + [u.gathered for u in units if u.casts]
                                + list(self.module.buffers()),
-                               ignored_storages=[u.gathered.untyped_storage() for u in units if not u.replicated])
+                               ignored_storages=[u.gathered.untyped_storage() for u in units if not u.replicated],
+                               assumed_loss=getattr(self.plan, "assumed_loss", ""))
         return StepMemoryCheck(monitor, [p for u in units for p in u.params] + [u.shard for u in units])
 
     def _check_same_config(self, config, param_counts, mixed_precision, coalesce_bytes) -> None:

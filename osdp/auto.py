@@ -17,7 +17,7 @@ from .measured_plans import MeasuredPlans
 from .planner import calibration as cal
 from .planner.cost_model import PlannerSettings
 from .planner.device import DeviceInfo
-from .planner.inputs import as_example_inputs
+from .planner.inputs import as_example_inputs, auto_mode_loss
 from .planner.plan import Plan
 from .planner.planner import make_plan
 from .planner.profiler import profile
@@ -99,8 +99,9 @@ def auto_plan(
     The batch is dim 0 of the first tensor. The profiler runs backward on, in order:
     ``loss_fn(output)`` (a scalar tensor; it must work for any batch: the profiler also
     runs halved and repeated batches), ``output.loss`` (a Hugging Face ``ModelOutput``
-    given ``labels``, or a dict's ``"loss"``), the output tensor itself (its sum if it is
-    not a scalar). A tuple output, or one without a loss, needs ``loss_fn``. See
+    given ``labels``, or a dict's ``"loss"``), the output tensor itself when a scalar, else
+    a cross-entropy over logits it assumes (and logs), else the sum. A tuple output, or
+    one without a loss, needs ``loss_fn``. See
     [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
 
     ``batch``: plan at this per-device batch instead of sweeping for the fastest;
@@ -157,6 +158,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
         process_group = layout.world.group  # a mesh over some of the ranks
     show_progress(progress, process_group)
     budget = PlanningBudget(budget_s, process_group)  # [Note: planning budget]
+    loss_fn = auto_mode_loss(loss_fn, announce=is_rank0(process_group))  # [Note: example inputs and the loss]
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
     log.info("described %d units%s and profiled this machine in %.1f s", len(desc.ops),
@@ -199,8 +201,10 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
             log.info("calibration: %s", (plan.calibration or {}).get("decision", "-"))
             plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
                                    global_batch=global_batch, backend=backend, process_group=process_group)
-            plan = replace(plan, calibration={**(plan.calibration or {}), "budget": budget.record()})
+            plan = replace(plan, calibration={**(plan.calibration or {}), "budget": budget.record()},
+                           assumed_loss=getattr(loss_fn, "assumed", ""))
             cache.put(key, plan)
+        plan = replace(plan, assumed_loss=getattr(loss_fn, "assumed", ""))
         check_same_plan(plan, process_group)
         log.info("picked: %s, batch %d%s; %.0f s in auto mode", plan_summary(plan), plan.batch_size,
                  f", measured {Measurement.from_dict(plan.measured).step_s * 1e3:.0f} ms a step"

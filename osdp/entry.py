@@ -34,8 +34,10 @@ class OSDP(ShardedModel):
     ``osdp.ExampleInputs(args, kwargs)``; the batch is dim 0 of the first tensor. The
     profiler runs backward on ``loss_fn(output)`` when given (a scalar tensor, for any
     batch), else on ``output.loss`` (a ``ModelOutput`` given labels) or on the output
-    tensor (summed if not a scalar); tuple outputs need ``loss_fn``. See [Note: example
-    inputs and the loss] in ``osdp/planner/inputs.py``. A model built on the meta device
+    tensor: a scalar itself, logits a cross-entropy over their last dimension (assumed:
+    logged once, kept as ``plan.assumed_loss``, named by the memory check), else the sum;
+    tuple outputs need ``loss_fn``. See [Note: example inputs and the loss] in
+    ``osdp/planner/inputs.py``. A model built on the meta device
     is initialized first (``param_init_fn``, as without auto mode: the same values for the
     same seed), measured one trial at a time ([Note: one trial at a time] in
     ``osdp/profiler/runtime.py``), and built with the plan from the last trial's values.

@@ -123,6 +123,10 @@ class Plan:
     # auto mode's calibration (osdp/auto.py): the factors fitted, why, the predictions
     # per phase and unit group, and the other plan measured when a re-plan was tried
     calibration: dict = field(default_factory=dict)
+    # the loss auto mode assumed when it was given no loss_fn ([Note: example inputs and the
+    # loss] in osdp/planner/inputs.py): the memory the plan promises is for that loss; ""
+    # when the loss was the caller's (loss_fn, output.loss) or the plan was made otherwise
+    assumed_loss: str = ""
 
     @property
     def layout(self) -> str:
@@ -240,6 +244,7 @@ class Plan:
             searches=_count(data, "searches", minimum=0, default=0),
             quantum_bytes=_size(data, "quantum_bytes", False) if "quantum_bytes" in data else 0.0,
             rounding_bound_bytes=_size(data, "rounding_bound_bytes", False) if "rounding_bound_bytes" in data else 0.0,
+            assumed_loss=_field(data, "assumed_loss", str, "a string", default=""),
         )
         for name in ("measured", "calibration"):
             fields_[name] = _field(data, name, dict, "an object", default={})
@@ -483,6 +488,8 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
                  f"memory quantum {format_bytes(plan.quantum_bytes)} "
                  f"(worst-case rounding {format_bytes(plan.rounding_bound_bytes)})")
     lines.extend(f"  note: {note}" for note in plan.notes)
+    if plan.assumed_loss:
+        lines.append(f"  loss: assumed (no loss_fn given): {plan.assumed_loss}")
     lines.append("")
     lines.append(f"  {'unit':<34} {'kind':<10} {'weights':>11}  decision")
     rows = _collapse(plan.units)

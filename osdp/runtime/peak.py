@@ -19,8 +19,12 @@ What "the peak of a step" is, per device, and what it costs:
   from the tracker and counted from the ledger instead (exact, O(1)). Bytes are storage
   bytes, as the memory model counts them; the C allocator's own overhead (malloc
   headers, arenas) is not memory the plan controls and is not counted. Tensors made
-  before the window opened and never touched by an operator inside it (the input batch
-  built before ``forward``) are not counted either. The mode stays pushed from the
+  before the window opened and never produced or written by an operator inside it (the
+  input batch built before ``forward``, which the embedding only reads) are not counted
+  either. An independent count of every storage an operator produces or receives agrees
+  (tests/runtime/test_peak.py: on a tiny stock Llama it finds the input batch beside the
+  tracker, nothing else; on a 6-layer one, 2 gloo ranks, the two were within 0.03 MiB of
+  ~320 MiB, either way, on 7 plans). The mode stays pushed from the
   forward to the end of the step, because autograd runs backward under the modes that
   were active when ``backward()`` was called; a dispatch mode the user enters *inside*
   that window and leaves after it closes would be popped in the wrong order, so the
@@ -89,6 +93,8 @@ class StepMemory:
     reserved_peak_bytes: int | None = None  # CUDA: the allocator's reserved bytes at their peak
     operators: int = 0  # CPU: operators the tracker saw in the window
     complete: bool = True  # False: the tracker was not active for the whole window
+    # the loss the plan priced when auto mode assumed it (Plan.assumed_loss); "" otherwise
+    assumed_loss: str = ""
 
     @property
     def over_limit(self) -> bool:
@@ -140,15 +146,21 @@ def _over_message(step: StepMemory) -> str:
     over = step.peak_bytes - step.limit_bytes
     text = (f"step {step.step}: measured peak memory {format_bytes(step.peak_bytes)} ({step.source}) is over the "
             f"memory limit {format_bytes(step.limit_bytes)} by {format_bytes(over)}, {step.where}")
+    if step.assumed_loss:
+        # [Note: example inputs and the loss]: the plan priced a loss auto mode guessed
+        text += (f"; auto mode was given no loss_fn and planned for a loss it assumed ({step.assumed_loss}): pass "
+                 "loss_fn=lambda output: <the scalar loss your loop computes> to osdp.OSDP so that the plan prices "
+                 "your loss")
     if step.predicted_peak_bytes:
         # a plan whose predicted peak is limit * predicted / measured would have fit, if the
         # model misses by the same factor
         safe = math.floor(step.limit_bytes * step.predicted_peak_bytes / step.peak_bytes)
         text += (f"; the plan predicted {format_bytes(step.predicted_peak_bytes)} ({step.prediction_error:+.1%} "
-                 f"measured against predicted). Lower the batch size, or plan again with a lower memory limit "
-                 f"(memory_limit={safe} bytes, {format_bytes(safe)}, leaves room for what the model missed)")
+                 f"measured against predicted). {'Or lower' if step.assumed_loss else 'Lower'} the batch size, or "
+                 f"plan again with a lower memory limit (memory_limit={safe} bytes, {format_bytes(safe)}, leaves "
+                 "room for what the model missed)")
     else:
-        text += "; lower the batch size, or plan again with a lower memory limit"
+        text += f"; {'or ' if step.assumed_loss else ''}lower the batch size, or plan again with a lower memory limit"
     if not step.complete:
         text += " (the tracker was not active for the whole step: the true peak may be higher)"
     return text
@@ -158,6 +170,7 @@ class StepPeakMonitor:
     """One step window at a time: ``open()`` (idempotent), ``close() -> StepMemory``."""
 
     source = ""
+    assumed_loss = ""  # Plan.assumed_loss of the plan checked (make_monitor)
 
     def __init__(self, ledger: MemoryLedger, limit_bytes: float | None, predicted_peak_bytes: float | None):
         self.ledger = ledger
@@ -188,7 +201,7 @@ class StepPeakMonitor:
     def _step(self, peak_bytes, where, **extra) -> StepMemory:
         unit, phase = where if where else ("", "")
         return StepMemory(self.steps, int(peak_bytes), unit, phase, self.limit_bytes, self.predicted_peak_bytes,
-                          self.source, **extra)
+                          self.source, assumed_loss=self.assumed_loss, **extra)
 
 
 class CpuPeakMonitor(StepPeakMonitor):
@@ -255,10 +268,13 @@ class CudaPeakMonitor(StepPeakMonitor):
 
 
 def make_monitor(ledger: MemoryLedger, device: torch.device, limit_bytes, predicted_peak_bytes, tensors=(),
-                 ignored_storages=(), cuda=None) -> StepPeakMonitor:
+                 ignored_storages=(), cuda=None, assumed_loss: str = "") -> StepPeakMonitor:
     if device.type == "cuda":
-        return CudaPeakMonitor(ledger, limit_bytes, predicted_peak_bytes, device, cuda)
-    return CpuPeakMonitor(ledger, limit_bytes, predicted_peak_bytes, tensors, ignored_storages)
+        monitor = CudaPeakMonitor(ledger, limit_bytes, predicted_peak_bytes, device, cuda)
+    else:
+        monitor = CpuPeakMonitor(ledger, limit_bytes, predicted_peak_bytes, tensors, ignored_storages)
+    monitor.assumed_loss = assumed_loss
+    return monitor
 
 
 class StepMemoryCheck:

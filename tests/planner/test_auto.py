@@ -82,3 +82,92 @@ def test_auto_resolves_the_optimizer_temporaries_from_the_model_device():
     assert for_model_device(PlannerSettings(optimizer_temporaries="none"), model).optimizer_temporaries == "none"
     with pytest.raises(Exception, match="optimizer_temporaries must be one of"):
         PlannerSettings(optimizer_temporaries="fused")
+
+
+class _TiedTransformer(torch.nn.Module):
+    """torch.testing._internal.distributed._tensor.common_dtensor's Transformer (tied
+    embedding and head, LayerNorms, causal SDPA, a 4x MLP, dropout 0.1; the same module
+    names), written out: that module needs ``expecttest``, which this project does not
+    install. Returns fp32 logits: a training loop brings its own loss."""
+
+    def __init__(self, vocab=101, seq=32, dim=64, layers=3, heads=4, p=0.1):
+        super().__init__()
+        nn = torch.nn
+        self.tok_embeddings, self.pos_embeddings = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.dropout = nn.Dropout(p)
+        self.layers = nn.ModuleList(_Block(dim, heads, p) for _ in range(layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.output.weight = self.tok_embeddings.weight
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
+        h = self.dropout(h)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h)).float()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim, heads, p):
+        super().__init__()
+        nn = torch.nn
+        self.heads, self.p = heads, p
+        self.attention_norm, self.ffn_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attention = nn.Module()
+        for name in ("wq", "wk", "wv", "wo"):
+            setattr(self.attention, name, nn.Linear(dim, dim, bias=False))
+        self.feed_forward = nn.Module()
+        self.feed_forward.w1, self.feed_forward.w2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x):
+        import torch.nn.functional as F
+
+        a, (b, s, d) = self.attention, x.shape
+        y = self.attention_norm(x)
+        q, k, v = (w(y).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in (a.wq, a.wk, a.wv))
+        y = F.scaled_dot_product_attention(q, k, v, None, self.p if self.training else 0.0, True)
+        h = x + self.drop(a.wo(y.transpose(1, 2).reshape(b, s, d)))
+        f = self.feed_forward
+        return h + self.drop(f.w2(F.gelu(f.w1(self.ffn_norm(h)))))
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_auto_mode_without_loss_fn_plans_for_the_loops_cross_entropy(tmp_path, caplog):
+    """Issue 35.2: a model returning logits, auto mode without loss_fn, a loop computing
+    ``F.cross_entropy`` over the logits it holds. Planned for the output's sum (a loss
+    whose gradient is a broadcast scalar), the plan (no checkpointing, 11.83 MiB
+    predicted) measured 12.00-12.03 MiB at step 1 against the 11.9 MiB limit and raised
+    MemoryLimitExceeded. With the cross-entropy assumed ([Note: example inputs and the
+    loss]) the plan prices it (here: by checkpointing a block) and every step fits;
+    rank 0 says once what it assumed and the plan keeps it."""
+    import logging
+
+    import torch.nn.functional as F
+
+    import osdp
+    from osdp.planner.cost_model import PlannerSettings
+
+    torch.manual_seed(0)
+    batch, seq, vocab, limit = 16, 32, 101, int(11.9 * 2**20)
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    with caplog.at_level(logging.INFO, logger="osdp.auto"):
+        model = osdp.OSDP(_TiedTransformer(vocab, seq), memory_limit=limit, example_inputs=(tokens,),
+                          settings=PlannerSettings(checkpointing="auto"),
+                          # the batch fixed: the memory, not timings, decides between plans
+                          auto_kwargs=dict(batch=batch, calibrate=False, batches=(batch,), repeats=1,
+                                           progress=False, cache_dir=str(tmp_path)))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):  # step 0 makes AdamW's state, step 1 is a steady one
+        x = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(step))
+        logits = model(x)
+        loss = F.cross_entropy(logits.view(-1, vocab), x.view(-1))
+        loss.backward()
+        optim.step()  # the step's peak is checked here: MemoryLimitExceeded when over
+        optim.zero_grad()
+        assert model.step_memory().step == step and model.step_memory().peak_bytes <= limit
+    assert model.plan.predicted.peak_bytes <= limit
+    assumed = [r.getMessage() for r in caplog.records if r.name == "osdp.auto" and "loss_fn=" in r.getMessage()]
+    assert len(assumed) == 1 and "cross_entropy over the last dimension" in assumed[0], caplog.records
+    assert model.plan.assumed_loss and model.plan.assumed_loss in assumed[0]

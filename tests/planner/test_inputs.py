@@ -1,15 +1,19 @@
 """Example inputs and the profiling loss ([Note: example inputs and the loss] in
 osdp/planner/inputs.py): normalization, batch resizing, loss extraction, and describe
 running a stock Hugging Face model through its keyword forward (one process)."""
+import gc
+import logging
+import weakref
 from collections import OrderedDict
 
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from osdp.errors import OSDPError
 from osdp.planner.description import describe
-from osdp.planner.inputs import ExampleInputs, as_example_inputs, loss_of
+from osdp.planner.inputs import AssumedLoss, ExampleInputs, as_example_inputs, auto_mode_loss, loss_of
 from osdp.planner.profiler import time_units
 
 
@@ -116,3 +120,100 @@ def test_describe_a_stock_hugging_face_model_with_keyword_inputs():
     assert any(op.act_grad_bytes_per_sample > 0 for op in desc.ops), "the backward was measured"
     with pytest.raises(OSDPError, match="has no loss: put the targets in example_inputs"):
         describe(model, {"input_ids": x})
+
+
+def test_auto_mode_assumes_a_cross_entropy_over_logits_says_so_once_and_keeps_the_other_rules(caplog):
+    """[Note: example inputs and the loss]: no loss_fn, an output with a class dimension:
+    auto mode runs a cross-entropy over the last dimension, the output held as long as
+    the loss (the loop's ``logits``); scalars, ``.loss`` and class-less outputs as before."""
+    given = lambda out: out.sum()  # noqa: E731
+    assert auto_mode_loss(given) is given
+    assumed = auto_mode_loss(None)
+    assert isinstance(assumed, AssumedLoss) and assumed.assumed == ""
+    scalar = torch.tensor(2.0)
+    assert assumed(scalar) is scalar
+    assert assumed(_Output(loss=scalar, logits=torch.ones(2, 3))) is scalar
+    assert assumed(torch.ones(4, 1)).item() == 4.0, "no class dimension: the sum, as before"
+    assert assumed(torch.ones(4, dtype=torch.float64)).item() == 4.0
+    with pytest.raises(OSDPError, match="returned a tuple.*pass loss_fn="):
+        assumed((torch.ones(2, 3),))
+    assert assumed.assumed == "", "nothing assumed yet: every output so far had a rule"
+
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    with caplog.at_level(logging.INFO, logger="osdp.auto"):
+        out = logits * 1.0
+        held = weakref.ref(out)
+        loss = assumed(out)
+        want = F.cross_entropy(logits.detach().view(10, 7), torch.zeros(10, dtype=torch.long))
+        torch.testing.assert_close(loss, want)
+        del out
+        gc.collect()
+        assert held() is not None, "the output lives as long as the loss, as the loop's logits"
+        loss.backward()
+        assert held() is not None, "... through backward"
+        del loss
+        gc.collect()
+        assert held() is None
+        assumed(torch.randn(3, 7, requires_grad=True)).backward()  # a second guess is not announced again
+    assert "cross_entropy over the last dimension" in assumed.assumed and "7 classes" in assumed.assumed
+    records = [r for r in caplog.records if r.name == "osdp.auto"]
+    assert len(records) == 1 and "loss_fn=" in records[0].getMessage()
+    assert assumed.assumed in records[0].getMessage()
+    caplog.clear()
+    quiet = AssumedLoss(announce=False)  # the ranks other than 0
+    with caplog.at_level(logging.INFO, logger="osdp.auto"):
+        quiet(torch.randn(3, 7, requires_grad=True))
+    assert quiet.assumed and not caplog.records
+
+
+class _Logits(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(16, 8), nn.Linear(8, 500)  # logits far above the head's weights
+
+    def forward(self, x):
+        return self.head(torch.relu(self.fc(x)))
+
+
+def test_describe_prices_the_assumed_loss_at_the_head_not_a_free_sum():
+    """The sum's gradient is a broadcast scalar: beside the held logits, the head's
+    backward holds its weight gradient (16 KB against 128 KB of logits here). The
+    assumed cross-entropy's holds the log-probabilities it saved, their gradient and the
+    logits' beside the held logits: nearly 3 logits more."""
+    torch.manual_seed(0)
+    model, x = _Logits(), torch.randn(64, 16)
+    summed = describe(model, (x,))
+    assumed = describe(model, (x,), loss_fn=AssumedLoss(announce=False))
+    logits_per_sample = 500 * 4
+    extra = assumed.ops[-1].act_grad_bytes_per_sample - summed.ops[-1].act_grad_bytes_per_sample
+    assert extra >= 2.5 * logits_per_sample, (extra, logits_per_sample)
+    assert [op.act_bytes_per_sample for op in assumed.ops] == [op.act_bytes_per_sample for op in summed.ops]
+
+
+def test_every_loss_holds_the_output_as_long_as_it_lives_and_frees_it_without_a_cycle():
+    """A loop's ``out = model(...)`` holds the output through backward and the optimizer
+    step: describe and the runtime's measurement hold it as long as the loss, for every
+    rule; kept on the loss's node without the loss (no cycle: freed by reference
+    counting, the garbage collector off)."""
+    y = torch.randn(4, 3, requires_grad=True)
+    cases = [
+        (lambda logits: _Output(loss=(logits * logits).mean(), logits=logits), None),  # .loss
+        (lambda logits: logits, None),  # the sum
+        (lambda logits: (logits, logits.detach()), lambda out: out[0].mean()),  # loss_fn of a tuple
+    ]
+    gc.disable()
+    try:
+        for make_output, loss_fn in cases:
+            logits = y * 2.0
+            held = weakref.ref(logits)
+            loss = loss_of(make_output(logits), loss_fn)
+            del logits
+            assert held() is not None
+            loss.backward()
+            assert held() is not None
+            del loss
+            assert held() is None
+        scalar = (y * 2.0).sum()  # the output is the loss: nothing beside it to hold
+        assert loss_of(scalar) is scalar and "osdp_held_output" not in scalar.grad_fn.metadata
+    finally:
+        gc.enable()
