@@ -7,8 +7,9 @@ each in fresh processes (2 gloo ranks), in one run.
                                 [--batch 2] [--repeats 1] [--csv bench/results/host_memory_cpu.csv]
 
 Per rank: the process's peak resident set (``ru_maxrss``) over import, process group,
-build on meta, wrap (OSDP auto mode: describe, profile, measure, plan) and 2 AdamW
-steps; and the same peak less the process's resident set before the build (imports
+build on meta, wrap (OSDP auto mode: describe, profile, measure, plan, at a memory limit
+of what FSDP2's run took above its imports, so that both train in the same memory; the
+batch fixed) and 2 AdamW steps; and the same peak less the process's resident set before the build (imports
 and the process group: the same modules are imported in every configuration), the
 memory the model costs. Printed: each configuration's median over ranks and repeats,
 and its ratio to FSDP2's. Targets (issue 32): OSDP given a plan <= 1.05x FSDP2, auto
@@ -69,16 +70,16 @@ def _osdp_plan(config: GPTConfig, batch: int):
     return osdp.OSDP(model, default_mode="zdp", param_init_fn=GPT.init_module)
 
 
-def _osdp_auto(config: GPTConfig, batch: int, cache_dir: str):
+def _osdp_auto(config: GPTConfig, batch: int, cache_dir: str, limit_bytes: int):
     with torch.device("meta"):
         model = GPT(config)
     torch.manual_seed(0)
-    return osdp.OSDP(model, memory_limit="20GiB", example_inputs=example_batch(config, batch),
+    return osdp.OSDP(model, memory_limit=limit_bytes, example_inputs=example_batch(config, batch),
                      param_init_fn=GPT.init_module,
                      auto_kwargs={"batch": batch, "cache_dir": cache_dir, "use_plan_cache": False, "progress": False})
 
 
-def run(rank: int, world: int, which: str, config: GPTConfig, batch: int, cache_dir: str) -> dict:
+def run(rank: int, world: int, which: str, config: GPTConfig, batch: int, cache_dir: str, limit_bytes: int) -> dict:
     import transformers  # noqa: F401 - the same modules in every configuration (osdp.ops may import it)
     from torch.distributed.fsdp import fully_shard  # noqa: F401
 
@@ -90,7 +91,7 @@ def run(rank: int, world: int, which: str, config: GPTConfig, batch: int, cache_
     elif which == "osdp_plan":
         model = _osdp_plan(config, batch)
     else:
-        model = _osdp_auto(config, batch, cache_dir)
+        model = _osdp_auto(config, batch, cache_dir, limit_bytes)
     wrapped_s = time.perf_counter() - started
     optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
     step_batch = batch if which != "osdp_auto" else model.batch_size
@@ -125,8 +126,11 @@ def main(argv=None) -> int:
     rows = []
     cache_dir = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"osdp-host-memory-{os.getpid()}")
     for rep in range(args.repeats):
+        limit = 0
         for which in CONFIGS:
-            for r in spawn(run, args.world, which, config, args.batch, cache_dir, backend="gloo"):
+            for r in spawn(run, args.world, which, config, args.batch, cache_dir, limit, backend="gloo"):
+                if which == "fsdp2_meta":  # auto mode plans for the memory FSDP2's tensors took
+                    limit = max(limit, r["model_bytes"])
                 rows.append({**r, "repeat": rep})
                 print(f"  {which:<11} rank {r['rank']}: peak {r['peak_bytes'] / 2**20:8.1f} MiB, above the imports "
                       f"{r['model_bytes'] / 2**20:8.1f} MiB, wrapped in {r['wrap_s']:.1f} s (batch {r['batch']})",

@@ -117,17 +117,22 @@ def auto_plan(
     re-plan]. The returned plan carries ``measured`` and ``calibration``.
     ``mixed_precision``: the policy the model will be wrapped with (for that measurement).
     """
-    holder = None
-    if has_meta(model):  # its values: initialized under a forked state, the caller's draws stay its own
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
-            holder = value_holder(model, process_group, layout, mixed_precision, param_init_fn)
+    # a meta model's values: initialized under a forked state (the caller's draws stay its
+    # own); passed on, not kept here (the pool lets it go once a trial holds them)
     plan, values = plan_with_values(
-        model, example_inputs, memory_limit, holder=holder, process_group=process_group, settings=settings,
+        model, example_inputs, memory_limit,
+        holder=_forked_holder(model, process_group, layout, mixed_precision, param_init_fn) if has_meta(model)
+        else None, process_group=process_group, settings=settings,
         batch=batch, global_batch=global_batch, loss_fn=loss_fn, backend=backend, cache_dir=cache_dir,
         progress=progress, layout=layout, calibrate=calibrate, calibration_steps=calibration_steps,
         mixed_precision=mixed_precision, **profile_kwargs)
     values.close()
     return plan
+
+
+def _forked_holder(model, process_group, layout, mixed_precision, param_init_fn):
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        return value_holder(model, process_group, layout, mixed_precision, param_init_fn)
 
 
 def value_holder(model, process_group, layout, mixed_precision, param_init_fn):
@@ -172,6 +177,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
     measure = RuntimeMeasure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
                              steps=calibration_steps, mixed_precision=mixed_precision, layout=layout, holder=holder,
                              budget=budget)
+    del holder  # the pool holds it, until a trial holds the values
     cache = MeasuredPlans(cache_dir, enabled=use_plan_cache and calibrate, group=process_group)
     key = cache.key(desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision)
     try:
@@ -270,7 +276,7 @@ class RuntimeMeasure:
 
     def close(self) -> None:
         self.pool.close()
-        self.pool.holder = None
+        self.pool.holder = None  # a holder never measured from (a cached plan) goes too
 
 
 def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,

@@ -64,15 +64,16 @@ class OSDP(ShardedModel):
         layout = ShardLayout.from_arg(runtime.get("process_group"), runtime.get("mesh"), runtime.get("node_size"))
         mixed_precision = runtime.get("mixed_precision")
         # a model on meta is initialized now, drawing what a build without auto mode draws
-        holder = value_holder(module, runtime.get("process_group"), layout, mixed_precision,
-                              param_init_fn) if has_meta(module) else None
+        on_meta = has_meta(module)
         options = {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {})}
-        plan, values = plan_with_values(module, example_inputs, memory_limit, holder=holder,
+        plan, values = plan_with_values(module, example_inputs, memory_limit,
+                                        holder=value_holder(module, runtime.get("process_group"), layout,
+                                                            mixed_precision, param_init_fn) if on_meta else None,
                                     process_group=runtime.get("process_group"), layout=layout,
                                     settings=_with_precision(settings, mixed_precision),
                                     mixed_precision=mixed_precision, **options)
         try:
-            init = ValuesFrom(module, ShardValues(values.holder())) if holder is not None else None
+            init = ValuesFrom(module, ShardValues(values.holder())) if on_meta else None
             super().__init__(module, plan, memory_limit=memory_limit, param_init_fn=init, **runtime)
         finally:
             values.close()

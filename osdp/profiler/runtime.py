@@ -80,11 +80,13 @@ def measure_plan(module, plan, example_inputs, **kwargs) -> Measurement:
 class TrialPool:
     """The one live trial ([Note: one trial at a time]) and where the next one's values
     come from: ``holder``, a wrapped model holding the values of a model on the meta
-    device, until a trial exists, then the live trial; without a holder, the model's
-    own tensors (cheaper than gathering a trial's shards)."""
+    device, until the first trial is built from it (then dropped: the trial holds them),
+    then the live trial; without a holder, the model's own tensors (cheaper than
+    gathering a trial's shards)."""
 
     def __init__(self, holder=None):
         self.holder = holder
+        self.from_shards = holder is not None  # the values live in wrapped models, not in the model
         self.current: _Trial | None = None
 
     def trial(self, make, plan, module) -> tuple[_Trial, bool]:
@@ -92,23 +94,26 @@ class TrialPool:
         ``make(source)``, the live one closed after (before, when not its source)."""
         if self.current is not None and self.current.plan.plan_hash() == plan.plan_hash():
             return self.current, True
-        if self.holder is None:
+        if not self.from_shards:
             self.close()  # the model's own tensors: nothing needs the live trial
             source = ModuleValues(module)
         else:  # built from the live trial's shards (or the holder's), freed after
-            source = ShardValues(self.holder if self.current is None else self.current.model)
+            source = ShardValues(self.values())
         trial = make(source)
         self.close()
-        self.current = trial
+        self.current, self.holder = trial, None
         return trial, False
 
     def close(self) -> None:
+        """Close the live trial; the values of a model on meta go with it, unless the
+        holder still has them."""
         if self.current is not None:
             self.current.close()
             self.current = None
 
     def values(self):
-        """The wrapped model that holds the values now: the live trial, else the holder."""
+        """The wrapped model that holds a meta model's values now: the live trial, else
+        the holder (None: a real model's values are its own)."""
         return self.holder if self.current is None else self.current.model
 
 
