@@ -271,7 +271,9 @@ class RuntimeMeasure:
         return results
 
     def holder(self):
-        """The wrapped model that holds a meta model's values now (None for a real model)."""
+        """The wrapped model that holds a meta model's values now (None for a real
+        model), its optimizer state and gradients gone: what a model is built from."""
+        self.pool.strip()
         return self.pool.values()
 
     def close(self) -> None:

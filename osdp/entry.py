@@ -73,10 +73,12 @@ class OSDP(ShardedModel):
                                     settings=_with_precision(settings, mixed_precision),
                                     mixed_precision=mixed_precision, **options)
         try:
+            if not on_meta:
+                values.close()  # a real model's values are its own: no trial is needed beside it
             init = ValuesFrom(module, ShardValues(values.holder())) if on_meta else None
             super().__init__(module, plan, memory_limit=memory_limit, param_init_fn=init, **runtime)
         finally:
-            values.close()
+            values.close()  # the last trial (a meta model's values) goes, collected at once
 
 
 def _check_auto_only_args(auto: bool, auto_only: dict) -> None:

@@ -30,6 +30,7 @@ first time), and it is the value source of the next trial.
 """
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 
@@ -98,18 +99,32 @@ class TrialPool:
             self.close()  # the model's own tensors: nothing needs the live trial
             source = ModuleValues(module)
         else:  # built from the live trial's shards (or the holder's), freed after
+            self.strip()  # only its shards are needed beside the new trial
             source = ShardValues(self.values())
         trial = make(source)
+        del source
         self.close()
-        self.current, self.holder = trial, None
+        had_holder, self.current, self.holder = self.holder is not None, trial, None
+        if had_holder:
+            gc.collect()  # the holder's shards: see close()
         return trial, False
 
     def close(self) -> None:
         """Close the live trial; the values of a model on meta go with it, unless the
-        holder still has them."""
+        holder still has them. A wrapped model is a web of reference cycles (its hooks
+        and scheduler refer back to it): collected now, not whenever the collector runs
+        next, so that no two trials' shards and optimizer states are alive at once
+        (measured: a 162M GPT's auto mode peaked 1.9x the training of its pick without)."""
         if self.current is not None:
             self.current.close()
             self.current = None
+            gc.collect()
+
+    def strip(self) -> None:
+        """Before a model is built from :meth:`values`: the live trial keeps its shards
+        only."""
+        if self.current is not None:
+            self.current.strip()
 
     def values(self):
         """The wrapped model that holds a meta model's values now: the live trial, else
@@ -289,6 +304,14 @@ class _Trial:
             peak_bytes=values[4], batch_size=int(self.batch), steps=int(steps), peak_source=peak_source,
             groups=dict(zip(group_names, values[5:])),
         )
+
+    def strip(self) -> None:
+        """Keep the wrapped model's shards only (the values the next trial is built
+        from): its optimizer state and gradients go."""
+        self.optim = None
+        if self.model is not None:
+            self.model.zero_grad(set_to_none=True)
+        gc.collect()
 
     def close(self) -> None:
         self.model = self.optim = None
