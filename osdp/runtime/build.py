@@ -1,7 +1,10 @@
 """Cut a model into shard units: swap split ops in, flatten and shard every unit's
 parameters, and leave each module computing with views of its unit's gathered buffer.
 
-The order of what is applied: (1) split modules are replaced by their split op
+Module by module in ``named_modules()`` order (a module built on the meta device is
+made real and initialized first, and back to meta once its unit holds it: [Note: meta
+initialization] in materialize.py). The order of what is applied: (1) split modules are
+replaced by their split op
 (``osdp.ops``), (2) each module that owns parameters becomes a unit (a module whose
 parameters are all owned by an earlier unit, a tied head, reuses that unit), its
 parameters are removed (the module computes with views of the gathered buffer, set by
@@ -25,9 +28,9 @@ from ..errors import OSDPError
 from ..ops import SplitModule, get_split_op
 from .config import tied_uses
 from .modes import Mode
-from .shard_unit import ParamSlot, ShardUnit
 from .materialize import MetaInit
-from .split_params import SplitParams, shard_numel
+from .shard_unit import ParamSlot, ShardUnit, shard_numel
+from .split_params import SplitParams
 
 
 @dataclass

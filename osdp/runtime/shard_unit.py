@@ -74,6 +74,11 @@ from .modes import GatherState, Mode
 # handed out the same way (``accumulate_replicated_grad``), whole.
 
 
+def shard_numel(numel: int, world: int) -> int:
+    """Elements per holder of a flat buffer of ``numel`` sharded over ``world`` (ceil)."""
+    return -(-numel // world)
+
+
 def local_piece_shape(n: int, ndim: int) -> tuple[int, ...]:
     """Shape of a rank's ``n``-element piece of a parameter with ``ndim`` dims, see
     [Note: original parameters]."""
@@ -121,7 +126,7 @@ class ShardUnit:
         self.world_size = self.shard_world
         dtype = tensors[0].dtype
         self.numel = sum(s.numel for s in slots)
-        self.shard_numel = -(-self.numel // self.shard_world)  # ceil
+        self.shard_numel = shard_numel(self.numel, self.shard_world)
         self.padded_numel = self.shard_numel * self.shard_world
         lo = self.shard_rank * self.shard_numel
         with torch.no_grad():

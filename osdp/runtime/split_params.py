@@ -38,11 +38,6 @@ from ..errors import OSDPError
 from .shard_unit import ShardUnit, local_piece_shape
 
 
-def shard_numel(numel: int, world: int) -> int:
-    """Elements per holder of a flat buffer of ``numel`` sharded over ``world``."""
-    return -(-numel // world)
-
-
 class SplitParams:
     """The cut parameters of one split op, each one tensor over its slices' shards."""
 
