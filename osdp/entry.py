@@ -75,7 +75,7 @@ class OSDP(ShardedModel):
         try:
             if not on_meta:
                 values.close()  # a real model's values are its own: no trial is needed beside it
-            init = ValuesFrom(module, ShardValues(values.holder())) if on_meta else None
+            init = ValuesFrom(module, ShardValues(values.holder(), release=True)) if on_meta else None
             super().__init__(module, plan, memory_limit=memory_limit, param_init_fn=init, **runtime)
         finally:
             values.close()  # the last trial (a meta model's values) goes, collected at once

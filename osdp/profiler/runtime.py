@@ -99,8 +99,8 @@ class TrialPool:
             self.close()  # the model's own tensors: nothing needs the live trial
             source = ModuleValues(module)
         else:  # built from the live trial's shards (or the holder's), freed after
-            self.strip()  # only its shards are needed beside the new trial
-            source = ShardValues(self.values())
+            self.strip()  # only its shards are needed beside the new trial, each freed once used
+            source = ShardValues(self.values(), release=True)
         trial = make(source)
         del source
         self.close()

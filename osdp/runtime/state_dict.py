@@ -275,13 +275,20 @@ class ShardValues:
     from another one's shards (``osdp.runtime.materialize.ValuesFrom``). A tied
     parameter's second name is not asked again (its owner holds it)."""
 
-    def __init__(self, wrapped):
+    def __init__(self, wrapped, release: bool = False):
         view = wrapped._sharded_view()
         self.layout, self.built, self.comm = view.layout, view.built, view.comm
         self.buffers = dict(view.module.named_buffers(remove_duplicate=False))
         self._flats: dict[int, torch.Tensor] = {}  # unit -> its gathered flat buffer, until used up
         self._left = {i: len(pieces) for i, pieces in enumerate(self.layout.unit_pieces)}
         self._done: set[str] = set()
+        # release: ``wrapped`` is thrown away after: each shard storage is freed once
+        # every unit in it is used up (a split op's slices share one), so that the old
+        # and the new model are never both whole in memory
+        self.release = release
+        self._storage_units: dict[int, set[int]] = {}
+        for i, unit in enumerate(self.built.units):
+            self._storage_units.setdefault(unit.shard.untyped_storage().data_ptr(), set()).add(i)
 
     def _flat(self, i: int) -> torch.Tensor:
         if i not in self._flats:
@@ -305,7 +312,15 @@ class ShardValues:
             self._left[piece.unit] -= 1
             if self._left[piece.unit] == 0:
                 del self._flats[piece.unit]
+                self._used_up(piece.unit)
         return full
+
+    def _used_up(self, i: int) -> None:
+        if not self.release:
+            return
+        storage = self.built.units[i].shard.untyped_storage()
+        if all(self._left[j] == 0 for j in self._storage_units[storage.data_ptr()]):
+            storage.resize_(0)
 
     def fill(self, path: str, module: nn.Module) -> None:
         copy_own(module, path, lambda name, buffer: self.buffers.get(name) if buffer else self.value(name))
