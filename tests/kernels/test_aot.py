@@ -204,6 +204,7 @@ def test_filter_drops_what_the_stored_reports_saw_spill(path):
     assert sum(r[4] > 0 for r in rows) >= 10  # the reports hold spilling configs: the check is not vacuous
 
 
+@pytest.mark.slow  # 11 compiles for sm_90: about a minute on this CPU
 def test_quick_compiles_what_a_launch_autotunes_over(tmp_path):
     """--quick for sm_90: what a launch on an H100 autotunes over, one dtype per kernel."""
     from osdp_kernels import _configs, aot
