@@ -41,6 +41,17 @@ def _inputs_signature(example_inputs) -> list:
     return out
 
 
+def _loss_key(loss_fn) -> str | None:
+    """What names a loss across runs: the loss auto mode assumed, or the function's
+    module and qualified name (never an object's address)."""
+    if loss_fn is None:
+        return None
+    if getattr(loss_fn, "assumed", ""):
+        return f"assumed: {loss_fn.assumed}"
+    fn = getattr(loss_fn, "func", loss_fn)  # a functools.partial: the function it calls
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+
+
 class MeasuredPlans:
     """See [Note: measured plan cache]."""
 
@@ -49,7 +60,7 @@ class MeasuredPlans:
         self.enabled, self.group = enabled, group
 
     def key(self, desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision) -> str:
-        loss = None if loss_fn is None else f"{getattr(loss_fn, '__module__', '')}.{getattr(loss_fn, '__qualname__', repr(loss_fn))}"
+        loss = _loss_key(loss_fn)
         parts = {
             "desc": desc.to_dict(),
             "run": [device.world_size, device.node_size, device.memory_limit_bytes],

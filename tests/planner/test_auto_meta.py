@@ -49,7 +49,6 @@ def test_auto_mode_on_meta_initializes_as_a_plain_build_and_trains(tmp_path, cap
         optim.zero_grad()
 
 
-@pytest.mark.slow  # auto mode three times
 def test_a_restarted_job_takes_the_measured_plan_from_the_cache(tmp_path, monkeypatch):
     torch.manual_seed(0)
     first = auto(meta_gpt(), tmp_path)
