@@ -25,7 +25,7 @@ from .planner.uniform_plan import uniform_plan
 from .profiler import TrialPool, measure_plans
 from .rank_agreement import broadcast_from_rank0, check_same_plan, is_rank0
 from .planner.calibration import Measurement
-from .planning_budget import DEFAULT_BUDGET_S, PlanningBudget, predicted_step_s, show_progress
+from .planning_budget import DEFAULT_BUDGET_S, PROFILE_SHARE, PlanningBudget, predicted_step_s, show_progress
 from .runtime.materialize import has_meta, meta_skeleton
 from .sizes import format_bytes
 
@@ -164,6 +164,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
     show_progress(progress, process_group)
     budget = PlanningBudget(budget_s, process_group)  # [Note: planning budget]
     loss_fn = auto_mode_loss(loss_fn, announce=is_rank0(process_group))  # [Note: example inputs and the loss]
+    profile_kwargs.setdefault("compute_time_s", budget.seconds * PROFILE_SHARE)  # [Note: planning budget]
     desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
     log.info("described %d units%s and profiled this machine in %.1f s", len(desc.ops),
@@ -303,6 +304,10 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
         split = split_reference(desc, device, settings, batch) if refs else None
         if split is not None:
             refs.append(split.to_dict())
+        budget = getattr(measure, "budget", None)  # [Note: planning budget]: FSDP at the batch always
+        if budget is not None and refs:
+            plans = [Plan.from_dict(r) for r in refs]
+            refs = [p.to_dict() for p in (budget.affordable(plans, "calibration's reference plans") or plans[:1])]
     refs = [Plan.from_dict(r) for r in broadcast_from_rank0(refs, process_group)]
     if not refs:
         return device, []

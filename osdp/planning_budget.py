@@ -5,18 +5,23 @@ Auto mode measures on the machine it plans for (the profile, then plans wrapped 
 trained for a few steps), and a measured step at the batch the planner likes best can
 take seconds (a CPU run at a 20 GiB limit picked batches in the hundreds). So it works
 within ``budget_s`` (default a minute; ``auto_kwargs={"budget_s": ...}``), counted from
-its start, and cuts, in this order, each time saying so (``plan.calibration["budget"]``
+its start (the profile included), and cuts, in this order, each time saying so (``plan.calibration["budget"]``
 and a progress line):
 
-1. the batch: when the first plan's predicted step, times the steps the measurements
-   after it take (``STEPS_AFTER_PLAN``), is more than the budget left (at least a
-   quarter of it, ``MIN_SHARE``: a spent budget still measures the plan it hands out),
-   the plan is made again at the batch that fits (steps grow about in proportion to
-   the batch);
-2. timed steps: a measurement whose steps do not fit in what is left times 1 step;
-3. candidates: an alternative plan (calibration's re-plan, measured choice's candidates,
-   its tiebreak) whose estimated cost (a rebuild and its steps at their predicted time)
-   is more than what is left is not measured.
+0. the profile's compute timing (a real model's units, at the example batch and smaller
+   ones, largest first): no further batch once two are timed and ``PROFILE_SHARE`` of
+   the budget is spent;
+1. calibration's reference plans: FSDP at the example batch is always measured, FSDP at
+   half of it and the split reference only when their estimated cost (a rebuild and
+   their steps at their predicted time) fits in what is left;
+2. the batch: when the first plan's predicted step, times the steps its measurement
+   and about one more take (``STEPS_AFTER_PLAN``), is more than the budget left (at
+   least a quarter of it, ``MIN_SHARE``: a spent budget still measures the plan it
+   hands out), the plan is made again at the batch that fits (steps grow about in
+   proportion to the batch);
+3. timed steps: a measurement whose steps do not fit in what is left times 1 step;
+4. candidates: an alternative plan (calibration's re-plan, measured choice's candidates,
+   its tiebreak) whose estimated cost is more than what is left is not measured.
 
 Every decision is rank 0's, broadcast (the ranks' clocks differ; their collectives must
 not). The budget is a target, not a deadline: a measurement that started runs to its
@@ -35,11 +40,13 @@ from .rank_agreement import broadcast_from_rank0, is_rank0
 log = logging.getLogger("osdp.auto")
 
 DEFAULT_BUDGET_S = 60.0
-# after the first plan: calibration's measurement and re-plan, measured choice's two
-# rounds of about three candidates: about 7 trials of 2 warm-up + 3 timed steps
-STEPS_AFTER_PLAN = 35
+# the batch is capped so that the first plan's own measurement and about one more (a
+# rebuild, 2 warm-up and 3 timed steps each) fit: a capped batch costs every training
+# step, a candidate left unmeasured only the chance that it was better
+STEPS_AFTER_PLAN = 12
 REBUILD_STEPS = 1.0  # a trial's build (every unit gathered once), in steps of its plan
 MIN_SHARE = 0.25  # of the budget: the least the measurements after the first plan get
+PROFILE_SHARE = 0.25  # of the budget: the compute timing stops after it, once two batches are timed
 
 
 def show_progress(enabled: bool, group=None) -> None:

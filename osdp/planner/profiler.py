@@ -236,14 +236,22 @@ def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3,
 
 
 def profile_compute(model, example_inputs, desc: ModelDesc, batches, loss_fn=None, repeats=3,
-                    skip_keys=(), progress: Progress | None = None, noisy: set | None = None) -> dict[str, ComputeFit]:
+                    skip_keys=(), progress: Progress | None = None, noisy: set | None = None,
+                    time_limit_s: float | None = None) -> dict[str, ComputeFit]:
     """Fits per shape key (units of equal shape pooled) for keys not in ``skip_keys``.
     A batch whose repeats are noisy is re-measured (``profile_cache.steady``, local:
-    no collective); ``noisy`` collects ``"compute"`` when one stayed noisy."""
+    no collective); ``noisy`` collects ``"compute"`` when one stayed noisy.
+    ``time_limit_s``: the batches are timed largest first, and once two are and this
+    much time has passed, the rest are not (a line still fits two points)."""
     example_inputs = as_example_inputs(example_inputs)
     example_batch = example_inputs.batch_size()
     per_batch = {}
-    for b in batches:
+    started = time.perf_counter()
+    for b in sorted(batches, reverse=True):
+        if time_limit_s is not None and len(per_batch) >= 2 and time.perf_counter() - started > time_limit_s:
+            log.info("compute timed at batches %s only: %.1f s of the %.1f s allowed are spent", sorted(per_batch),
+                     time.perf_counter() - started, time_limit_s)
+            break
         inputs = example_inputs if b == example_batch else example_inputs.with_batch(b)
         attempts = []
 
@@ -265,7 +273,7 @@ def profile_compute(model, example_inputs, desc: ModelDesc, batches, loss_fn=Non
     fits = {}
     for key, names in by_key.items():
         xs, yf, yb = [], [], []
-        for b in batches:
+        for b in per_batch:
             for name in names:
                 xs.append(b)
                 yf.append(per_batch[b][name][0])
@@ -375,6 +383,7 @@ def profile(
     use_cache: bool = True,
     reprofile: bool = False,
     progress: bool = True,
+    compute_time_s: float | None = None,
 ) -> Profiled:
     """Describe ``model`` and measure this cluster: ``(desc, cluster, run)``, see
     ``Profiled``. Every rank of ``process_group`` calls it (collectively); all get rank
@@ -389,7 +398,9 @@ def profile(
     the same loss; see [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
 
     ``cache_dir`` / ``use_cache`` / ``reprofile`` (or ``$OSDP_REPROFILE=1``): the
-    profile cache, see [Note: profile cache] in ``osdp/planner/profile_cache.py``."""
+    profile cache, see [Note: profile cache] in ``osdp/planner/profile_cache.py``.
+    ``compute_time_s``: how long the compute timing may go on once two batches are
+    timed (auto mode's budget: [Note: planning budget])."""
     inputs = as_example_inputs(example_inputs)
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(process_group) if distributed else 1
@@ -436,7 +447,8 @@ def profile(
                                              "reduce_scatter": {"alpha_s": 0.0, "beta_s_per_byte": 0.0}})
     fits = dict(cached_fits)
     if todo_keys and not on_meta:
-        fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar, noisy))
+        fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar, noisy,
+                                    time_limit_s=compute_time_s))
     from ..ops import MatmulSplit, registered_split_ops as _ops
 
     # split efficiency is a matmul's: ops split otherwise (an embedding's rows) are left out
