@@ -141,7 +141,12 @@ def test_auto_mode_without_loss_fn_plans_for_the_loops_cross_entropy(tmp_path, c
     predicted) measured 12.00-12.03 MiB at step 1 against the 11.9 MiB limit and raised
     MemoryLimitExceeded. With the cross-entropy assumed ([Note: example inputs and the
     loss]) the plan prices it (here: by checkpointing a block) and every step fits;
-    rank 0 says once what it assumed and the plan keeps it."""
+    rank 0 says once what it assumed and the plan keeps it.
+
+    The policy is "zdp" so that timings cannot pick the plan: with "osdp" a noisy
+    profile (CI) picked every unit ``rep`` with the last block checkpointed, predicted
+    11.87 MiB and measured 11.93 at that block's recompute, a miss of the memory model
+    that is not this test's subject (in the closing note of issue 35)."""
     import logging
 
     import torch.nn.functional as F
@@ -154,7 +159,7 @@ def test_auto_mode_without_loss_fn_plans_for_the_loops_cross_entropy(tmp_path, c
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.INFO, logger="osdp.auto"):
         model = osdp.OSDP(_TiedTransformer(vocab, seq), memory_limit=limit, example_inputs=(tokens,),
-                          settings=PlannerSettings(checkpointing="auto"),
+                          settings=PlannerSettings(checkpointing="auto", policy="zdp"),
                           # the batch fixed: the memory, not timings, decides between plans
                           auto_kwargs=dict(batch=batch, calibrate=False, batches=(batch,), repeats=1,
                                            progress=False, cache_dir=str(tmp_path)))
