@@ -194,7 +194,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
             log.info("fitted the runtime's factors to %d measured FSDP steps", len(reference))
         plan = _plan_on_rank0(desc, device, settings, batch, global_batch, backend, process_group)
         if calibrate and batch is None and global_batch is None:
-            cap = budget.batch_cap(plan)
+            cap = budget.batch_cap(plan, floor=as_example_inputs(example_inputs).batch_size())
             if cap is not None:
                 batch = cap
                 plan = _plan_on_rank0(desc, device, settings, batch, None, backend, process_group)

@@ -18,7 +18,8 @@ and a progress line):
    and about one more take (``STEPS_AFTER_PLAN``), is more than the budget left (at
    least a quarter of it, ``MIN_SHARE``: a spent budget still measures the plan it
    hands out), the plan is made again at the batch that fits (steps grow about in
-   proportion to the batch);
+   proportion to the batch), but never below the example batch (the profile ran it;
+   101M GPT on 2 CPU ranks: a 60 s budget capped the batch at 1);
 3. timed steps: a measurement whose steps do not fit in what is left times 1 step;
 4. candidates: an alternative plan (calibration's re-plan, measured choice's candidates,
    its tiebreak) whose estimated cost is more than what is left is not measured.
@@ -93,16 +94,20 @@ class PlanningBudget:
         self.cuts.append(what)
         log.info("budget: %s", what)
 
-    def batch_cap(self, plan) -> int | None:
-        """The batch to plan at instead of ``plan``'s (None: it fits), rank 0's."""
+    def batch_cap(self, plan, floor: int = 1) -> int | None:
+        """The batch to plan at instead of ``plan``'s (None: it fits), rank 0's; never
+        below ``floor`` (auto mode: the example batch, which the profile already ran: a
+        model whose steps are slow at it is planned there, over the budget, rather than
+        trained at a batch too small to use the device)."""
         cap = None
         if is_rank0(self.group):
             step = predicted_step_s(plan)
             need = step * STEPS_AFTER_PLAN
             # a spent budget still measures the first plan: at the batch a quarter of it allows
             room = max(self.left(), MIN_SHARE * self.seconds)
-            if need > room and plan.batch_size > 1:
-                cap = max(1, int(plan.batch_size * room / need))
+            floor = min(floor, plan.batch_size)
+            if need > room and plan.batch_size > floor:
+                cap = max(floor, int(plan.batch_size * room / need))
                 self.cut(f"batch capped at {cap}: the uncapped pick (batch {plan.batch_size}) steps in "
                          f"{step * 1e3:.0f} ms predicted, and the ~{STEPS_AFTER_PLAN} steps measured after it "
                          f"would take {need:.0f} s, {room:.0f} s are left")
