@@ -14,22 +14,28 @@ from __future__ import annotations
 
 import torch
 
-try:  # another package; the runtime must work without it
-    import osdp_kernels as _kernels
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _kernels = None
+_NOT_LOADED = object()
+_kernels = _NOT_LOADED  # imported at the first CUDA call: Triton costs the planner and CPU runs ~80 MiB
 
 
 def kernels_module():
-    """``osdp_kernels`` when it imported (it needs triton), else None; the vocabulary-split
-    head loss (``head_cross_entropy.py``) dispatches through it too."""
+    """``osdp_kernels`` when it imports (it needs triton), else None; imported on first
+    use (the vocabulary-split head loss, ``head_cross_entropy.py``, dispatches through
+    it too)."""
+    global _kernels
+    if _kernels is _NOT_LOADED:
+        try:  # another package; the runtime must work without it
+            import osdp_kernels as module
+        except Exception:  # noqa: BLE001 - any import failure means "not available"
+            module = None
+        _kernels = module
     return _kernels
 
 
 def _kernel(name: str, tensor: torch.Tensor):
-    if _kernels is None or not tensor.is_cuda:
+    if not tensor.is_cuda:
         return None
-    return getattr(_kernels, name, None)
+    return getattr(kernels_module(), name, None)
 
 
 def ref_addmm_slice_(out, x, w_slice, k0, bias=None):
