@@ -1,11 +1,15 @@
 """Shared test setup.
 
 - ``gpu`` tests skip cleanly without CUDA.
+- ``--time-budget-s S``: once the run has taken S seconds, the tests not yet started are
+  skipped, each saying so (``.ci/run`` runs the ``slow`` set within what is left of its
+  20 minutes; a test that started always finishes).
 - Without a GPU, Triton kernels run in the interpreter: TRITON_INTERPRET must be set
   before any kernel module is imported, so it is set here, first.
 """
 import os
 import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +20,23 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_addoption(parser):
+    parser.addoption("--time-budget-s", type=float, default=None,
+                     help="skip the tests not yet started once the run has taken this many seconds")
+
+
+def pytest_configure(config):
+    config._osdp_started = time.monotonic()
+
+
+def pytest_runtest_setup(item):
+    budget = item.config.getoption("--time-budget-s")
+    if budget is not None:
+        spent = time.monotonic() - item.config._osdp_started
+        if spent > budget:
+            pytest.skip(f"over the run's time budget: {spent:.0f} s of --time-budget-s {budget:.0f} spent")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,6 +82,7 @@ def extras(tmp_path_factory):
     return filtered, unfiltered
 
 
+@pytest.mark.slow  # the subset's compile: about a minute
 def test_representative_subset_compiles_clean_for_both_archs(subset):
     proc, report = subset
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
@@ -95,6 +96,7 @@ def test_representative_subset_compiles_clean_for_both_archs(subset):
     assert "Triton kernels, sm_80" in proc.stdout and "Triton kernels, sm_90" in proc.stdout
 
 
+@pytest.mark.slow  # the subset's compile: about a minute
 def test_16bit_matmuls_reach_tensor_cores_in_sass_and_ptx(subset):
     """The report reads cuobjdump's SASS; here nvdisasm and the PTX must agree with it."""
     nvdisasm = _tool("nvdisasm")
@@ -111,6 +113,7 @@ def test_16bit_matmuls_reach_tensor_cores_in_sass_and_ptx(subset):
         assert TC_PTX[r["arch"]] in ptx
 
 
+@pytest.mark.slow  # the subset's compile: about a minute
 def test_shared_memory_is_the_pipeline_tiles(subset):
     """Dynamic shared memory is whole pipeline buffers of one A and one B tile: num_stages
     of them for Hopper's wgmma, one fewer for mma.sync / FMA loops."""
@@ -281,6 +284,7 @@ def test_every_kernel_keeps_a_config_per_dtype_and_arch():
                 assert passed and pruner.kept(configs, arch, dtype, precision) == passed, (spec.name, arch, dtype)
 
 
+@pytest.mark.slow  # the subset's compile: about a minute
 def test_cuda_module_cubins(subset):
     proc, report = subset
     so = report["cuda_so"]

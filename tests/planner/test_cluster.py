@@ -115,6 +115,7 @@ def test_the_default_cluster_is_named_once():
 
 
 # ---- the old format: converted, with a warning; plans as before ---------------------------
+@pytest.mark.slow  # the CLI plans with the python search backend: 20-35 s
 def test_old_format_file_loads_converted_and_plans_as_before(tmp_path, capsys):
     with pytest.warns(OldClusterFormatWarning, match=re.escape(f"cluster file {OLD_TITAN} is in the old format")) as w:
         old = load_cluster(str(OLD_TITAN))

@@ -146,7 +146,7 @@ def _run_fault(world_size, mode, timeout_s):
         return out, len(alive)
 
 
-@pytest.mark.parametrize("world_size,mode", [(3, "exit"), (2, "hang")])
+@pytest.mark.parametrize("world_size,mode", [(3, "exit"), pytest.param(2, "hang", marks=pytest.mark.slow)])
 def test_dead_or_hung_rank_fails_the_others_within_timeout(world_size, mode):
     timeout_s = 3.0
     out, alive = _run_fault(world_size, mode, timeout_s)

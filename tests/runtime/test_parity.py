@@ -39,15 +39,13 @@ def results(world_size):
     return _RESULTS[world_size]
 
 
-PARAMS = [(2, name) for name in _case_names(2)] + [(4, name) for name in _case_names(4)]
+# the 4-rank cases share one spawn of about a minute: with the slow tests
+PARAMS = [pytest.param(2, name, id=f"w2-{name}") for name in _case_names(2)] + [
+    pytest.param(4, name, id=f"w4-{name}", marks=pytest.mark.slow) for name in _case_names(4)]
 CASES = {c.name: c for c in pc.CASES}
 
 
-def _ids(p):
-    return f"w{p[0]}-{p[1]}"
-
-
-@pytest.mark.parametrize("world_size,name", PARAMS, ids=[_ids(p) for p in PARAMS])
+@pytest.mark.parametrize("world_size,name", PARAMS)
 def test_losses_and_params_match_references(world_size, name):
     rank0 = results(world_size)[0]
     case = CASES[name]
@@ -97,7 +95,7 @@ def expected_all_gathers(case, unit, mode):
     return {1} if mode == "dp" else {2}
 
 
-@pytest.mark.parametrize("world_size,name", PARAMS, ids=[_ids(p) for p in PARAMS])
+@pytest.mark.parametrize("world_size,name", PARAMS)
 def test_ledger_proves_modes(world_size, name):
     case = CASES[name]
     for rank, result in enumerate(results(world_size)):
