@@ -91,8 +91,12 @@ import numpy as np
 
 from ..contract import (DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, MAX_INFLIGHT_REPLICATE_BUCKETS,
                         REPLICATE_BUCKET_BYTES, is_small_unit)
-from .cost_model import (ProblemTemplate, backward_needs_weights, gathered_bytes, layout_collectives, option_compute_s,
-                         reduced_bytes, template_optimizer_s)
+# the cost model's modules below memory.py, which imports this one ([Note: exact gathers])
+from .cost_model.settings import layout_collectives
+from .cost_model.template import ProblemTemplate
+from .cost_model.timing import option_compute_s, template_optimizer_s
+from .cost_model.unit_bytes import gathered_bytes, reduced_bytes
+from .cost_model.units import backward_needs_weights
 
 # the runtime's rules, from the contract both sides import
 RUNTIME_COALESCE_BYTES = DEFAULT_COALESCE_BYTES
