@@ -36,7 +36,7 @@ def for_model_device(settings: PlannerSettings | None, model) -> PlannerSettings
     """``settings`` with ``optimizer_temporaries`` "auto" resolved as torch's AdamW
     resolves its own default for the parameters it will step: foreach on CUDA (where
     ``model`` is, or where ``osdp.OSDP`` puts it by default), the for-loop elsewhere
-    (cost_model.py's [Note: optimizer step moment])."""
+    (cost_model/static.py's [Note: optimizer step moment])."""
     settings = settings if settings is not None else PlannerSettings()
     if settings.optimizer_temporaries != "auto":
         return settings

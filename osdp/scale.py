@@ -71,7 +71,7 @@ class Run:
 
 
 def step_components(s: Scheduled) -> dict[str, float]:
-    """Seconds of one step by component ([Note: time model] in cost_model.py): compute,
+    """Seconds of one step by component ([Note: time model] in docs/design/cost_model.md): compute,
     the recompute of checkpointed blocks, the communication the per-op overlap leaves
     exposed, the optimizer."""
     t = s.template

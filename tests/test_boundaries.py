@@ -11,6 +11,9 @@ import pytest
 PLANNER = ["osdp.planner." + m for m in (
     "description", "gpt_desc", "checks", "cluster", "run", "device", "cost_model", "search", "search_problem",
     "scheduler", "plan", "planner", "profiler", "step_sim", "rerank", "inputs", "calibration",
+)] + ["osdp.planner.cost_model." + m for m in (
+    "settings", "unit_bytes", "units", "replicate", "static", "timing", "prefetch", "options", "problem", "template",
+    "tied_templates", "memory", "evaluate",
 )]
 
 

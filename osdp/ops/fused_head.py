@@ -20,7 +20,7 @@ slice, an accumulated micro-batch). The slice is released after, so its reduce-s
 follows its last use as for the op's own backward; for a tied slice the lookup's
 backward adds its rows after the head's, as before.
 
-What the planner assumes of it (``planner/cost_model.py`` [Note: fused vocabulary-split
+What the planner assumes of it (docs/design/cost_model.md's [Note: fused vocabulary-split
 loss]): a split head holds no logits; the peak transient is one [chunk, ns_i] block of
 ``slice_backward`` (sized about like X by ``chunk_tokens_for``).
 

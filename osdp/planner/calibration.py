@@ -155,7 +155,7 @@ def assignment_of(desc: ModelDesc, device: DeviceInfo, plan, settings: PlannerSe
         policy="osdp", prefetch_bytes=float(plan.prefetch_bytes),
         max_slices=max([settings.max_slices] + [u.slices for u in plan.units]),
         checkpointing="auto" if plan.checkpoint_blocks else settings.checkpointing,
-        # its rep units, read off its modes ([Note: rep mode] in cost_model.py); a tied
+        # its rep units, read off its modes ([Note: rep mode] in docs/design/cost_model.md); a tied
         # use's bias runs its owner's mode and is not a unit of the rep set
         rep_units=tuple(u.name for u in plan.units if u.modes == ("rep",) and u.name not in tied_uses))
     t = build_template(desc, device, settings)

@@ -18,7 +18,7 @@ sharded (1/shard_ranks of every unit at rest).
 nodes (FSDP2 HSDP on a 2-D mesh ("replicate", "shard")). The layout is one choice for
 the whole plan (``PlannerSettings.layout``); the modes stay per unit and per slice:
 ``dp``, ``zdp`` and, under "full" across nodes, ``hpz`` ([Note: hpz mode] in
-cost_model.py). Under "hsdp" every gather is already within the node, so ``hpz`` would
+docs/design/cost_model.md). Under "hsdp" every gather is already within the node, so ``hpz`` would
 be ``zdp`` and is not offered.
 
 [Note: two-level collective cost]

@@ -15,13 +15,13 @@ Per block (s = seq, h = width, a = heads, e = element bytes), saved per sample:
 The embedding saves the token ids (s * 8); the head saves its input, the logits
 and the targets for the loss: s h e + s V e + s * 8. Of those, the s V e logits
 (``logits_bytes_per_sample``) are what a vocabulary-split head with the fused loss never
-holds (cost_model.py's [Note: fused vocabulary-split loss]).
+holds (docs/design/cost_model.md's [Note: fused vocabulary-split loss]).
 
 Split axes come from the op registry, as describe() reads them: the embeddings by rows
 (``wte``: the vocabulary, ``wpe``: the positions), every Linear by its default op,
 except the head, cut along the vocabulary (its out_features) by the registered
 Linear op with that axis; a tied head (``tie_embeddings``) has wte's axis and follows
-wte's choice (cost_model.py's [Note: tied weights]).
+wte's choice (docs/design/cost_model.md's [Note: tied weights]).
 
 Backward transients (describe's [Note: backward transients]), per sample, each plus
 s * 8 bytes; measured values of describe() are equal, except attention's which is an

@@ -2,7 +2,7 @@
 
 [Note: re-ranking]
 The exact search optimizes the additive cost model (one max(compute, comm) per op, see
-cost_model.py's [Note: time model]); the runtime overlaps across ops, serializes
+docs/design/cost_model.md's [Note: time model]); the runtime overlaps across ops, serializes
 collectives on one stream, coalesces small units, stalls on the reduction queue and
 regathers for checkpoint recomputes. So the search's optimum is re-checked against a
 few strong alternatives, each priced by ``simulate_step``:

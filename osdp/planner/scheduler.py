@@ -18,7 +18,7 @@ batch sizes, at a few searches instead of one per batch. When even MAX_BATCH fit
 (a huge memory limit), the sweep stops there and says so (``Scheduled.batch_capped``).
 
 [Note: rep family]
-Making a unit ``rep`` (replicated, DDP per unit: cost_model.py's [Note: rep mode])
+Making a unit ``rep`` (replicated, DDP per unit: docs/design/cost_model.md's [Note: rep mode])
 changes the static bytes (its whole parameters, optimizer state, maybe its ``.grad`` and
 a param_dtype copy) and adds choice-independent per-op gradient bytes; the search takes
 both as given. So the rep set is fixed per search problem, and under policy "osdp"

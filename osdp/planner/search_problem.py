@@ -1,6 +1,6 @@
 """The search problem: what the exact search sees of the cost model.
 
-The cost model (``cost_model.py``) turns a model description, a device and a batch
+The cost model (``cost_model/``) turns a model description, a device and a batch
 size into a ``SearchProblem``: for every operator, a table of options (one per slice
 granularity g and number k of slices in ``zdp``), each with its time and its memory
 terms. The search (``search.py``, and the C++ core ``osdp._C``) only reads these tables,
@@ -85,7 +85,7 @@ class SearchProblem:
     seg_names: tuple[str, ...] = ()
     # bytes live at the optimizer step, static included: the same for every plan, so a
     # problem whose step_bytes exceed limit_bytes has no feasible plan, and a plan's
-    # peak is at least step_bytes (cost_model.py's [Note: optimizer step moment])
+    # peak is at least step_bytes (cost_model/static.py's [Note: optimizer step moment])
     step_bytes: float = 0.0
 
     @property

@@ -5,7 +5,7 @@ plan (every micro-batch, then the optimizer) on two resources, the compute strea
 the comm stream, following the rules of the runtime's stream scheduler
 (``osdp/runtime/scheduler.py``), and says how long it takes, how busy each stream was
 and how much communication compute had to wait for. The exact search keeps its additive
-model (cost_model.py's [Note: time model]); ``rerank.py`` uses this simulation to choose
+model (docs/design/cost_model.md's [Note: time model]); ``rerank.py`` uses this simulation to choose
 among a few of the search's plans.
 
 [Note: step simulation]
@@ -91,8 +91,12 @@ import numpy as np
 
 from ..contract import (DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, MAX_INFLIGHT_REPLICATE_BUCKETS,
                         REPLICATE_BUCKET_BYTES, is_small_unit)
-from .cost_model import (ProblemTemplate, backward_needs_weights, gathered_bytes, layout_collectives, option_compute_s,
-                         reduced_bytes, template_optimizer_s)
+# the cost model's modules below memory.py, which imports this one ([Note: exact gathers])
+from .cost_model.settings import layout_collectives
+from .cost_model.template import ProblemTemplate
+from .cost_model.timing import option_compute_s, template_optimizer_s
+from .cost_model.unit_bytes import gathered_bytes, reduced_bytes
+from .cost_model.units import backward_needs_weights
 
 # the runtime's rules, from the contract both sides import
 RUNTIME_COALESCE_BYTES = DEFAULT_COALESCE_BYTES
@@ -652,7 +656,7 @@ def gathered_at_compute(template: ProblemTemplate, batch: int, option_index, var
     """``(phase, op, slice) -> bytes``: the gathered weights (kept ``dp`` ones included)
     while each op's (slice's) forward and backward compute, as the runtime's prefetch
     leaves them: whole units in use order, up to the window, skipping gathered ones,
-    stopping at the first that does not fit ([Note: exact gathers] in cost_model.py).
+    stopping at the first that does not fit ([Note: exact gathers] in cost_model/memory.py).
     Phase "after backward": once the op's backward hook freed its weights and
     prefetched the next units, while its gradient is still live."""
     t = template

@@ -27,7 +27,7 @@ none of the op's parameters has a gradient yet; the parameters' ``.grad`` are vi
 of it. Where gradients persist (no ``zero_grad`` between backward passes, gradient
 accumulation) each slice's result is added into them instead. The planner counts the
 whole gradient shard from the op's first reduction on ([Note: split backward moments]
-in planner/cost_model.py).
+in planner/cost_model/options.py).
 """
 from __future__ import annotations
 

@@ -1,0 +1,60 @@
+"""The prefetch window and the bytes the runtime can gather ahead of each op within it
+(docs/design/cost_model.md's [Note: memory model])."""
+from __future__ import annotations
+
+import math
+
+from ..description import ModelDesc
+from .replicate import rep_op_mask
+from .settings import PlannerSettings, slice_choices
+from .unit_bytes import gathered_bytes
+
+WINDOW_BUDGET_SHARE = 1 / 50
+
+
+def prefetch_window(desc: ModelDesc, settings: PlannerSettings, budget_bytes: float = math.inf) -> float:
+    """Default: room for two slices of the largest op, each op cut only as finely as
+    needed for a slice to stay within 2% of the memory budget (so a model whose units
+    are all small overlaps every gather unsplit, and a giant op still overlaps once
+    split). Unsplittable ops do not set it: they run with their gather exposed rather
+    than inflate every op's window."""
+    if settings.prefetch_bytes is not None:
+        return float(settings.prefetch_bytes)
+    cap = budget_bytes * WINDOW_BUDGET_SHARE
+    rep = rep_op_mask(desc, settings)  # rep units are never gathered
+    slices = []
+    for i, op in enumerate(desc.ops):
+        if op.splittable and not rep[i]:
+            sizes = [gathered_bytes(op, settings) / g for g in slice_choices(op, settings)]
+            slices.append(next((size for size in sizes if size <= cap), sizes[-1]))
+    if not slices:
+        slices = [gathered_bytes(op, settings) for i, op in enumerate(desc.ops) if not rep[i]]
+    return 2.0 * max(slices, default=0.0)
+
+
+def _ahead_bytes(desc: ModelDesc, window: float, settings: PlannerSettings) -> tuple[list[float], list[float]]:
+    """Bytes that can be gathered ahead of each op: the following ops in forward, the
+    preceding ones in backward, capped by the window."""
+    rep = rep_op_mask(desc, settings)  # rep units are never gathered
+    sizes = [gathered_bytes(op, settings) if not (op.tied_to or rep[i]) else 0 for i, op in enumerate(desc.ops)]
+    after, before = [0.0] * len(sizes), [0.0] * len(sizes)
+    acc = 0.0
+    for i in range(len(sizes) - 1, -1, -1):
+        after[i] = min(window, acc)
+        acc = min(window, acc + sizes[i])
+    acc = 0.0
+    for i, size in enumerate(sizes):
+        before[i] = min(window, acc)
+        acc = min(window, acc + size)
+    return after, before
+
+
+def _forward_prefetch(s: float, window: float, after: float) -> float:
+    """Bytes prefetched beside a forward use of a slice of ``s`` bytes, ``after`` being
+    what the next ops could gather (``_ahead_bytes``): the window holds the slice in
+    use too, kept dp or not (runtime/prefetch.py gathers it counting the unit in use,
+    [Note: transient bytes] in lifecycle.py); the slice itself is counted by the caller
+    (as a gather, or in the prefix when kept). In backward the window is filled at the
+    previous use's release, when nothing of this op is in use: there a dp slice
+    leaves the whole window to prefetches (``min(window, own + before)``)."""
+    return 0.0 if s > window else min(window - s, after)

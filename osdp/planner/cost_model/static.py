@@ -1,0 +1,121 @@
+"""Bytes that do not depend on the search's choices: the static states every plan pays,
+the sharded gradients alive at each op, and the optimizer step's moment
+(docs/design/cost_model.md's [Note: memory model]; [Note: optimizer step moment] here)."""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..description import ModelDesc
+from ..device import DeviceInfo
+from .replicate import _rep_grad_sizes, _rep_owner, rep_op_mask, replicate_buckets
+from .settings import PlannerSettings, _grad_persists, layout_collectives
+from .unit_bytes import activation_scale, element_bytes, reduced_bytes
+
+LOSS_SCALARS_BYTES = 8.0  # the loss and the gradient backward starts from: two fp32 scalars
+
+
+def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
+    """Bytes every plan pays: 1/N shards of params, grads and optimizer state (padded),
+    and with gradient accumulation synced only at the last micro-batch, the unsharded
+    gradient accumulators of every unit. Units that are ``rep`` under ``settings`` hold
+    all of theirs instead ([Note: rep mode]): ``replicated_*``, present only when some are."""
+    n = layout_collectives(device, settings).shard_ranks
+    rep = rep_op_mask(desc, settings)
+    params = grads = optim = accumulators = 0.0
+    r_params = r_optim = r_grads = r_copies = 0.0
+    for i, op in enumerate(desc.ops):
+        e = element_bytes(op)
+        accumulators += reduced_bytes(op, settings)
+        if _rep_owner(desc, rep, i):
+            r_params += op.param_count * e
+            r_optim += op.param_count * settings.optimizer_state_bytes_per_param \
+                + op.param_tensors * settings.optimizer_state_bytes_per_tensor
+            r_grads += op.param_count * e if _grad_persists(settings) else 0.0
+            if settings.param_dtype_bytes is not None and settings.param_dtype_bytes != e:
+                r_copies += op.param_count * settings.param_dtype_bytes  # the kept param_dtype copy
+            continue
+        shard = math.ceil(op.param_count / n)
+        params += shard * e
+        grads += shard * e
+        optim += shard * settings.optimizer_state_bytes_per_param + op.param_tensors * settings.optimizer_state_bytes_per_tensor
+    result = {
+        "sharded_params": params,
+        "optimizer_state": optim,
+        "constant": float(device.constant_bytes) + desc.act_constant_bytes * activation_scale(desc, settings)
+        + LOSS_SCALARS_BYTES,
+    }
+    if settings.accumulation_steps > 1 and settings.gradient_sync == "last":
+        result["grad_accumulators"] = accumulators
+    if not settings.grads_set_to_none:
+        result["sharded_grads"] = grads
+    if rep.any():
+        result.update(replicated_params=r_params, replicated_optimizer_state=r_optim)
+        if r_grads:
+            result["replicated_grads"] = r_grads
+        if r_copies:
+            result["replicated_param_copies"] = r_copies
+    return result
+
+
+def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
+    """[Note: optimizer step moment] The bytes live while the optimizer steps, by
+    category. Backward is over: no gathered weight, activation or gradient buffer is
+    left, every gradient is reduced (sharded, and the rep units' whole ``.grad``), and
+    AdamW makes its temporaries beside the static states:
+      per_tensor  torch's for-loop AdamW (its default off CUDA) steps one parameter
+                  tensor at a time: ``exp_avg_sq.sqrt() / bias_correction2_sqrt`` holds
+                  two copies of it while ``denom`` still holds the previous tensor's:
+                  the most of 2 x a local tensor + the one before it (OpDesc.tensors,
+                  in registration order, taken to follow op order; measured: three
+                  4 MiB tensors step with 12 MiB of temporaries, one with 8; W&S 2x768
+                  all rep, 2 x c_fc's weight + a bias, to 2 KB)
+      foreach     torch's default on CUDA: ``_foreach_sqrt`` of every exp_avg_sq at
+                  once: one copy of every local tensor
+      none        fused AdamW: one kernel, no temporaries
+      auto        unresolved (no model device seen): the larger of the first two
+    A local tensor is bounded by itself and by its unit's shard (a rep unit's: all of
+    it); a split op is bounded unsplit, since its slices' shards are smaller (the moment
+    stays the same for every choice of the search, which checks it once). Adam with an
+    L2 weight decay (not AdamW) copies each gradient too: not priced."""
+    n = layout_collectives(device, settings).shard_ranks
+    rep = rep_op_mask(desc, settings)
+    static = static_bytes(desc, device, settings)
+    parts = {k: v for k, v in static.items() if k != "constant"}
+    # the activations' batch-independent part is freed with the graph; the loss stays
+    parts["constant"] = float(device.constant_bytes) + LOSS_SCALARS_BYTES
+    local = [op.param_count * element_bytes(op) if _rep_owner(desc, rep, i)
+             else math.ceil(op.param_count / n) * element_bytes(op)
+             for i, op in enumerate(desc.ops)]
+    # every parameter tensor the optimizer steps, in its order (registration order,
+    # which follows op order in the models OSDP describes): a tensor's local piece is at
+    # most the tensor and at most its unit's shard
+    pieces = [min(numel, math.ceil(op.param_count / n)) * element_bytes(op) if not _rep_owner(desc, rep, i)
+              else numel * element_bytes(op)
+              for i, op in enumerate(desc.ops) for numel in op.tensors]
+    if settings.grads_set_to_none:
+        parts["sharded_grads"] = float(sum(math.ceil(op.param_count / n) * element_bytes(op)
+                                           for i, op in enumerate(desc.ops) if not rep[i]))
+    rep_done = sum(_rep_grad_sizes(desc.ops[i], settings)[2] for bucket in replicate_buckets(desc, settings, rep)
+                   for i in bucket)
+    if rep_done:
+        parts["replicated_grads"] = float(rep_done)
+    # two copies of each tensor beside the previous tensor's denom
+    per_tensor = max((2.0 * x + (pieces[j - 1] if j else 0.0) for j, x in enumerate(pieces)), default=0.0)
+    foreach = float(sum(local))
+    parts["optimizer_temporaries"] = {"per_tensor": per_tensor, "foreach": foreach, "none": 0.0,
+                                      "auto": max(per_tensor, foreach)}[settings.optimizer_temporaries]
+    return parts
+
+
+def sharded_grads_after(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> np.ndarray:
+    """Per op i, bytes of the sharded gradients alive while op i runs: with gradients
+    set to None between steps, those of the ops after i (backward has reduced them)."""
+    if not settings.grads_set_to_none:
+        return np.zeros(len(desc.ops))
+    n = layout_collectives(device, settings).shard_ranks
+    rep = rep_op_mask(desc, settings)  # a rep unit's gradient: replicated_grads_bytes
+    shard = np.array([0.0 if rep[i] else math.ceil(op.param_count / n) * element_bytes(op)
+                      for i, op in enumerate(desc.ops)])
+    return np.concatenate((np.cumsum(shard[::-1])[::-1][1:], [0.0]))

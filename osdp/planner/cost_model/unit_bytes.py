@@ -1,0 +1,45 @@
+"""Bytes of one op's weights and activations as the plan holds them: at rest (the
+model's dtype), gathered (param_dtype), reduced (reduce_dtype), saved activations in the
+compute dtype, and a vocabulary head's logits (docs/design/cost_model.md's [Note: memory
+model] and [Note: fused vocabulary-split loss])."""
+from __future__ import annotations
+
+from ..description import ModelDesc, OpDesc
+from .settings import PlannerSettings
+
+
+def element_bytes(op: OpDesc) -> float:
+    """Bytes per parameter at rest (the model's own dtype: the master copy)."""
+    return op.param_bytes / op.param_count if op.param_count else 0.0
+
+
+def gathered_bytes(op: OpDesc, settings: PlannerSettings) -> float:
+    """Bytes of the unit's full weights as gathered and computed with."""
+    if settings.param_dtype_bytes is None or not op.param_count:
+        return float(op.param_bytes)
+    return float(op.param_count * settings.param_dtype_bytes)
+
+
+def reduced_bytes(op: OpDesc, settings: PlannerSettings) -> float:
+    """Bytes of the unit's full gradient as reduce-scattered."""
+    return float(op.param_count * (settings.reduce_dtype_bytes or element_bytes(op)))
+
+
+def activation_scale(desc: ModelDesc, settings: PlannerSettings) -> float:
+    """Saved activations shrink with the compute dtype (the description was measured in
+    the model's own dtype)."""
+    if settings.param_dtype_bytes is None:
+        return 1.0
+    counted = [op for op in desc.ops if op.param_count]
+    model_bytes = sum(op.param_bytes for op in counted) / max(sum(op.param_count for op in counted), 1)
+    return settings.param_dtype_bytes / model_bytes if model_bytes else 1.0
+
+
+def fused_logits_bytes(desc: ModelDesc, i: int) -> float:
+    """Logits bytes per sample that a vocabulary-split option of op ``i`` never holds
+    ([Note: fused vocabulary-split loss]); 0 unless op ``i`` is the model's last op (the
+    saved logits are then seen by no later op, so the saving is an option's own term)."""
+    op = desc.ops[i]
+    if i != len(desc.ops) - 1 or op.logits_bytes_per_sample <= 0:
+        return 0.0
+    return float(min(op.logits_bytes_per_sample, op.act_bytes_per_sample))
