@@ -20,7 +20,7 @@ from .planner.device import DeviceInfo
 from .planner.inputs import as_example_inputs, auto_mode_loss
 from .planner.plan import Plan
 from .planner.planner import make_plan
-from .planner.profiler import profile
+from .profiler import profile
 from .planner.uniform_plan import uniform_plan
 from .profiler import TrialPool, measure_plans
 from .rank_agreement import broadcast_from_rank0, check_same_plan, is_rank0
@@ -109,7 +109,7 @@ def auto_plan(
     micro-batch and ``accumulation_steps``). ``layout``: the runtime's ShardLayout
     (``osdp.OSDP`` passes its own): the plan is made for it (:func:`for_layout`). Other
     keyword arguments go to
-    :func:`osdp.planner.profile` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
+    :func:`osdp.profiler.profile` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
 
     ``calibrate`` (default on, with a process group): the plan is then measured on the
     runtime (a copy of ``model`` wrapped with it, ``calibration_steps`` timed steps) and,
@@ -138,7 +138,7 @@ def _forked_holder(model, process_group, layout, mixed_precision, param_init_fn)
 def value_holder(model, process_group, layout, mixed_precision, param_init_fn):
     """``model`` (on the meta device) wrapped as FSDP, all units ``zdp`` (the least memory
     a wrapped model holds), and initialized: what holds its values while auto mode
-    measures it ([Note: one trial at a time] in osdp/profiler/runtime.py)."""
+    measures it ([Note: one trial at a time] in osdp/profiler/plans.py)."""
     where = {"mesh": layout} if layout is not None else {"process_group": process_group}
     return ShardedModel(meta_skeleton(model), default_mode="zdp", mixed_precision=mixed_precision, memory_check=False,
                         param_init_fn=param_init_fn, **where)

@@ -10,12 +10,15 @@ import pytest
 
 PLANNER = ["osdp.planner." + m for m in (
     "description", "gpt_desc", "checks", "cluster", "run", "device", "cost_model", "search", "search_problem",
-    "scheduler", "plan", "planner", "profiler", "step_sim", "rerank", "inputs", "calibration",
+    "batch_sweep", "plan", "planner", "step_sim", "rerank", "inputs", "calibration", "profile_cache", "uniform_plan",
+    "fake_describe", "collective_cost", "llama_desc",
 )]
 
 
 @pytest.mark.parametrize("modules,forbidden", [
     (PLANNER, "osdp.runtime"),
+    # the hardware micro-benchmark (torch collectives and compute) is osdp.profiler's
+    (["osdp.planner"] + PLANNER, "osdp.profiler"),
     (["osdp.ops", "osdp.ops.matmul_split", "osdp.ops.split_embedding"], "osdp.runtime"),
     (["osdp.contract"], "osdp.planner"),
     # Triton (about 80 MiB resident) is imported by the first CUDA slice matmul, not by the

@@ -8,7 +8,7 @@ of the model with ``osdp.OSDP`` and times real training steps); auto mode
 [Note: what the profiler fits]
 Two kinds of numbers feed the cost model, from two kinds of measurement:
 
-1. hardware, per op and per collective (``osdp.planner.profile``): α/β of all-gather and
+1. hardware, per op and per collective (``osdp.profiler.profile``): α/β of all-gather and
    of the gradient collective the runtime uses on this backend, timed as bare
    collectives over message sizes; per-unit forward/backward compute fitted over the
    batch, timed with hooks on the UNWRAPPED model; the split matmul's efficiency.

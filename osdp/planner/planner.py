@@ -11,7 +11,7 @@ from .cost_model import PlannerSettings
 from .description import ModelDesc
 from .device import DeviceInfo
 from .plan import Plan, Prediction, UnitDecision
-from .scheduler import Scheduled, check_batch, schedule
+from .batch_sweep import Scheduled, check_batch, schedule
 
 # baseline name -> settings overrides (policy, checkpointing); "ddp": every unit rep
 BASELINES = {

@@ -38,7 +38,7 @@ from ..errors import InfeasiblePlanError
 from .cost_model import PlannerSettings, build_template, evaluate, gathered_bytes
 from .description import ModelDesc
 from .device import DeviceInfo
-from .scheduler import Scheduled, beat_bound, schedule, search_batch
+from .batch_sweep import Scheduled, beat_bound, schedule, search_batch
 from .search import evaluate_assignment, feasible
 from .search_problem import SearchResult
 from .step_sim import StepSim, simulate_scheduled

@@ -18,7 +18,7 @@ def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
     ``settings`` give the rest (mixed precision, layout, window). Its predictions are the
     cost model's for exactly this assignment."""
     from .planner import plan_from_schedule
-    from .scheduler import finish_schedule
+    from .batch_sweep import finish_schedule
     from .search import evaluate_assignment
     from .search_problem import SearchResult
 

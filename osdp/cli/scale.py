@@ -33,13 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
-from .errors import InfeasiblePlanError
-from .sizes import format_bytes
-from .planner.cluster import load_cluster
-from .planner.cost_model import PlannerSettings, _option_times, option_compute_s, optimizer_step_s
-from .planner.llama_desc import describe_llama, llama_preset
-from .planner.run import RunSettings
-from .planner.scheduler import Scheduled, schedule
+from ..errors import InfeasiblePlanError
+from ..sizes import format_bytes
+from ..planner.cluster import load_cluster
+from ..planner.cost_model import PlannerSettings, _option_times, option_compute_s, optimizer_step_s
+from ..planner.llama_desc import describe_llama, llama_preset
+from ..planner.run import RunSettings
+from ..planner.batch_sweep import Scheduled, schedule
 
 SCALE_PROFILES = ("h100-ib-ndr", "a100-ib-hdr", "pcie-100gbe")
 SCALE_MODELS = ("llama2-7b", "llama2-13b", "llama2-70b")
@@ -183,7 +183,7 @@ def format_scale(rows, profile: str) -> str:
     head = f"{'model':<11} {'GPUs':>5}  " + "  ".join(f"{s:>{widths[s]}}" for s in systems)
     lines = [f"osdp simulate --scale: {cluster.name} ({profile}), {format_bytes(cluster.device_memory_bytes)} per GPU",
              "predicted samples/s per GPU and tokens/s per GPU; (x): OSDP / peer. Peers are fixed-choice plans "
-             "priced by the same cost model (osdp/scale.py says what is and is not modelled).",
+             "priced by the same cost model (osdp/cli/scale.py says what is and is not modelled).",
              head, "-" * len(head)]
     notes = []
     for prof, model, world, runs in rows:

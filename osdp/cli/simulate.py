@@ -8,14 +8,14 @@ paper does; "auto" lets the planner choose per block). Ratios are OSDP / FSDP sa
 """
 from __future__ import annotations
 
-from .errors import InfeasiblePlanError
-from .models import get_preset
-from .sizes import format_bytes
-from .planner.cost_model import PlannerSettings
-from .planner.cluster import DEFAULT_CLUSTER, load_cluster
-from .planner.gpt_desc import describe_gpt
-from .planner.run import RunSettings
-from .planner.scheduler import schedule
+from ..errors import InfeasiblePlanError
+from ..models import get_preset
+from ..sizes import format_bytes
+from ..planner.cost_model import PlannerSettings
+from ..planner.cluster import DEFAULT_CLUSTER, load_cluster
+from ..planner.gpt_desc import describe_gpt
+from ..planner.run import RunSettings
+from ..planner.batch_sweep import schedule
 
 FAMILIES = {
     "N&D": ["nd-48x1024", "nd-96x1024", "nd-64x1536"],
@@ -159,7 +159,7 @@ def _why_no_plan(name: str, exc: InfeasiblePlanError) -> str:
 
 def _context(family: str, desc, device, run) -> list[str]:
     """Computed facts of the cell that the paper's setting may not share."""
-    from .planner.cost_model import static_bytes
+    from ..planner.cost_model import static_bytes
 
     facts = []
     total = desc.param_count
@@ -192,7 +192,7 @@ def _busy_s(run) -> tuple[float, float]:
     """Compute and communication seconds of a scheduled plan's step (cost model)."""
     import numpy as np
 
-    from .planner.cost_model import option_compute_s
+    from ..planner.cost_model import option_compute_s
 
     t, chosen = run.template, np.asarray(run.result.option_index)
     comp_f, comp_b = option_compute_s(t, run.batch)

@@ -1,7 +1,7 @@
 """Profiler: measure what the cost model needs on the real hardware and process group.
 
-    desc, cluster, run = osdp.planner.profile(model, example_inputs, memory_limit="8GiB")
-    device = cluster.for_run(run)          # or: osdp.planner.profile(...).device
+    desc, cluster, run = osdp.profiler.profile(model, example_inputs, memory_limit="8GiB")
+    device = cluster.for_run(run)          # or: osdp.profiler.profile(...).device
 
 What is measured is hardware, a ``ClusterProfile`` (links, compute, overheads; savable
 with ``cluster.save(path)`` and loadable with ``osdp.planner.load_cluster(path)``), apart from
@@ -66,13 +66,13 @@ from ..errors import OSDPError
 from ..contract import gradient_collective
 from ..sizes import format_bytes, parse_bytes
 from ..torch_names import all_gather_flat, reduce_scatter_flat
-from .cost_model import shape_key
-from .description import ModelDesc, describe
-from .inputs import as_example_inputs, batch_loss
-from .cluster import ClusterProfile
-from .device import CollectiveCost, ComputeFit, DeviceInfo
-from .profile_cache import ProfileCache, machine_key, steady, timed_samples
-from .run import RunSettings
+from ..planner.cost_model import shape_key
+from ..planner.description import ModelDesc, describe
+from ..planner.inputs import as_example_inputs, batch_loss
+from ..planner.cluster import ClusterProfile
+from ..planner.device import CollectiveCost, ComputeFit, DeviceInfo
+from ..planner.profile_cache import ProfileCache, machine_key, steady, timed_samples
+from ..planner.run import RunSettings
 
 log = logging.getLogger("osdp.profile")
 DEFAULT_COMM_SIZES = tuple(4096 * 4**i for i in range(8))  # 4 KiB .. 64 MiB
@@ -357,7 +357,7 @@ def _cached(cache: ProfileCache, rank: int, process_group, distributed: bool, wa
 
 class Profiled(NamedTuple):
     """What ``profile`` returns: the model, this cluster's hardware as measured, and the
-    run it was measured under (``desc, cluster, run = osdp.planner.profile(...)``)."""
+    run it was measured under (``desc, cluster, run = osdp.profiler.profile(...)``)."""
 
     desc: ModelDesc
     cluster: ClusterProfile

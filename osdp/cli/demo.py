@@ -12,7 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .sizes import format_bytes
+from ..sizes import format_bytes
 
 DEMO_COMM_SIZES = (4096, 65536, 1 << 20, 4 << 20)  # enough for a model of a few MiB
 
@@ -104,15 +104,15 @@ def _demo_rank(rank, world, preset, memory, steps, cache_dir, reprofile=False):
 
 
 def run_demo(args) -> int:
-    from .errors import OSDPError
-    from .models import get_preset
-    from .sizes import parse_bytes
+    from ..errors import OSDPError
+    from ..models import get_preset
+    from ..sizes import parse_bytes
 
     get_preset(args.preset)  # fail fast, in this process, on a bad name
     parse_bytes(args.memory, "--memory")
     if args.world_size < 1 or args.steps < 1:
         raise OSDPError("--world-size and --steps must be positive integers")
-    from .launch import spawn
+    from ..launch import spawn
 
     try:
         spawn(_demo_rank, args.world_size, args.preset, args.memory, args.steps, None,

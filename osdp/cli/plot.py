@@ -1,10 +1,10 @@
 """``osdp plan --plot``: per-unit decisions along the model and predicted memory over a step."""
 from __future__ import annotations
 
-from .errors import OSDPError
-from .planner.cost_model import PlannerSettings, build_template, live_memory
-from .planner.plan import Plan
-from .sizes import byte_unit
+from ..errors import OSDPError
+from ..planner.cost_model import PlannerSettings, build_template, live_memory
+from ..planner.plan import Plan
+from ..sizes import byte_unit
 
 
 def plan_assignment(plan: Plan, template):
