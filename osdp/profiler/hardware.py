@@ -63,6 +63,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from ..errors import OSDPError
+from ..ops import MatmulSplit, registered_split_ops
 from ..contract import gradient_collective
 from ..sizes import format_bytes, parse_bytes
 from ..torch_names import all_gather_flat, reduce_scatter_flat
@@ -291,8 +292,6 @@ def profile_split_efficiency(in_features: int, out_features: int, tokens: int, s
     ``osdp.ops`` op; its own slice math and kernels: fp32 accumulate, slices as views)
     relative to the unsplit one, per slice count; ``noisy`` collects ``"split"`` when a
     timing stayed noisy after re-measures (``profile_cache.steady``)."""
-    from ..ops import registered_split_ops
-
     op = registered_split_ops()[split_op or "linear_in_features"]
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     x = torch.randn(tokens, in_features, device=device, dtype=dtype)
@@ -449,16 +448,12 @@ def profile(
     if todo_keys and not on_meta:
         fits.update(profile_compute(model, inputs, desc, batches, loss_fn, repeats, set(cached_fits), bar, noisy,
                                     time_limit_s=compute_time_s))
-    from ..ops import MatmulSplit, registered_split_ops as _ops
-
     # split efficiency is a matmul's: ops split otherwise (an embedding's rows) are left out
     splittable = [op for op in desc.ops if op.splittable and op.param_count
-                  and issubclass(_ops().get(op.split_op or "linear_in_features", MatmulSplit), MatmulSplit)]
+                  and issubclass(registered_split_ops().get(op.split_op or "linear_in_features", MatmulSplit), MatmulSplit)]
     widest = max(splittable, key=lambda op: op.param_count, default=None)
     tokens = example_batch * max(1, round(widest.flops_per_sample / (2 * widest.param_count))) if widest else 0
     if widest:  # OpDesc.in_features is the length of the axis its split op cuts
-        from ..ops import registered_split_ops
-
         axis, other = widest.in_features, widest.param_count // widest.in_features
         k, n = (axis, other) if registered_split_ops()[widest.split_op or "linear_in_features"].cut == "in" else (other, axis)
     split_key = f"{compute_key}|{widest.split_op}|{k}x{n}x{tokens}" if widest else ""
