@@ -53,7 +53,7 @@ def _settings():
 def plan_of_kind(desc, device, kind: str, batch: int):
     """A Plan of one kind at ``batch`` with the cost model's predictions."""
     from osdp.planner.planner import plan_from_schedule
-    from osdp.planner.scheduler import schedule
+    from osdp.planner.batch_sweep import schedule
     from osdp.planner.uniform_plan import uniform_plan
 
     settings = _settings()
@@ -82,7 +82,7 @@ def _run(rank, world, model_name, limit_bytes, steps, cache_dir, calibrate_on):
     from osdp.auto import split_reference
     from osdp.models import GPT, example_batch
     from osdp.planner import calibration as cal
-    from osdp.planner.profiler import profile
+    from osdp.profiler.hardware import profile
     from osdp.profiler import measure_plans
 
     config = MODELS[model_name]

@@ -39,7 +39,7 @@ from osdp.planner.cluster import load_cluster  # noqa: E402
 from osdp.planner.cost_model import PlannerSettings  # noqa: E402
 from osdp.planner.gpt_desc import describe_gpt  # noqa: E402
 from osdp.planner.run import RunSettings  # noqa: E402
-from osdp.planner.scheduler import schedule  # noqa: E402
+from osdp.planner.batch_sweep import schedule  # noqa: E402
 
 
 COMMAND = ("plan --layers 96 --hidden 12288 --heads 96 --seq 2048 --vocab 50304 --world-size 256 "

@@ -49,7 +49,7 @@ def _run(rank, world, model_name, label, batches, steps, cache_dir):
     from osdp.models import GPT, example_batch
     from osdp.planner import calibration as cal
     from osdp.planner.cost_model import PlannerSettings
-    from osdp.planner.profiler import profile
+    from osdp.profiler.hardware import profile
     from osdp.planner.uniform_plan import uniform_plan
     from osdp.profiler import measure_plans
 

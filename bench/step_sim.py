@@ -22,7 +22,7 @@ from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster  # noqa: E402
 from osdp.planner.cost_model import PlannerSettings, build_template, evaluate  # noqa: E402
 from osdp.planner.gpt_desc import describe_gpt  # noqa: E402
 from osdp.planner.run import RunSettings  # noqa: E402
-from osdp.planner.scheduler import Scheduled, schedule, search_batch  # noqa: E402
+from osdp.planner.batch_sweep import Scheduled, schedule, search_batch  # noqa: E402
 from osdp.planner.search_problem import SearchResult  # noqa: E402
 from osdp.planner.step_sim import simulate_scheduled  # noqa: E402
 

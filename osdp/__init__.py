@@ -52,8 +52,9 @@ def __getattr__(name: str):
     if name in _PLANNER_NAMES:
         import warnings
 
-        warnings.warn(f"osdp.{name} moved to osdp.planner.{name}", DeprecationWarning, stacklevel=2)
-        return getattr(importlib.import_module("osdp.planner"), name)
+        home = "osdp.profiler" if name == "profile" else "osdp.planner"
+        warnings.warn(f"osdp.{name} moved to {home}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(importlib.import_module(home), name)
     raise AttributeError(f"module 'osdp' has no attribute {name!r}")
 
 

@@ -20,7 +20,7 @@ from .planner.plan import plan_from_arg
 from .sizes import parse_bytes
 from .runtime.args import device_arg
 from .runtime.build import build_units, register_params
-from .runtime.checkpoint import apply_checkpointing
+from .runtime.activation_checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .api import ShardedModel
-from .errors import InfeasiblePlanError, OSDPError
+from .errors import OSDPError
 from .measured_choice import measured_choice
 from .measured_plans import MeasuredPlans
 from .planner import calibration as cal
@@ -20,10 +20,10 @@ from .planner.device import DeviceInfo
 from .planner.inputs import as_example_inputs, auto_mode_loss
 from .planner.plan import Plan
 from .planner.planner import make_plan
-from .planner.profiler import profile
+from .profiler import profile
 from .planner.uniform_plan import uniform_plan
 from .profiler import TrialPool, measure_plans
-from .rank_agreement import broadcast_from_rank0, check_same_plan, is_rank0
+from .rank_agreement import check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
 from .planning_budget import DEFAULT_BUDGET_S, PROFILE_SHARE, PlanningBudget, predicted_step_s, show_progress
 from .runtime.materialize import has_meta, meta_skeleton
@@ -109,7 +109,7 @@ def auto_plan(
     micro-batch and ``accumulation_steps``). ``layout``: the runtime's ShardLayout
     (``osdp.OSDP`` passes its own): the plan is made for it (:func:`for_layout`). Other
     keyword arguments go to
-    :func:`osdp.planner.profile` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
+    :func:`osdp.profiler.profile` (``comm_sizes``, ``repeats``, ``batches``, ``use_cache``).
 
     ``calibrate`` (default on, with a process group): the plan is then measured on the
     runtime (a copy of ``model`` wrapped with it, ``calibration_steps`` timed steps) and,
@@ -138,7 +138,7 @@ def _forked_holder(model, process_group, layout, mixed_precision, param_init_fn)
 def value_holder(model, process_group, layout, mixed_precision, param_init_fn):
     """``model`` (on the meta device) wrapped as FSDP, all units ``zdp`` (the least memory
     a wrapped model holds), and initialized: what holds its values while auto mode
-    measures it ([Note: one trial at a time] in osdp/profiler/runtime.py)."""
+    measures it ([Note: one trial at a time] in osdp/profiler/plans.py)."""
     where = {"mesh": layout} if layout is not None else {"process_group": process_group}
     return ShardedModel(meta_skeleton(model), default_mode="zdp", mixed_precision=mixed_precision, memory_check=False,
                         param_init_fn=param_init_fn, **where)
@@ -225,20 +225,9 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
 def _plan_on_rank0(desc, device, settings, batch, global_batch, backend, process_group) -> Plan:
     """``make_plan`` on rank 0, broadcast; every rank raises the same error instead of
     hanging."""
-    outcome = None
-    if is_rank0(process_group):
-        try:
-            outcome = make_plan(desc, device, settings, batch=batch, backend=backend,
-                                global_batch=global_batch).to_dict()
-        except OSDPError as exc:
-            outcome = {"error": type(exc).__name__, "message": str(exc),
-                       "min_bytes": getattr(exc, "min_bytes", None), "breakdown": getattr(exc, "breakdown", None)}
-    outcome = broadcast_from_rank0(outcome, process_group)
-    if "error" in outcome:
-        if outcome["error"] == "InfeasiblePlanError":
-            raise InfeasiblePlanError(outcome["message"], outcome["min_bytes"], outcome["breakdown"])
-        raise OSDPError(outcome["message"])
-    plan = Plan.from_dict(outcome)
+    plan = Plan.from_dict(decide_on_rank0(
+        lambda: make_plan(desc, device, settings, batch=batch, backend=backend, global_batch=global_batch).to_dict(),
+        process_group))
     plan.check_model(desc.fingerprint(), device.world_size)
     return plan
 
@@ -292,8 +281,7 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
     refitted to all three.
     Returns the refitted device and the [(plan, measurement)] it was fitted to ([] and
     ``device`` when FSDP does not fit at ``batch``)."""
-    refs = None
-    if is_rank0(process_group):
+    def reference_plans():
         fsdp = settings.with_(policy="zdp", checkpointing="none", rerank=False, accumulation_steps=1)
         refs = []
         for b in sorted({batch, max(1, batch // 2)}, reverse=True):
@@ -308,17 +296,18 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
         if budget is not None and refs:
             plans = [Plan.from_dict(r) for r in refs]
             refs = [p.to_dict() for p in (budget.affordable(plans, "calibration's reference plans") or plans[:1])]
-    refs = [Plan.from_dict(r) for r in broadcast_from_rank0(refs, process_group)]
+        return refs
+
+    refs = [Plan.from_dict(r) for r in decide_on_rank0(reference_plans, process_group)]
     if not refs:
         return device, []
     observations = list(zip(refs, measure(refs)))
-    fitted = None
-    if is_rank0(process_group):
-        try:
-            fitted = cal.refit(desc, device, observations).to_dict()
-        except OSDPError as exc:
+    try:
+        fitted = decide_on_rank0(lambda: cal.refit(desc, device, observations).to_dict(), process_group)
+    except OSDPError as exc:
+        fitted = None
+        if is_rank0(process_group):
             log.warning("could not fit the runtime's factors (%s); planning on the profile alone", exc)
-    fitted = broadcast_from_rank0(fitted, process_group)
     return (device if fitted is None else DeviceInfo.from_dict(fitted, "calibrated device")), observations
 
 
@@ -382,7 +371,7 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     observations = [(plan, first)] + [(p, m) for p, m in reference if m is not first]
     info = {"factors": asdict(device.calibration), "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s,
             "constant_bytes": device.constant_bytes}
-    reasons = broadcast_from_rank0(cal.reasons_to_refit(plan, first, margin) if is_rank0(group) else None, group)
+    reasons = decide_on_rank0(lambda: cal.reasons_to_refit(plan, first, margin), group)
     info["reasons"] = reasons
     used = {id(m) for _, m in observations}
     info["observations"] = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "measured": m.to_dict(),
@@ -391,18 +380,16 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     if not reasons:
         return _annotated(plan, first, {**info, "decision": "kept: the model predicted it within 5% and with room "
                                                             "below the limit", **cal.predictions(desc, device, plan)})
-    outcome = None
-    if is_rank0(group):
-        try:
-            fitted = cal.refit(desc, hardware, observations)
-            replan = make_plan(desc, fitted, settings, batch=batch, backend=backend, global_batch=global_batch)
-            outcome = {"device": fitted.to_dict(), "replan": replan.to_dict()}
-        except OSDPError as exc:
-            outcome = {"error": str(exc)}
-    outcome = broadcast_from_rank0(outcome, group)
-    if "error" in outcome:
-        log.warning("calibration could not re-plan (%s); keeping the plan", outcome["error"])
-        return _annotated(plan, first, {**info, "decision": f"kept: re-planning failed ({outcome['error']})",
+    def refit_and_replan():
+        fitted = cal.refit(desc, hardware, observations)
+        replan = make_plan(desc, fitted, settings, batch=batch, backend=backend, global_batch=global_batch)
+        return {"device": fitted.to_dict(), "replan": replan.to_dict()}
+
+    try:
+        outcome = decide_on_rank0(refit_and_replan, group)
+    except OSDPError as exc:
+        log.warning("calibration could not re-plan (%s); keeping the plan", exc)
+        return _annotated(plan, first, {**info, "decision": f"kept: re-planning failed ({exc})",
                                         **cal.predictions(desc, device, plan)})
     fitted = DeviceInfo.from_dict(outcome["device"], "calibrated device")
     info.update(factors=asdict(fitted.calibration), memory_bandwidth_bytes_per_s=fitted.memory_bandwidth_bytes_per_s,
@@ -412,14 +399,14 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
         return _annotated(replan, first, {**info, "decision": "kept: the re-plan on the refitted model is the same plan",
                                           **cal.predictions(desc, fitted, replan)})
     budget = getattr(measure, "budget", None)
-    afford = budget is None or not is_rank0(group) or bool(budget.affordable([plan, replan], "calibration's re-plan"))
-    if not broadcast_from_rank0(afford, group):
+    if not decide_on_rank0(lambda: budget is None or bool(budget.affordable([plan, replan], "calibration's re-plan")),
+                           group):
         return _annotated(plan, first, {**info, "decision": "kept: the re-plan was not measured (the planning "
                                         "budget was spent)", **cal.predictions(desc, device, plan)})
     # both measured again, one after the other ([Note: one trial at a time])
     first, second = measure([plan, replan])
-    keep = None
-    if is_rank0(group):
+
+    def choose():
         keep_replan = cal.better((plan, first), (replan, second), margin)[0] is replan
         chosen, other = ((replan, second), (plan, first)) if keep_replan else ((plan, first), (replan, second))
         samples = [m.samples_per_s(p.world_size, p.accumulation_steps) for p, m in (chosen, other)]
@@ -428,8 +415,9 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
                     f"kept: the re-plan measured {samples[1]:.2f} samples/s against the plan's {samples[0]:.2f}")
         extra = {**info, "decision": decision, "other": {"plan": other[0].to_dict(), "measured": other[1].to_dict()},
                  **cal.predictions(desc, fitted, chosen[0])}
-        keep = _annotated(chosen[0], chosen[1], extra).to_dict()
-    return Plan.from_dict(broadcast_from_rank0(keep, group))
+        return _annotated(chosen[0], chosen[1], extra).to_dict()
+
+    return Plan.from_dict(decide_on_rank0(choose, group))
 
 
 def plan_summary(plan: Plan) -> str:

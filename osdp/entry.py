@@ -40,7 +40,7 @@ class OSDP(ShardedModel):
     ``osdp/planner/inputs.py``. A model built on the meta device
     is initialized first (``param_init_fn``, as without auto mode: the same values for the
     same seed), measured one trial at a time ([Note: one trial at a time] in
-    ``osdp/profiler/runtime.py``), and built with the plan from the last trial's values.
+    ``osdp/profiler/plans.py``), and built with the plan from the last trial's values.
     ``example_inputs``, ``settings``, ``loss_fn`` and ``auto_kwargs`` given with a plan,
     ``modes`` or ``splits`` would be ignored and are refused (:class:`ConfigError`);
     ``memory_limit`` there is the limit of the per-step memory check.

@@ -10,7 +10,7 @@ from .planner.cost_model import PlannerSettings
 from .planner.device import Calibration
 from .planner.plan import Plan
 from .planner.planner import make_plan
-from .rank_agreement import broadcast_from_rank0, is_rank0
+from .rank_agreement import decide_on_rank0, is_rank0
 from .sizes import format_bytes
 
 
@@ -185,12 +185,16 @@ def _tiebreak(best, measured, measure, group):
     most samples/s over those measurements (mean step time) wins; a fitting plan
     always over one over its limit. Returns ((plan, its last measurement), a record) or
     None when there was no tiebreak. Rank 0 decides; every rank measures."""
-    runner = close_runner_up(best, measured) if is_rank0(group) else None
     budget = getattr(measure, "budget", None)  # [Note: planning budget]
-    if runner is not None and budget is not None and not budget.affordable([best[0], runner[0]] * TIEBREAK_REPEATS,
-                                                                            "measured choice's tiebreak"):
-        runner = None
-    found = broadcast_from_rank0(runner[0].to_dict() if runner is not None else None, group)
+
+    def runner_up():
+        runner = close_runner_up(best, measured)
+        if runner is not None and budget is not None and not budget.affordable(
+                [best[0], runner[0]] * TIEBREAK_REPEATS, "measured choice's tiebreak"):
+            runner = None
+        return runner[0].to_dict() if runner is not None else None
+
+    found = decide_on_rank0(runner_up, group)
     if found is None:
         return None
     pair = [best[0], Plan.from_dict(found)]
@@ -254,10 +258,14 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
 
     def round_of(candidates):
         nonlocal best
-        if budget is not None and is_rank0(group) and candidates:
-            candidates = budget.affordable([best[0]] + candidates, "measured choice's candidates")[1:]
-        found = broadcast_from_rank0([p.to_dict() for p in candidates] if is_rank0(group) else None, group)
-        found = [Plan.from_dict(p) for p in found]
+
+        def affordable():
+            kept = candidates
+            if budget is not None and kept:
+                kept = budget.affordable([best[0]] + kept, "measured choice's candidates")[1:]
+            return [p.to_dict() for p in kept]
+
+        found = [Plan.from_dict(p) for p in decide_on_rank0(affordable, group)]
         if not found:
             return []
         # the best so far again: its steps interleaved with theirs
@@ -286,8 +294,8 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     tiebreak = _tiebreak(best, measured, measure, group)
     if tiebreak is not None:
         best, tiebreak_row = tiebreak
-    keep = None
-    if is_rank0(group):
+
+    def choose():
         chosen, result = best
         rows = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "checkpoint_blocks": len(p.checkpoint_blocks),
                  "notes": list(p.notes), "samples_per_s": _samples_per_s((p, m)), "peak_bytes": m.peak_bytes}
@@ -301,5 +309,6 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
             info.update(cal.predictions(desc, device, chosen))
         if tiebreak is not None:
             info["measured_choice"]["tiebreak"] = tiebreak_row
-        keep = replace(chosen, measured=result.to_dict(), calibration=info).to_dict()
-    return Plan.from_dict(broadcast_from_rank0(keep, group))
+        return replace(chosen, measured=result.to_dict(), calibration=info).to_dict()
+
+    return Plan.from_dict(decide_on_rank0(choose, group))

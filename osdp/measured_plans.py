@@ -28,7 +28,7 @@ import torch
 from .planner.inputs import as_example_inputs
 from .planner.plan import Plan
 from .planner.profile_cache import cache_dir, default_max_age_s, reprofile_requested
-from .rank_agreement import broadcast_from_rank0, is_rank0
+from .rank_agreement import decide_on_rank0, is_rank0
 
 log = logging.getLogger("osdp.auto")
 
@@ -78,15 +78,18 @@ class MeasuredPlans:
 
     def get(self, key: str) -> Plan | None:
         """The cached plan of ``key`` (rank 0's, on every rank), or None."""
-        found = None
-        if self.enabled and is_rank0(self.group) and not reprofile_requested():
+        def cached():
+            if not self.enabled or reprofile_requested():
+                return None
             path = self._file(key)
             try:
                 if path.is_file() and time.time() - path.stat().st_mtime <= default_max_age_s():
-                    found = Plan.load(str(path)).to_dict()
+                    return Plan.load(str(path)).to_dict()
             except Exception as exc:  # a damaged file: measured again, and replaced
                 log.warning("ignoring the cached plan %s (%s: %s); measuring again", path, type(exc).__name__, exc)
-        found = broadcast_from_rank0(found, self.group)
+            return None
+
+        found = decide_on_rank0(cached, self.group)
         return None if found is None else Plan.from_dict(found)
 
     def put(self, key: str, plan: Plan) -> None:

@@ -36,7 +36,7 @@ import sys
 import time
 
 from .errors import ConfigError
-from .rank_agreement import broadcast_from_rank0, is_rank0
+from .rank_agreement import decide_on_rank0, is_rank0
 
 log = logging.getLogger("osdp.auto")
 
@@ -99,31 +99,36 @@ class PlanningBudget:
         below ``floor`` (auto mode: the example batch, which the profile already ran: a
         model whose steps are slow at it is planned there, over the budget, rather than
         trained at a batch too small to use the device)."""
-        cap = None
-        if is_rank0(self.group):
+        def cap_on_rank0():
             step = predicted_step_s(plan)
             need = step * STEPS_AFTER_PLAN
             # a spent budget still measures the first plan: at the batch a quarter of it allows
             room = max(self.left(), MIN_SHARE * self.seconds)
-            floor = min(floor, plan.batch_size)
-            if need > room and plan.batch_size > floor:
-                cap = max(floor, int(plan.batch_size * room / need))
-                self.cut(f"batch capped at {cap}: the uncapped pick (batch {plan.batch_size}) steps in "
-                         f"{step * 1e3:.0f} ms predicted, and the ~{STEPS_AFTER_PLAN} steps measured after it "
-                         f"would take {need:.0f} s, {room:.0f} s are left")
-        return broadcast_from_rank0(cap, self.group)
+            lowest = min(floor, plan.batch_size)
+            if need <= room or plan.batch_size <= lowest:
+                return None
+            cap = max(lowest, int(plan.batch_size * room / need))
+            self.cut(f"batch capped at {cap}: the uncapped pick (batch {plan.batch_size}) steps in "
+                     f"{step * 1e3:.0f} ms predicted, and the ~{STEPS_AFTER_PLAN} steps measured after it "
+                     f"would take {need:.0f} s, {room:.0f} s are left")
+            return cap
+
+        return decide_on_rank0(cap_on_rank0, self.group)
 
     def steps(self, plans, steps: int, warmup: int) -> int:
         """Timed steps for measuring ``plans`` (rank 0's): ``steps``, or 1 when they
         would not fit in what is left."""
-        out = steps
-        if is_rank0(self.group) and steps > 1:
+        def steps_on_rank0():
+            if steps <= 1:
+                return steps
             cost = sum(predicted_step_s(p) * (REBUILD_STEPS + warmup + steps) for p in plans)
-            if cost > self.left():
-                out = 1
-                self.cut(f"1 timed step instead of {steps} for {len(plans)} plan(s): "
-                         f"{cost:.1f} s estimated, {max(self.left(), 0):.1f} s left")
-        return broadcast_from_rank0(out, self.group)
+            if cost <= self.left():
+                return steps
+            self.cut(f"1 timed step instead of {steps} for {len(plans)} plan(s): "
+                     f"{cost:.1f} s estimated, {max(self.left(), 0):.1f} s left")
+            return 1
+
+        return decide_on_rank0(steps_on_rank0, self.group)
 
     def affordable(self, plans, what: str, warmup: int = 2, steps: int = 1) -> list:
         """The prefix of ``plans`` whose measurement fits in what is left (at least

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from .errors import PlanMismatchError
+from . import errors
+from .errors import InfeasiblePlanError, OSDPError, PlanMismatchError
 from .planner.plan import Plan
 
 
@@ -25,6 +26,32 @@ def broadcast_from_rank0(obj, group=None):
 
 def is_rank0(group=None) -> bool:
     return not _distributed() or dist.get_rank(group) == 0
+
+
+def decide_on_rank0(decide, group=None):
+    """[Note: rank 0 decides] ``decide()`` runs on rank 0 of ``group`` only, and its
+    result (picklable: plans travel as ``to_dict()``) is returned on every rank. When it
+    raises an ``OSDPError``, every rank raises that error (its class, message, and an
+    ``InfeasiblePlanError``'s ``min_bytes`` and ``breakdown``) instead of the others
+    waiting for a broadcast that never comes. Without a process group: ``decide()``."""
+    if not _distributed():
+        return decide()
+    outcome = None
+    if is_rank0(group):
+        try:
+            outcome = {"value": decide()}
+        except OSDPError as exc:
+            outcome = {"error": type(exc).__name__, "message": str(exc),
+                       "min_bytes": getattr(exc, "min_bytes", None), "breakdown": getattr(exc, "breakdown", None)}
+    outcome = broadcast_from_rank0(outcome, group)
+    if "error" not in outcome:
+        return outcome["value"]
+    if outcome["error"] == "InfeasiblePlanError":
+        raise InfeasiblePlanError(outcome["message"], outcome["min_bytes"], outcome["breakdown"])
+    cls = getattr(errors, outcome["error"], None)
+    if isinstance(cls, type) and issubclass(cls, OSDPError) and cls.__init__ is OSDPError.__init__:
+        raise cls(outcome["message"])
+    raise OSDPError(outcome["message"])
 
 
 def check_same_plan(plan: Plan, group=None) -> None:

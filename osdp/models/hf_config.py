@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 
 from ..errors import OSDPError
+from ..planner.checks import read_json_file
+from ..planner.description import describe
 
 HF_CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs" / "hf"
 # without --seq: the config's context length, capped here (activations grow with it)
@@ -53,8 +55,6 @@ def _transformers():
 
 def load_hf_config(name_or_path: str):
     """The ``PretrainedConfig`` of a shipped name or a local ``config.json``."""
-    from ..planner.checks import read_json_file
-
     path = resolve_hf_config(name_or_path)
     data = read_json_file(path, "Hugging Face config")
     if not isinstance(data, dict):
@@ -120,8 +120,6 @@ def describe_hf_config(name_or_path: str, *, seq_len: int | None = None, dtype_b
     tensors at ``seq_len`` tokens per sample (default: the config's context length,
     capped at ``DEFAULT_MAX_SEQ``). The loss is the model's own (``labels=``)."""
     import torch
-
-    from ..planner.description import describe
 
     config = load_hf_config(name_or_path)
     context = context_length(config)

@@ -33,7 +33,7 @@ import sys as _sys  # noqa: E402
 
 def _register_lazy_ops() -> None:
     if "transformers.pytorch_utils" in _sys.modules and "osdp.ops.split_conv1d" not in _sys.modules:
-        from . import split_conv1d  # noqa: F401
+        from . import split_conv1d  # noqa: F401  -- inside: needs the optional transformers package
 
 
 def get_split_op(module, name: str = "", op_name: str | None = None):

@@ -8,7 +8,7 @@ of the model with ``osdp.OSDP`` and times real training steps); auto mode
 [Note: what the profiler fits]
 Two kinds of numbers feed the cost model, from two kinds of measurement:
 
-1. hardware, per op and per collective (``osdp.planner.profile``): α/β of all-gather and
+1. hardware, per op and per collective (``osdp.profiler.profile``): α/β of all-gather and
    of the gradient collective the runtime uses on this backend, timed as bare
    collectives over message sizes; per-unit forward/backward compute fitted over the
    batch, timed with hooks on the UNWRAPPED model; the split matmul's efficiency.
@@ -56,8 +56,10 @@ import numpy as np
 from ..errors import OSDPError
 from ..sizes import format_bytes
 from .cost_model import PlannerSettings, ProblemTemplate, build_template, evaluate, option_compute_s, option_unit_uses
-from .description import ModelDesc
+from .cost_model import optimizer_step_s
+from .model_desc import ModelDesc
 from .device import Calibration, DeviceInfo
+from .step_sim import simulate_step
 
 STEP_TOLERANCE = 0.05  # re-plan when the step is predicted further off than this
 COMPUTE_SCALE_RANGE = (0.1, 10.0)
@@ -199,8 +201,6 @@ def _raw_compute(a: Assignment) -> dict[str, tuple[float, float, float]]:
 
 def simulate(a: Assignment, device: DeviceInfo):
     """The step simulation of the assignment on ``device`` (its calibration)."""
-    from .step_sim import simulate_step
-
     return simulate_step(replace(a.template, device=device), a.batch, a.option_index, a.variant)
 
 
@@ -389,8 +389,6 @@ def fit_memory(observations: list[tuple[Assignment, Measurement]], device: Devic
 def fit_optimizer(observations: list[tuple[Assignment, Measurement]], device: DeviceInfo) -> float:
     """Memory bandwidth that makes the optimizer phase take what it measured (median
     over the plans; the optimizer does the same work in every plan)."""
-    from .cost_model import optimizer_step_s
-
     ratios = []
     for a, m in observations:
         predicted = optimizer_step_s(a.template.desc, device, a.template.settings)
@@ -500,8 +498,6 @@ def predicted_groups(a: Assignment, device: DeviceInfo) -> dict[str, float]:
 
 
 def simulate_step_timeline(a: Assignment, device: DeviceInfo):
-    from .step_sim import simulate_step
-
     return simulate_step(replace(a.template, device=device), a.batch, a.option_index, a.variant, timeline=True)
 
 

@@ -6,7 +6,7 @@
 A ``ClusterProfile`` holds the links (α/β per collective, per network level), compute
 speed, overheads and memory per device, with the sources of its numbers. It is loaded
 from JSON (``load_cluster``: a shipped profile in ``osdp/profiles/`` or a file) or
-measured by the profiler (``osdp.planner.profile``). ``for_run`` derives the ``DeviceInfo`` the
+measured by the profiler (``osdp.profiler.profile``). ``for_run`` derives the ``DeviceInfo`` the
 cost model reads.
 
 [Note: hardware apart from the run]

@@ -10,7 +10,7 @@ FLOP/s.
 Every field is checked when a ``DeviceInfo`` is made: its type, and > 0 (or >= 0 for
 overheads, intercepts and alpha/beta, which may be zero) and finite; an error names the
 field and, for a file, the file. Non-negative intercepts are also what the batch sweep's
-throughput bound relies on (scheduler.py, [Note: exact batch sweep]).
+throughput bound relies on (batch_sweep.py, [Note: exact batch sweep]).
 """
 from __future__ import annotations
 

@@ -63,6 +63,7 @@ import torch.nn as nn
 
 from ..errors import OSDPError
 from .inputs import ExampleInputs, LossFn, as_example_inputs
+from .model_desc import ModelDesc, _block_descs, _default_blocks, describe_tensors
 
 
 def has_meta_parameters(model: nn.Module) -> bool:
@@ -164,7 +165,7 @@ def describe_fake(
     batch_size: int | None = None,
     measure_backward: bool = True,
     loss_fn: LossFn | None = None,
-) -> "ModelDesc":  # noqa: F821
+) -> ModelDesc:
     """``describe(model, example_inputs, ...)`` measured on fake tensors: nothing of the
     model's size is allocated (see [Note: fake description equals the measured one]).
 
@@ -191,14 +192,12 @@ def _describe_all(model: nn.Module, inputs: ExampleInputs, device: torch.device,
     """describe(model) on fake tensors, every layer measured."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
-    from .description import describe
-
     fake_mode = FakeTensorMode()
     with fake_parameters(model, fake_mode, device):
         fake_in = _fake_inputs(fake_mode, inputs, device)
         try:
             with fake_mode, _unpacked_sequences():
-                return describe(model, fake_in, fake=False, **settings)
+                return describe_tensors(model, fake_in, **settings)
         except (DataDependentOutputException, torch._subclasses.fake_tensor.DynamicOutputShapeException) as exc:
             raise OSDPError(
                 f"{type(model).__name__} cannot be described without real data: an operator's output "
@@ -291,8 +290,6 @@ def _split(desc, path: str, count: int):
 def _describe_repeated(model, inputs, device, settings, path: str, layers: nn.ModuleList):
     """The full-depth description from cuts of 3 and 4 layers, or None when the two
     do not agree (see [Note: identical blocks])."""
-    from .description import ModelDesc, _block_descs, _default_blocks
-
     cuts = {}
     for count in (3, 4):
         with _cut(layers, count):

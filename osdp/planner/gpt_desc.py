@@ -38,7 +38,7 @@ import torch.nn as nn
 
 from ..models.gpt import GPTConfig
 from ..ops import default_split_op_for_kind
-from .description import BlockDesc, ModelDesc, OpDesc, vocab_split_op
+from .model_desc import BlockDesc, ModelDesc, OpDesc, vocab_split_op
 
 
 def describe_gpt(config: GPTConfig, dtype_bytes: int = 4, name: str | None = None) -> ModelDesc:

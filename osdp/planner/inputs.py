@@ -1,5 +1,5 @@
 """Example inputs of one forward and the loss of its output: what describe, the profiler
-and auto mode run (``osdp.planner.describe``, ``osdp.planner.profile``, ``osdp.auto_plan``,
+and auto mode run (``osdp.planner.describe``, ``osdp.profiler.profile``, ``osdp.auto_plan``,
 ``osdp.OSDP(model, memory_limit=..., example_inputs=...)``).
 
 [Note: example inputs and the loss]
@@ -62,7 +62,7 @@ fp32 as Hugging Face's losses compute it. Rules 1 and 2 and the other outputs ar
 unchanged. Rank 0 logs the assumption once (a warning of logger ``osdp.auto``), the plan
 keeps it (``Plan.assumed_loss``) and a step over the memory limit names ``loss_fn=`` as
 the fix (``osdp/runtime/peak.py``). ``osdp.planner.describe`` and
-``osdp.planner.profile`` called directly keep rule 3.
+``osdp.profiler.profile`` called directly keep rule 3.
 """
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from ..errors import OSDPError
 from ..ops import default_split_op_for_kind
-from .description import BlockDesc, ModelDesc, OpDesc
+from .model_desc import BlockDesc, ModelDesc, OpDesc
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ from pathlib import Path
 from ..contract import LAYOUT_FULL, LAYOUTS, MODE_REP, MODES, SHARDED_MODES, RuntimeConfig, plan_shard_size
 from ..errors import OSDPError, PlanMismatchError, a_type
 from ..sizes import format_bytes
+from .calibration import Measurement
 from .checks import read_json_file
 
 PLAN_VERSION = 1
@@ -249,8 +250,6 @@ class Plan:
         for name in ("measured", "calibration"):
             fields_[name] = _field(data, name, dict, "an object", default={})
         if fields_["measured"]:
-            from .calibration import Measurement
-
             Measurement.from_dict(fields_["measured"], "plan field 'measured'")  # checked, kept as JSON
         if fields_.get("gradient_sync", "last") not in ("every", "last"):
             raise OSDPError(f"plan field 'gradient_sync' must be 'every' or 'last', got {data['gradient_sync']!r}")

@@ -8,10 +8,12 @@ from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .collective_cost import collectives
 from .cost_model import PlannerSettings
-from .description import ModelDesc
+from .model_desc import ModelDesc
 from .device import DeviceInfo
 from .plan import Plan, Prediction, UnitDecision
-from .scheduler import Scheduled, check_batch, schedule
+from .batch_sweep import Scheduled, check_batch, schedule
+from .rerank import rerank, with_simulation
+from .step_sim import simulate_scheduled
 
 # baseline name -> settings overrides (policy, checkpointing); "ddp": every unit rep
 BASELINES = {
@@ -152,9 +154,6 @@ def make_plan(
 
 
 def _reranked_plan(desc, device, settings, best, found, scheduled, batch, global_batch, backend, notes) -> Plan:
-    from .rerank import rerank, with_simulation
-    from .step_sim import simulate_scheduled
-
     # the baselines above were swept at their own best batch: reusable as candidates
     # only when this plan's batch is swept too
     ranked = rerank(desc, device, settings, best, batch=batch, global_batch=global_batch, backend=backend,

@@ -36,9 +36,9 @@ from dataclasses import dataclass, replace
 
 from ..errors import InfeasiblePlanError
 from .cost_model import PlannerSettings, build_template, evaluate, gathered_bytes
-from .description import ModelDesc
+from .model_desc import ModelDesc
 from .device import DeviceInfo
-from .scheduler import Scheduled, beat_bound, schedule, search_batch
+from .batch_sweep import Scheduled, beat_bound, schedule, search_batch
 from .search import evaluate_assignment, feasible
 from .search_problem import SearchResult
 from .step_sim import StepSim, simulate_scheduled

@@ -49,7 +49,7 @@ recorded; small units are coalesced):
   backward waits for all. With ``all_reduce=True`` the gradient collective is an
   all-reduce priced as reduce-scatter + all-gather of the full buffer (the ring
   decomposition); leave it False when the device's ``reduce_scatter`` entry already
-  measures the runtime's collective (``osdp.planner.profile`` times the all-reduce on gloo:
+  measures the runtime's collective (``osdp.profiler.profile`` times the all-reduce on gloo:
   ``reduces_with_all_reduce``).
 - activation checkpointing ([Note: activation checkpointing]): a checkpointed block's
   forward runs again in backward when its last op's backward starts (after that op's

@@ -5,9 +5,13 @@ predicts them beside their measurement."""
 from __future__ import annotations
 
 from .cost_model import PlannerSettings, build_template
-from .description import ModelDesc
+from .model_desc import ModelDesc
 from .device import DeviceInfo
+from .batch_sweep import finish_schedule
 from .plan import Plan
+from .planner import plan_from_schedule
+from .search import evaluate_assignment
+from .search_problem import SearchResult
 
 
 def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings, batch: int, *,
@@ -17,11 +21,6 @@ def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
     slices. Every block is checkpointed if ``checkpointed``, none otherwise; no rep units;
     ``settings`` give the rest (mixed precision, layout, window). Its predictions are the
     cost model's for exactly this assignment."""
-    from .planner import plan_from_schedule
-    from .scheduler import finish_schedule
-    from .search import evaluate_assignment
-    from .search_problem import SearchResult
-
     if slices < 1 or not 0 <= zdp_slices <= slices:
         raise ValueError(f"zdp_slices must be in [0, slices={slices}], got {zdp_slices}")
     settings = settings.with_(policy="osdp", rep_units=(), checkpointing="all" if checkpointed else "none",

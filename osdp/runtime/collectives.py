@@ -212,7 +212,7 @@ class CommContext:
         """One collective for several units: ``outputs[i]`` (level size * ``shards[i]``
         numel, one dtype for all) <- the shards of all ranks of ``level``. The shards are
         copied into one input, gathered into one rank-major buffer and copied out on
-        ``wait()``; see [Note: coalesced small units] in scheduler.py."""
+        ``wait()``; see [Note: coalesced small units] in prefetch.py."""
         group, size = self._group(level)
         if size == 1 and not self.use_streams:
             for out, shard in zip(outputs, shards):

@@ -68,7 +68,7 @@ PLAN_LIMITS = {"gpt2": (87e3, "auto"), "llama": (104e3, "none")}
 # These cases test parity, not the budget (tests/runtime/test_peak.py tests that): the
 # per-step memory check stays off. (The limits rose from 80e3 and 94e3 when the model
 # began counting autograd's gradient beside its buffer and the small units' gradients
-# waiting to be reduced: [Note: pending reduction] in osdp/planner/cost_model.py. gpt2's
+# waiting to be reduced: [Note: pending reduction] in osdp/planner/cost_model/options.py. gpt2's
 # fell to 87e3 when an unsplit Linear's hook stopped counting its released input, [Note:
 # the hook moment]: below 86e3 nothing fits, from 89e3 no Linear splits.)
 PLANNED = {"memory_check": False}

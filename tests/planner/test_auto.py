@@ -4,7 +4,7 @@ import torch
 
 from runtime.dist_harness import spawn
 
-from osdp.planner.profiler import _fit_line
+from osdp.profiler.hardware import _fit_line
 
 
 def test_line_fit_recovers_intercept_and_slope():
@@ -19,7 +19,7 @@ def _ranks(rank, world, cache_dir):
     import osdp
     from osdp.errors import InfeasiblePlanError
     from osdp.models import GPT, example_batch, get_preset
-    from osdp.planner import profiler as prof
+    from osdp.profiler import hardware as prof
 
     torch.manual_seed(0)
     config = get_preset("tiny")

@@ -10,7 +10,7 @@ import torch
 
 import osdp
 from osdp.models import GPT, GPTConfig, example_batch
-from osdp.profiler import runtime as runtime_profiler
+from osdp.profiler import plans as runtime_profiler
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

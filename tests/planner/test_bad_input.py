@@ -15,12 +15,13 @@ from pathlib import Path
 import pytest
 
 import osdp
+import osdp.profiler
 import osdp.planner
 from osdp.cli import main
 from osdp.errors import ConfigError, InfeasiblePlanError, OSDPError
 from osdp.models import GPTConfig
 from osdp.planner import planner as planner_mod
-from osdp.planner import scheduler as scheduler_mod
+from osdp.planner import batch_sweep as scheduler_mod
 from osdp.planner.cluster import PROFILE_DIR, load_cluster
 from osdp.planner.cost_model import PlannerSettings, build_template
 from osdp.planner.device import DeviceInfo
@@ -28,7 +29,7 @@ from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
 from osdp.planner.run import RunSettings
-from osdp.planner.scheduler import MAX_BATCH, min_memory_estimate, schedule
+from osdp.planner.batch_sweep import MAX_BATCH, min_memory_estimate, schedule
 from osdp.sizes import byte_unit, format_bytes, parse_bytes
 
 MiB, GiB = 2**20, 2**30
@@ -96,9 +97,9 @@ def test_api_memory_limit_true_is_refused_before_profiling(tmp_path):
 
     config = GPTConfig(vocab_size=32, seq_len=8, num_layers=1, hidden=8, heads=2)
     with pytest.raises(OSDPError, match=r"^memory_limit: memory size must be a number of bytes .* got True \(a bool\)$"):
-        osdp.planner.profile(GPT(config), example_batch(config, 2), memory_limit=True, cache_dir=tmp_path)
+        osdp.profiler.profile(GPT(config), example_batch(config, 2), memory_limit=True, cache_dir=tmp_path)
     with pytest.raises(OSDPError, match=r"^memory_limit: memory size '8' has no unit"):
-        osdp.planner.profile(GPT(config), example_batch(config, 2), memory_limit="8", cache_dir=tmp_path)
+        osdp.profiler.profile(GPT(config), example_batch(config, 2), memory_limit="8", cache_dir=tmp_path)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -449,7 +450,7 @@ def test_profiling_collectives_warns_nothing():
         "import warnings, torch.distributed as dist\n"
         "from torch.testing._internal.distributed.fake_pg import FakeStore\n"
         "dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=2)\n"
-        "import osdp.planner.profiler as P\n"
+        "import osdp.profiler.hardware as P\n"
         "warnings.simplefilter('error')\n"
         "P.profile_collectives(None, sizes=(4096,), repeats=1)\n"
         "import os; os.environ['OSDP_GLOO_REDUCE_SCATTER'] = '1'\n"

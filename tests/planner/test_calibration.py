@@ -256,7 +256,7 @@ def _auto_ranks(rank, world, cache_dir):
     import osdp
     from osdp.auto import calibrate_plan
     from osdp.models import GPT, example_batch, get_preset
-    from osdp.planner.profiler import profile
+    from osdp.profiler.hardware import profile
 
     torch.manual_seed(0)
     config = get_preset("tiny")

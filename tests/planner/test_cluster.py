@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import osdp
+import osdp.profiler
 from osdp.cli import build_parser, main
 from osdp.errors import OldClusterFormatWarning, OSDPError
 from osdp.models import GPTConfig
@@ -274,7 +275,7 @@ def test_profile_measures_hardware_and_returns_the_run_apart(tmp_path):
     from osdp.models import GPT, example_batch
 
     config = GPTConfig(vocab_size=32, seq_len=8, num_layers=1, hidden=8, heads=2)
-    measured = osdp.planner.profile(GPT(config), example_batch(config, 2), memory_limit="64MiB", cache_dir=tmp_path,
+    measured = osdp.profiler.profile(GPT(config), example_batch(config, 2), memory_limit="64MiB", cache_dir=tmp_path,
                                     progress=False, repeats=1)
     desc, cluster, run = measured
     assert run == RunSettings(world_size=1, memory_limit_bytes=64 * MiB)

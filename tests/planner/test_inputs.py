@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from osdp.errors import OSDPError
 from osdp.planner.description import describe
 from osdp.planner.inputs import AssumedLoss, ExampleInputs, as_example_inputs, auto_mode_loss, loss_of
-from osdp.planner.profiler import time_units
+from osdp.profiler.hardware import time_units
 
 
 def test_forms_of_example_inputs():

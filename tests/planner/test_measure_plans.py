@@ -14,7 +14,7 @@ from osdp.planner.description import describe
 from osdp.planner.run import RunSettings
 from osdp.planner.uniform_plan import uniform_plan
 from osdp.profiler import TrialPool, measure_plans
-from osdp.profiler import runtime as runtime_profiler
+from osdp.profiler import plans as runtime_profiler
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")
 

@@ -115,7 +115,7 @@ def test_profile_bypasses_the_cache_when_reprofiling(tmp_path, monkeypatch, one_
     """The profiler itself: a second profile reads the cache (no compute measured),
     a reprofile measures again."""
     from osdp.models import GPT, example_batch, get_preset
-    from osdp.planner import profiler as prof
+    from osdp.profiler import hardware as prof
 
     config = get_preset("tiny")
     torch.manual_seed(0)
@@ -200,7 +200,7 @@ def test_noisy_profile_measurements_are_not_cached(tmp_path, monkeypatch, one_ra
     """The profiler: a compute measurement that stays noisy is used but not cached, so
     the next profile measures it again."""
     from osdp.models import GPT, example_batch, get_preset
-    from osdp.planner import profiler as prof
+    from osdp.profiler import hardware as prof
 
     config = get_preset("tiny")
     torch.manual_seed(0)
@@ -247,7 +247,7 @@ def test_malformed_entries_are_dropped_and_good_ones_kept(tmp_path):
 
 def test_profile_survives_a_corrupt_cache(tmp_path, one_rank_group):
     from osdp.models import GPT, example_batch, get_preset
-    from osdp.planner import profiler as prof
+    from osdp.profiler import hardware as prof
 
     pc.cache_path(tmp_path).parent.mkdir(parents=True, exist_ok=True)
     pc.cache_path(tmp_path).write_text('{"version": 3, "compute": ')

@@ -1,4 +1,4 @@
-"""The ``rep`` mode in the planner (cost_model.py's [Note: rep mode], scheduler.py's
+"""The ``rep`` mode in the planner (docs/design/cost_model.md's [Note: rep mode], batch_sweep.py's
 [Note: rep family]) against numbers worked out by hand, the search within a fixed rep
 set against brute force, the scheduler's choice of rep set, the plan file and the
 step simulation's replicated buckets.
@@ -27,7 +27,7 @@ from osdp.planner.device import CollectiveCost, DeviceInfo
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
 from osdp.planner.run import RunSettings
-from osdp.planner.scheduler import rep_family, schedule
+from osdp.planner.batch_sweep import rep_family, schedule
 from osdp.planner.step_sim import simulate_step
 
 P = 256 * 256 * 4
@@ -317,7 +317,7 @@ def test_search_with_a_fixed_rep_set_is_exact(rep_units, batch):
     """Checkpointing "auto", slices up to 2, a rep set fixed: the search (both cores)
     against every plan, at limits from the least-memory plan's peak to the fastest
     plan's (where the constraint binds) and above."""
-    from osdp.planner.scheduler import min_memory_estimate
+    from osdp.planner.batch_sweep import min_memory_estimate
 
     settings = PlannerSettings(checkpointing="auto", max_slices=2, rep_units=rep_units, min_buckets=256,
                                max_buckets=256)

@@ -14,7 +14,7 @@ from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
 from osdp.planner.rerank import rerank, with_window, within
 from osdp.planner.run import RunSettings
-from osdp.planner.scheduler import Scheduled, schedule
+from osdp.planner.batch_sweep import Scheduled, schedule
 from osdp.planner.search_problem import SearchResult
 from osdp.planner.step_sim import simulate_scheduled
 

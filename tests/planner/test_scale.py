@@ -13,7 +13,7 @@ from osdp.planner.cost_model import PlannerSettings, build_template, evaluate
 from osdp.planner.description import ModelDesc, OpDesc
 from osdp.planner.device import CollectiveCost, DeviceInfo
 from osdp.planner.llama_desc import LlamaConfig, describe_llama, llama_preset
-from osdp.planner.scheduler import schedule
+from osdp.planner.batch_sweep import schedule
 
 MiB = 2**20
 GiB = 2**30
@@ -188,7 +188,7 @@ def test_llama_activation_bytes_are_linear_in_seq_and_tied_head_has_no_own_weigh
 
 # ---- osdp simulate --scale ---------------------------------------------------------------
 def test_simulate_scale_small_grid_has_every_peer_and_osdp_is_never_below_them(tmp_path, capsys):
-    from osdp.scale import OSDP, PEERS, simulate_scale
+    from osdp.cli.scale import OSDP, PEERS, simulate_scale
 
     rows = simulate_scale(profiles=("pcie-100gbe",), models=("llama2-7b",), worlds=(16,))
     (_, _, _, runs), = rows

@@ -14,7 +14,7 @@ from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import Plan
 from osdp.planner.planner import make_plan
 from osdp.planner.run import RunSettings
-from osdp.planner.scheduler import (fits_at, least_memory_problem, memory_pareto_options, rep_family, schedule,
+from osdp.planner.batch_sweep import (fits_at, least_memory_problem, memory_pareto_options, rep_family, schedule,
                                     search_batch)
 from osdp.sizes import format_bytes
 

@@ -20,7 +20,7 @@ from osdp.planner.device import CollectiveCost, DeviceInfo
 from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.planner import make_plan
 from osdp.planner.run import RunSettings
-from osdp.planner.scheduler import schedule
+from osdp.planner.batch_sweep import schedule
 from osdp.planner.step_sim import simulate_step
 
 GiB = 2**30
@@ -221,7 +221,7 @@ def test_ws_2x12288_fits_16_gib_with_its_embedding_and_head_split():
 
 
 def test_paper_presets_are_untied_like_mingpt():
-    from osdp.simulate import FAMILIES
+    from osdp.cli.simulate import FAMILIES
 
     for presets in FAMILIES.values():
         for name in presets:
@@ -229,7 +229,7 @@ def test_paper_presets_are_untied_like_mingpt():
 
 
 def test_simulate_paper_prints_every_cell_and_every_16g_model_gets_a_plan():
-    from osdp.simulate import FAMILIES, LIMITS_GIB
+    from osdp.cli.simulate import FAMILIES, LIMITS_GIB
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

@@ -205,7 +205,7 @@ def test_cuda_monitor_reads_the_allocator_and_attributes_the_peak_to_the_unit_sa
 # rep_units None: the planner chooses its rep set ([Note: rep family]); (): sharded units
 # only. tiny-ic at 4 MiB overran its prediction by 2.6-3.9% until the model counted the
 # gradient autograd makes beside the buffer the hook copies it into ([Note: pending
-# reduction] in cost_model.py)
+# reduction] in osdp/planner/cost_model/options.py)
 def _slow(*values):
     return pytest.param(*values, marks=pytest.mark.slow)
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ...contract import is_small_unit
-from ..description import ModelDesc
+from ..model_desc import ModelDesc
 from ..device import DeviceInfo
 from .prefetch import _forward_prefetch
 from .replicate import rep_is_direct

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from ..description import ModelDesc
+from ..model_desc import ModelDesc
 from .replicate import rep_op_mask
 from .settings import PlannerSettings, slice_choices
 from .unit_bytes import gathered_bytes

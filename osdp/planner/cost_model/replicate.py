@@ -7,7 +7,7 @@ import numpy as np
 
 from ...contract import MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES
 from ...errors import OSDPError
-from ..description import ModelDesc, OpDesc
+from ..model_desc import ModelDesc, OpDesc
 from ..device import DeviceInfo
 from .settings import PlannerSettings, _accumulators_static, _grad_persists, layout_collectives
 from .unit_bytes import element_bytes, reduced_bytes

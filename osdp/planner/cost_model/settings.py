@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from ...contract import DEFAULT_COALESCE_BYTES
 from ...errors import OSDPError
 from ..collective_cost import LAYOUTS, Collectives
-from ..description import OpDesc
+from ..model_desc import OpDesc
 from ..device import DeviceInfo
 
 POLICIES = ("osdp", "zdp", "dp", "hpz", "rep")
@@ -32,7 +32,7 @@ class PlannerSettings:
     (FSDP2 ``reshard_after_forward=node_size``; zdp within one node), all unsplit; "rep"
     is DDP: every unit replicated ([Note: rep mode]).
     ``rep_units`` (policy "osdp" only; the other policies ignore it): None lets the
-    scheduler choose which whole units are ``rep`` ([Note: rep family] in scheduler.py);
+    scheduler choose which whole units are ``rep`` ([Note: rep family] in batch_sweep.py);
     a tuple of unit names (module paths of units with parameters; a tied unit by its
     owner) fixes that set, ``()`` plans without ``rep``.
     ``layout``: "full" (one shard group), "hsdp" (shard within a node, replicate

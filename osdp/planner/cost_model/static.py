@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from ..description import ModelDesc
+from ..model_desc import ModelDesc
 from ..device import DeviceInfo
 from .replicate import _rep_grad_sizes, _rep_owner, rep_op_mask, replicate_buckets
 from .settings import PlannerSettings, _grad_persists, layout_collectives

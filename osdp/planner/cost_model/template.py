@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..description import ModelDesc
+from ..model_desc import ModelDesc
 from ..device import DeviceInfo
 from ..search_problem import SearchProblem
 from .options import OptionRow, _option_rows, _rep_row, _rows_key, pending_reduce_bytes

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...contract import is_small_unit
-from ..description import ModelDesc, OpDesc
+from ..model_desc import ModelDesc, OpDesc
 from ..device import DeviceInfo
 from .replicate import rep_is_direct, rep_op_mask
 from .settings import PlannerSettings

@@ -4,7 +4,7 @@ compute dtype, and a vocabulary head's logits (docs/design/cost_model.md's [Note
 model] and [Note: fused vocabulary-split loss])."""
 from __future__ import annotations
 
-from ..description import ModelDesc, OpDesc
+from ..model_desc import ModelDesc, OpDesc
 from .settings import PlannerSettings
 
 

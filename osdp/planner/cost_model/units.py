@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..description import ModelDesc, OpDesc
+from ...ops import registered_split_ops
+from ..model_desc import ModelDesc, OpDesc
 from .settings import PlannerSettings
 from .unit_bytes import reduced_bytes
 
@@ -21,8 +22,6 @@ def backward_needs_weights(op: OpDesc, g: int) -> bool:
     op says so in its declaration (``needs_weights_in_backward``, osdp/ops/registry.py)."""
     if g == 1 or not op.split_op:
         return True
-    from ...ops import registered_split_ops
-
     split = registered_split_ops().get(op.split_op)
     return True if split is None else bool(split.needs_weights_in_backward)
 

@@ -8,14 +8,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import OSDPError
+from ..errors import OSDPError
 
 
 def _model_desc(args):
     if getattr(args, "hf_config", None):
         return _hf_model_desc(args)
-    from .models import GPTConfig, get_preset
-    from .planner.gpt_desc import describe_gpt
+    from ..models import GPTConfig, get_preset
+    from ..planner.gpt_desc import describe_gpt
 
     shape = dict(num_layers=args.layers, hidden=args.hidden, heads=args.heads, seq_len=args.seq, vocab_size=args.vocab)
     given = {k: v for k, v in shape.items() if v is not None}
@@ -51,7 +51,7 @@ def _hf_model_desc(args):
     clash = [flag for flag, value in shape_flags.items() if value is not None]
     if clash:
         raise OSDPError(f"--hf-config gives the model's shape; drop {', '.join(clash)} (--seq and --dtype-bytes apply)")
-    from .models.hf_config import describe_hf_config
+    from ..models.hf_config import describe_hf_config
 
     args._hf_desc = describe_hf_config(args.hf_config, seq_len=args.seq, dtype_bytes=args.dtype_bytes)
     return args._hf_desc
@@ -70,9 +70,9 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 def _device(args):
     """The cost model's input: the --cluster profile (hardware) for the run that
     --world-size and --memory describe (defaults: one node, all of a device's memory)."""
-    from .planner.cluster import load_cluster
-    from .planner.run import RunSettings
-    from .sizes import parse_bytes
+    from ..planner.cluster import load_cluster
+    from ..planner.run import RunSettings
+    from ..sizes import parse_bytes
 
     cluster = load_cluster(args.cluster)
     if args.world_size is not None and args.world_size < 1:
@@ -82,7 +82,7 @@ def _device(args):
 
 
 def _settings(args):
-    from .planner.cost_model import PlannerSettings
+    from ..planner.cost_model import PlannerSettings
 
     if args.max_slices < 1:
         raise OSDPError(f"--max-slices must be >= 1, got {args.max_slices}")
@@ -100,9 +100,9 @@ DEFAULT_PRESET = "nd-48x1024"
 
 
 def cmd_plan(args) -> int:
-    from .planner.plan import Plan, check_writable
-    from .planner.planner import make_plan
-    from .sizes import format_bytes
+    from ..planner.plan import Plan, check_writable
+    from ..planner.planner import make_plan
+    from ..sizes import format_bytes
 
     # refuse an output path before the (possibly long) planning, and before writing anything
     for flag, path, what in (("--json", args.json, "plan"), ("--plot", args.plot, "plot")):
@@ -145,7 +145,7 @@ def cmd_plan(args) -> int:
 
 
 def cmd_simulate(args) -> int:
-    from .planner.cluster import DEFAULT_CLUSTER as DEFAULT_CLUSTER_NAME
+    from ..planner.cluster import DEFAULT_CLUSTER as DEFAULT_CLUSTER_NAME
     from .simulate import run_simulation
 
     if args.scale:
@@ -165,7 +165,7 @@ def cmd_simulate(args) -> int:
 
 
 def _simulate_scale(args) -> int:
-    """``osdp simulate --scale``: see osdp/scale.py."""
+    """``osdp simulate --scale``: see osdp/cli/scale.py."""
     from .scale import SCALE_MODELS, SCALE_PROFILES, SCALE_WORLDS, run_scale
 
     profiles = tuple(args.scale_clusters.split(",")) if args.scale_clusters else SCALE_PROFILES
@@ -201,7 +201,7 @@ def _add_model_flags(p):
 
 
 def _add_cluster_flag(g):
-    from .planner.cluster import DEFAULT_CLUSTER
+    from ..planner.cluster import DEFAULT_CLUSTER
 
     g.add_argument("--cluster", default=DEFAULT_CLUSTER,
                    help=f"hardware profile: a shipped name (see osdp/profiles/) or a JSON file (default {DEFAULT_CLUSTER})")
@@ -254,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="one model per family")
     g = p.add_argument_group("--scale: OSDP vs FSDP2 full shard, FSDP2 HSDP and ZeRO++ hpZ on multi-node clusters")
     g.add_argument("--scale", action="store_true",
-                   help="Llama 7B/13B/70B on 16 to 1024 GPUs of each multi-node profile (osdp/scale.py)")
+                   help="Llama 7B/13B/70B on 16 to 1024 GPUs of each multi-node profile (osdp/cli/scale.py)")
     g.add_argument("--scale-clusters", help="comma-separated cluster profiles (default: the multi-node ones)")
     g.add_argument("--scale-models", help="comma-separated Llama presets (default llama2-7b,llama2-13b,llama2-70b)")
     g.add_argument("--scale-worlds", help="comma-separated GPU counts (default 16,64,256,1024)")
@@ -281,7 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_presets(args) -> int:
-    from .models import PRESETS
+    from ..models import PRESETS
 
     for name, c in sorted(PRESETS.items()):
         widths = f" widths {','.join(map(str, c.block_hidden))}" if c.block_hidden else ""
@@ -331,5 +331,5 @@ def main(argv=None) -> int:
         return 130
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m osdp.cli.main
     sys.exit(main())

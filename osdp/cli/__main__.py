@@ -1,0 +1,6 @@
+"""``python -m osdp.cli``."""
+import sys
+
+from .main import main
+
+sys.exit(main())

@@ -1,0 +1,555 @@
+"""Model description: the ordered operator units the planner decides on, and measuring
+them on the tensors given (``describe_tensors``; ``osdp.planner.description.describe`` is
+the public entry, which picks fake tensors for a meta model).
+
+``describe_tensors(model, example_inputs)`` measures a forward on this process (saved
+activations through saved-tensor hooks, FLOPs through ``FlopCounterMode``).
+``describe_gpt(config)`` builds the same description analytically, so models far larger
+than this machine can be planned. Both return a ``ModelDesc``.
+
+[Note: attributing work to units]
+A unit is a leaf module that owns parameters, in the order its forward first runs.
+Work done outside any unit (attention scores, GELU, residual adds) belongs to the unit
+that ran last before it: its memory and time live and die with that unit's place in
+the schedule. Saved tensors are counted once per storage (a tensor saved by two ops is
+one allocation) and parameters are never counted as activations.
+
+[Note: backward transients]
+During a unit's backward more is alive than the saved activations of the units up to it:
+the incoming gradient, the gradients it produces, temporaries of the attributed
+non-parameter ops (a softmax backward holds two score-sized tensors). describe measures
+it: a real backward runs under a live-bytes tracker, and for each unit the peak inside
+its backward interval (from the previous unit's gradient to its own, as the profiler
+times it) minus the parameters, the gradients so far and the saved activations of the
+units up to it is that unit's transient. Two batch sizes separate the per-sample part.
+
+[Note: the vocabulary head]
+The last unit to run, when it is an ``nn.Linear`` whose out_features equal the rows of
+an ``nn.Embedding`` of the model (tied to it or not), is the vocabulary head: it is cut
+along its output features (the registered planned Linear op with that axis), and its
+output bytes per sample are its ``logits_bytes_per_sample`` when the described forward
+saved at least that much for it (the loss ran in the forward) and the model fuses its
+loss into the split head ([Note: fused head loss] in osdp/contract.py), so that the cost model
+counts what a fused vocabulary-split loss saves. A tied use splits only along its
+owner's axis (rows of the same weight); else neither use splits.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+import torch.nn as nn
+
+from ..contract import fuses_head_loss
+from ..errors import OSDPError
+from ..memtrack import IntervalPeakTracker
+from ..ops import registered_split_ops, split_op_of
+from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
+
+
+@dataclass(frozen=True)
+class OpDesc:
+    """One operator unit. Bytes are per device for the unsharded (gathered) weights."""
+
+    name: str  # module path, e.g. "blocks.0.mlp.c_fc"
+    kind: str  # lower-case module class: linear, embedding, layernorm, conv1d, ...
+    param_count: int  # parameters owned by this unit (0 for a tied second use)
+    param_bytes: int  # bytes of those parameters in the dtype they are gathered in
+    act_bytes_per_sample: float  # activation bytes saved for backward, per sample
+    flops_per_sample: float  # forward FLOPs per sample
+    splittable: bool  # the planner may split it (with ``split_op``)
+    in_features: int = 0  # length of the axis ``split_op`` cuts (0 if not splittable)
+    block: str | None = None  # checkpointable block this unit belongs to
+    tied_to: str | None = None  # owner unit when this op reuses another unit's weights
+    # transient bytes of its backward beyond the saved activations (gradients of
+    # activations in flight), per sample; see [Note: backward transients]
+    act_grad_bytes_per_sample: float = 0.0
+    split_op: str = ""  # the registered split op (osdp.ops) it would be split with
+    # the model's vocabulary head (the last unit, its output the logits the loss reads):
+    # bytes per sample of those logits, which a vocabulary-split option computes slice by
+    # slice with a fused loss and never saves; 0 for every other unit. See the cost
+    # model's [Note: fused vocabulary-split loss]
+    logits_bytes_per_sample: float = 0.0
+    # parameter tensors owned (the optimizer keeps per-tensor state too: AdamW's step)
+    param_tensors: int = 0
+    # elements of each of those tensors, in registration order (the optimizer's order);
+    # () for one tensor of param_count, or unknown. The cost model's [Note: optimizer
+    # step moment] reads it (a for-loop AdamW's temporaries follow the tensors)
+    tensor_numels: tuple = ()
+    # of ``act_bytes_per_sample``, the bytes that are its block's input (a LayerNorm
+    # first in a transformer block saves the block's input): a checkpointed block keeps
+    # that tensor as its input already, so its recompute does not add it again ([Note:
+    # checkpointed block input] in the cost model)
+    block_input_bytes_per_sample: float = 0.0
+
+    def __post_init__(self):
+        numels = tuple(int(n) for n in self.tensor_numels)
+        if numels and sum(numels) != self.param_count:
+            raise OSDPError(f"unit {self.name!r}: tensor_numels {list(numels)} add up to {sum(numels)}, not to its "
+                            f"param_count {self.param_count}; list the elements of each parameter tensor it owns")
+        # one canonical form (a JSON list becomes a tuple; one tensor of param_count is ())
+        object.__setattr__(self, "tensor_numels", () if len(numels) <= 1 else numels)
+
+    @property
+    def tensors(self) -> tuple[int, ...]:
+        """Elements per parameter tensor (one of param_count when not described)."""
+        return self.tensor_numels or ((self.param_count,) if self.param_count else ())
+
+    @property
+    def max_slices(self) -> int:
+        return self.in_features if self.splittable else 1
+
+
+@dataclass(frozen=True)
+class BlockDesc:
+    """A checkpointable block: a contiguous run of units."""
+
+    name: str
+    first_op: int
+    num_ops: int
+    input_bytes_per_sample: float  # what checkpointing keeps: the block's input
+
+
+@dataclass(frozen=True)
+class ModelDesc:
+    name: str
+    ops: tuple[OpDesc, ...]
+    blocks: tuple[BlockDesc, ...] = ()
+    act_constant_bytes: float = 0.0  # saved bytes independent of the batch (masks, ...)
+    # work not attributed to a unit of its own, counted in totals for reference
+    meta: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if not self.ops:
+            raise OSDPError(
+                f"model {self.name!r} has no parameters: there is nothing to shard or plan"
+            )
+        names = [op.name for op in self.ops]
+        if len(set(names)) != len(names):
+            raise OSDPError(f"model {self.name!r} lists a unit twice: unit names must be unique")
+        for op in self.ops:
+            if op.param_count < 0 or op.param_bytes < 0 or op.act_bytes_per_sample < 0:
+                raise OSDPError(f"unit {op.name!r} has a negative size; sizes must be >= 0")
+
+    @property
+    def param_count(self) -> int:
+        return sum(op.param_count for op in self.ops)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(op.param_bytes for op in self.ops)
+
+    def op_index(self, name: str) -> int:
+        for i, op in enumerate(self.ops):
+            if op.name == name:
+                return i
+        raise KeyError(f"no unit named {name!r} in model {self.name!r}")
+
+    def fingerprint(self) -> str:
+        """Identity of the model's structure: unit names, kinds and sizes in order.
+        Plans and checkpoints carry it so that they are only used with this model."""
+        parts = [(op.name, op.kind, op.param_count, op.tied_to) for op in self.ops]
+        return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "ops": [asdict(op) for op in self.ops],
+            "blocks": [asdict(b) for b in self.blocks],
+            "act_constant_bytes": self.act_constant_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelDesc":
+        return cls(
+            name=data["name"],
+            ops=tuple(OpDesc(**op) for op in data["ops"]),
+            blocks=tuple(BlockDesc(**b) for b in data.get("blocks", ())),
+            act_constant_bytes=float(data.get("act_constant_bytes", 0.0)),
+        )
+
+
+def module_kind(module: nn.Module) -> str:
+    return type(module).__name__.lower()
+
+
+def _split_axis(module: nn.Module) -> tuple[str, int]:
+    """The split op the planner may use for ``module`` and the length of the axis it
+    cuts, from the registry (``osdp.ops``); ("", 0) if none. Ops the cost model cannot
+    price yet (``planned = False``) are left out."""
+    op = split_op_of(module)
+    if op is None or not op.planned:
+        return "", 0
+    return op.op_name, op.axis_length(module)
+
+
+def vocab_split_op(module_type: type):
+    """The registered, planned split op that cuts ``module_type`` along its output
+    features, the one a vocabulary head is split with (the vocabulary is the head's
+    output axis: its rows, as in the embedding it may be tied to); None if there is none."""
+    for op in registered_split_ops().values():
+        if op.module_type is module_type and op.axis == "out_features" and op.planned:
+            return op
+    return None
+
+
+def _vocab_head(order: list[str], by_path: dict) -> str | None:
+    """[Note: the vocabulary head] The last unit to run, when it is a Linear whose output
+    width is the row count of an Embedding of the model (tied to it or not): the logits
+    the loss reads. None otherwise."""
+    if not order:
+        return None
+    last = by_path[order[-1]]
+    rows = {m.num_embeddings for m in by_path.values() if isinstance(m, nn.Embedding)}
+    if isinstance(last, nn.Linear) and last.out_features in rows and vocab_split_op(type(last)) is not None:
+        return order[-1]
+    return None
+
+
+def _default_blocks(model: nn.Module) -> list[str]:
+    """Checkpointable blocks: the children of every ModuleList (transformer layers)."""
+    return [
+        f"{name}.{i}" if name else str(i)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        for i, _ in enumerate(module)
+    ]
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the storage behind ``tensor`` (its StorageImpl, as
+    ``StorageWeakRef`` keys it): views share it. Unlike ``data_ptr`` it also tells
+    apart storages that have no memory (fake and meta tensors, all at address 0)."""
+    return tensor.untyped_storage()._cdata
+
+
+class _Recorder:
+    """Hooks that attribute saved tensors to the unit that is running."""
+
+    def __init__(self, units: dict[nn.Module, str], param_ptrs: set[int]):
+        self.units = units
+        self.param_ptrs = param_ptrs
+        self.order: list[str] = []
+        self.saved: dict[str, int] = {}
+        self.seen_storages: set[int] = set()
+        self.current: str | None = None
+        self.pending_bytes = 0  # saved before the first unit ran
+        # storage -> the blocks it is the input of (one tensor may enter several: a
+        # pass-through bridge between blocks, then the next block)
+        self.block_inputs: dict[int, set[str]] = {}
+        self.input_saved: dict[str, int] = {}  # unit -> bytes it saved of its block's input
+
+    def pre_hook(self, module, _inputs):
+        name = self.units[module]
+        if name not in self.order:
+            self.order.append(name)
+        self.current = name
+
+    def pack(self, tensor: torch.Tensor):
+        storage = tensor.untyped_storage()
+        ptr = storage_key(tensor)
+        if ptr not in self.param_ptrs and ptr not in self.seen_storages and storage.nbytes():
+            self.seen_storages.add(ptr)
+            if self.current is None:
+                self.pending_bytes += storage.nbytes()
+            else:
+                self.saved[self.current] = self.saved.get(self.current, 0) + storage.nbytes()
+                if _enclosing_block(self.current, self.block_inputs.get(ptr, ())) is not None:
+                    self.input_saved[self.current] = self.input_saved.get(self.current, 0) + storage.nbytes()
+        return tensor
+
+
+def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
+    """One forward pass: unit order, saved bytes per unit, block input bytes, FLOPs, and
+    per unit the bytes of its block's input among what it saved."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rec = _Recorder(units, param_ptrs)
+    block_inputs: dict[str, int] = {}
+    handles = [m.register_forward_pre_hook(rec.pre_hook) for m in units]
+    modules = dict(model.named_modules())
+    for block in blocks:
+
+        def block_hook(_m, args, block=block):
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            block_inputs.setdefault(block, sum(t.numel() * t.element_size() for t in tensors))
+            for t in tensors:
+                rec.block_inputs.setdefault(storage_key(t), set()).add(block)
+
+        handles.append(modules[block].register_forward_pre_hook(block_hook))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+            with FlopCounterMode(display=False) as counter:
+                inputs.call(model)
+    finally:
+        for h in handles:
+            h.remove()
+    if rec.order:
+        first = rec.order[0]
+        rec.saved[first] = rec.saved.get(first, 0) + rec.pending_bytes
+    return rec.order, rec.saved, block_inputs, counter.get_flop_counts(), rec.input_saved
+
+
+def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dict[str, int],
+                      loss) -> dict[str, float]:
+    """Per unit, bytes alive at the peak of its backward beyond parameters, gradients and
+    the saved activations of the units up to it (see [Note: backward transients]).
+    ``loss``: the model's output -> the scalar whose backward runs."""
+    params = list(model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    modules = dict(model.named_modules())
+
+    def grad_bytes():
+        return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+
+    tracker = IntervalPeakTracker(params, extra=grad_bytes)
+    owners: dict[int, str] = {}  # a tied weight belongs to its first module, as in describe
+    for name, module in modules.items():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), name)
+    hooked = [i for i, name in enumerate(order)
+              if any(owners[id(p)] == name and p.requires_grad for p in modules[name].parameters(recurse=False))]
+    done: set[int] = set()
+    handles = []
+    for i in hooked:
+        name = order[i]
+        own = [p for p in modules[name].parameters(recurse=False) if owners[id(p)] == name and p.requires_grad]
+
+        def hook(_p, i=i):
+            # a tied weight accumulates once per use: only the last one (every later
+            # unit done) ends this unit's interval
+            if i not in done and all(j in done for j in hooked if j > i):
+                done.add(i)
+                tracker.interval = order[i - 1] if i else None
+
+        handles.append(own[0].register_post_accumulate_grad_hook(hook))
+    try:
+        with tracker:
+            value = loss(inputs.call(model))
+            tracker.interval = order[-1]
+            value.backward()
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    result, prefix = {}, 0
+    for name in order:
+        prefix += saved.get(name, 0)
+        peak, grads = tracker.peaks.get(name, (0, 0))
+        result[name] = max(peak - param_bytes - grads - prefix, 0) if peak else 0
+    return result
+
+
+def _attribute_flops(flop_counts, root_name: str, unit_names, order) -> dict[str, float]:
+    """FLOPs per unit: a unit's own, plus the residual FLOPs of every enclosing module
+    (its total minus its children's) given to its first unit in execution order."""
+    totals = {}
+    for key, ops in flop_counts.items():
+        if key == "Global":
+            continue
+        path = key[len(root_name) + 1 :] if key != root_name else ""
+        totals[path] = float(sum(ops.values()))
+    result = {name: totals.get(name, 0.0) for name in unit_names}
+    rank = {name: i for i, name in enumerate(order)}
+    for path, total in totals.items():
+        if path in result:
+            continue
+        prefix = f"{path}." if path else ""
+        inner = [p for p in totals if p.startswith(prefix) and p != path]
+        # direct children among the modules that ran (a ModuleList never runs itself)
+        children = [p for p in inner if not any(p.startswith(q + ".") for q in inner)]
+        residual = total - sum(totals[c] for c in children)
+        inside = [u for u in unit_names if u.startswith(prefix) and u in rank]
+        if residual > 0 and inside:
+            result[min(inside, key=rank.__getitem__)] += residual
+    return result
+
+
+def describe_tensors(
+    model: nn.Module,
+    example_inputs,
+    *,
+    name: str | None = None,
+    blocks: list[str] | None = None,
+    batch_size: int | None = None,
+    measure_backward: bool = True,
+    loss_fn: LossFn | None = None,
+) -> ModelDesc:
+    """Describe ``model`` by running one forward of ``example_inputs`` (twice when the
+    batch can be halved, to separate per-sample bytes from constant ones).
+
+    ``example_inputs``: a tuple of positional arguments, a dict of keyword arguments
+    (Hugging Face: ``{"input_ids": x, "labels": y}``), ``ExampleInputs(args, kwargs)`` or
+    one tensor; see [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
+    ``blocks``: module paths that may be checkpointed (default: children of every
+    ModuleList). ``batch_size``: the batch of ``example_inputs`` (default: dim 0 of the
+    first tensor). ``measure_backward``: also run a backward to measure each unit's
+    backward transients; its loss is ``loss_fn(output)`` when given, else
+    ``output.loss`` (a ``ModelOutput``) or the output tensor (its sum if not a scalar).
+    The tensors are measured as they are (real, or fake under a ``FakeTensorMode``):
+    ``osdp.planner.description.describe`` picks fake tensors for a meta model.
+    """
+    inputs = as_example_inputs(example_inputs)
+    tensors = inputs.tensors()
+    if batch_size is None:
+        batch_size = inputs.batch_size()
+    if batch_size <= 0:
+        raise OSDPError(f"example batch size must be positive, got {batch_size}")
+
+    units: dict[nn.Module, str] = {}
+    owner_of: dict[int, str] = {}  # id(param) -> first unit that owns it
+    tied: dict[str, str] = {}
+    for path, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        if not params:
+            continue
+        units[module] = path
+        for p in params:
+            if id(p) in owner_of:
+                tied.setdefault(path, owner_of[id(p)])
+            else:
+                owner_of[id(p)] = path
+    if not units:
+        raise OSDPError(f"{type(model).__name__} has no parameters: there is nothing to shard or plan")
+    param_ptrs = {storage_key(p) for p in model.parameters()}
+    block_names = _default_blocks(model) if blocks is None else list(blocks)
+    known = dict(model.named_modules())
+    for block in block_names:
+        if block not in known:
+            raise OSDPError(f"block {block!r} is not a module path of the model")
+
+    was_training = model.training
+    model.train()
+    by_path = {path: module for module, path in units.items()}
+    head_out: list[int] = []  # bytes of each output of the candidate heads, first forward
+    head_hooks = [m.register_forward_hook(lambda _m, _a, out: head_out.append(out.numel() * out.element_size()))
+                  for m in by_path.values() if isinstance(m, nn.Linear)]
+    try:
+        try:
+            order, saved, block_in, flops, input_saved = _measure_forward(model, inputs, units, param_ptrs,
+                                                                          block_names)
+        finally:
+            for h in head_hooks:
+                h.remove()
+        half = batch_size // 2
+        if half >= 1 and all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors):
+            # clones: a view would share (and count) the full batch's storage
+            small = inputs.map_batched(lambda t: t[:half].clone())
+            _, saved_half, _, _, _ = _measure_forward(model, small, units, param_ptrs, [])
+        else:
+            half, small, saved_half = 0, None, {}
+        grads_full = grads_half = {}
+        if measure_backward:
+            grads_full = _measure_backward(model, inputs, order, saved,
+                                           lambda out: batch_loss(out, loss_fn, batch_size, batch_size))
+            if half:
+                grads_half = _measure_backward(model, small, order, saved_half,
+                                               lambda out: batch_loss(out, loss_fn, half, batch_size))
+    finally:
+        model.train(was_training)
+
+    def split_batch(full: dict, halved: dict):
+        """Two points: bytes = constant + per_sample * batch (one point: all per sample)."""
+        per_sample, constant = {}, 0.0
+        for unit in order:
+            value = full.get(unit, 0)
+            if half:
+                slope = max((value - halved.get(unit, 0)) / (batch_size - half), 0.0)
+                per_sample[unit] = slope
+                constant += max(value - slope * batch_size, 0.0)
+            else:
+                per_sample[unit] = value / batch_size
+        return per_sample, constant
+
+    per_sample, constant = split_batch(saved, saved_half)
+    grad_per_sample, _ = split_batch(grads_full, grads_half)
+    unit_flops = _attribute_flops(flops, type(model).__name__, list(order), order)
+
+    ops = []
+    head = _vocab_head(order, by_path)
+    # the head's logits: its last output in the forward (the Linear hooks ran in order)
+    # only a model whose loss runs through the split head's fused cross-entropy never
+    # holds them ([Note: fused head loss] in osdp/contract.py)
+    fused_loss = fuses_head_loss(model)
+    logits = head_out[-1] / batch_size if head is not None and head_out and fused_loss else 0.0
+    axes = {}
+    for path in order:
+        module = by_path[path]
+        axes[path] = _split_axis(module)
+        if path == head:
+            op = vocab_split_op(type(module))
+            axes[path] = (op.op_name, op.axis_length(module))
+    for path, owner in tied.items():
+        # a tied use is split with its owner's slicing ([Note: tied weights] in the cost
+        # model): only when its own op cuts the owner's axis (rows of the same weight)
+        # and it computes with nothing but that weight (the runtime's rule: a module
+        # with a bias of its own, or weights of two owners, cannot follow the slices);
+        # otherwise neither use splits
+        pure = all(owner_of[id(p)] == owner for p in by_path[path].parameters(recurse=False))
+        if not pure or not axes[owner][0] or axes[path][1] != axes[owner][1]:
+            axes[path] = axes[owner] = ("", 0)
+    for path in order:
+        module = by_path[path]
+        own = [p for p in module.parameters(recurse=False) if owner_of[id(p)] == path]
+        split_op, axis = axes[path]
+        splittable = axis >= 2
+        ops.append(
+            OpDesc(
+                name=path,
+                kind=module_kind(module),
+                param_count=sum(p.numel() for p in own),
+                param_bytes=sum(p.numel() * p.element_size() for p in own),
+                act_bytes_per_sample=per_sample.get(path, 0.0),
+                flops_per_sample=unit_flops.get(path, 0.0) / batch_size,
+                splittable=splittable,
+                in_features=axis if splittable else 0,
+                block=_enclosing_block(path, block_names),
+                tied_to=tied.get(path),
+                act_grad_bytes_per_sample=grad_per_sample.get(path, 0.0),
+                split_op=split_op if splittable else "",
+                # what a vocabulary split never holds: the logits, when the described
+                # forward saved them (its loss ran); see [Note: the vocabulary head]
+                logits_bytes_per_sample=logits if logits and path == head and splittable
+                and per_sample.get(path, 0.0) >= logits else 0.0,
+                param_tensors=len(own),
+                tensor_numels=tuple(p.numel() for p in own),
+                # a block's input grows with the batch (no constant part)
+                block_input_bytes_per_sample=min(input_saved.get(path, 0) / batch_size, per_sample.get(path, 0.0)),
+            )
+        )
+    block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})
+    return ModelDesc(
+        name=name or type(model).__name__,
+        ops=tuple(ops),
+        blocks=block_descs,
+        act_constant_bytes=constant,
+    )
+
+
+def _enclosing_block(path: str, blocks: list[str]) -> str | None:
+    for block in blocks:
+        if path == block or path.startswith(block + "."):
+            return block
+    return None
+
+
+def _block_descs(ops, block_names, input_bytes_per_sample) -> tuple[BlockDesc, ...]:
+    result = []
+    for block in block_names:
+        idx = [i for i, op in enumerate(ops) if op.block == block]
+        if not idx:
+            continue
+        if idx != list(range(idx[0], idx[-1] + 1)):
+            raise OSDPError(f"block {block!r} does not run as one contiguous piece; it cannot be checkpointed")
+        result.append(BlockDesc(block, idx[0], len(idx), input_bytes_per_sample.get(block, 0.0)))
+    return tuple(sorted(result, key=lambda b: b.first_op))
+
+
+def with_dtype(desc: ModelDesc, param_bytes_per_element: int) -> ModelDesc:
+    """The same model with weights gathered in another dtype (e.g. 2 for bf16)."""
+    return replace(
+        desc,
+        ops=tuple(replace(op, param_bytes=op.param_count * param_bytes_per_element) for op in desc.ops),
+    )
