@@ -13,7 +13,6 @@ the budget plus 20%.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import tempfile
@@ -22,7 +21,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, spawn  # noqa: E402
+from common import ROOT, spawn, write_csv  # noqa: E402
 
 os.environ.setdefault("OSDP_MEMORY_CHECK", "0")
 import osdp  # noqa: E402
@@ -76,11 +75,7 @@ def main(argv=None) -> int:
         if row["cuts"]:
             print(f"       cut: {row['cuts']}")
     if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        write_csv(args.csv, rows)
     return 0
 
 

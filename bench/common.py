@@ -2,6 +2,7 @@
 (OSDP, FSDP2 ZeRO-3 and ZeRO-2, DDP), one training step, and measured peak memory."""
 from __future__ import annotations
 
+import csv
 import math
 import os
 import statistics
@@ -27,6 +28,16 @@ from osdp.memtrack import LiveBytesTracker  # noqa: E402
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
 
 PEERS = ("osdp", "fsdp_zero3", "fsdp_zero2", "ddp", "osdp_ckpt", "fsdp_zero3_ckpt")
+
+
+def write_csv(path, rows: list[dict]) -> None:
+    """``rows`` (dicts with the same keys) as a CSV at ``path``, its folder made."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
 
 
 def device_for(rank: int) -> torch.device:

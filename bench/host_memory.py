@@ -19,7 +19,6 @@ its ratio to FSDP2's. Targets (issue 32): OSDP given a plan <= 1.05x FSDP2, auto
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import resource
 import statistics
@@ -30,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import ROOT, spawn  # noqa: E402,F401
+from common import ROOT, spawn, write_csv  # noqa: E402,F401
 
 os.environ.setdefault("OSDP_MEMORY_CHECK", "0")
 import osdp  # noqa: E402
@@ -168,12 +167,7 @@ def main(argv=None) -> int:
           f"{med['osdp_auto'][0] / base[0]:.3f}x); auto mode <= 1.2x training under the plan it chose: "
           f"{med['osdp_auto'][0] / med['osdp_chosen'][0]:.3f}x")
     if args.csv:
-        os.makedirs(os.path.dirname(args.csv), exist_ok=True)
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {args.csv}")
+        write_csv(args.csv, rows)
     return 0
 
 

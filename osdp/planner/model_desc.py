@@ -377,20 +377,9 @@ def describe_tensors(
     measure_backward: bool = True,
     loss_fn: LossFn | None = None,
 ) -> ModelDesc:
-    """Describe ``model`` by running one forward of ``example_inputs`` (twice when the
-    batch can be halved, to separate per-sample bytes from constant ones).
-
-    ``example_inputs``: a tuple of positional arguments, a dict of keyword arguments
-    (Hugging Face: ``{"input_ids": x, "labels": y}``), ``ExampleInputs(args, kwargs)`` or
-    one tensor; see [Note: example inputs and the loss] in ``osdp/planner/inputs.py``.
-    ``blocks``: module paths that may be checkpointed (default: children of every
-    ModuleList). ``batch_size``: the batch of ``example_inputs`` (default: dim 0 of the
-    first tensor). ``measure_backward``: also run a backward to measure each unit's
-    backward transients; its loss is ``loss_fn(output)`` when given, else
-    ``output.loss`` (a ``ModelOutput``) or the output tensor (its sum if not a scalar).
-    The tensors are measured as they are (real, or fake under a ``FakeTensorMode``):
-    ``osdp.planner.description.describe`` picks fake tensors for a meta model.
-    """
+    """``osdp.planner.description.describe`` on the tensors as they are (real, or fake
+    under a ``FakeTensorMode``); the arguments are ``describe``'s, which picks fake
+    tensors for a meta model."""
     inputs = as_example_inputs(example_inputs)
     tensors = inputs.tensors()
     if batch_size is None:
