@@ -21,6 +21,7 @@ node size ([Note: plan and layout] in osdp/contract.py).
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -34,6 +35,7 @@ from ..contract import LAYOUT_FULL, LAYOUTS, MODE_REP, MODES, SHARDED_MODES, Run
 from ..errors import OSDPError, PlanMismatchError, a_type
 from ..sizes import format_bytes
 from .calibration import Measurement
+from .calibration_record import CalibrationRecord
 from .checks import read_json_file
 
 PLAN_VERSION = 1
@@ -123,11 +125,18 @@ class Plan:
     measured: dict = field(default_factory=dict)
     # auto mode's calibration (osdp/auto.py): the factors fitted, why, the predictions
     # per phase and unit group, and the other plan measured when a re-plan was tried
-    calibration: dict = field(default_factory=dict)
+    # ([Note: calibration record] in osdp/planner/calibration_record.py); the empty
+    # record (falsy, written {}) when not calibrated. A dict or None given here is
+    # read as the record (CalibrationRecord.from_dict).
+    calibration: CalibrationRecord = field(default_factory=CalibrationRecord)
     # the loss auto mode assumed when it was given no loss_fn ([Note: example inputs and the
     # loss] in osdp/planner/inputs.py): the memory the plan promises is for that loss; ""
     # when the loss was the caller's (loss_fn, output.loss) or the plan was made otherwise
     assumed_loss: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.calibration, CalibrationRecord):
+            object.__setattr__(self, "calibration", CalibrationRecord.from_dict(self.calibration))
 
     @property
     def layout(self) -> str:
@@ -205,6 +214,7 @@ class Plan:
         data = asdict(self)
         data["units"] = [dict(asdict(u), modes=list(u.modes), slices=u.slices) for u in self.units]
         data["notes"] = list(self.notes)
+        data["calibration"] = copy.deepcopy(self.calibration.to_dict())
         return data
 
     @classmethod
@@ -247,8 +257,9 @@ class Plan:
             rounding_bound_bytes=_size(data, "rounding_bound_bytes", False) if "rounding_bound_bytes" in data else 0.0,
             assumed_loss=_field(data, "assumed_loss", str, "a string", default=""),
         )
-        for name in ("measured", "calibration"):
-            fields_[name] = _field(data, name, dict, "an object", default={})
+        fields_["measured"] = _field(data, "measured", dict, "an object", default={})
+        fields_["calibration"] = CalibrationRecord.from_dict(_field(data, "calibration", dict, "an object",
+                                                                    default={}))
         if fields_["measured"]:
             Measurement.from_dict(fields_["measured"], "plan field 'measured'")  # checked, kept as JSON
         if fields_.get("gradient_sync", "last") not in ("every", "last"):
@@ -469,8 +480,8 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
         lines.append(f"  measured on the runtime: step {m['step_s'] * 1e3:.2f} ms "
                      f"({plan.batch_size * plan.accumulation_steps * plan.world_size / m['step_s']:.2f} samples/s), "
                      f"peak {format_bytes(m['peak_bytes'])}" + (f" ({m['peak_source']})" if m.get("peak_source") else ""))
-    if plan.calibration.get("decision"):
-        lines.append(f"  calibration: {plan.calibration['decision']}")
+    if plan.calibration.decision:
+        lines.append(f"  calibration: {plan.calibration.decision}")
     for key, label in (("fsdp", "FSDP full shard (all zdp)"), ("shard_grad_op", "shard-grad-op (all dp)"),
                        ("ddp", "DDP (all rep)"), ("fsdp_ckpt", "FSDP + checkpointing")):
         if key not in plan.baselines:
