@@ -44,7 +44,7 @@ def run(rank: int, world: int, name: str, limit: str, budget: float, cache_dir: 
                             auto_kwargs={"budget_s": budget, "cache_dir": cache_dir})
         out[attempt] = time.perf_counter() - started
         out["batch"] = wrapped.batch_size
-        out["cuts"] = (wrapped.plan.calibration or {}).get("budget", {}).get("cuts", [])
+        out["cuts"] = (wrapped.plan.calibration.budget or {}).get("cuts", [])
         del wrapped, model
     return out
 

@@ -152,7 +152,7 @@ def _summary(plan) -> str:
     dp = sum(m == "dp" for u in plan.units for m in u.modes)
     slices = sum(len(u.modes) for u in plan.units)
     split = sum(u.slices > 1 for u in plan.units)
-    choice = (plan.calibration or {}).get("measured_choice", {})
+    choice = plan.calibration.measured_choice or {}
     kept = next((i for i, c in enumerate(choice.get("candidates", [])) if c["plan"] == choice.get("kept")), 0)
     return (f"{dp}/{slices} slices dp, {split} units split, {len(plan.checkpoint_blocks)} blocks checkpointed; "
             f"measured choice kept candidate {kept} of {len(choice.get('candidates', [])) or 1}")

@@ -18,6 +18,7 @@ from .planner import calibration as cal
 from .planner.cost_model import PlannerSettings
 from .planner.device import DeviceInfo
 from .planner.inputs import as_example_inputs, auto_mode_loss
+from .planner.calibration_record import CalibrationRecord
 from .planner.plan import Plan
 from .planner.planner import make_plan
 from .profiler import profile
@@ -205,10 +206,10 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
             plan = calibrate_plan(desc, hardware, device, plan, measure, reference=reference, settings=settings,
                                   batch=batch, global_batch=global_batch, backend=backend,
                                   process_group=process_group)
-            log.info("calibration: %s", (plan.calibration or {}).get("decision", "-"))
+            log.info("calibration: %s", plan.calibration.decision or "-")
             plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
                                    global_batch=global_batch, backend=backend, process_group=process_group)
-            plan = replace(plan, calibration={**(plan.calibration or {}), "budget": budget.record()},
+            plan = replace(plan, calibration=plan.calibration.with_(budget=budget.record()),
                            assumed_loss=getattr(loss_fn, "assumed", ""))
             cache.put(key, plan)
         plan = replace(plan, assumed_loss=getattr(loss_fn, "assumed", ""))
@@ -369,17 +370,18 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
     # every measurement at its own batch: compute grows with the batch, the runtime's
     # per-unit overhead does not, so measurements at several batches tell them apart
     observations = [(plan, first)] + [(p, m) for p, m in reference if m is not first]
-    info = {"factors": asdict(device.calibration), "memory_bandwidth_bytes_per_s": device.memory_bandwidth_bytes_per_s,
-            "constant_bytes": device.constant_bytes}
+    info = CalibrationRecord().with_(factors=asdict(device.calibration),
+                                     memory_bandwidth_bytes_per_s=device.memory_bandwidth_bytes_per_s,
+                                     constant_bytes=device.constant_bytes)
     reasons = decide_on_rank0(lambda: cal.reasons_to_refit(plan, first, margin), group)
-    info["reasons"] = reasons
+    info = info.with_(reasons=reasons)
     used = {id(m) for _, m in observations}
-    info["observations"] = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "measured": m.to_dict(),
-                             "refitted_to": id(m) in used}
-                            for p, m in [(plan, first)] + [(p, m) for p, m in reference if m is not first]]
+    info = info.with_(observations=[{"plan": p.plan_hash(), "batch_size": p.batch_size, "measured": m.to_dict(),
+                                     "refitted_to": id(m) in used}
+                                    for p, m in [(plan, first)] + [(p, m) for p, m in reference if m is not first]])
     if not reasons:
-        return _annotated(plan, first, {**info, "decision": "kept: the model predicted it within 5% and with room "
-                                                            "below the limit", **cal.predictions(desc, device, plan)})
+        return _annotated(plan, first, info.with_(decision="kept: the model predicted it within 5% and with room "
+                                                           "below the limit", **cal.predictions(desc, device, plan)))
     def refit_and_replan():
         fitted = cal.refit(desc, hardware, observations)
         replan = make_plan(desc, fitted, settings, batch=batch, backend=backend, global_batch=global_batch)
@@ -389,20 +391,21 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
         outcome = decide_on_rank0(refit_and_replan, group)
     except OSDPError as exc:
         log.warning("calibration could not re-plan (%s); keeping the plan", exc)
-        return _annotated(plan, first, {**info, "decision": f"kept: re-planning failed ({exc})",
-                                        **cal.predictions(desc, device, plan)})
+        return _annotated(plan, first, info.with_(decision=f"kept: re-planning failed ({exc})",
+                                                  **cal.predictions(desc, device, plan)))
     fitted = DeviceInfo.from_dict(outcome["device"], "calibrated device")
-    info.update(factors=asdict(fitted.calibration), memory_bandwidth_bytes_per_s=fitted.memory_bandwidth_bytes_per_s,
-                constant_bytes=fitted.constant_bytes)
+    info = info.with_(factors=asdict(fitted.calibration),
+                      memory_bandwidth_bytes_per_s=fitted.memory_bandwidth_bytes_per_s,
+                      constant_bytes=fitted.constant_bytes)
     replan = Plan.from_dict(outcome["replan"])
     if replan.plan_hash() == plan.plan_hash():
-        return _annotated(replan, first, {**info, "decision": "kept: the re-plan on the refitted model is the same plan",
-                                          **cal.predictions(desc, fitted, replan)})
+        return _annotated(replan, first, info.with_(decision="kept: the re-plan on the refitted model is the same plan",
+                                                    **cal.predictions(desc, fitted, replan)))
     budget = getattr(measure, "budget", None)
     if not decide_on_rank0(lambda: budget is None or bool(budget.affordable([plan, replan], "calibration's re-plan")),
                            group):
-        return _annotated(plan, first, {**info, "decision": "kept: the re-plan was not measured (the planning "
-                                        "budget was spent)", **cal.predictions(desc, device, plan)})
+        return _annotated(plan, first, info.with_(decision="kept: the re-plan was not measured (the planning "
+                                                  "budget was spent)", **cal.predictions(desc, device, plan)))
     # both measured again, one after the other ([Note: one trial at a time])
     first, second = measure([plan, replan])
 
@@ -413,8 +416,8 @@ def calibrate_plan(desc, hardware, device, plan: Plan, measure, *, reference=Non
         decision = (f"re-planned: the re-plan measured {samples[0]:.2f} samples/s against {samples[1]:.2f}"
                     if keep_replan else
                     f"kept: the re-plan measured {samples[1]:.2f} samples/s against the plan's {samples[0]:.2f}")
-        extra = {**info, "decision": decision, "other": {"plan": other[0].to_dict(), "measured": other[1].to_dict()},
-                 **cal.predictions(desc, fitted, chosen[0])}
+        extra = info.with_(decision=decision, other={"plan": other[0].to_dict(), "measured": other[1].to_dict()},
+                           **cal.predictions(desc, fitted, chosen[0]))
         return _annotated(chosen[0], chosen[1], extra).to_dict()
 
     return Plan.from_dict(decide_on_rank0(choose, group))
@@ -433,5 +436,5 @@ def plan_summary(plan: Plan) -> str:
     return ", ".join(parts)
 
 
-def _annotated(plan: Plan, measured, calibration: dict) -> Plan:
+def _annotated(plan: Plan, measured, calibration: CalibrationRecord) -> Plan:
     return replace(plan, measured=measured.to_dict(), calibration=calibration)

@@ -7,7 +7,6 @@ from dataclasses import replace
 from .errors import OSDPError
 from .planner import calibration as cal
 from .planner.cost_model import PlannerSettings
-from .planner.device import Calibration
 from .planner.plan import Plan
 from .planner.planner import make_plan
 from .rank_agreement import decide_on_rank0, is_rank0
@@ -17,12 +16,12 @@ from .sizes import format_bytes
 def calibrated_device(device, plan: Plan):
     """``device`` with the factors, optimizer bandwidth and memory constant that
     calibration recorded on ``plan`` (the device the plan was made on)."""
-    info = plan.calibration or {}
-    if "factors" not in info:
+    record = plan.calibration
+    if record.factors is None:
         return device
-    return device.with_(calibration=Calibration.from_dict(info["factors"]),
-                       memory_bandwidth_bytes_per_s=info["memory_bandwidth_bytes_per_s"],
-                       constant_bytes=info["constant_bytes"])
+    return device.with_(calibration=record.factors_calibration(),
+                       memory_bandwidth_bytes_per_s=record.memory_bandwidth_bytes_per_s,
+                       constant_bytes=record.constant_bytes)
 
 
 def _plan_within(desc, device, settings, limit: float, planning_limit: float, note: str, **kwargs) -> Plan | None:
@@ -300,15 +299,15 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
         rows = [{"plan": p.plan_hash(), "batch_size": p.batch_size, "checkpoint_blocks": len(p.checkpoint_blocks),
                  "notes": list(p.notes), "samples_per_s": _samples_per_s((p, m)), "peak_bytes": m.peak_bytes}
                 for p, m in measured]
-        info = dict(plan.calibration or {})
-        info["measured_choice"] = {"candidates": rows, "kept": chosen.plan_hash()}
+        choice = {"candidates": rows, "kept": chosen.plan_hash()}
+        if tiebreak is not None:
+            choice["tiebreak"] = tiebreak_row
+        info = plan.calibration.with_(measured_choice=choice)
         if chosen.plan_hash() != plan.plan_hash():
             # the report sets these predictions beside the kept plan's measurement: they
             # must be its own, not the calibrated plan's (the demo printed the b18 plan's
             # 841 ms beside the b9 plan's measured 392 ms)
-            info.update(cal.predictions(desc, device, chosen))
-        if tiebreak is not None:
-            info["measured_choice"]["tiebreak"] = tiebreak_row
+            info = info.with_(**cal.predictions(desc, device, chosen))
         return replace(chosen, measured=result.to_dict(), calibration=info).to_dict()
 
     return Plan.from_dict(decide_on_rank0(choose, group))

@@ -5,7 +5,7 @@ Auto mode measures on the machine it plans for (the profile, then plans wrapped 
 trained for a few steps), and a measured step at the batch the planner likes best can
 take seconds (a CPU run at a 20 GiB limit picked batches in the hundreds). So it works
 within ``budget_s`` (default a minute; ``auto_kwargs={"budget_s": ...}``), counted from
-its start (the profile included), and cuts, in this order, each time saying so (``plan.calibration["budget"]``
+its start (the profile included), and cuts, in this order, each time saying so (``plan.calibration.budget``
 and a progress line):
 
 0. the profile's compute timing (a real model's units, at the example batch and smaller

@@ -10,7 +10,7 @@ import pytest
 
 PLANNER = ["osdp.planner." + m for m in (
     "description", "gpt_desc", "checks", "cluster", "run", "device", "cost_model", "search", "search_problem",
-    "batch_sweep", "plan", "planner", "step_sim", "rerank", "inputs", "calibration", "profile_cache", "uniform_plan",
+    "batch_sweep", "plan", "planner", "step_sim", "rerank", "inputs", "calibration", "calibration_record", "profile_cache", "uniform_plan",
     "fake_describe", "collective_cost", "llama_desc", "model_desc",
 )] + ["osdp.planner.cost_model." + m for m in (
     "settings", "unit_bytes", "units", "replicate", "static", "timing", "prefetch", "options", "problem", "template",

@@ -505,16 +505,16 @@ def format_report(plan) -> str:
     """Predicted beside measured, per phase and per unit group (``OSDP.report()``)."""
     if plan is None:
         return "no plan: nothing was predicted (OSDP was given modes by hand)"
-    info = plan.calibration or {}
+    info = plan.calibration  # a CalibrationRecord ([Note: calibration record])
     measured = plan.measured or {}
-    phases = info.get("predicted_phases") or predicted_phases(plan)
-    step = info.get("predicted_step_s") or predicted_step_s(plan)
+    phases = info.predicted_phases or predicted_phases(plan)
+    step = info.predicted_step_s or predicted_step_s(plan)
     lines = [f"OSDP report for {plan.model_name}: batch {plan.batch_size}/device, world size {plan.world_size}"]
-    if info.get("decision"):
-        lines.append(f"  calibration: {info['decision']}")
-    for reason in info.get("reasons", []):
+    if info.decision:
+        lines.append(f"  calibration: {info.decision}")
+    for reason in info.reasons or ():
         lines.append(f"    why: {reason}")
-    choice = info.get("measured_choice") or {}
+    choice = info.measured_choice or {}
     if choice.get("candidates"):
         kept = next((c for c in choice["candidates"] if c["plan"] == choice.get("kept")), None)
         if kept is not None and kept is not choice["candidates"][0]:
@@ -523,8 +523,8 @@ def format_report(plan) -> str:
                          "predictions below are its own")
         elif kept is not None:
             lines.append(f"  measured choice: kept this plan, the best of {len(choice['candidates'])} measured")
-    if info.get("factors"):
-        f = {**asdict(Calibration()), **info["factors"]}
+    if info.factors:
+        f = {**asdict(Calibration()), **info.factors}
         lines.append(f"  fitted: compute scale {f['compute_scale']:.3f} forward, "
                      f"{f['backward_compute_scale']:.3f} backward, unit overhead {f['unit_overhead_s'] * 1e6:.1f} us, "
                      f"overlap efficiency {f['overlap_efficiency']:.2f}, comm scale {f['comm_scale']:.2f}, learned memory constant "
@@ -547,7 +547,7 @@ def format_report(plan) -> str:
                  f"{format_bytes(peak) if peak is not None else '-':>10} "
                  + (f"{plan.predicted.peak_bytes / peak - 1:+8.1%}" if peak else "")
                  + f"   (limit {format_bytes(plan.memory_limit_bytes)})")
-    groups_p = info.get("predicted_groups") or {}
+    groups_p = info.predicted_groups or {}
     groups_m = measured.get("groups") or {}
     if groups_p or groups_m:
         lines.append(f"  {'unit group (forward ms)':<30} {'predicted':>10} {'measured':>10} {'error':>8}")

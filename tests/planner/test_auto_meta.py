@@ -40,7 +40,7 @@ def test_auto_mode_on_meta_initializes_as_a_plain_build_and_trains(tmp_path, cap
     lines = [r.getMessage() for r in caplog.records if r.name.startswith("osdp")]
     for stage in ("described", "measured plan 1:", "planned:", "calibration:", "picked:"):
         assert any(line.startswith(stage) for line in lines), (stage, lines)
-    budget = wrapped.plan.calibration["budget"]
+    budget = wrapped.plan.calibration.budget
     assert budget["budget_s"] == 20 and budget["spent_s"] > 0
     optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
     for step in range(2):
@@ -73,7 +73,7 @@ def test_a_restarted_job_takes_the_measured_plan_from_the_cache(tmp_path, monkey
 def test_a_spent_budget_caps_the_batch_and_says_what_it_cut(tmp_path):
     torch.manual_seed(0)
     wrapped = auto(meta_gpt(), tmp_path, budget_s=0.01, use_plan_cache=False)
-    cuts = wrapped.plan.calibration["budget"]["cuts"]
+    cuts = wrapped.plan.calibration.budget["cuts"]
     assert any(cut.startswith("batch capped at") for cut in cuts), cuts
     assert wrapped.plan.measured  # the plan handed out was measured all the same
 

@@ -9,6 +9,7 @@ import pytest
 from osdp.models import GPTConfig
 from osdp.planner import calibration as cal
 from osdp.planner.calibration import Measurement, PhaseTerms, fit_factors, reasons_to_refit
+from osdp.planner.calibration_record import CalibrationRecord
 from osdp.planner.cluster import load_cluster
 from osdp.planner.cost_model import PlannerSettings, build_template, coalesced_latency_shares, evaluate
 from osdp.planner.description import ModelDesc, OpDesc
@@ -228,7 +229,7 @@ def test_plans_with_measurements_round_trip_and_old_files_load(tmp_path):
     data["settings"].pop("coalesce_bytes")
     path.write_text(json.dumps(data))
     old = Plan.load(path, fingerprint=desc.fingerprint())
-    assert old.measured == {} and old.calibration == {} and old.predicted.phases is None
+    assert old.measured == {} and old.calibration == CalibrationRecord() and old.predicted.phases is None
     assert old.plan_hash() == plan.plan_hash()
     assert "not measured" in cal.format_report(old)
     # a measurement with a wrong field is named
@@ -302,9 +303,9 @@ def test_auto_mode_calibrates_on_every_rank_alike(tmp_path):
     assert m.step_s > 0 and m.forward_s > 0 and m.backward_s > 0 and m.optimizer_s > 0 and m.peak_bytes > 0
     assert m.step_s == pytest.approx(m.forward_s + m.backward_s + m.optimizer_s)  # one step's phases
     assert m.batch_size == plan.batch_size and m.groups
-    assert plan.calibration["decision"]
+    assert plan.calibration.decision
     # step 1 measured FSDP at the example batch before planning; its measurement is kept
-    assert any(o["batch_size"] == 4 for o in plan.calibration["observations"])
+    assert any(o["batch_size"] == 4 for o in plan.calibration.observations)
     # the report prints predicted and measured side by side, per phase and unit group
     assert a["report"] == a["printed"].rstrip("\n")
     for phase in ("forward", "backward", "optimizer", "step"):
@@ -316,12 +317,12 @@ def test_auto_mode_calibrates_on_every_rank_alike(tmp_path):
     assert a["chosen"] == b["chosen"] and a["seen"] == b["seen"]
     chosen = Plan.from_dict(a["chosen"])
     info = chosen.calibration
-    assert info["reasons"] and "factors" in info
-    assert info["factors"]["compute_scale"] != 1.0 or info["factors"]["backward_compute_scale"] != 1.0
+    assert info.reasons and info.factors is not None
+    assert info.factors["compute_scale"] != 1.0 or info.factors["backward_compute_scale"] != 1.0
     # the first plan (half the batch) measured 20x slower than the re-plan: the re-plan
     # is a different plan, measured, and kept (more samples/s)
     # the plan; then the plan and the re-plan side by side
     assert len(a["seen"]) == 3 and len(set(a["seen"])) == 2 and a["seen"][0] == a["seen"][1]
-    assert info["decision"].startswith("re-planned"), info["decision"]
-    assert chosen.plan_hash() == a["seen"][-1] and chosen.measured and "other" in info
-    assert info["predicted_phases"] and info["predicted_groups"]
+    assert info.decision.startswith("re-planned"), info.decision
+    assert chosen.plan_hash() == a["seen"][-1] and chosen.measured and info.other is not None
+    assert info.predicted_phases and info.predicted_groups

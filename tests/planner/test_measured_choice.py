@@ -142,7 +142,7 @@ def test_a_faster_alternative_that_fits_by_measurement_is_kept():
     tiebreak = seen[2:]
     assert tiebreak == [] or (len(tiebreak) == 2 and tiebreak[0] == tiebreak[1] and len(tiebreak[0]) == 2)
     # every alternative measured twice as fast as the plan: the one with the most samples/s
-    record = chosen.calibration["measured_choice"]
+    record = chosen.calibration.measured_choice
     best = max(record["candidates"][1:], key=lambda c: c["samples_per_s"])
     assert chosen.plan_hash() == best["plan"] != plan.plan_hash()
     assert best["samples_per_s"] > record["candidates"][0]["samples_per_s"]
@@ -150,14 +150,14 @@ def test_a_faster_alternative_that_fits_by_measurement_is_kept():
     assert Measurement.from_dict(chosen.measured).step_s == 0.05
     assert record["kept"] == chosen.plan_hash()
     assert len(record["candidates"]) == 1 + len(seen[0]) - 1 + len(seen[1]) - 1
-    assert chosen.calibration["decision"] == "kept"  # what calibration said stays
+    assert chosen.calibration.decision == "kept"  # what calibration said stays
     # the predictions the report sets beside that measurement are the kept plan's own
     from osdp.measured_choice import calibrated_device
     from osdp.planner import calibration as cal
 
     desc, device, _, _ = _setup()
     device = calibrated_device(device, plan)
-    assert chosen.calibration["predicted_step_s"] == cal.simulate(cal.assignment_of(desc, device, chosen), device).step_s
+    assert chosen.calibration.predicted_step_s == cal.simulate(cal.assignment_of(desc, device, chosen), device).step_s
     assert "measured choice: kept another plan" in cal.format_report(chosen)
 
 
@@ -218,7 +218,7 @@ def test_two_schedules_measured_close_are_timed_again_and_the_faster_over_those_
     pairs = [[bool(p.checkpoint_blocks) for p in c] for c in calls[2:]]
     assert all(sorted(pair) == [False, True] for pair in pairs)  # one of each side, again and again
     assert chosen.checkpoint_blocks
-    record = chosen.calibration["measured_choice"]["tiebreak"]
+    record = chosen.calibration.measured_choice["tiebreak"]
     assert record["kept"] == chosen.plan_hash() and record["repeats"] == TIEBREAK_REPEATS
     # without the tiebreak the plan without checkpointing would have been kept (2% more samples/s)
     assert Measurement.from_dict(chosen.measured).step_s == pytest.approx(0.090 * chosen.batch_size / 13)
