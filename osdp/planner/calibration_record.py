@@ -185,7 +185,7 @@ class CalibrationRecord:
             object.__setattr__(self, name, _CHECKS[name](name, getattr(self, name)))
 
     # ---- building ----------------------------------------------------------------------
-    def with_(self, **changes) -> "CalibrationRecord":
+    def with_(self, **changes) -> CalibrationRecord:
         """The record with ``changes`` set, as a dict's ``update``: a key already present
         keeps its place, a new one goes last. Unknown keys go to ``extra``."""
         values = {f: getattr(self, f) for f in _CHECKS}
@@ -210,7 +210,7 @@ class CalibrationRecord:
         return out
 
     @classmethod
-    def from_dict(cls, data) -> "CalibrationRecord":
+    def from_dict(cls, data) -> CalibrationRecord:
         """A record from its JSON object, every known key checked; None or {}: the empty record."""
         if data is None:
             return cls()
