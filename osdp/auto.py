@@ -24,7 +24,7 @@ from .planner.planner import make_plan
 from .profiler import profile
 from .planner.uniform_plan import uniform_plan
 from .profiler import TrialPool, measure_plans
-from .rank_agreement import check_same_plan, decide_on_rank0, is_rank0
+from .rank_agreement import broadcast_from_rank0, check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
 from .planning_budget import DEFAULT_BUDGET_S, PROFILE_SHARE, PlanningBudget, predicted_step_s, show_progress
 from .runtime.materialize import has_meta, meta_skeleton
@@ -209,7 +209,9 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
             log.info("calibration: %s", plan.calibration.decision or "-")
             plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
                                    global_batch=global_batch, backend=backend, process_group=process_group)
-            plan = replace(plan, calibration=plan.calibration.with_(budget=budget.record()),
+            # rank 0's record: the cuts are its decisions, and every rank's clock differs
+            record = broadcast_from_rank0(budget.record(), process_group)
+            plan = replace(plan, calibration=plan.calibration.with_(budget=record),
                            assumed_loss=getattr(loss_fn, "assumed", ""))
             cache.put(key, plan)
         plan = replace(plan, assumed_loss=getattr(loss_fn, "assumed", ""))
