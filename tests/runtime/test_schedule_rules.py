@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -161,6 +162,25 @@ def test_uniform_plans_issue_the_same_collectives(fake_world, zdp_slices, checkp
     runtime, simulated = _replay(config, desc, device, plan)
     _assert_same(runtime, simulated)
     assert any(kind == "gather" and len(names) > 1 for kind, names in runtime)
+
+
+@pytest.mark.parametrize("fake_world", [16], indirect=True)
+def test_riders_stop_where_the_gather_level_changes(fake_world):
+    """Two nodes of 8: the LayerNorms alternate hpz (ln_1: gathered again from node
+    copies in backward) and zdp (ln_2: from the shards). Forward gathers them all in one
+    collective (all from shards); backward cannot mix levels, so each gathers alone. The
+    simulation before schedule_rules grouped the backward ones as in forward."""
+    config, desc, device = _setup(fake_world)
+    plan = make_plan(desc, device, PlannerSettings(max_slices=4, rep_units=()))
+    assert plan.node_size == 8
+    plan = replace(plan, units=tuple(
+        replace(u, modes=("hpz",) if u.name.endswith("ln_1") else ("zdp",)) if ".ln_" in u.name else u
+        for u in plan.units))
+    runtime, simulated = _replay(config, desc, device, plan)
+    _assert_same(runtime, simulated)
+    ln_gathers = [names for kind, names in runtime if kind == "gather" and any(".ln_" in n for n in names)]
+    assert len(ln_gathers[0]) == 9  # forward: every LayerNorm in one all-gather
+    assert ln_gathers[1:] == [(f"blocks.{b}.{ln}",) for b in (3, 2, 1, 0) for ln in ("ln_2", "ln_1")]
 
 
 # ---- the pure rules ---------------------------------------------------------------------
