@@ -14,7 +14,10 @@ Every number comes from the cost model: per-op forward/backward compute from
 gradient bytes from ``gathered_bytes`` / ``reduced_bytes``, collective times from the
 device's ``CollectiveCost.time_s``, the optimizer from ``optimizer_step_s``. What is
 simulated is the runtime's ORDER of things, from the second step on (the use order is
-recorded; small units are coalesced):
+recorded; small units are coalesced). The decisions themselves (the prefetch walk, the
+riders of a gather, when deferred gradients and replicated buckets are reduced, how many
+reductions stay in flight) are ``osdp.schedule_rules``' functions, the very ones the
+runtime calls (tests/runtime/test_schedule_rules.py replays a real run against this):
 
 - units: an unsplit op is one unit, a split op's g slices are g units (slices 0..k-1
   ``zdp``, the next h ``hpz``, the rest ``dp``, as ``plan_from_schedule`` writes them;
@@ -33,17 +36,20 @@ recorded; small units are coalesced):
 - coalesced small units ([Note: coalesced small units]): a whole-module unit (not a
   slice) with gathered bytes <= coalesce_bytes // 4, issued with a known order, takes
   the next small still-sharded units of the order along (skipping big ones) up to
-  coalesce_bytes in total and while the window has room: ONE all-gather of their summed
-  bytes, one latency. Small units' gradients wait until coalesce_bytes of them are
-  pending, or the end of backward, and are reduced in one collective.
+  coalesce_bytes in total and while the window has room, stopping at a unit of another
+  gathered dtype (bytes per element) or level (an ``hpz`` unit after its forward gathers
+  from its node copy): ONE all-gather of their summed bytes, one latency. Small units'
+  gradients wait until coalesce_bytes of them are pending, or the end of backward, and
+  are reduced in one collective per reduce dtype.
 - replicated units ([Note: replicated units] in osdp/contract.py; the template's rep
   set): never gathered, no unit of the gather order (prefetch and coalescing skip them);
   after a rep unit's last use in backward its gradient joins the replicated bucket, which
   is all-reduced (collective_cost.py's ``all_reduce_s``, over every rank, one latency)
   once it holds >= REPLICATE_BUCKET_BYTES and at the end of backward (after the sharded
-  units' last reductions), on the comm stream; at most MAX_INFLIGHT_REPLICATE_BUCKETS in
-  flight, issuing one more waits for the oldest (the compute stream stalls), a queue of
-  its own apart from the reduce-scatters'.
+  units' last reductions), on the comm stream, one bucket per (reduce, parameter) dtype
+  pair; at most MAX_INFLIGHT_REPLICATE_BUCKETS in flight, issuing one more waits for the
+  oldest first (the compute stream stalls), a queue of its own apart from the
+  reduce-scatters'.
 - gradient reduction: at most one in flight (``max_inflight_reduce_scatters``); issuing
   one more waits for the oldest, and that wait blocks the compute stream. The end of
   backward waits for all. With ``all_reduce=True`` the gradient collective is an
@@ -77,7 +83,7 @@ or Python overhead and CPU contention between compute and gloo's threads, NCCL's
 comm streams (all-gather and reduce-scatter can overlap on CUDA; here they share one),
 bandwidth sharing between concurrent collectives, unit padding to a multiple of the
 world size, uneven split slices, checkpoint early stop (the whole block is recomputed),
-frozen units, dtype groups in coalescing (all units gather in one dtype), and memory:
+frozen units, and memory:
 whether a plan fits is the cost model's ``evaluate``.
 """
 from __future__ import annotations

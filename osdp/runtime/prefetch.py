@@ -1,6 +1,8 @@
 """PrefetchPolicy: the recorded use order, the prefetch window, and which small units
 ride along in one collective. It decides *what* to gather *when*; the gathering itself
-is :class:`~osdp.runtime.lifecycle.UnitLifecycle`'s.
+is :class:`~osdp.runtime.lifecycle.UnitLifecycle`'s. The decisions are
+``osdp.schedule_rules``' ``prefetch_walk`` and ``riders``, which the planner's step
+simulation calls too (one copy of each rule; tests/runtime/test_schedule_rules.py).
 
 [Note: prefetch window]
 The order of unit uses is recorded in the first forward with grad enabled and assumed

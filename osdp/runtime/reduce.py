@@ -1,6 +1,8 @@
 """GradReducer: unsharded gradient buffers, the reduce-scatter queue, coalesced
 reductions of small units, the replicated buckets of ``rep`` units, and accumulation
-across micro-batches.
+across micro-batches. When a group or bucket is issued and how many stay in flight are
+``osdp.schedule_rules``' decisions (``group_full``, ``by_key``, ``waits_after_issue``,
+``waits_before_issue``), shared with the planner's step simulation.
 
 [Note: unsharded gradients]
 A unit's unsharded gradient buffer lives from its first backward use until its
