@@ -19,7 +19,8 @@ tests/test_boundaries.py checks that it never imports torch, the runtime or the 
 """
 from __future__ import annotations
 
-from typing import Callable, Hashable, Iterable, Iterator, Sequence, TypeVar
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from typing import TypeVar
 
 U = TypeVar("U")
 

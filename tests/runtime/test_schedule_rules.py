@@ -252,6 +252,6 @@ def test_in_flight_queues():
 
 def test_the_rules_import_nothing_but_the_standard_library():
     code = "import sys, osdp.schedule_rules; print(sorted(m for m in sys.modules if m.startswith(('osdp', 'torch', 'numpy'))))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "['osdp', 'osdp.schedule_rules']"
