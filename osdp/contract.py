@@ -14,6 +14,11 @@ depends on is written here, once).
 - how a weight shared by two modules (a tied embedding and LM head) is named and split,
   [Note: tied row split].
 
+The scheduling DECISIONS built on these constants (the prefetch walk, which small units
+ride along, when a coalesced reduction or a replicated bucket is issued, how many stay in
+flight) are functions in ``osdp/schedule_rules.py`` (torch-free), called by the runtime
+and by the planner's step simulation alike.
+
 [Note: tied row split]
 A weight shared by two modules (GPT's ``lm_head.weight is wte.weight``) is ONE unit,
 named after its owner: the first module in ``named_modules()`` order holding it

@@ -24,6 +24,10 @@ PLANNER = ["osdp.planner." + m for m in (
     (["osdp.planner"] + PLANNER, "osdp.profiler"),
     (["osdp.ops", "osdp.ops.matmul_split", "osdp.ops.split_embedding"], "osdp.runtime"),
     (["osdp.contract"], "osdp.planner"),
+    # the scheduling rules both sides call (issue 34): plain data, no torch, neither side
+    (["osdp.schedule_rules"], "osdp.planner"),
+    (["osdp.schedule_rules"], "osdp.runtime"),
+    (["osdp.schedule_rules"], "torch"),
     # Triton (about 80 MiB resident) is imported by the first CUDA slice matmul, not by the
     # planner or the wrapper (issue 34)
     (["osdp", "osdp.planner.planner", "osdp.runtime", "osdp.ops"], "triton"),

@@ -14,7 +14,10 @@ Every number comes from the cost model: per-op forward/backward compute from
 gradient bytes from ``gathered_bytes`` / ``reduced_bytes``, collective times from the
 device's ``CollectiveCost.time_s``, the optimizer from ``optimizer_step_s``. What is
 simulated is the runtime's ORDER of things, from the second step on (the use order is
-recorded; small units are coalesced):
+recorded; small units are coalesced). The decisions themselves (the prefetch walk, the
+riders of a gather, when deferred gradients and replicated buckets are reduced, how many
+reductions stay in flight) are ``osdp.schedule_rules``' functions, the very ones the
+runtime calls (tests/runtime/test_schedule_rules.py replays a real run against this):
 
 - units: an unsplit op is one unit, a split op's g slices are g units (slices 0..k-1
   ``zdp``, the next h ``hpz``, the rest ``dp``, as ``plan_from_schedule`` writes them;
@@ -33,17 +36,20 @@ recorded; small units are coalesced):
 - coalesced small units ([Note: coalesced small units]): a whole-module unit (not a
   slice) with gathered bytes <= coalesce_bytes // 4, issued with a known order, takes
   the next small still-sharded units of the order along (skipping big ones) up to
-  coalesce_bytes in total and while the window has room: ONE all-gather of their summed
-  bytes, one latency. Small units' gradients wait until coalesce_bytes of them are
-  pending, or the end of backward, and are reduced in one collective.
+  coalesce_bytes in total and while the window has room, stopping at a unit of another
+  gathered dtype (bytes per element) or level (an ``hpz`` unit after its forward gathers
+  from its node copy): ONE all-gather of their summed bytes, one latency. Small units'
+  gradients wait until coalesce_bytes of them are pending, or the end of backward, and
+  are reduced in one collective per reduce dtype.
 - replicated units ([Note: replicated units] in osdp/contract.py; the template's rep
   set): never gathered, no unit of the gather order (prefetch and coalescing skip them);
   after a rep unit's last use in backward its gradient joins the replicated bucket, which
   is all-reduced (collective_cost.py's ``all_reduce_s``, over every rank, one latency)
   once it holds >= REPLICATE_BUCKET_BYTES and at the end of backward (after the sharded
-  units' last reductions), on the comm stream; at most MAX_INFLIGHT_REPLICATE_BUCKETS in
-  flight, issuing one more waits for the oldest (the compute stream stalls), a queue of
-  its own apart from the reduce-scatters'.
+  units' last reductions), on the comm stream, one bucket per (reduce, parameter) dtype
+  pair; at most MAX_INFLIGHT_REPLICATE_BUCKETS in flight, issuing one more waits for the
+  oldest first (the compute stream stalls), a queue of its own apart from the
+  reduce-scatters'.
 - gradient reduction: at most one in flight (``max_inflight_reduce_scatters``); issuing
   one more waits for the oldest, and that wait blocks the compute stream. The end of
   backward waits for all. With ``all_reduce=True`` the gradient collective is an
@@ -77,7 +83,7 @@ or Python overhead and CPU contention between compute and gloo's threads, NCCL's
 comm streams (all-gather and reduce-scatter can overlap on CUDA; here they share one),
 bandwidth sharing between concurrent collectives, unit padding to a multiple of the
 world size, uneven split slices, checkpoint early stop (the whole block is recomputed),
-frozen units, dtype groups in coalescing (all units gather in one dtype), and memory:
+frozen units, and memory:
 whether a plan fits is the cost model's ``evaluate``.
 """
 from __future__ import annotations
@@ -91,11 +97,12 @@ import numpy as np
 
 from ..contract import (DEFAULT_COALESCE_BYTES, MAX_INFLIGHT_REDUCE_SCATTERS, MAX_INFLIGHT_REPLICATE_BUCKETS,
                         REPLICATE_BUCKET_BYTES, is_small_unit)
+from ..schedule_rules import by_key, group_full, prefetch_walk, riders, waits_after_issue, waits_before_issue
 # the cost model's modules below memory.py, which imports this one ([Note: exact gathers])
 from .cost_model.settings import layout_collectives
 from .cost_model.template import ProblemTemplate
 from .cost_model.timing import option_compute_s, template_optimizer_s
-from .cost_model.unit_bytes import gathered_bytes, reduced_bytes
+from .cost_model.unit_bytes import element_bytes, gathered_bytes, reduced_bytes
 from .cost_model.units import backward_needs_weights
 
 # the runtime's rules, from the contract both sides import
@@ -146,13 +153,18 @@ class StepSim:
 
 class _Unit:
     __slots__ = ("name", "nbytes", "grad_bytes", "dp", "small", "gather_s", "regather_s", "sharded", "ready_s",
-                 "n_active", "n_await", "n_grad", "has_grad", "deferred", "fpos", "bpos")
+                 "n_active", "n_await", "n_grad", "has_grad", "deferred", "fpos", "bpos", "hpz", "dtype", "rdtype")
 
-    def __init__(self, name, nbytes, grad_bytes, dp, small, gather_s, regather_s=None):
+    def __init__(self, name, nbytes, grad_bytes, dp, small, gather_s, regather_s=None, hpz=False, dtype=0.0,
+                 rdtype=0.0):
         self.name, self.nbytes, self.grad_bytes = name, nbytes, grad_bytes
         self.dp, self.small, self.gather_s = dp, small, gather_s
         # a gather after forward: within the node for an hpz unit ([Note: hpz mode])
         self.regather_s = gather_s if regather_s is None else regather_s
+        # an hpz unit gathers from its node copy after its forward ([Note: node copies]
+        # in runtime/lifecycle.py); gathered and reduced bytes per element stand for the
+        # runtime's dtypes (schedule_rules.riders / by_key group by them)
+        self.hpz, self.dtype, self.rdtype = hpz, dtype, rdtype
         self.sharded, self.ready_s = True, 0.0
         self.n_active = self.n_await = 0
         self.n_grad = 0  # uses whose backward has not run yet (the gradient is reduced after the last)
@@ -165,10 +177,11 @@ class _RepUnit:
     """A replicated unit: nothing to gather; its gradient joins the replicated bucket
     after its last use in backward."""
 
-    __slots__ = ("name", "grad_bytes", "n_grad")
+    __slots__ = ("name", "grad_bytes", "n_grad", "key")
 
-    def __init__(self, name, grad_bytes):
+    def __init__(self, name, grad_bytes, key=None):
         self.name, self.grad_bytes, self.n_grad = name, grad_bytes, 0
+        self.key = key  # its bucket: (reduce, parameter) bytes per element, as the runtime's dtype pair
 
 
 class _Step:
@@ -200,7 +213,8 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
     reps_of: dict[int, _RepUnit] = {}
     for i, op in enumerate(desc.ops):
         if rep[i] and op.param_count:  # a tied use's bias too: it runs its owner's mode
-            reps_of[i] = _RepUnit(op.name, reduced_bytes(op, settings))
+            e = element_bytes(op)
+            reps_of[i] = _RepUnit(op.name, reduced_bytes(op, settings), (settings.reduce_dtype_bytes or e, e))
             continue
         if op.tied_to or not op.param_count:  # (a sharded tied use's bias: not simulated)
             continue
@@ -210,8 +224,10 @@ def _program(t: ProblemTemplate, batch: int, option_index, variant, coalesce_byt
         ag, node_ag = coll.gather_s(s), coll.node_gather_s(s)
         small = is_small_unit(s, coalesce_bytes, is_slice=g > 1)
         # slices 0..k-1 zdp, k..k+h-1 hpz, the rest dp (as plan_from_schedule writes them)
+        dtype = gathered_bytes(op, settings) / op.param_count  # bytes per element, gathered
+        rdtype = reduced_bytes(op, settings) / op.param_count
         units_of[i] = [_Unit(op.name if g == 1 else f"{op.name}[{j}]", s, grad, j >= k + h, small, ag,
-                             node_ag if k <= j < k + h else ag) for j in range(g)]
+                             node_ag if k <= j < k + h else ag, k <= j < k + h, dtype, rdtype) for j in range(g)]
     steps_of: dict[int, list[_Step]] = {}
     for i, op in enumerate(desc.ops):
         f, b = comp_f[i], comp_b[i]
@@ -273,8 +289,9 @@ class _Sim:
         self.live: dict[_Unit, None] = {}
         self.live_bytes = self.kept_bytes = 0.0
         self.reductions: list[float] = []  # end times of reductions in flight, oldest first
-        self.rep_bucket: list[_RepUnit] = []  # replicated gradients waiting for their all-reduce
-        self.rep_bucket_bytes = 0.0
+        # replicated gradients waiting for their all-reduce, per bucket key (dtype pair)
+        self.rep_buckets: dict[tuple, list[_RepUnit]] = {}
+        self.rep_fill: dict[tuple, float] = {}
         self.rep_in_flight: list[float] = []  # end times of replicated buckets in flight
         self.deferred: list[_Unit] = []
         self.deferred_bytes = 0.0
@@ -382,22 +399,14 @@ class _Sim:
         if not u.sharded:
             return
         group = [u]
-        if u.small and k is not None:
-            budget = self.coalesce - u.nbytes
-            room = self.window - (self.live_bytes - self.kept_bytes) - u.nbytes
-            order, lst = self.orders[k], self.small_sharded[k]
-            seen = {u}
-            for p in lst[bisect_right(lst, pos):]:
-                other = order[p]
-                if other in seen:
-                    continue
-                if other.nbytes > min(budget, room):
-                    break
-                group.append(other)
-                seen.add(other)
-                budget -= other.nbytes
-                room -= other.nbytes
         again = self.phase != "forward"
+        if u.small and k is not None:  # schedule_rules.riders: small_sharded holds the eligible
+            order, lst = self.orders[k], self.small_sharded[k]
+            # the level it gathers from: an hpz unit's node copy after its forward
+            key = (lambda g: (g.dtype, g.hpz)) if again else _dtype_of
+            group += riders(u, (order[p] for p in lst[bisect_right(lst, pos):]), self.coalesce,
+                            self.window - (self.live_bytes - self.kept_bytes), size=_nbytes_of, key=key,
+                            eligible=_always)
         if len(group) == 1:
             seconds = u.regather_s if again else u.gather_s
         elif again and all(g.regather_s < g.gather_s for g in group):
@@ -411,22 +420,32 @@ class _Sim:
             self.start_gather(g, ready)
 
     def prefetch(self, k: int, start: int) -> None:
+        """schedule_rules.prefetch_walk over the still-sharded units from ``start``."""
         if self.window <= 0:
             return
+        order = self.orders[k]
+        skip = self._skip_b if k == _B else _never
+        for p in prefetch_walk(self._sharded_from(k, start), self.window, size=_nbytes_of,
+                               transient=self._transient, skip=skip):
+            self.issue(order[p], k, p)
+
+    def _sharded_from(self, k: int, start: int):
+        """(position, unit) of the still-sharded units of order k from ``start``, read
+        lazily: an issue between two removes units from the list."""
         order, lst = self.orders[k], self.sharded[k]
         while True:
             i = bisect_left(lst, start)
             if i == len(lst):
                 return
             p = lst[i]
-            u = order[p]
-            if k == _B and p in self.no_weights_b:  # a use that gathers nothing
-                start = p + 1
-                continue
-            if self.live_bytes - self.kept_bytes + u.nbytes > self.window:
-                return
-            self.issue(u, k, p)
+            yield p, order[p]
             start = p + 1
+
+    def _skip_b(self, p: int, u: _Unit) -> bool:
+        return p in self.no_weights_b  # a backward use that gathers nothing
+
+    def _transient(self) -> float:
+        return self.live_bytes - self.kept_bytes
 
     # ---- gradients -----------------------------------------------------------------------
     def reduce(self, u: _Unit) -> None:
@@ -436,7 +455,7 @@ class _Sim:
             u.deferred = True
             self.deferred.append(u)
             self.deferred_bytes += u.grad_bytes
-            if self.deferred_bytes >= self.coalesce:
+            if group_full(self.deferred_bytes, self.coalesce):
                 self.flush()
             return
         u.has_grad = False
@@ -447,7 +466,8 @@ class _Sim:
         if group:
             for u in group:
                 u.has_grad = u.deferred = False
-            self._reduce_group(group)
+            for same_dtype in by_key(group, _rdtype_of):  # one collective per reduce dtype
+                self._reduce_group(same_dtype)
 
     def _reduce_group(self, group: list[_Unit]) -> None:
         nbytes = sum(u.grad_bytes for u in group)
@@ -458,27 +478,33 @@ class _Sim:
         what = ", ".join(u.name for u in group) if self.events is not None else ""
         self.reductions.append(self.collective(kind, what, seconds))
         self.n_reductions += 1
-        while len(self.reductions) > RUNTIME_MAX_INFLIGHT_REDUCTIONS:
+        for _ in range(waits_after_issue(len(self.reductions), RUNTIME_MAX_INFLIGHT_REDUCTIONS)):
             self.stall(self.reductions.pop(0), "oldest gradient reduction")
 
     def rep_join(self, u: _RepUnit) -> None:
         """A rep unit's gradient after its last use in backward: into the bucket."""
-        self.rep_bucket.append(u)
-        self.rep_bucket_bytes += u.grad_bytes
-        if self.rep_bucket_bytes >= RUNTIME_REPLICATE_BUCKET_BYTES:
-            self.rep_flush()
+        bucket = self.rep_buckets.setdefault(u.key, [])
+        if u in bucket:
+            return  # (the runtime's rule; a unit joins once per backward here)
+        bucket.append(u)
+        self.rep_fill[u.key] = self.rep_fill.get(u.key, 0.0) + u.grad_bytes
+        if group_full(self.rep_fill[u.key], RUNTIME_REPLICATE_BUCKET_BYTES):
+            self._rep_issue(u.key)
 
     def rep_flush(self) -> None:
-        """All-reduce the replicated bucket (one collective over every rank)."""
-        group, nbytes = self.rep_bucket, self.rep_bucket_bytes
-        self.rep_bucket, self.rep_bucket_bytes = [], 0.0
-        if not group:
-            return
+        """All-reduce every filling replicated bucket (the end of backward)."""
+        for key in list(self.rep_buckets):
+            self._rep_issue(key)
+
+    def _rep_issue(self, key) -> None:
+        """All-reduce one replicated bucket (one collective over every rank); the oldest
+        in flight beyond MAX_INFLIGHT_REPLICATE_BUCKETS is waited for first."""
+        group, nbytes = self.rep_buckets.pop(key), self.rep_fill.pop(key)
+        for _ in range(waits_before_issue(len(self.rep_in_flight), RUNTIME_MAX_INFLIGHT_REPLICATE_BUCKETS)):
+            self.stall(self.rep_in_flight.pop(0), "oldest replicated bucket")
         what = ", ".join(u.name for u in group) if self.events is not None else ""
         self.rep_in_flight.append(self.collective("all_reduce", what, self.coll.all_reduce_s(nbytes)))
         self.n_reductions += 1
-        while len(self.rep_in_flight) > RUNTIME_MAX_INFLIGHT_REPLICATE_BUCKETS:
-            self.stall(self.rep_in_flight.pop(0), "oldest replicated bucket")
 
     # ---- one micro-batch -------------------------------------------------------------------
     def forward(self) -> None:
@@ -571,6 +597,26 @@ class _Sim:
             if u.n_active == 0:
                 self.free(u)
         self.duration["backward"] += self.compute_t - start
+
+
+def _nbytes_of(u: _Unit) -> float:
+    return u.nbytes
+
+
+def _dtype_of(u: _Unit):
+    return u.dtype
+
+
+def _rdtype_of(u: _Unit):
+    return u.rdtype
+
+
+def _always(u: _Unit) -> bool:
+    return True
+
+
+def _never(p: int, u: _Unit) -> bool:
+    return False
 
 
 def simulate_step(

@@ -1,6 +1,8 @@
 """PrefetchPolicy: the recorded use order, the prefetch window, and which small units
 ride along in one collective. It decides *what* to gather *when*; the gathering itself
-is :class:`~osdp.runtime.lifecycle.UnitLifecycle`'s.
+is :class:`~osdp.runtime.lifecycle.UnitLifecycle`'s. The decisions are
+``osdp.schedule_rules``' ``prefetch_walk`` and ``riders``, which the planner's step
+simulation calls too (one copy of each rule; tests/runtime/test_schedule_rules.py).
 
 [Note: prefetch window]
 The order of unit uses is recorded in the first forward with grad enabled and assumed
@@ -34,6 +36,7 @@ share a reduction with sharded units (contract.py [Note: replicated units]).
 from __future__ import annotations
 
 from ..contract import is_small_unit
+from ..schedule_rules import prefetch_walk, riders
 from .lifecycle import UnitLifecycle
 from .modes import GatherState
 from .shard_unit import ShardUnit
@@ -130,16 +133,11 @@ class PrefetchPolicy:
             self._prefetch(self.backward_order, self._backward_cursor)
 
     def _prefetch(self, order: list[ShardUnit], start: int, counting: ShardUnit | None = None) -> None:
-        """See [Note: prefetch window]."""
-        if self.window_bytes <= 0:
-            return
-        for pos in range(start, len(order)):
-            unit = order[pos]
-            if unit.state is not GatherState.SHARDED:
-                continue
-            if self.lifecycle.transient_bytes(counting) + unit.gathered_bytes > self.window_bytes:
-                return
-            self._issue(unit, order, pos, counting)
+        """See [Note: prefetch window]; the walk is ``schedule_rules.prefetch_walk``."""
+        transient = self.lifecycle.transient_bytes
+        for pos in prefetch_walk(((p, order[p]) for p in range(start, len(order))), self.window_bytes,
+                                 size=_gathered_bytes, transient=lambda: transient(counting), skip=_not_sharded):
+            self._issue(order[pos], order, pos, counting)
 
     def _issue(self, unit: ShardUnit, order: list[ShardUnit] | None = None, pos: int = 0,
                counting: ShardUnit | None = None) -> None:
@@ -149,23 +147,21 @@ class PrefetchPolicy:
         self.lifecycle.unshard([unit] + riders)
 
     def _riders(self, unit: ShardUnit, order: list[ShardUnit], pos: int, counting: ShardUnit | None) -> list[ShardUnit]:
-        """See [Note: coalesced small units]."""
-        budget = self.coalesce_bytes - unit.gathered_bytes
-        room = self.window_bytes - self.lifecycle.transient_bytes(counting) - unit.gathered_bytes
-        riders, seen = [], {unit}
-        level = self.lifecycle.source_level(unit)
-        for other in order[pos + 1 :]:
-            if not other.coalescible or other.state is not GatherState.SHARDED or other in seen:
-                continue
-            if other.dtype != unit.dtype or other.gathered_bytes > min(budget, room):
-                break
-            if self.lifecycle.source_level(other) != level:
-                break
-            riders.append(other)
-            seen.add(other)
-            budget -= other.gathered_bytes
-            room -= other.gathered_bytes
-        return riders
+        """See [Note: coalesced small units]; the rule is ``schedule_rules.riders``: the
+        group key is the gathered dtype and the level the gather reads from."""
+        level = self.lifecycle.source_level
+        return riders(unit, order[pos + 1 :], self.coalesce_bytes,
+                      self.window_bytes - self.lifecycle.transient_bytes(counting),
+                      size=_gathered_bytes, key=lambda u: (u.dtype, level(u)),
+                      eligible=lambda u: u.coalescible and u.state is GatherState.SHARDED)
+
+
+def _gathered_bytes(unit: ShardUnit) -> int:
+    return unit.gathered_bytes
+
+
+def _not_sharded(pos: int, unit: ShardUnit) -> bool:
+    return unit.state is not GatherState.SHARDED
 
 
 def _find(order: list[ShardUnit], unit: ShardUnit, start: int) -> int | None:

@@ -1,6 +1,8 @@
 """GradReducer: unsharded gradient buffers, the reduce-scatter queue, coalesced
 reductions of small units, the replicated buckets of ``rep`` units, and accumulation
-across micro-batches.
+across micro-batches. When a group or bucket is issued and how many stay in flight are
+``osdp.schedule_rules``' decisions (``group_full``, ``by_key``, ``waits_after_issue``,
+``waits_before_issue``), shared with the planner's step simulation.
 
 [Note: unsharded gradients]
 A unit's unsharded gradient buffer lives from its first backward use until its
@@ -60,6 +62,7 @@ from typing import NamedTuple
 import torch
 
 from ..contract import MAX_INFLIGHT_REDUCE_SCATTERS, MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES
+from ..schedule_rules import by_key, group_full, waits_after_issue, waits_before_issue
 from .collectives import CommContext, Pending
 from .direct import drop_local_grads, local_grad_pieces
 from .ledger import MemoryLedger
@@ -160,7 +163,7 @@ class GradReducer:
                 return
             self._deferred[unit] = None
             self._deferred_bytes += unit.grad_flat.numel() * unit.grad_flat.element_size()
-            if self._deferred_bytes >= self.coalesce_bytes:
+            if group_full(self._deferred_bytes, self.coalesce_bytes):
                 self.flush()
             return
         self._issue([unit], unit.reduce_dtype)
@@ -168,11 +171,8 @@ class GradReducer:
     def flush(self) -> None:
         """Reduce the waiting small units' gradients (one collective per dtype)."""
         units, self._deferred, self._deferred_bytes = list(self._deferred), {}, 0
-        by_dtype: dict[torch.dtype, list[ShardUnit]] = {}
-        for unit in units:
-            by_dtype.setdefault(unit.reduce_dtype, []).append(unit)
-        for dtype, group in by_dtype.items():
-            self._issue(group, dtype)
+        for group in by_key(units, lambda u: u.reduce_dtype):
+            self._issue(group, group[0].reduce_dtype)
 
     def _issue(self, units: list[ShardUnit], dtype: torch.dtype) -> None:
         flats, outs = [], []
@@ -190,7 +190,7 @@ class GradReducer:
                 outs, flats, f"coalesced reduce-scatter of {len(units)} units ({names})"
             )
         self._inflight.append(InflightReduce(tuple(units), tuple(outs), tuple(flats), pending))
-        while len(self._inflight) > self.max_inflight:
+        for _ in range(waits_after_issue(len(self._inflight), self.max_inflight)):
             self._finish_oldest()
 
     def _finish_oldest(self, keep: bool = True) -> None:
@@ -215,7 +215,7 @@ class GradReducer:
         bucket[unit] = None
         fill = self._bucket_fill.get(key, 0) + unit.numel * key[0].itemsize
         self._bucket_fill[key] = fill
-        if fill >= self.bucket_bytes:
+        if group_full(fill, self.bucket_bytes):
             self._issue_bucket(key)
 
     def flush_buckets(self) -> None:
@@ -230,7 +230,7 @@ class GradReducer:
         # stagings are live at once for the copy (measured, W&S 2x768's all-rep plan: the
         # step's peak, 2.3% above the model's one bucket in flight). Collectives of one
         # group run in issue order anyway, so nothing overlaps less but this copy
-        while len(self._inflight_buckets) >= self.max_inflight_buckets:
+        for _ in range(waits_before_issue(len(self._inflight_buckets), self.max_inflight_buckets)):
             self._finish_oldest_bucket()
         dtype = key[0]
         staging = torch.empty(sum(u.numel for u in units), dtype=dtype, device=units[0].shard.device)

@@ -1,5 +1,18 @@
 """The prefetch window and the bytes the runtime can gather ahead of each op within it
-(docs/design/cost_model.md's [Note: memory model])."""
+(docs/design/cost_model.md's [Note: memory model]).
+
+[Note: prefetch bounds]
+The runtime's prefetch is ``osdp.schedule_rules.prefetch_walk`` (and its coalescing
+``riders``, whose gathers count in the same window): walk the use order from the next
+use, skip what is gathered, issue while the transient bytes plus the next unit's stay
+within the window, stop at the first that does not fit. The closed forms here are
+bounds of that walk, not a second copy of it: ``_ahead_bytes`` is the most the walk can
+hold ahead of an op (the following ops' bytes, capped by the window; the walk may stop
+earlier at a unit that does not fit whole, never later), and ``_forward_prefetch`` the
+part of it beside a use that counts itself in the window. The exact bytes, op by op,
+come from the step simulation, which runs the walk itself (``step_sim.gathered_at_compute``,
+[Note: exact gathers] in memory.py).
+"""
 from __future__ import annotations
 
 import math
@@ -34,7 +47,8 @@ def prefetch_window(desc: ModelDesc, settings: PlannerSettings, budget_bytes: fl
 
 def _ahead_bytes(desc: ModelDesc, window: float, settings: PlannerSettings) -> tuple[list[float], list[float]]:
     """Bytes that can be gathered ahead of each op: the following ops in forward, the
-    preceding ones in backward, capped by the window."""
+    preceding ones in backward, capped by the window: an upper bound of what
+    ``schedule_rules.prefetch_walk`` issues there ([Note: prefetch bounds])."""
     rep = rep_op_mask(desc, settings)  # rep units are never gathered
     sizes = [gathered_bytes(op, settings) if not (op.tied_to or rep[i]) else 0 for i, op in enumerate(desc.ops)]
     after, before = [0.0] * len(sizes), [0.0] * len(sizes)

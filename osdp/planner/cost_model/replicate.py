@@ -7,6 +7,7 @@ import numpy as np
 
 from ...contract import MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES
 from ...errors import OSDPError
+from ...schedule_rules import group_full, pack_buckets
 from ..model_desc import ModelDesc, OpDesc
 from ..device import DeviceInfo
 from .settings import PlannerSettings, _accumulators_static, _grad_persists, layout_collectives
@@ -57,19 +58,13 @@ def replicate_buckets(desc: ModelDesc, settings: PlannerSettings, rep: np.ndarra
     """The rep units (owner op indices) per all-reduce bucket, in issue order, as the
     runtime fills them ([Note: replicated units] in osdp/contract.py): a unit joins after
     its last use in backward (its owner op: the first in op order), a bucket is issued
-    once it holds >= REPLICATE_BUCKET_BYTES; the last one at the end of backward."""
-    buckets, current, filled = [], [], 0.0
-    for i in range(len(desc.ops) - 1, -1, -1):
-        if not _rep_owner(desc, rep, i):
-            continue
-        current.append(i)
-        filled += reduced_bytes(desc.ops[i], settings)
-        if filled >= REPLICATE_BUCKET_BYTES:
-            buckets.append(current)
-            current, filled = [], 0.0
-    if current:
-        buckets.append(current)
-    return buckets
+    once it holds >= REPLICATE_BUCKET_BYTES; the last one at the end of backward. The
+    rule is the runtime's own, ``schedule_rules.pack_buckets`` (``group_full``); the join
+    order here is exact for a model whose ops run once each in op order (one bucket key:
+    the planner prices one dtype pair)."""
+    owners = [i for i in range(len(desc.ops) - 1, -1, -1) if _rep_owner(desc, rep, i)]
+    return [[owners[k] for k in bucket]
+            for bucket in pack_buckets([reduced_bytes(desc.ops[i], settings) for i in owners], REPLICATE_BUCKET_BYTES)]
 
 
 def replicate_reduce_s(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
@@ -96,7 +91,7 @@ def replicated_grads_bytes(desc: ModelDesc, settings: PlannerSettings, rep: np.n
         return alive
     per = {i: _rep_grad_sizes(desc.ops[i], settings) for bucket in buckets for i in bucket}
     # a full bucket is issued after the backward of its last unit; the rest at the end
-    full = [sum(reduced_bytes(desc.ops[i], settings) for i in b) >= REPLICATE_BUCKET_BYTES for b in buckets]
+    full = [group_full(sum(reduced_bytes(desc.ops[i], settings) for i in b), REPLICATE_BUCKET_BYTES) for b in buckets]
     done = np.concatenate(([0.0], np.cumsum([sum(per[i][2] for i in b) for b in buckets])))
     flight = np.concatenate(([0.0], np.cumsum([sum(per[i][1] for i in b) for b in buckets])))
     bucket_of = {i: k for k, b in enumerate(buckets) for i in b}

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...contract import is_small_unit
+from ...schedule_rules import coalesced_groups
 from ..model_desc import ModelDesc, OpDesc
 from ..device import DeviceInfo
 from .replicate import rep_is_direct, rep_op_mask
@@ -56,7 +57,10 @@ def coalesced_latency_shares(desc: ModelDesc, settings: PlannerSettings) -> tupl
     to ``coalesce_bytes``. So the small units share one latency per group, not one each.
     The additive model charges each small unit the fraction (groups / small units) of
     one collective's latency, groups packed in use order as the runtime packs them
-    (greedy, each group closed when the next unit would overflow ``coalesce_bytes``);
+    (greedy, each group closed when the next unit would overflow ``coalesce_bytes``:
+    ``schedule_rules.coalesced_groups``, the runtime's ``riders`` rule with every small
+    unit sharded, one dtype and level, and the window unbounded: a full window, a dtype
+    change or an hpz unit's node copy only cut the runtime's groups shorter);
     the bandwidth term stays per unit (``settings.coalesce_bytes``: the runtime's). Returns (gather share, reduction share); 1.0 when
     nothing is small. The share does not depend on the plan (which units are ``zdp``
     changes which ones gather again in backward; the forward packing stands for both),
@@ -64,12 +68,7 @@ def coalesced_latency_shares(desc: ModelDesc, settings: PlannerSettings) -> tupl
     def share(sizes):
         if not sizes:
             return 1.0
-        groups, room = 0, 0.0
-        for size in sizes:
-            if size > room:
-                groups, room = groups + 1, float(coalesce_bytes)
-            room -= size
-        return groups / len(sizes)
+        return len(coalesced_groups(sizes, coalesce_bytes)) / len(sizes)
 
     coalesce_bytes = settings.coalesce_bytes
     rep = rep_op_mask(desc, settings)  # rep units are never gathered: no group holds them
