@@ -26,7 +26,7 @@ from .planner.uniform_plan import uniform_plan
 from .profiler import TrialPool, measure_plans
 from .rank_agreement import broadcast_from_rank0, check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
-from .planning_budget import DEFAULT_BUDGET_S, PROFILE_SHARE, PlanningBudget, predicted_step_s, show_progress
+from .planning_budget import DEFAULT_BUDGET_S, MIN_SHARE, PROFILE_SHARE, PlanningBudget, predicted_step_s, show_progress
 from .runtime.materialize import has_meta, meta_skeleton
 from .sizes import format_bytes
 
@@ -298,7 +298,9 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
         budget = getattr(measure, "budget", None)  # [Note: planning budget]: FSDP at the batch always
         if budget is not None and refs:
             plans = [Plan.from_dict(r) for r in refs]
-            refs = [p.to_dict() for p in (budget.affordable(plans, "calibration's reference plans") or plans[:1])]
+            extra = budget.affordable(plans[1:], "calibration's extra reference plans",
+                                      reserve_s=MIN_SHARE * budget.seconds)
+            refs = [p.to_dict() for p in plans[:1] + extra]
         return refs
 
     refs = [Plan.from_dict(r) for r in decide_on_rank0(reference_plans, process_group)]

@@ -13,7 +13,9 @@ and a progress line):
    the budget is spent;
 1. calibration's reference plans: FSDP at the example batch is always measured, FSDP at
    half of it and the split reference only when their estimated cost (a rebuild and
-   their steps at their predicted time) fits in what is left;
+   their steps at their predicted time) fits in what is left less ``MIN_SHARE`` of the
+   budget, kept for the first plan's own measurement (101M GPT on 2 CPU ranks at 20 GiB:
+   three reference plans took about 38 s of the 60);
 2. the batch: when the first plan's predicted step, times the steps its measurement
    and about one more take (``STEPS_AFTER_PLAN``), is more than the budget left (at
    least a quarter of it, ``MIN_SHARE``: a spent budget still measures the plan it
@@ -130,19 +132,22 @@ class PlanningBudget:
 
         return decide_on_rank0(steps_on_rank0, self.group)
 
-    def affordable(self, plans, what: str, warmup: int = 2, steps: int = 1) -> list:
+    def affordable(self, plans, what: str, warmup: int = 2, steps: int = 1, reserve_s: float = 0.0) -> list:
         """The prefix of ``plans`` whose measurement fits in what is left (at least
-        ``steps`` timed steps each); the rest is cut, said once. Call on rank 0 (the
-        callers broadcast the plans they measure)."""
+        ``steps`` timed steps each), less ``reserve_s`` kept for later measurements; the
+        rest is cut, said once. Call on rank 0 (the callers broadcast the plans they
+        measure)."""
+        room = self.left() - reserve_s if math.isfinite(self.seconds) else math.inf
         kept, cost = [], 0.0
         for plan in plans:
             cost += predicted_step_s(plan) * (REBUILD_STEPS + warmup + steps)
-            if cost > self.left():
+            if cost > room:
                 break
             kept.append(plan)
         if len(kept) < len(plans):
+            kept_back = f", {reserve_s:.0f} s of it kept for later" if reserve_s else ""
             self.cut(f"{what}: {len(plans) - len(kept)} of {len(plans)} not measured (estimated "
-                     f"{cost:.1f} s, {max(self.left(), 0):.1f} s left)")
+                     f"{cost:.1f} s, {max(self.left(), 0):.1f} s left{kept_back})")
         return kept
 
     def record(self) -> dict:

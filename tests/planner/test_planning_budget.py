@@ -2,6 +2,7 @@
 ``budget_s``, decided from predicted step times (one process: rank 0 decides alone)."""
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
@@ -61,6 +62,17 @@ def test_affordable_keeps_the_prefix_that_fits_and_says_what_it_cut(monkeypatch)
     plans = [_plan(8, 4.0 / per), _plan(8, 4.0 / per), _plan(8, 4.0 / per)]  # 4 s each, 10 s left
     assert budget.affordable(plans, "candidates") == plans[:2]
     assert budget.cuts == ["candidates: 1 of 3 not measured (estimated 12.0 s, 10.0 s left)"]
+
+
+def test_affordable_keeps_a_reserve_for_later_measurements(monkeypatch):
+    """Calibration's extra reference plans leave MIN_SHARE of the budget to the first
+    plan's own measurement."""
+    budget = _budget(60.0, spent=30.0, monkeypatch=monkeypatch)  # 30 s left, 15 s reserved
+    per = REBUILD_STEPS + 2 + 1
+    plans = [_plan(8, 10.0 / per), _plan(8, 10.0 / per)]  # 10 s each
+    assert budget.affordable(plans, "extra", reserve_s=MIN_SHARE * 60.0) == plans[:1]
+    assert budget.cuts == ["extra: 1 of 2 not measured (estimated 20.0 s, 30.0 s left, 15 s of it kept for later)"]
+    assert PlanningBudget(None).affordable(plans, "extra", reserve_s=math.inf) == plans
 
 
 def test_accumulation_steps_count_in_the_step(monkeypatch):
