@@ -48,6 +48,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def fake_world(request):
+    """A fake process group of ``request.param`` ranks (parametrize with
+    ``indirect=True``), destroyed after the test: collectives return at once, so a
+    wrapped model runs its real schedule on one process as rank 0 of a large world."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    assert not dist.is_initialized(), "a process group leaked from another test module"
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
+    yield request.param
+    dist.destroy_process_group()
+
+
 @pytest.fixture(scope="module")
 def one_rank_group():
     """A 1-rank gloo process group for single-process tests of distributed code

@@ -7,14 +7,11 @@ re-reads every live storage after every operator: slow, independent); the 8- and
 planner (describe -> make_plan) and the promise measured peak <= the plan's budget.
 """
 import math
-import warnings
 import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 import osdp
@@ -33,15 +30,6 @@ from osdp.runtime.ledger import MemoryLedger
 from osdp.runtime.peak import CudaPeakMonitor, StepMemory, check_step
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def fake_world(request):
-    """A fake process group of ``request.param`` ranks, destroyed after the test."""
-    assert not dist.is_initialized(), "a process group leaked from another test module"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
-    yield request.param
-    dist.destroy_process_group()
 
 
 def _planned_gpt(world: int, limit_bytes: int, preset: str = "small", rep_units=None):

@@ -17,8 +17,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import osdp
 from osdp import schedule_rules as rules
@@ -33,15 +31,6 @@ from osdp.planner.run import RunSettings
 from osdp.planner.uniform_plan import uniform_plan
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def fake_world(request):
-    """A fake process group of ``request.param`` ranks, destroyed after the test."""
-    assert not dist.is_initialized(), "a process group leaked from another test module"
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=request.param)
-    yield request.param
-    dist.destroy_process_group()
 
 
 def _runtime_collectives(wrapped, config, batch, steps=3):
