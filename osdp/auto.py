@@ -24,9 +24,10 @@ from .planner.planner import make_plan
 from .profiler import profile
 from .planner.uniform_plan import uniform_plan
 from .profiler import TrialPool, measure_plans
-from .rank_agreement import broadcast_from_rank0, check_same_plan, decide_on_rank0, is_rank0
+from .rank_agreement import check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
-from .planning_budget import DEFAULT_BUDGET_S, MIN_SHARE, PROFILE_SHARE, PlanningBudget, predicted_step_s, show_progress
+from .planning_budget import (DEFAULT_BUDGET_S, MIN_SHARE, PROFILE_SHARE, PlanningBudget, predicted_optimizer_step_s,
+                              show_progress)
 from .runtime.materialize import has_meta, meta_skeleton
 from .sizes import format_bytes
 
@@ -200,7 +201,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
                 batch = cap
                 plan = _plan_on_rank0(desc, device, settings, batch, None, backend, process_group)
         log.info("planned: %s, batch %d, predicted step %.0f ms, peak %s of %s", plan_summary(plan), plan.batch_size,
-                 predicted_step_s(plan) * 1e3, format_bytes(plan.predicted.peak_bytes),
+                 predicted_optimizer_step_s(plan) * 1e3, format_bytes(plan.predicted.peak_bytes),
                  format_bytes(device.memory_limit_bytes))
         if calibrate:
             plan = calibrate_plan(desc, hardware, device, plan, measure, reference=reference, settings=settings,
@@ -209,9 +210,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
             log.info("calibration: %s", plan.calibration.decision or "-")
             plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
                                    global_batch=global_batch, backend=backend, process_group=process_group)
-            # rank 0's record: the cuts are its decisions, and every rank's clock differs
-            record = broadcast_from_rank0(budget.record(), process_group)
-            plan = replace(plan, calibration=plan.calibration.with_(budget=record),
+            plan = replace(plan, calibration=plan.calibration.with_(budget=budget.record()),
                            assumed_loss=getattr(loss_fn, "assumed", ""))
             cache.put(key, plan)
         plan = replace(plan, assumed_loss=getattr(loss_fn, "assumed", ""))
@@ -289,19 +288,17 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
         refs = []
         for b in sorted({batch, max(1, batch // 2)}, reverse=True):
             try:
-                refs.append(make_plan(desc, device, fsdp, batch=b, backend=backend, baselines=False).to_dict())
+                refs.append(make_plan(desc, device, fsdp, batch=b, backend=backend, baselines=False))
             except OSDPError:
                 continue
         split = split_reference(desc, device, settings, batch) if refs else None
         if split is not None:
-            refs.append(split.to_dict())
+            refs.append(split)
         budget = getattr(measure, "budget", None)  # [Note: planning budget]: FSDP at the batch always
         if budget is not None and refs:
-            plans = [Plan.from_dict(r) for r in refs]
-            extra = budget.affordable(plans[1:], "calibration's extra reference plans",
-                                      reserve_s=MIN_SHARE * budget.seconds)
-            refs = [p.to_dict() for p in plans[:1] + extra]
-        return refs
+            refs = refs[:1] + budget.affordable(refs[1:], "calibration's extra reference plans",
+                                                reserve_s=MIN_SHARE * budget.seconds)
+        return [p.to_dict() for p in refs]
 
     refs = [Plan.from_dict(r) for r in decide_on_rank0(reference_plans, process_group)]
     if not refs:

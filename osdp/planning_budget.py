@@ -38,6 +38,7 @@ import sys
 import time
 
 from .errors import ConfigError
+from .planner.calibration import predicted_step_s
 from .rank_agreement import decide_on_rank0, is_rank0
 
 log = logging.getLogger("osdp.auto")
@@ -68,10 +69,15 @@ def show_progress(enabled: bool, group=None) -> None:
         logger.propagate = False
 
 
-def predicted_step_s(plan) -> float:
-    p = plan.predicted
-    step = p.simulated_step_s if p.simulated_step_s is not None else p.step_s
-    return float(step) * max(1, getattr(plan, "accumulation_steps", 1))
+def predicted_optimizer_step_s(plan) -> float:
+    """A plan's predicted seconds per optimizer step: its (simulated) step times its
+    micro-batches."""
+    return float(predicted_step_s(plan)) * max(1, getattr(plan, "accumulation_steps", 1))
+
+
+def measurement_s(plan, warmup: int, steps: int) -> float:
+    """The estimated seconds of measuring ``plan``: a rebuild, ``warmup`` and ``steps``."""
+    return predicted_optimizer_step_s(plan) * (REBUILD_STEPS + warmup + steps)
 
 
 class PlanningBudget:
@@ -102,7 +108,7 @@ class PlanningBudget:
         model whose steps are slow at it is planned there, over the budget, rather than
         trained at a batch too small to use the device)."""
         def cap_on_rank0():
-            step = predicted_step_s(plan)
+            step = predicted_optimizer_step_s(plan)
             need = step * STEPS_AFTER_PLAN
             # a spent budget still measures the first plan: at the batch a quarter of it allows
             room = max(self.left(), MIN_SHARE * self.seconds)
@@ -123,7 +129,7 @@ class PlanningBudget:
         def steps_on_rank0():
             if steps <= 1:
                 return steps
-            cost = sum(predicted_step_s(p) * (REBUILD_STEPS + warmup + steps) for p in plans)
+            cost = sum(measurement_s(p, warmup, steps) for p in plans)
             if cost <= self.left():
                 return steps
             self.cut(f"1 timed step instead of {steps} for {len(plans)} plan(s): "
@@ -140,7 +146,7 @@ class PlanningBudget:
         room = self.left() - reserve_s if math.isfinite(self.seconds) else math.inf
         kept, cost = [], 0.0
         for plan in plans:
-            cost += predicted_step_s(plan) * (REBUILD_STEPS + warmup + steps)
+            cost += measurement_s(plan, warmup, steps)
             if cost > room:
                 break
             kept.append(plan)
@@ -151,6 +157,7 @@ class PlanningBudget:
         return kept
 
     def record(self) -> dict:
-        """What the plan says about the budget."""
-        return {"budget_s": None if math.isinf(self.seconds) else self.seconds, "spent_s": round(self.spent(), 3),
-                "cuts": list(self.cuts)}
+        """What the plan says about the budget: rank 0's (the cuts are its decisions and
+        every rank's clock differs), on every rank (collective)."""
+        return decide_on_rank0(lambda: {"budget_s": None if math.isinf(self.seconds) else self.seconds,
+                                        "spent_s": round(self.spent(), 3), "cuts": list(self.cuts)}, self.group)
