@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import sys
 
@@ -22,6 +23,7 @@ from .runtime.args import device_arg
 from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
+from .runtime.compiled import CompileConfig, compile_regions, install as install_compiled, mark_sharded_grads
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
@@ -35,6 +37,8 @@ from .runtime.peak import StepMemory, StepMemoryCheck, make_monitor
 from .runtime.scheduler import Scheduler
 from .runtime.state_dict import build_layout
 from .runtime.view import ShardedView
+
+log = logging.getLogger("osdp")
 
 
 
@@ -143,6 +147,7 @@ class ShardedModel(nn.Module):
         memory_limit=None,
         memory_check: bool = True,
         param_init_fn=None,
+        compile=None,
     ):
         super().__init__()
         group = check_wrappable(module, process_group, mixed_precision, timeout_s)
@@ -165,8 +170,14 @@ class ShardedModel(nn.Module):
         self._init_comm(module, group, config, mixed_precision, coalesce_bytes, timeout_s, sync_module_states)
         self._init_units(module, config, mixed_precision, param_init_fn)
         self._init_scheduler(config, coalesce_bytes)
-        self._init_hooks(config)
+        self.compile_config = CompileConfig.from_arg(compile)
+        if self.compile_config is None:
+            self._init_hooks(config)
+        else:
+            self._init_compiled(config)
         self._init_memory_check(memory_limit, memory_check)
+        self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built)
+                                 if self.compile_config is not None else [])
 
     # ---- construction, in order ----------------------------------------------------------
     def _init_plan(self, module, plan, mixed_precision) -> None:
@@ -284,6 +295,15 @@ class ShardedModel(nn.Module):
         apply_checkpointing(self.module, config.checkpoint_blocks, self._scheduler.end_recompute)
         self.checkpoint_blocks = config.checkpoint_blocks
 
+    def _init_compiled(self, config) -> None:
+        """The compiled path: modules gather through collectives the compiler sees, no
+        hooks, no scheduler at run time; see [Note: compiled units] in
+        osdp/runtime/compiled.py."""
+        install_compiled(self.module, self._built, self.layout, config.checkpoint_blocks)
+        self.checkpoint_blocks = config.checkpoint_blocks
+        self._bindings = []
+        mark_sharded_grads(self._built.units)
+
     def _init_memory_check(self, memory_limit, memory_check) -> None:
         """The per-step peak check (osdp/runtime/peak.py): against ``memory_limit``, else
         the plan's; nothing is measured without a limit or with ``memory_check=False``
@@ -294,6 +314,11 @@ class ShardedModel(nn.Module):
         predicted = getattr(getattr(self.plan, "predicted", None), "peak_bytes", None)
         self._memory_check = None
         if limit is None or not memory_check or os.environ.get("OSDP_MEMORY_CHECK", "1") == "0":
+            return
+        if self.compile_config is not None and self.device.type != "cuda":
+            # the CPU tracker is a dispatch mode, which compiled code runs beneath
+            log.info("compile=: the per-step memory check needs the CUDA allocator's statistics; not measured on %s",
+                     self.device)
             return
         self._memory_check = self._step_memory_check(limit, predicted)
 
@@ -346,6 +371,9 @@ class ShardedModel(nn.Module):
             args, kwargs = policy.cast_inputs(args, kwargs)
         if self._memory_check is not None:
             self._memory_check.begin_forward()  # checks the step before; see [Note: measured peak]
+        if self.compile_config is not None:  # nothing to schedule: see [Note: compiled units]
+            output = self.module(*args, **kwargs)
+            return output if policy is None else policy.cast_output(output)
         self._scheduler.begin_forward()
         try:
             output = self.module(*args, **kwargs)
@@ -376,7 +404,14 @@ class ShardedModel(nn.Module):
         """Off: backward keeps (and adds to) unsharded fp32 gradients instead of
         reduce-scattering them; on (default): the next backward reduce-scatters. See
         [Note: gradient accumulation]."""
+        self._check_sync_off(not requires_gradient_sync)
         self._scheduler.sync_gradients = bool(requires_gradient_sync)
+
+    def _check_sync_off(self, off: bool) -> None:
+        if off and self.compile_config is not None:
+            raise ConfigError("gradient sync off (no_sync / set_requires_gradient_sync(False)) is not available "
+                              "with compile=: the compiled backward reduce-scatters in the graph every time. "
+                              "Accumulate with sync on (the same gradients, more communication) or run eager")
 
     @property
     def requires_gradient_sync(self) -> bool:
@@ -385,6 +420,7 @@ class ShardedModel(nn.Module):
     @contextlib.contextmanager
     def no_sync(self):
         """Micro-batches whose backward runs inside accumulate without communication."""
+        self._check_sync_off(True)
         previous = self._scheduler.sync_gradients
         self._scheduler.sync_gradients = False
         try:
@@ -409,6 +445,7 @@ class ShardedModel(nn.Module):
         if not 0 <= index < self.accumulation_steps:
             raise OSDPError(f"micro-batch index {index} out of range 0..{self.accumulation_steps - 1}")
         sync = self.gradient_sync == "every" or index == self.accumulation_steps - 1
+        sync = sync or self.compile_config is not None  # compiled: every backward reduces (same gradients)
         previous = self._scheduler.sync_gradients
         self._scheduler.sync_gradients = sync
         try:

@@ -97,7 +97,7 @@ def fuses_loss(head) -> bool:
     ``head(x)`` and a loss on the logits: a vocabulary-cut split op, bias-free, with no
     hooks of its own that the fused loss would bypass."""
     return (getattr(head, "cut", None) == "out" and hasattr(head, "cross_entropy") and not head.has_bias
-            and not head_hooks(head))
+            and not head_hooks(head) and "_osdp_compiled" not in head.__dict__)  # compiled: logits + loss
 
 
 def fused_head_cross_entropy(head, x: torch.Tensor, targets: torch.Tensor, *, ignore_index: int = -100,

@@ -250,6 +250,35 @@ class MatmulSplit(SplitModule):
             merged["bias"] = slices[0]["bias"]
         return merged
 
+    def compiled_forward(self, slice_views, x: torch.Tensor) -> torch.Tensor:
+        """The op on the compiled path ([Note: compiled units] in osdp/runtime/compiled.py):
+        plain differentiable torch, slice by slice, ``slice_views(i)`` gathering slice
+        ``i`` (``attr -> tensor``, stored layout) where it is used. The K-split adds the
+        slices' products (each in the compute dtype) in fp32 and casts once; the N-split
+        concatenates the slices' column blocks."""
+        x2 = x.reshape(-1, self.in_features)
+        if self.cut == "in":
+            out = None
+            for i in range(self.g):
+                views = slice_views(i)
+                part = x2.narrow(1, self.offsets[i], self.sizes[i]) @ self.linear_view(views["weight"]).t()
+                out = part.float() if out is None else out + part.float()
+                if i == 0 and self.has_bias:
+                    out = out + views["bias"].float()
+            out = out.to(x.dtype)
+        else:
+            blocks, bias = [], None
+            for i in range(self.g):
+                views = slice_views(i)
+                if i == 0 and self.has_bias:
+                    bias = views["bias"]
+                block = x2 @ self.linear_view(views["weight"]).t()
+                if bias is not None:
+                    block = block + bias.narrow(0, self.offsets[i], self.sizes[i])
+                blocks.append(block)
+            out = torch.cat(blocks, dim=1)
+        return out.view(*x.shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # decided here: inside Function.forward grad mode is always off
         expects_backward = torch.is_grad_enabled() and (x.requires_grad or any(s.requires_grad for s in self.flat_shards))

@@ -62,8 +62,9 @@ import torch
 import torch.nn as nn
 
 from ..errors import OSDPError
+from ..module_tree import transformer_blocks
 from .inputs import ExampleInputs, LossFn, as_example_inputs
-from .model_desc import ModelDesc, _block_descs, _default_blocks, describe_tensors
+from .model_desc import ModelDesc, _block_descs, describe_tensors
 
 
 def has_meta_parameters(model: nn.Module) -> bool:
@@ -329,7 +330,7 @@ def _describe_repeated(model, inputs, device, settings, path: str, layers: nn.Mo
     return ModelDesc(
         name=cuts[4].name,
         ops=tuple(ops),
-        blocks=_block_descs(ops, _default_blocks(model), block_inputs),
+        blocks=_block_descs(ops, transformer_blocks(model), block_inputs),
         act_constant_bytes=cuts[4].act_constant_bytes + (n - 4) * per_layer_constant,
         meta={"repeated_layers": f"{prefix}1..{prefix}{n - 2} written out from {prefix}1 of a 4-layer cut"},
     )

@@ -45,6 +45,7 @@ import torch.nn as nn
 from ..contract import fuses_head_loss
 from ..errors import OSDPError
 from ..memtrack import IntervalPeakTracker
+from ..module_tree import transformer_blocks
 from ..ops import registered_split_ops, split_op_of
 from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
 
@@ -206,16 +207,6 @@ def _vocab_head(order: list[str], by_path: dict) -> str | None:
     if isinstance(last, nn.Linear) and last.out_features in rows and vocab_split_op(type(last)) is not None:
         return order[-1]
     return None
-
-
-def _default_blocks(model: nn.Module) -> list[str]:
-    """Checkpointable blocks: the children of every ModuleList (transformer layers)."""
-    return [
-        f"{name}.{i}" if name else str(i)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.ModuleList)
-        for i, _ in enumerate(module)
-    ]
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -403,7 +394,7 @@ def describe_tensors(
     if not units:
         raise OSDPError(f"{type(model).__name__} has no parameters: there is nothing to shard or plan")
     param_ptrs = {storage_key(p) for p in model.parameters()}
-    block_names = _default_blocks(model) if blocks is None else list(blocks)
+    block_names = transformer_blocks(model) if blocks is None else list(blocks)
     known = dict(model.named_modules())
     for block in block_names:
         if block not in known:

@@ -1,0 +1,374 @@
+"""The compiled path: ``OSDP(..., compile=...)`` runs every unit's gather, free and
+reduce-scatter as collectives the compiler sees, so ``torch.compile`` traces whole
+blocks with the plan's per-operator behaviour intact.
+
+[Note: compiled units]
+Eager OSDP drives each unit from module and autograd hooks around a stream scheduler
+(hooks.py): the hooks resize storages, wait on events and keep per-unit state, none of
+which dynamo traces, so ``torch.compile`` of an eager OSDP model breaks the graph at
+every operator (31 breaks for 2 GPT layers), and the elementwise work between matmuls
+is never fused. Two ways out were studied:
+
+- FSDP2's: the hooks stay eager and the compiler gets what lies between them. FSDP2
+  wraps whole blocks, so compiling each block leaves its hooks at the block boundaries
+  (torchtitan's per-block compile); its traceable path (compiled autograd tracing the
+  hooks, storage resizes made traceable) has been retired in favour of SimpleFSDP.
+  OSDP's units are operators: hooks at unit boundaries are a graph per operator.
+- SimpleFSDP's (torchtitan ``experiments/simple_fsdp``): the gather is a functional
+  collective written into the forward (autograd's backward of an all-gather is the
+  reduce-scatter), "free after forward, gather again for backward" is selective
+  activation checkpointing of the gather with a must-recompute tag (the partitioner
+  puts the recomputed gather into the backward graph), and "keep" is saving it.
+
+OSDP takes the second, per unit, because it states the plan in the graph itself: a
+unit's module (or a split op's slice) computes with views of
+``all_gather(this rank's flat shard)``; a ``zdp`` unit's gather runs under a
+must-recompute checkpoint, a ``dp`` unit's does not (its gathered buffer is saved for
+backward), a ``rep`` unit's "gather" is the identity whose backward all-reduces; split
+ops gather slice by slice; a checkpointed block recomputes everything except ``dp``
+gathers. There are no hooks and no runtime state: the compiler sees every collective
+and every operator, and may fuse the elementwise work around them.
+
+The flat shard is rebuilt from the ORIGINAL parameters ([Note: original parameters] in
+shard_unit.py, a copy of 1/N of the unit), so autograd hands each parameter its
+gradient: ``p.grad`` accumulates across backward passes as in plain PyTorch, and
+optimizers and parameter groups see what they see eagerly. :class:`_GatherShard` casts
+to the compute dtype, gathers, and in backward reduce-scatters in the reduce dtype and
+averages over the shard group.
+
+What the compiled path does not do (each refused with a clear error naming the unit):
+``hpz`` units and hierarchical layouts (one shard group over all ranks only), split
+ops without a compiled forward (the vocabulary row split of an embedding and its fused
+head loss), turning gradient sync off (every backward reduce-scatters in the graph).
+The prefetch window and bucketing are the compiler's (inductor's comm reordering
+passes), not the scheduler's; on CPU/gloo nothing overlaps anyway.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ..errors import ConfigError
+from ..module_tree import transformer_blocks
+from .modes import Mode
+from .shard_unit import ShardUnit
+
+_C10D = torch.ops._c10d_functional
+_ALL_GATHER = _C10D.all_gather_into_tensor.default
+_WAIT = _C10D.wait_tensor.default
+SCOPES = ("blocks", "model")
+# a dp unit's gathers name the shard group by this alias, so that a checkpointed
+# block's policy can tell them (saved) from zdp gathers (recomputed)
+_KEPT_SUFFIX = ":osdp-kept"
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How ``OSDP(..., compile=...)`` compiles: see [Note: compiled units].
+
+    ``scope``: ``"blocks"`` compiles each transformer block (the children of every
+    ``nn.ModuleList``) and, on its own, each unit's module outside them (torchtitan's
+    habit: short compiles, and a recompile costs one block); ``"model"`` compiles the
+    wrapped model's forward as one region. ``mode``, ``fullgraph``, ``dynamic`` and
+    ``backend`` go to ``torch.compile`` as given."""
+
+    scope: str = "blocks"
+    mode: str | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+    backend: object = "inductor"
+
+    def __post_init__(self):
+        if self.scope not in SCOPES:
+            raise ConfigError(f"CompileConfig(scope={self.scope!r}): use one of {SCOPES}")
+
+    @classmethod
+    def from_arg(cls, value) -> CompileConfig | None:
+        """``compile=``: None/False (eager), True (blocks), a scope name, a dict of
+        fields or a CompileConfig."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, str):
+            return cls(scope=value)
+        if isinstance(value, dict):
+            return cls(**value)
+        if isinstance(value, cls):
+            return value
+        raise ConfigError(f"compile={value!r}: use True, one of {SCOPES}, a dict of CompileConfig fields or an "
+                          "osdp.CompileConfig")
+
+    def torch_compile_kwargs(self) -> dict:
+        return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
+
+
+# ---- the collectives, differentiable ---------------------------------------------------------
+class _GatherShard(torch.autograd.Function):
+    """This rank's flat shard (master dtype) -> the gathered flat buffer (compute
+    dtype). Backward: the gradient in the reduce dtype, reduce-scattered (sum) over the
+    shard group, averaged, in the master dtype."""
+
+    @staticmethod
+    def forward(ctx, flat, world: int, group_name: str, compute_dtype, reduce_dtype):
+        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.master_dtype = world, group_name, reduce_dtype, flat.dtype
+        return _C10D.wait_tensor(_C10D.all_gather_into_tensor(flat.to(compute_dtype), world, group_name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.to(ctx.reduce_dtype).contiguous()
+        shard = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name))
+        return (shard / ctx.world).to(ctx.master_dtype), None, None, None, None
+
+
+class _ReplicaGrad(torch.autograd.Function):
+    """A ``rep`` unit's flat parameters (master dtype) -> its compute copy; backward:
+    the gradient all-reduced (sum, in the reduce dtype) and averaged over the ranks."""
+
+    @staticmethod
+    def forward(ctx, flat, world: int, group_name: str, compute_dtype, reduce_dtype):
+        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.master_dtype = world, group_name, reduce_dtype, flat.dtype
+        return flat.to(compute_dtype) if compute_dtype != flat.dtype else flat.view_as(flat)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.to(ctx.reduce_dtype).contiguous()
+        total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
+        return (total / ctx.world).to(ctx.master_dtype), None, None, None, None
+
+
+def _recompute_gathers(ctx, func, *args, **kwargs):
+    """A ``zdp`` gather's region: everything in it (the shard's rebuild, the cast, the
+    all-gather) runs again for backward; nothing of it is saved."""
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def _checkpointed_block(ctx, func, *args, **kwargs):
+    """A checkpointed block: everything recomputed for backward except the gathers of
+    ``dp`` units (their gathered buffers are kept, as eagerly)."""
+    if func is _ALL_GATHER:
+        kept = isinstance(args[2], str) and args[2].endswith(_KEPT_SUFFIX)
+        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _contexts(policy):
+    return create_selective_checkpoint_contexts(policy)
+
+
+def kept_group_name(group) -> str:
+    """The name ``dp`` gathers use for ``group``: an alias of the same process group,
+    registered once (no new communicator)."""
+    name = group.group_name + _KEPT_SUFFIX
+    try:
+        c10d._resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        c10d._register_process_group(name, group)
+    return name
+
+
+# ---- one unit ----------------------------------------------------------------------------------
+class CompiledUnit:
+    """How one unit is gathered on the compiled path (static: the compiler guards on
+    nothing that changes between steps)."""
+
+    def __init__(self, unit: ShardUnit, group, in_checkpointed_block: bool):
+        self.unit = unit
+        self.world = unit.shard_world if not unit.replicated else group.size()
+        keep = unit.mode is Mode.DP
+        self.group_name = kept_group_name(group) if keep and not unit.replicated else group.group_name
+        # zdp: its own must-recompute region, unless a checkpointed block's policy decides
+        self.recompute = unit.mode is Mode.ZDP and not in_checkpointed_block
+        self.compute_dtype = unit.param_dtype
+        self.reduce_dtype = unit.reduce_dtype
+        # where each parameter's local piece sits in the flat shard, in order
+        pieces = sorted((start, n, offset, i) for i, ((start, n), offset)
+                        in enumerate(zip(unit.local_ranges, unit.param_offsets)) if n > 0)
+        self.pieces = tuple((i, offset, n) for _, n, offset, i in pieces)
+        self.pad = unit.shard_numel - sum(n for _, _, n in self.pieces)
+
+    def local_flat(self) -> torch.Tensor:
+        """This rank's flat shard rebuilt from the original parameters (a copy; autograd
+        carries the gradient back into their ``.grad``)."""
+        params = self.unit.params
+        parts = [params[i].reshape(-1).narrow(0, offset, n) for i, offset, n in self.pieces]
+        if self.pad:
+            parts.append(params[0].new_zeros(self.pad))
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def _gather_now(self) -> torch.Tensor:
+        fn = _ReplicaGrad if self.unit.replicated else _GatherShard
+        return fn.apply(self.local_flat(), self.world, self.group_name, self.compute_dtype, self.reduce_dtype)
+
+    def gathered(self) -> torch.Tensor:
+        """The unit's full flat buffer in the compute dtype."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(self._gather_now, use_reentrant=False, context_fn=functools.partial(
+                _contexts, _recompute_gathers))
+        return self._gather_now()
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.unit.slots]
+
+
+# ---- modules computing with units ---------------------------------------------------------------
+class ModuleUnits:
+    """A module's units and which of their slots its attributes read."""
+
+    def __init__(self, entries: list[tuple[CompiledUnit, list[tuple[str, int]]]], base_forward):
+        self.entries = entries
+        self.base_forward = base_forward
+
+    def forward(self, module: nn.Module, args, kwargs):
+        state = module.__dict__
+        attrs = []
+        for cunit, slots in self.entries:
+            views = cunit.views(cunit.gathered())
+            for attr, i in slots:
+                state[attr] = views[i]  # found before _parameters (the shard pieces)
+                attrs.append(attr)
+        try:
+            return self.base_forward(module, *args, **kwargs)
+        finally:
+            for attr in attrs:
+                del state[attr]
+
+
+class SplitUnits:
+    """A split op's slice units: the op computes slice by slice with their views."""
+
+    def __init__(self, slices: list[CompiledUnit]):
+        self.slices = slices
+
+    def forward(self, module: nn.Module, args, kwargs):
+        def slice_views(i: int) -> dict[str, torch.Tensor]:
+            cunit = self.slices[i]
+            return {s.attr: v for s, v in zip(cunit.unit.slots, cunit.views(cunit.gathered()))}
+
+        return module.compiled_forward(slice_views, *args, **kwargs)
+
+
+def _compiled_call(self, *args, **kwargs):
+    return self._osdp_compiled.forward(self, args, kwargs)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def _swap_class(module: nn.Module, runner) -> None:
+    """Give ``module`` a subclass of its class whose forward runs ``runner`` (one
+    subclass per class, so blocks of one type share their compiled code)."""
+    base = type(module)
+    cls = _CLASSES.get(base)
+    if cls is None:
+        cls = _CLASSES[base] = type(f"Compiled{base.__name__}", (base,), {"forward": _compiled_call,
+                                                                         "__module__": base.__module__})
+    module.__class__ = cls
+    module.__dict__["_osdp_compiled"] = runner
+
+
+def _refuse(built, layout) -> None:
+    if layout.is_hierarchical:
+        raise ConfigError(f"compile= runs one shard group over all ranks; this layout is {layout.describe()}: "
+                          "drop mesh=/node_size= or run eager (compile=None)")
+    for unit in built.units:
+        if unit.mode is Mode.HPZ:
+            raise ConfigError(f"unit {unit.name!r} is hpz, which the compiled path does not run (node copies are "
+                              "runtime state): plan it dp or zdp, or run eager (compile=None)")
+    for path, (module, _) in built.splits.items():
+        if not hasattr(module, "compiled_forward"):
+            raise ConfigError(f"split op {type(module).op_name!r} of {path!r} has no compiled forward (the "
+                              "compiled path runs the matmul splits: linear_in_features, linear_out_features, "
+                              "conv1d_nx): leave it unsplit, or run eager (compile=None)")
+
+
+def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...]) -> None:
+    """Make every module that computes with units run the compiled path (module
+    forwards swapped, no hooks) and checkpoint ``checkpoint_blocks`` with the policy
+    that keeps ``dp`` gathers. Compiling is :func:`compile_regions`."""
+    _refuse(built, layout)
+    group = layout.world.group
+    inside = _block_of(checkpoint_blocks)
+    cache: dict[ShardUnit, CompiledUnit] = {}
+
+    def compiled(unit: ShardUnit) -> CompiledUnit:
+        if unit not in cache:  # a unit's name is its module's path (a slice's: path[i])
+            cache[unit] = CompiledUnit(unit, group, inside(unit.name.split("[")[0]))
+        return cache[unit]
+
+    for module, path, entries in built.bindings:
+        for _, slots in entries:
+            for attr, _ in slots:
+                module.__dict__.pop(attr, None)  # eager views, if set: attribute reads find the pieces
+        runner = ModuleUnits([(compiled(u), slots) for u, slots in entries], _base_forward(module))
+        _swap_class(module, runner)
+    for path, (module, units) in built.splits.items():
+        _swap_class(module, SplitUnits([compiled(u) for u in units]))
+    for path in checkpoint_blocks:
+        _checkpoint_block(model.get_submodule(path))
+
+
+def mark_sharded_grads(units: list[ShardUnit]) -> None:
+    """Mark each gradient as the eager runtime does when it hands one out, once autograd
+    has accumulated it: a shard (sharded units) or whole on every rank (rep units), for
+    [Note: global gradient norm] in grad_norm.py."""
+    def hook(param, marker):
+        setattr(param.grad, marker, True)
+
+    marked = {}  # a split parameter belongs to all of its slices' units: once
+    for unit in units:
+        for param in unit.params:
+            marked[id(param)] = (param, "_osdp_replicated" if unit.replicated else "_osdp_sharded")
+    for param, marker in marked.values():
+        if param.requires_grad:
+            param.register_post_accumulate_grad_hook(functools.partial(hook, marker=marker))
+
+
+def _base_forward(module: nn.Module):
+    """The forward the module ran: its class's, or one set on the instance (taken off
+    it, so that the swapped class's forward is found)."""
+    own = module.__dict__.pop("forward", None)
+    if own is None:
+        return type(module).forward
+    return lambda _module, *args, **kwargs: own(*args, **kwargs)
+
+
+def _block_of(blocks: tuple[str, ...]):
+    def inside(path: str) -> bool:
+        return any(path == b or path.startswith(b + ".") for b in blocks)
+    return inside
+
+
+def _checkpoint_block(block: nn.Module) -> None:
+    inner = block.forward
+
+    def forward(*args, **kwargs):
+        if not torch.is_grad_enabled():
+            return inner(*args, **kwargs)
+        return checkpoint(inner, *args, use_reentrant=False,
+                          context_fn=functools.partial(_contexts, _checkpointed_block), **kwargs)
+
+    block.forward = forward
+
+
+def compile_regions(model: nn.Module, config: CompileConfig, built) -> list[str]:
+    """Compile ``model`` per ``config.scope``; the paths compiled, in order."""
+    kwargs = config.torch_compile_kwargs()
+    if config.scope == "model":
+        model.compile(**kwargs)
+        return [""]
+    unit_paths = [p for _, p, _ in built.bindings] + list(built.splits)
+    # the blocks computing with units (not a ModuleList of Identity bridges)
+    regions = [b for b in transformer_blocks(model) if any(_block_of((b,))(p) for p in unit_paths)]
+    inside = _block_of(tuple(regions))
+    for path in unit_paths:
+        if not inside(path) and path not in regions:
+            regions.append(path)  # a unit outside the blocks: its own region (zdp needs a graph)
+    for path in regions:
+        model.get_submodule(path).compile(**kwargs)
+    return regions
