@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "OSDP": "osdp.entry",
     "MixedPrecision": "osdp.runtime.mixed_precision",
+    "CompileConfig": "osdp.runtime.compiled",
     "RuntimeConfig": "osdp.contract",
     "auto_plan": "osdp.auto",
     "ExampleInputs": "osdp.planner.inputs",

@@ -37,7 +37,8 @@ to the compute dtype, gathers, and in backward reduce-scatters in the reduce dty
 averages over the shard group.
 
 What the compiled path does not do (each refused with a clear error naming the unit):
-``hpz`` units and hierarchical layouts (one shard group over all ranks only), split
+hierarchical layouts (one shard group over all ranks only; ``hpz`` is then ``zdp`` or
+``dp``, [Note: modes per level] in contract.py), split
 ops without a compiled forward (the vocabulary row split of an embedding and its fused
 head loss), turning gradient sync off (every backward reduce-scatters in the graph).
 The prefetch window and bucketing are the compiler's (inductor's comm reordering
@@ -177,13 +178,13 @@ class CompiledUnit:
     """How one unit is gathered on the compiled path (static: the compiler guards on
     nothing that changes between steps)."""
 
-    def __init__(self, unit: ShardUnit, group, in_checkpointed_block: bool):
+    def __init__(self, unit: ShardUnit, mode: str, group, in_checkpointed_block: bool):
         self.unit = unit
         self.world = unit.shard_world if not unit.replicated else group.size()
-        keep = unit.mode is Mode.DP
+        keep = mode == Mode.DP.value
         self.group_name = kept_group_name(group) if keep and not unit.replicated else group.group_name
         # zdp: its own must-recompute region, unless a checkpointed block's policy decides
-        self.recompute = unit.mode is Mode.ZDP and not in_checkpointed_block
+        self.recompute = mode == Mode.ZDP.value and not in_checkpointed_block
         self.compute_dtype = unit.param_dtype
         self.reduce_dtype = unit.reduce_dtype
         # where each parameter's local piece sits in the flat shard, in order
@@ -217,6 +218,24 @@ class CompiledUnit:
 
 
 # ---- modules computing with units ---------------------------------------------------------------
+class _ModuleWithViews:
+    """A module as its forward sees it on the compiled path: the units' views under its
+    parameter names, everything else the module's (its methods bound to this object, so
+    that a helper method reads the views too). A new object per call, so a
+    checkpointed block's forward mutates nothing outside itself (dynamo refuses side
+    effects inside a checkpoint region)."""
+
+    def __init__(self, module: nn.Module, views: dict[str, torch.Tensor]):
+        self.__dict__.update(views)
+        self.__dict__["_osdp_module"] = module
+
+    def __getattr__(self, name: str):
+        value = getattr(self._osdp_module, name)
+        if getattr(value, "__self__", None) is self._osdp_module and hasattr(value, "__func__"):
+            return value.__func__.__get__(self)  # a method: bound to the views
+        return value
+
+
 class ModuleUnits:
     """A module's units and which of their slots its attributes read."""
 
@@ -225,18 +244,12 @@ class ModuleUnits:
         self.base_forward = base_forward
 
     def forward(self, module: nn.Module, args, kwargs):
-        state = module.__dict__
-        attrs = []
+        views = {}
         for cunit, slots in self.entries:
-            views = cunit.views(cunit.gathered())
+            gathered = cunit.views(cunit.gathered())
             for attr, i in slots:
-                state[attr] = views[i]  # found before _parameters (the shard pieces)
-                attrs.append(attr)
-        try:
-            return self.base_forward(module, *args, **kwargs)
-        finally:
-            for attr in attrs:
-                del state[attr]
+                views[attr] = gathered[i]
+        return self.base_forward(_ModuleWithViews(module, views), *args, **kwargs)
 
 
 class SplitUnits:
@@ -276,10 +289,6 @@ def _refuse(built, layout) -> None:
     if layout.is_hierarchical:
         raise ConfigError(f"compile= runs one shard group over all ranks; this layout is {layout.describe()}: "
                           "drop mesh=/node_size= or run eager (compile=None)")
-    for unit in built.units:
-        if unit.mode is Mode.HPZ:
-            raise ConfigError(f"unit {unit.name!r} is hpz, which the compiled path does not run (node copies are "
-                              "runtime state): plan it dp or zdp, or run eager (compile=None)")
     for path, (module, _) in built.splits.items():
         if not hasattr(module, "compiled_forward"):
             raise ConfigError(f"split op {type(module).op_name!r} of {path!r} has no compiled forward (the "
@@ -298,7 +307,9 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
 
     def compiled(unit: ShardUnit) -> CompiledUnit:
         if unit not in cache:  # a unit's name is its module's path (a slice's: path[i])
-            cache[unit] = CompiledUnit(unit, group, inside(unit.name.split("[")[0]))
+            # hpz on a flat layout is zdp (one node) or dp (one rank per node)
+            mode = layout.effective_mode(unit.mode.value)
+            cache[unit] = CompiledUnit(unit, mode, group, inside(unit.name.split("[")[0]))
         return cache[unit]
 
     for module, path, entries in built.bindings:

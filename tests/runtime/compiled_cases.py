@@ -1,0 +1,160 @@
+"""The compiled path on 2 gloo ranks: per case, OSDP compiled, OSDP eager and
+single-process training on the whole batch (3 AdamW steps with clipping), and what the
+compiler made of it (graphs, graph breaks, all-gathers in the forward and backward
+graphs). Run inside one spawn per test (tests/runtime/test_compiled.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._dynamo.utils import counters
+
+import osdp
+from osdp.models.gpt import GPT, GPTConfig, example_batch
+
+STEPS = 3
+LOCAL_BATCH = 2
+LR = 1e-2
+EPS = 1e-5  # AdamW's eps: keeps the rounding of near-zero gradients from being amplified
+_C10D = torch.ops._c10d_functional
+
+
+@dataclass
+class Case:
+    name: str
+    kwargs: dict  # OSDP keyword arguments besides compile=
+    layers: int = 2
+    tie: bool = False
+    scope: str = "blocks"
+    extra: dict = field(default_factory=dict)
+
+
+def counting_backend(seen: dict):
+    """aot_eager, counting the all-gathers that the forward and backward graphs run
+    (each call of a graph adds its all-gathers)."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    def compiler(kind):
+        def compile_graph(gm, example_inputs):
+            gathers = sum(1 for n in gm.graph.nodes if n.target == _C10D.all_gather_into_tensor.default)
+            run = make_boxed_func(gm.forward)
+
+            def counted(args):
+                seen[kind] += gathers
+                return run(args)
+            counted._boxed_call = True
+            return counted
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler("fw"), bw_compiler=compiler("bw"),
+                        partition_fn=min_cut_rematerialization_partition)
+
+
+def _gpt(case: Case) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=case.layers, hidden=32, heads=4,
+                         tie_embeddings=case.tie))
+
+
+def _train(model, rank, world, cfg, clip=True):
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
+    losses = []
+    for step in range(STEPS):
+        idx, tgt = example_batch(cfg, LOCAL_BATCH * world, seed=10 + step)
+        if rank is not None:
+            idx, tgt = idx[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], tgt[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        loss = model(idx, tgt)
+        loss.backward()
+        if clip:
+            (model.clip_grad_norm_ if rank is not None else
+             lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n))(1.0)
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        if rank is not None:
+            dist.all_reduce(value)
+            value /= world
+        losses.append(value.item())
+    return losses
+
+
+def run_case(rank: int, world: int, case: Case) -> dict:
+    torch._dynamo.reset()
+    counters.clear()
+    ref = _gpt(case)
+    cfg = ref.config
+    ref_losses = _train(ref, None, world, cfg)
+    eager = osdp.OSDP(_gpt(case), **case.kwargs)
+    eager_losses = _train(eager, rank, world, cfg)
+    eager_state = eager.full_state_dict(rank0_only=False)
+    seen = {"fw": 0, "bw": 0}
+    compiled = osdp.OSDP(_gpt(case), compile={"scope": case.scope, "backend": counting_backend(seen)},
+                         **case.kwargs)
+    graphs = []
+    opt_losses = []
+    opt = torch.optim.AdamW(compiled.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
+    for step in range(STEPS):
+        idx, tgt = example_batch(cfg, LOCAL_BATCH * world, seed=10 + step)
+        loss = compiled(idx[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], tgt[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH])
+        loss.backward()
+        compiled.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        opt_losses.append(value.item() / world)
+        graphs.append(counters["stats"]["unique_graphs"])
+        if step == 0:
+            gathers = dict(seen)
+    state = compiled.full_state_dict(rank0_only=False)
+    reference = ref.state_dict()
+    return {
+        "losses": opt_losses, "eager_losses": eager_losses, "ref_losses": ref_losses,
+        "vs_eager": max((state[k] - eager_state[k]).abs().max().item() for k in reference),
+        "vs_ref": max((state[k] - v).abs().max().item() for k, v in reference.items()),
+        "eager_vs_ref": max((eager_state[k] - v).abs().max().item() for k, v in reference.items()),
+        "graphs": graphs, "breaks": sum(counters["graph_break"].values()),
+        "break_reasons": [str(k)[:300] for k in counters["graph_break"]],
+        "gathers": gathers, "regions": compiled.compiled_regions,
+        "units": compiled.unit_modes(),
+    }
+
+
+def run_cases(rank: int, world: int, cases: list[Case]) -> dict:
+    return {case.name: run_case(rank, world, case) for case in cases}
+
+
+def run_hf(rank: int, world: int, key: str, raw: bool, kwargs: dict, scope: str, backend="aot_eager") -> dict:
+    """A stock Hugging Face model (tests/hf/hf_cases.py) compiled and eager: per-step
+    mean losses, graphs, graph breaks."""
+    from hf.hf_cases import _local, global_batch, make_model
+
+    from osdp.models.hf import hf_loss
+
+    out = {}
+    for name, compile_arg in (("eager", None), ("compiled", {"scope": scope, "backend": backend})):
+        torch._dynamo.reset()
+        counters.clear()
+        model = osdp.OSDP(make_model(key, raw=raw), compile=compile_arg, **kwargs)
+        opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+        losses = []
+        for step in range(STEPS):
+            batch = _local(global_batch(key, step, world), rank)
+            loss = hf_loss(model, *batch) if raw else model(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            value = loss.detach().clone()
+            dist.all_reduce(value)
+            losses.append(value.item() / world)
+        out[name] = {"losses": losses, "graphs": counters["stats"]["unique_graphs"],
+                     "breaks": sum(counters["graph_break"].values()),
+                     "break_reasons": [str(k)[:300] for k in counters["graph_break"]]}
+    return out
+
+
+def run_hf_cases(rank: int, world: int, cases: list[tuple]) -> dict:
+    return {case[0]: run_hf(rank, world, *case[1:]) for case in cases}

@@ -1,0 +1,145 @@
+"""The compiled path (``OSDP(..., compile=...)``, [Note: compiled units] in
+osdp/runtime/compiled.py) on 2 gloo ranks: the same losses and parameters as eager OSDP
+and as single-process training, the plan's modes visible in the graphs (a zdp unit
+gathered again in the backward graph, a dp unit not, a rep unit never), no graph
+breaks, no recompiles across steps. Graphs come from aot_eager (dynamo + AOT autograd
++ the partitioner, where OSDP's recompute decisions are made) so that the default run
+stays fast; the inductor run is marked slow."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import osdp
+from osdp.errors import ConfigError
+from osdp.models.gpt import GPT, GPTConfig
+from runtime.compiled_cases import Case, run_cases, run_hf_cases
+from runtime.dist_harness import spawn
+
+# per case: (all-gathers in the forward graphs, in the backward graphs), derived from
+# the plan. The GPT has 16 units: wte, wpe, 6 per block (ln_1, c_attn, c_proj, ln_2,
+# c_fc, mlp.c_proj) x 2, ln_f, lm_head. Forward gathers every sharded unit per use;
+# backward gathers again every zdp unit whose backward reads weights (not wte/wpe:
+# an embedding's backward reads none).
+CASES = [
+    # 16 forward; backward: 16 - wte - wpe
+    (Case("zdp", {"default_mode": "zdp"}), (16, 14)),
+    # tied head: 15 units, 2 rep (ln_f, blocks.0.ln_1) -> 13 sharded, wte gathered twice
+    # (lookup and head); backward: 13 - 2 dp - wpe (wte's head use reads it)
+    (Case("dp_zdp_rep_tied", {"modes": {"blocks.0.attn.c_attn": "dp", "blocks.1.mlp.c_fc": "dp", "ln_f": "rep",
+                                        "blocks.0.ln_1": "rep"}}, tie=True), (14, 10)),
+    # 3 ops split into 2 + 3 + 2 slices: 16 - 3 + 7 = 20 units; 3 dp slices; - wte, wpe
+    (Case("splits", {"modes": {"blocks.0.mlp.c_fc": ["dp", "zdp"], "blocks.1.mlp.c_proj": ["zdp", "dp", "zdp"],
+                               "blocks.1.attn.c_attn": ["zdp", "dp"]},
+                     "splits": {"blocks.0.mlp.c_fc": 2, "blocks.1.mlp.c_proj": 3, "blocks.1.attn.c_attn": 2},
+                     "split_ops": {"blocks.1.attn.c_attn": "linear_out_features"}}), (20, 15)),
+    # block 0 checkpointed, 2 dp units in it: the recompute gathers its zdp units again,
+    # not the dp ones; one graph for the whole model
+    (Case("checkpointed_dp_in_block", {"modes": {"blocks.0.attn.c_attn": "dp", "blocks.0.mlp.c_fc": "dp"},
+                                       "checkpoint_blocks": ("blocks.0",)}, scope="model"), (16, 12)),
+]
+
+
+@pytest.fixture(scope="module")
+def gpt_results():
+    return spawn(run_cases, 2, [case for case, _ in CASES])
+
+
+@pytest.mark.parametrize("case,gathers", CASES, ids=[c.name for c, _ in CASES])
+def test_compiled_matches_eager_and_single_process(gpt_results, case, gathers):
+    for rank_result in gpt_results:
+        r = rank_result[case.name]
+        # the mean loss over ranks is the single process's loss on the whole batch
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6, abs=1e-6)
+        assert r["losses"] == pytest.approx(r["eager_losses"], rel=1e-6, abs=1e-6)
+        # after 3 AdamW steps (lr 1e-2): as close to eager OSDP as rounding allows, and
+        # no further from single-process training than eager OSDP is (plus rounding)
+        assert r["vs_eager"] <= 1e-6, r["vs_eager"]
+        assert r["vs_ref"] <= r["eager_vs_ref"] + 1e-6, (r["vs_ref"], r["eager_vs_ref"])
+
+
+@pytest.mark.parametrize("case,gathers", CASES, ids=[c.name for c, _ in CASES])
+def test_compiled_graphs_carry_the_plan(gpt_results, case, gathers):
+    r = gpt_results[0][case.name]
+    assert r["breaks"] == 0, r["break_reasons"]
+    # all-gathers per step: forward graphs, and backward graphs (zdp gathers again)
+    assert (r["gathers"]["fw"], r["gathers"]["bw"]) == gathers
+    # compiled once: steps 2 and 3 add no graph (no recompile per step)
+    assert r["graphs"][0] == r["graphs"][-1], r["graphs"]
+    if case.scope == "model":
+        assert r["regions"] == [""] and r["graphs"][0] == 1
+    else:  # each block and each unit outside the blocks on its own; alike blocks share a graph
+        assert r["regions"][:2] == ["blocks.0", "blocks.1"]
+        assert r["graphs"][0] <= len(r["regions"])
+
+
+HF_CASES = [
+    # tied wte / lm_head, Conv1D projections split (dp and zdp slices), random modes
+    ("gpt2_split_conv1d", "gpt2", False, "split", "blocks"),
+    ("gpt2_raw_model_scope", "gpt2", True, "zdp", "model"),
+    ("llama_sdpa", "llama", False, "zdp", "blocks"),
+    ("llama_raw_split_model_scope", "llama", True, "llama_split", "model"),
+]
+
+
+def _hf_kwargs(kind: str) -> dict:
+    if kind == "zdp":
+        return {"default_mode": "zdp"}
+    if kind == "split":
+        return {"modes": {"transformer.h.0.mlp.c_fc": ["zdp", "dp", "zdp"], "transformer.h.1.attn.c_attn": "dp"},
+                "splits": {"transformer.h.0.mlp.c_fc": 3, "transformer.h.1.mlp.c_proj": 2}}
+    return {"modes": {"model.layers.0.self_attn.q_proj": ["dp", "zdp"], "model.norm": "rep"},
+            "splits": {"model.layers.0.self_attn.q_proj": 2, "lm_head": 2},
+            "split_ops": {"lm_head": "linear_out_features"}}
+
+
+def test_compiled_hugging_face_models_without_graph_breaks():
+    results = spawn(run_hf_cases, 2, [(n, key, raw, _hf_kwargs(kind), scope) for n, key, raw, kind, scope in HF_CASES])
+    for name, *_ in HF_CASES:
+        r = results[0][name]
+        assert r["compiled"]["breaks"] == 0, (name, r["compiled"]["break_reasons"])
+        assert r["compiled"]["losses"] == pytest.approx(r["eager"]["losses"], rel=1e-5, abs=1e-6), name
+
+
+@pytest.mark.slow
+def test_compiled_with_inductor_matches_eager():
+    """Inductor (C++ codegen on CPU) instead of aot_eager: fused kernels, same losses."""
+    results = spawn(run_hf_cases, 2, [("gpt2_inductor", "gpt2", False, _hf_kwargs("split"), "blocks", "inductor")])
+    r = results[0]["gpt2_inductor"]
+    assert r["compiled"]["breaks"] == 0, r["compiled"]["break_reasons"]
+    assert r["compiled"]["losses"] == pytest.approx(r["eager"]["losses"], rel=1e-4), r
+
+
+# ---- refusals: clear errors, nothing half-built ----------------------------------------------
+def _gpt(**kw):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=2, hidden=32, heads=4, **kw))
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_compiled_refuses_gradient_sync_off(fake_world):
+    model = osdp.OSDP(_gpt(), default_mode="zdp", compile={"backend": "aot_eager"})
+    with pytest.raises(ConfigError, match="no_sync.*compile="):
+        with model.no_sync():
+            pass
+    with pytest.raises(ConfigError, match="compile="):
+        model.set_requires_gradient_sync(False)
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_compiled_refuses_split_ops_without_compiled_forward(fake_world):
+    with pytest.raises(ConfigError, match="'wte'.*no compiled forward"):
+        osdp.OSDP(_gpt(), default_mode="zdp", splits={"wte": 2}, compile=True)
+
+
+@pytest.mark.parametrize("fake_world", [4], indirect=True)
+def test_compiled_refuses_hierarchical_layouts(fake_world):
+    with pytest.raises(ConfigError, match="one shard group over all ranks"):
+        osdp.OSDP(_gpt(), default_mode="hpz", node_size=2, compile=True)
+
+
+@pytest.mark.parametrize("value,match", [("graph", "scope='graph'"), (3, "compile=3"),
+                                         ({"scope": "blocks", "modes": "x"}, "modes")])
+def test_compile_argument_errors(value, match):
+    with pytest.raises((ConfigError, TypeError), match=match):
+        osdp.CompileConfig.from_arg(value)
