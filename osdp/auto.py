@@ -28,6 +28,7 @@ from .rank_agreement import check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
 from .planning_budget import (DEFAULT_BUDGET_S, MIN_SHARE, PROFILE_SHARE, PlanningBudget, predicted_optimizer_step_s,
                               show_progress)
+from .runtime.compiled import CompileConfig
 from .runtime.materialize import has_meta, meta_skeleton
 from .sizes import format_bytes
 
@@ -82,6 +83,7 @@ def auto_plan(
     calibration_steps: int = 3,
     mixed_precision=None,
     param_init_fn=None,
+    compile=None,
     **profile_kwargs,
 ) -> Plan:
     """Measure this cluster, then plan for the most samples per second within
@@ -118,6 +120,8 @@ def auto_plan(
     when the model was off, refitted and planned again once; see [Note: calibrate and
     re-plan]. The returned plan carries ``measured`` and ``calibration``.
     ``mixed_precision``: the policy the model will be wrapped with (for that measurement).
+    ``compile``: the ``OSDP(compile=...)`` the model will run with: the chosen plan is
+    also measured compiled and records it ([Note: compiled plans]).
     """
     # a meta model's values: initialized under a forked state (the caller's draws stay its
     # own); passed on, not kept here (the pool lets it go once a trial holds them)
@@ -127,7 +131,7 @@ def auto_plan(
         else None, process_group=process_group, settings=settings,
         batch=batch, global_batch=global_batch, loss_fn=loss_fn, backend=backend, cache_dir=cache_dir,
         progress=progress, layout=layout, calibrate=calibrate, calibration_steps=calibration_steps,
-        mixed_precision=mixed_precision, **profile_kwargs)
+        mixed_precision=mixed_precision, compile=compile, **profile_kwargs)
     values.close()
     return plan
 
@@ -151,7 +155,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
                      global_batch: int | None = None, loss_fn=None, backend: str = "auto", cache_dir=None,
                      progress: bool = True, layout=None, calibrate: bool = True, calibration_steps: int = 3,
                      mixed_precision=None, budget_s: float | None = DEFAULT_BUDGET_S, use_plan_cache: bool = True,
-                     **profile_kwargs):
+                     compile=None, **profile_kwargs):
     """:func:`auto_plan`'s work: ``(plan, values)``, ``values`` the ``RuntimeMeasure``
     whose ``holder()`` is the wrapped model holding the values of a ``model`` on the meta
     device (``holder``: the one it started from; the last trial after measuring); the
@@ -210,6 +214,8 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
             log.info("calibration: %s", plan.calibration.decision or "-")
             plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
                                    global_batch=global_batch, backend=backend, process_group=process_group)
+            if compile is not None:
+                plan = measure_compiled(plan, measure, compile)
             plan = replace(plan, calibration=plan.calibration.with_(budget=budget.record()),
                            assumed_loss=getattr(loss_fn, "assumed", ""))
             cache.put(key, plan)
@@ -251,9 +257,10 @@ class RuntimeMeasure:
         self.budget = budget if budget is not None else PlanningBudget(None, process_group)
         self.count = 0
 
-    def __call__(self, plans):
+    def __call__(self, plans, compile=None):
         steps = self.budget.steps(plans, self.steps, warmup=2)
-        results = measure_plans(self.model, plans, self.example_inputs, steps=steps, pool=self.pool, **self.options)
+        results = measure_plans(self.model, plans, self.example_inputs, steps=steps, pool=self.pool, compile=compile,
+                                **self.options)
         for plan, m in zip(plans, results):
             self.count += 1
             log.info("measured plan %d: %s, batch %d: step %.0f ms (%d timed), %.1f samples/s, peak %s; %.0f s of "
@@ -261,6 +268,10 @@ class RuntimeMeasure:
                      m.samples_per_s(plan.world_size, plan.accumulation_steps), format_bytes(m.peak_bytes),
                      max(self.budget.left(), 0))
         return results
+
+    def first_step_s(self) -> float | None:
+        """The first step of the last trial built (a compiled one compiles in it)."""
+        return getattr(self.pool.current, "first_step_s", None)
 
     def holder(self):
         """The wrapped model that holds a meta model's values now (None for a real
@@ -271,6 +282,29 @@ class RuntimeMeasure:
     def close(self) -> None:
         self.pool.close()
         self.pool.holder = None  # a holder never measured from (a cached plan) goes too
+
+
+def measure_compiled(plan: Plan, measure: RuntimeMeasure, compile) -> Plan:
+    """[Note: compiled plans] Auto mode with ``compile=``: the plan is chosen with the
+    factors fitted to eager steps (calibration's measurements and the measured choice
+    run eager: the live-tensor tracker that measures their peaks on CPU cannot see
+    inside compiled code), then measured once compiled, and the plan records both step
+    times (``plan.calibration.compiled``), so that ``model.report()`` and the plan say
+    what compiling gave. Not done yet: fitting the compute factors to compiled steps, so
+    that the search prices compiled compute (and its activations) when it compares
+    plans."""
+    config = CompileConfig.from_arg(compile)
+    (compiled,) = measure([plan], compile=config)
+    eager = Measurement.from_dict(plan.measured).step_s if plan.measured else None
+    record = {"scope": config.scope, "step_s": compiled.step_s}
+    if eager is not None:
+        record["eager_step_s"] = eager
+    first = measure.first_step_s()
+    if first is not None:
+        record["first_step_s"] = first
+    log.info("measured compiled (%s): step %.0f ms%s; the first step, compiling, %.1f s", config.scope,
+             compiled.step_s * 1e3, f" (eager {eager * 1e3:.0f} ms)" if eager is not None else "", first or 0.0)
+    return replace(plan, calibration=plan.calibration.with_(compiled=record))
 
 
 def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,

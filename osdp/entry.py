@@ -71,7 +71,7 @@ class OSDP(ShardedModel):
                                                             mixed_precision, param_init_fn) if on_meta else None,
                                     process_group=runtime.get("process_group"), layout=layout,
                                     settings=_with_precision(settings, mixed_precision),
-                                    mixed_precision=mixed_precision, **options)
+                                    mixed_precision=mixed_precision, compile=runtime.get("compile"), **options)
         try:
             if not on_meta:
                 values.close()  # a real model's values are its own: no trial is needed beside it

@@ -531,6 +531,13 @@ def format_report(plan) -> str:
                      f"{format_bytes(f['memory_constant_bytes'])}")
     if not measured:
         lines.append("  not measured (plans made with calibrate=True in auto mode carry a measurement)")
+    compiled = info.compiled  # [Note: compiled plans] in osdp/auto.py
+    if compiled:
+        eager = compiled.get("eager_step_s")
+        lines.append(f"  compiled ({compiled.get('scope', '?')}): step {compiled['step_s'] * 1e3:.2f} ms measured"
+                     + (f" (eager: {eager * 1e3:.2f} ms, so {eager / compiled['step_s']:.2f}x eager's speed)" if eager else "")
+                     + (f"; first step (compiling) {compiled['first_step_s']:.1f} s" if "first_step_s" in compiled
+                        else "") + "; the rows below are eager")
 
     def row(name, pred, meas):
         p = f"{pred * 1e3:10.2f}" if pred is not None else f"{'-':>10}"

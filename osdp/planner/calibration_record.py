@@ -115,6 +115,16 @@ def _budget(name, value):
     return value
 
 
+def _compiled(name, value):
+    _object(name, value)
+    for key in ("step_s", "eager_step_s", "first_step_s"):
+        if key in value:
+            _number(f"{name}.{key}", value[key])
+    if "scope" in value:
+        _string(f"{name}.scope", value["scope"])
+    return value
+
+
 # each known key: its check (returns the value as the record holds it)
 _CHECKS = {
     "factors": _object,
@@ -130,6 +140,7 @@ _CHECKS = {
     "predicted_error": _string,
     "measured_choice": _measured_choice,
     "budget": _budget,
+    "compiled": _compiled,
 }
 # JSON form of a held value (tuples are written as lists, as the dict held them)
 _LISTS = ("reasons", "observations")
@@ -161,6 +172,9 @@ class CalibrationRecord:
     measured_choice: dict | None = None
     # the planning budget (``PlanningBudget.record()``): {"budget_s", "spent_s", "cuts"}
     budget: dict | None = None
+    # the plan measured compiled (auto mode with compile=): {"scope", "step_s",
+    # "eager_step_s", "first_step_s"}: see [Note: compiled plans] in osdp/auto.py
+    compiled: dict | None = None
     # keys this OSDP does not know, as read
     extra: dict = field(default_factory=dict)
     # the keys present, in the order they are written (derived when not given)

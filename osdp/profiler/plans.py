@@ -90,11 +90,13 @@ class TrialPool:
         self.from_shards = holder is not None  # the values live in wrapped models, not in the model
         self.current: _Trial | None = None
 
-    def trial(self, make, plan, module) -> tuple[_Trial, bool]:
-        """The trial of ``plan``: the live one when it runs ``plan`` (warm: True), else
-        ``make(source)``, the live one closed after (before, when not its source)."""
-        if self.current is not None and self.current.plan.plan_hash() == plan.plan_hash():
-            return self.current, True
+    def trial(self, make, plan, module, compile=None) -> tuple[_Trial, bool]:
+        """The trial of ``plan`` (compiled per ``compile``): the live one when it runs
+        that (warm: True), else ``make(source)``, the live one closed after (before, when
+        not its source)."""
+        current = self.current
+        if current is not None and current.plan.plan_hash() == plan.plan_hash() and current.compile == compile:
+            return current, True
         if not self.from_shards:
             self.close()  # the model's own tensors: nothing needs the live trial
             source = ModuleValues(module)
@@ -134,7 +136,7 @@ class TrialPool:
 
 def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3, warmup: int = 2,
                   process_group=None, device=None, mixed_precision=None, coalesce_bytes=None, layout=None,
-                  group_times: bool = True, pool: TrialPool | None = None) -> list[Measurement]:
+                  group_times: bool = True, pool: TrialPool | None = None, compile=None) -> list[Measurement]:
     """Measure several plans of ``module``, one after the other, each on a trial built
     from ``module``'s skeleton ([Note: one trial at a time]). Neither ``module`` nor the
     random number generators' states change (dropout in the trials draws from a forked
@@ -143,7 +145,13 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
     times). ``pool``: the live trial and value source across calls (required for a
     ``module`` on the meta device, whose values a wrapped model holds:
     ``TrialPool(holder=wrapped)``); without one, ``module``'s own tensors, and the trial
-    is closed at the end."""
+    is closed at the end. ``compile``: the trials run compiled (``OSDP(compile=...)``,
+    [Note: compiled units]); their first warm-up step compiles (the trial's ``first_step_s``),
+    no group times (a clock-reading hook inside a compiled block is a graph break), and
+    on CPU no peak (the live-tensor tracker is a dispatch mode, which compiled code runs
+    beneath: ``peak_source`` says so)."""
+    if compile is not None:
+        group_times = False
     if has_meta(module) and (pool is None or pool.values() is None):
         raise OSDPError("measure_plans of a model on the meta device needs its values: a pool holding the wrapped "
                         "model that has them, TrialPool(holder=wrapped)")
@@ -157,14 +165,16 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
             for plan in plans:
                 def make(source, plan=plan):
                     return _Trial(module, plan, example_inputs, loss_fn, process_group, layout, device,
-                                  mixed_precision, coalesce_bytes, source)
+                                  mixed_precision, coalesce_bytes, source, compile)
 
-                trial, warm = pool.trial(make, plan, module)
+                trial, warm = pool.trial(make, plan, module, compile)
                 if not warm:
                     for k in range(warmup):
-                        # the first step records the use order and makes AdamW's state:
-                        # the second is the first steady one
-                        trial.step(measure_peak=k >= 1 and k == warmup - 1)
+                        # the first step records the use order and makes AdamW's state
+                        # (and compiles): the second is the first steady one
+                        row = trial.step(measure_peak=k >= 1 and k == warmup - 1)
+                        if k == 0:
+                            trial.first_step_s = row[0]
                 trial.begin_round()
                 if group_times:
                     trial.hook_groups()
@@ -184,7 +194,7 @@ class _Trial:
     """One plan on its own wrapped copy of the model, with its optimizer and inputs."""
 
     def __init__(self, module, plan, example_inputs, loss_fn, group, layout, device, mixed_precision, coalesce_bytes,
-                 source):
+                 source, compile=None):
         inputs = as_example_inputs(example_inputs)
         self.example_batch = inputs.batch_size()
         self.plan, self.batch, self.loss_fn, self.group = plan, plan.batch_size, loss_fn, group
@@ -196,7 +206,9 @@ class _Trial:
         skeleton = meta_skeleton(module)
         self.model = ShardedModel(skeleton, plan=plan, **where, device=device, mixed_precision=mixed_precision,
                           coalesce_bytes=coalesce_bytes, memory_check=False,
-                          param_init_fn=ValuesFrom(skeleton, source))
+                          param_init_fn=ValuesFrom(skeleton, source), compile=compile)
+        self.compile = compile
+        self.first_step_s: float | None = None
         self.dev = self.model.device
         self.inputs = inputs.map_batched(lambda t: t.to(self.dev))
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.0)
@@ -273,6 +285,10 @@ class _Trial:
             self.peak = (torch.cuda.max_memory_allocated(self.dev) - base,
                          "torch.cuda.max_memory_allocated (less what other tensors held before the step)")
             return row
+        if self.compile is not None:  # see measure_plans
+            self.peak = (0.0, "not measured: compiled on CPU (the live-tensor tracker is a dispatch mode, which "
+                              "compiled code runs beneath)")
+            return self.step()
         # the runtime's own tracker, the one its memory check reads: the same bytes as
         # osdp.memtrack.LiveBytesTracker (tests/runtime/test_peak.py), at a sixth of its
         # cost (I&C 6x128-512 all zdp b14, 2 ranks: +5% on a step against +30%)

@@ -78,6 +78,8 @@ def test_empty_and_unknown_keys():
     ("budget", {"cuts": "all"}, "'calibration.budget.cuts' must be a list of strings"),
     ("measured_choice", {"kept": 7}, "'calibration.measured_choice.kept' must be a string"),
     ("observations", [1], "'calibration.observations' must be a list of objects"),
+    ("compiled", {"step_s": "fast"}, "'calibration.compiled.step_s' must be a number"),
+    ("compiled", {"scope": 1, "step_s": 0.1}, "'calibration.compiled.scope' must be a string"),
     ("decision", None, "'calibration.decision' must be set"),
 ])
 def test_a_wrong_type_names_the_field(key, value, expect):
@@ -116,3 +118,18 @@ def test_a_dict_given_to_the_plan_is_read_as_the_record():
     assert replace(plan, calibration=None).calibration == CalibrationRecord()
     with pytest.raises(OSDPError, match="'calibration.decision' must be a string"):
         replace(plan, calibration={"decision": 1})
+
+
+def test_a_compiled_measurement_is_kept_and_reported(tmp_path):
+    """[Note: compiled plans]: the record keeps the compiled step beside the eager one,
+    the JSON round-trips, and the report says what compiling gave."""
+    from osdp.planner.calibration import format_report
+
+    plan = Plan.load(DATA / "plan-calibrated-tiebreak.json")
+    record = {"scope": "blocks", "step_s": 0.25, "eager_step_s": 0.5, "first_step_s": 12.0}
+    plan = replace(plan, calibration=plan.calibration.with_(compiled=record))
+    assert list(plan.calibration.to_dict())[-1] == "compiled"
+    again = Plan.from_dict(json.loads(_text(plan)))
+    assert again.calibration.compiled == record and _text(again) == _text(plan)
+    assert "compiled (blocks): step 250.00 ms measured (eager: 500.00 ms, so 2.00x eager's speed); first step " \
+           "(compiling) 12.0 s" in format_report(again)

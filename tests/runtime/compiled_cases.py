@@ -158,3 +158,16 @@ def run_hf(rank: int, world: int, key: str, raw: bool, kwargs: dict, scope: str,
 
 def run_hf_cases(rank: int, world: int, cases: list[tuple]) -> dict:
     return {case[0]: run_hf(rank, world, *case[1:]) for case in cases}
+
+
+def run_auto(rank: int, world: int) -> dict:
+    """Auto mode with compile=: the chosen plan measured compiled, recorded, reported."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=96, seq_len=8, num_layers=2, hidden=32, heads=4)
+    idx, tgt = example_batch(cfg, 4)
+    model = osdp.OSDP(GPT(cfg), memory_limit="64MiB", example_inputs=(idx, tgt), compile={"backend": "aot_eager"},
+                      auto_kwargs={"budget_s": 60, "use_plan_cache": False})
+    loss = model(idx[:model.batch_size], tgt[:model.batch_size])
+    loss.backward()
+    return {"report": model.report(), "compiled": model.plan.calibration.compiled, "regions": model.compiled_regions,
+            "loss": loss.item()}

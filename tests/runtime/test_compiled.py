@@ -13,7 +13,7 @@ import torch
 import osdp
 from osdp.errors import ConfigError
 from osdp.models.gpt import GPT, GPTConfig
-from runtime.compiled_cases import Case, run_cases, run_hf_cases
+from runtime.compiled_cases import Case, run_auto, run_cases, run_hf_cases
 from runtime.dist_harness import spawn
 
 # per case: (all-gathers in the forward graphs, in the backward graphs), derived from
@@ -74,11 +74,15 @@ def test_compiled_graphs_carry_the_plan(gpt_results, case, gathers):
 
 
 HF_CASES = [
-    # tied wte / lm_head, Conv1D projections split (dp and zdp slices), random modes
+    # tied wte / lm_head, Conv1D projections split (dp and zdp slices), per block
     ("gpt2_split_conv1d", "gpt2", False, "split", "blocks"),
-    ("gpt2_raw_model_scope", "gpt2", True, "zdp", "model"),
-    ("llama_sdpa", "llama", False, "zdp", "blocks"),
+    # the plain HF class (forward(input_ids=...) -> ModelOutput), SDPA, GQA, splits
+    # along in and out features, a rep norm, the whole model one region
     ("llama_raw_split_model_scope", "llama", True, "llama_split", "model"),
+]
+HF_SLOW_CASES = [
+    ("gpt2_raw_model_scope", "gpt2", True, "zdp", "model"),
+    ("llama_sdpa_blocks", "llama", False, "zdp", "blocks"),
 ]
 
 
@@ -93,12 +97,22 @@ def _hf_kwargs(kind: str) -> dict:
             "split_ops": {"lm_head": "linear_out_features"}}
 
 
-def test_compiled_hugging_face_models_without_graph_breaks():
-    results = spawn(run_hf_cases, 2, [(n, key, raw, _hf_kwargs(kind), scope) for n, key, raw, kind, scope in HF_CASES])
-    for name, *_ in HF_CASES:
+def _check_hf(cases) -> None:
+    results = spawn(run_hf_cases, 2, [(n, key, raw, _hf_kwargs(kind), scope) for n, key, raw, kind, scope in cases])
+    for name, *_ in cases:
         r = results[0][name]
         assert r["compiled"]["breaks"] == 0, (name, r["compiled"]["break_reasons"])
         assert r["compiled"]["losses"] == pytest.approx(r["eager"]["losses"], rel=1e-5, abs=1e-6), name
+
+
+def test_compiled_hugging_face_models_without_graph_breaks():
+    _check_hf(HF_CASES)
+
+
+@pytest.mark.slow
+def test_compiled_hugging_face_models_other_scopes():
+    """The other scope for each model (covered in the default run by the cases above)."""
+    _check_hf(HF_SLOW_CASES)
 
 
 @pytest.mark.slow
@@ -143,3 +157,15 @@ def test_compiled_refuses_hierarchical_layouts(fake_world):
 def test_compile_argument_errors(value, match):
     with pytest.raises((ConfigError, TypeError), match=match):
         osdp.CompileConfig.from_arg(value)
+
+
+@pytest.mark.slow
+def test_auto_mode_measures_its_plan_compiled():
+    """[Note: compiled plans]: auto mode with compile= measures the plan it picked compiled
+    and records both step times; the model it hands out runs compiled."""
+    r = spawn(run_auto, 2)[0]
+    compiled = r["compiled"]
+    assert compiled["scope"] == "blocks" and compiled["step_s"] > 0 and compiled["eager_step_s"] > 0
+    assert compiled["first_step_s"] > compiled["step_s"]  # it compiled in its first step
+    assert "compiled (blocks): step" in r["report"]
+    assert r["regions"][:2] == ["blocks.0", "blocks.1"]
