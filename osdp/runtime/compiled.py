@@ -187,9 +187,10 @@ class CompiledUnit:
         self.recompute = mode == Mode.ZDP.value and not in_checkpointed_block
         self.compute_dtype = unit.param_dtype
         self.reduce_dtype = unit.reduce_dtype
-        # where each parameter's local piece sits in the flat shard, in order
+        # where each parameter's local piece sits in the flat shard, in order; an empty
+        # piece too, so that its parameter gets an (empty) gradient, as eagerly
         pieces = sorted((start, n, offset, i) for i, ((start, n), offset)
-                        in enumerate(zip(unit.local_ranges, unit.param_offsets)) if n > 0)
+                        in enumerate(zip(unit.local_ranges, unit.param_offsets)))
         self.pieces = tuple((i, offset, n) for _, n, offset, i in pieces)
         self.pad = unit.shard_numel - sum(n for _, _, n in self.pieces)
 

@@ -171,3 +171,39 @@ def run_auto(rank: int, world: int) -> dict:
     loss.backward()
     return {"report": model.report(), "compiled": model.plan.calibration.compiled, "regions": model.compiled_regions,
             "loss": loss.item()}
+
+
+def run_idioms(rank: int, world: int) -> dict:
+    """A frozen block, two backward passes accumulating into ``.grad``, ``eval()`` under
+    ``no_grad``, the full state dict: eager and compiled side by side."""
+    cfg = GPTConfig(vocab_size=96, seq_len=8, num_layers=2, hidden=32, heads=4)
+    seen = {}
+    for name, compile_arg in (("eager", None), ("compiled", {"backend": "aot_eager"})):
+        torch.manual_seed(0)
+        gpt = GPT(cfg)
+        for p in gpt.blocks[0].parameters():
+            p.requires_grad_(False)
+        model = osdp.OSDP(gpt, default_mode="zdp", modes={"blocks.1.mlp.c_fc": "dp"}, compile=compile_arg)
+        idx, tgt = example_batch(cfg, 4, seed=rank)
+        for i in range(2):
+            model(idx[2 * i:2 * i + 2], tgt[2 * i:2 * i + 2]).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.eval()
+        with torch.no_grad():
+            eval_loss = model(idx, tgt).item()
+        model.train()
+        seen[name] = {"grads": grads, "eval_loss": eval_loss, "state": model.full_state_dict(rank0_only=False),
+                      "no_grad": sorted(n for n, p in model.named_parameters() if p.grad is None)}
+    eager, compiled = seen["eager"], seen["compiled"]
+    return {
+        "grad_names": (sorted(eager["grads"]), sorted(compiled["grads"])),
+        "grad_diff": max((eager["grads"][k] - compiled["grads"][k]).abs().max().item()
+                         for k in eager["grads"] if eager["grads"][k].numel()),
+        "eval_losses": (eager["eval_loss"], compiled["eval_loss"]),
+        "frozen": (eager["no_grad"], compiled["no_grad"]),
+        "state_diff": max((eager["state"][k] - compiled["state"][k]).abs().max().item() for k in eager["state"]),
+    }
+
+
+def run_all(rank: int, world: int, cases: list[Case]) -> dict:
+    return {"cases": run_cases(rank, world, cases), "idioms": run_idioms(rank, world)}

@@ -14,7 +14,7 @@ import osdp
 from osdp.errors import ConfigError
 from osdp.models.gpt import GPT, GPTConfig
 from osdp.runtime.mixed_precision import MixedPrecision
-from runtime.compiled_cases import Case, run_auto, run_cases, run_hf_cases
+from runtime.compiled_cases import Case, run_all, run_auto, run_hf_cases
 from runtime.dist_harness import spawn
 
 # per case: (all-gathers in the forward graphs, in the backward graphs), derived from
@@ -47,8 +47,27 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
-def gpt_results():
-    return spawn(run_cases, 2, [case for case, _ in CASES])
+def gpt_all():
+    return spawn(run_all, 2, [case for case, _ in CASES])
+
+
+@pytest.fixture(scope="module")
+def gpt_results(gpt_all):
+    return [rank["cases"] for rank in gpt_all]
+
+
+def test_compiled_keeps_the_eager_idioms(gpt_all):
+    """Frozen parameters (no gradient, also where a rank holds an empty piece of a
+    trainable one: an empty gradient, as eagerly), accumulation over two backward
+    passes, eval under no_grad, the full state dict: as eager OSDP."""
+    for rank in gpt_all:
+        r = rank["idioms"]
+        eager_names, compiled_names = r["grad_names"]
+        assert compiled_names == eager_names and eager_names
+        assert r["grad_diff"] <= 1e-6
+        assert r["eval_losses"][1] == pytest.approx(r["eval_losses"][0], rel=1e-6)
+        assert r["frozen"][1] == r["frozen"][0] and all(n.startswith("blocks.0.") for n in r["frozen"][0])
+        assert r["state_diff"] <= 1e-6
 
 
 @pytest.mark.parametrize("case,gathers", CASES, ids=[c.name for c, _ in CASES])
