@@ -75,18 +75,22 @@ class CompileConfig:
     ``scope``: ``"blocks"`` compiles each transformer block (the children of every
     ``nn.ModuleList``) and, on its own, each unit's module outside them (torchtitan's
     habit: short compiles, and a recompile costs one block); ``"model"`` compiles the
-    wrapped model's forward as one region. ``mode``, ``fullgraph``, ``dynamic`` and
-    ``backend`` go to ``torch.compile`` as given."""
+    wrapped model's forward as one region. ``mode``, ``fullgraph``, ``dynamic``,
+    ``backend`` and ``options`` (inductor's settings, e.g. its collective bucketing and
+    comm/compute reordering passes) go to ``torch.compile`` as given."""
 
     scope: str = "blocks"
     mode: str | None = None
     fullgraph: bool = False
     dynamic: bool | None = None
     backend: object = "inductor"
+    options: dict | None = None
 
     def __post_init__(self):
         if self.scope not in SCOPES:
             raise ConfigError(f"CompileConfig(scope={self.scope!r}): use one of {SCOPES}")
+        if self.mode is not None and self.options is not None:
+            raise ConfigError("CompileConfig: give mode= or options=, not both (torch.compile takes one of them)")
 
     @classmethod
     def from_arg(cls, value) -> CompileConfig | None:
@@ -106,7 +110,10 @@ class CompileConfig:
                           "osdp.CompileConfig")
 
     def torch_compile_kwargs(self) -> dict:
-        return {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
+        kwargs = {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
+        if self.options is not None:
+            kwargs["options"] = dict(self.options)
+        return kwargs
 
 
 # ---- the collectives, differentiable ---------------------------------------------------------
