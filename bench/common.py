@@ -47,15 +47,20 @@ def device_for(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False):
-    """A fresh model (same seed everywhere) wrapped as ``peer``; returns the module."""
+def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False, compile: dict | None = None):
+    """A fresh model (same seed everywhere) wrapped as ``peer``; returns the module.
+    ``compile``: ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``,
+    ``fullgraph``) for the compiled peers: OSDP's ``compile=`` per block (scope
+    "blocks"), FSDP2's blocks each ``.compile()``-d after ``fully_shard`` (torchtitan's
+    per-block compile; FSDP2's hooks stay eager around each block's graph)."""
     device = device_for(dist.get_rank())
     torch.manual_seed(0)
     model = GPT(config)
     if peer == "osdp":
         import osdp
 
-        return osdp.OSDP(model, plan=plan, device=device)
+        return osdp.OSDP(model, plan=plan, device=device,
+                         compile=None if compile is None else dict(scope="blocks", **compile))
     model = model.to(device)
     if checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -68,7 +73,12 @@ def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False)
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
+        if compile is not None:
+            for block in model.blocks:
+                block.compile(**compile)
         return model
+    if compile is not None:
+        raise ValueError(f"compile= is for osdp, fsdp_zero3 and fsdp_zero2, not {peer!r}")
     if peer == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

@@ -1,0 +1,299 @@
+"""What ``torch.compile`` gains OSDP and FSDP2 at equal memory (issue 33): OSDP's plan
+run eager and compiled (``compile="blocks"``, inductor) against FSDP2 (``fully_shard``
+per block + root) eager and compiled the torchtitan way (each block ``.compile()``-d
+after ``fully_shard``), per GPT family at the middle memory budget.
+
+    python bench/compile.py            # N&D and W&S GPT families, middle budget, 2 ranks
+    python bench/compile.py --quick    # one model, few steps (a smoke run)
+
+Per model, in ONE spawned run (so that the ratios come from one interleaved run):
+
+- OSDP: auto mode at the budget (profile + plan, as bench/throughput.py), then that same
+  plan wrapped twice: eager and ``compile=dict(scope="blocks", backend=...)``; both run
+  at the plan's batch, whose eager peak is measured (the runtime's tracker).
+- FSDP2 (ZeRO-3): the largest batch whose eager peak fits the budget (live-tensor
+  tracker, as bench/throughput.py); the compiled FSDP2 model runs at that same batch.
+- Compiled batches are the eager ones, not measured: on CPU the only peak we measure is
+  a live-tensor tracker that is a dispatch mode, and compiled code runs beneath it
+  (inductor's generated code allocates its buffers with ``empty_strided_cpu``, outside
+  the dispatcher), so a compiled step's peak cannot be measured with the same tool
+  (OSDP's own per-step check is off under compile on CPU for the same reason); process
+  RSS counts compile-time memory and the allocator's caching instead. That the compiled
+  step fits where the eager one does is assumed, not checked.
+- Each model's first step is timed on its own (the compile, for compiled peers); then
+  every peer's steps are interleaved (common.interleaved_step_s: one warm-up step each,
+  then ``--steps`` rounds) and the medians taken. Compile time = first step - median
+  steady step (on eager peers the same difference is the first step's own overhead:
+  optimizer state, allocator warm-up).
+- ``dynamic=False`` for both compiled peers: their blocks share ``nn.Module._call_impl``'s
+  code object, and dynamo's automatic-dynamic would otherwise mark the batch dimension
+  dynamic for whichever peer compiles second when the two batches differ.
+- Inductor's caches go to a fresh folder per run (``TORCHINDUCTOR_CACHE_DIR``), so that
+  the compile time is a cold one.
+
+Targets (issue 33), printed next to the numbers: OSDP's compile gain (eager step /
+compiled step) >= FSDP2's; OSDP compiled >= 1.0x FSDP2 compiled in samples/s. An error
+from the compiler (or a peer that does not fit) is reported in the table and the CSV;
+the other peers go on. Writes bench/results/compile_<device>.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import (ROOT, interleaved_step_s, largest_fitting_batch, measured_peak_bytes, spawn, train_step,
+                    wrap_peer, write_csv)
+from throughput import BUDGETS, GPT_params, MODELS
+
+from osdp.models import GPTConfig
+
+BUDGET = "middle"
+# (label, wrap_peer's peer, compiled)
+PEERS = (("osdp", "osdp", False), ("osdp_compiled", "osdp", True),
+         ("fsdp2", "fsdp_zero3", False), ("fsdp2_compiled", "fsdp_zero3", True))
+FIELDS = ["model", "budget", "budget_bytes", "peer", "compiled", "backend", "batch", "batch_source", "peak_bytes",
+          "fits", "first_step_s", "second_step_s", "step_s", "samples_per_s", "compile_s", "regions", "graphs",
+          "graph_breaks",
+          "compile_speedup", "vs_fsdp2_compiled", "target", "target_met", "plan", "error", "device"]
+# a tiny GPT for --dry-run (the smoke test): seconds, not minutes
+DRY_MODEL = GPTConfig(vocab_size=128, seq_len=16, num_layers=2, hidden=32, heads=2)
+
+
+def _dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"]), int(sum(counters["graph_break"].values()))
+
+
+def _agreed_error(error: str) -> str:
+    """The error of whichever rank had one ("" when none did): every rank drops a peer
+    together (a peer that failed on one rank would hang the other's collectives)."""
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return next((e for e in errors if e), "")
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([float(x)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed_step(model, optim, config, batch, seed) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    train_step(model, optim, config, batch, seed=seed)
+    return _max_over_ranks(time.perf_counter() - start)
+
+
+def _plan_label(plan) -> str:
+    from collections import Counter
+
+    labels = Counter(u.label for u in plan.units)
+    ckpt = f", {len(plan.checkpoint_blocks)} ckpt blocks" if plan.checkpoint_blocks else ""
+    return "; ".join(f"{n}x {label}" for label, n in labels.most_common()) + ckpt
+
+
+def _log(rank, start, what):
+    if rank == 0:
+        print(f"  [{time.perf_counter() - start:6.1f} s] {what}", flush=True)
+
+
+def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backend, auto_kwargs):
+    t0 = time.perf_counter()
+    import osdp
+    from osdp.models import GPT, example_batch
+    from osdp.planner.cost_model import PlannerSettings
+
+    torch.manual_seed(0)
+    plan, plan_error = None, ""
+    try:  # auto mode at the budget, without checkpointing (bench/throughput.py's "osdp" peer)
+        plan = osdp.auto_plan(GPT(config), example_batch(config, 4), budget_bytes, cache_dir=cache_dir,
+                              settings=PlannerSettings(max_slices=8, checkpointing="none"), progress=False,
+                              **auto_kwargs)
+    except osdp.InfeasiblePlanError as e:
+        plan_error = f"no plan fits: {e}"[:300]
+    _log(rank, t0, f"auto plan: batch {plan.batch_size if plan else '-'}")
+    fsdp_batch, fsdp_peak = largest_fitting_batch("fsdp_zero3", config, budget_bytes)
+    _log(rank, t0, f"FSDP2 batch {fsdp_batch}")
+    compile_kwargs = dict(backend=backend, dynamic=False)
+    rows, runs = [], []  # runs: (row, model, optim) timed together below
+    for label, peer, compiled in PEERS:
+        row = dict(peer=label, compiled=compiled, backend=backend if compiled else "", error="",
+                   plan=_plan_label(plan) if peer == "osdp" and plan is not None else "")
+        rows.append(row)
+        if peer == "osdp":
+            batch, source = (plan.batch_size, "the plan's") if plan else (0, "")
+            row["error"] = plan_error
+        else:
+            batch, source = fsdp_batch, "largest fitting (eager tracker)"
+            row["peak_bytes"] = "" if compiled else fsdp_peak
+        if compiled and batch:
+            source = "the eager peer's (not measured: see the docstring)"
+        row.update(batch=batch, batch_source=source)
+        if not batch:
+            row["error"] = row["error"] or "batch 1 does not fit the budget"
+            continue
+        graphs, breaks = _dynamo_counts()
+        error = ""
+        try:
+            model = wrap_peer(peer, config, plan=plan if peer == "osdp" else None,
+                              compile=compile_kwargs if compiled else None)
+            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+            dist.barrier()
+            start = time.perf_counter()
+            train_step(model, optim, config, batch, seed=1)
+            first = time.perf_counter() - start
+        except Exception as e:  # noqa: BLE001  (a compiler error is a result to report)
+            error = f"{type(e).__name__}: {e}".replace("\n", " ")[:500]
+            if rank == 0:
+                traceback.print_exc()
+        error = _agreed_error(error)
+        if error:
+            row["error"] = error
+            continue
+        row["first_step_s"] = _max_over_ranks(first)
+        row["second_step_s"] = _timed_step(model, optim, config, batch, seed=2)
+        if peer == "osdp" and not compiled:
+            row["peak_bytes"] = measured_peak_bytes(model, optim, config, batch, warm_up=False)
+        after = _dynamo_counts()
+        row.update(graphs=after[0] - graphs, graph_breaks=after[1] - breaks)
+        if compiled:  # how many regions were compiled (OSDP: blocks + each unit outside them)
+            row["regions"] = len(model.compiled_regions) if peer == "osdp" else len(model.blocks)
+        runs.append((row, model, optim))
+        _log(rank, t0, f"{label}: first step {row['first_step_s']:.2f} s, second {row['second_step_s']:.2f} s")
+    before = _dynamo_counts()
+    # every peer's steps interleaved: the ratios are taken in one run (a noisy machine)
+    step_times = interleaved_step_s([(m, o, r["batch"]) for r, m, o in runs], config, steps)
+    after = _dynamo_counts()
+    _log(rank, t0, f"{steps} interleaved rounds")
+    for (row, _, _), step_s in zip(runs, step_times):
+        row.update(step_s=step_s, samples_per_s=row["batch"] * world / step_s,
+                   compile_s=row["first_step_s"] - step_s)
+    late = (after[0] - before[0], after[1] - before[1])
+    return rows, late
+
+
+def _summarize(rows: dict, name: str) -> list[str]:
+    """Ratios and targets into the rows; the lines printed under the table."""
+    o, oc, f, fc = (rows[p] for p, _, _ in PEERS)
+    timed = {k: r for k, r in rows.items() if r.get("step_s")}
+    lines = []
+    gains = {}
+    for eager, comp in (("osdp", "osdp_compiled"), ("fsdp2", "fsdp2_compiled")):
+        if eager in timed and comp in timed:
+            gains[comp] = rows[comp]["compile_speedup"] = timed[eager]["step_s"] / timed[comp]["step_s"]
+    if len(gains) == 2:
+        met = gains["osdp_compiled"] >= gains["fsdp2_compiled"]
+        oc.update(target="compile gain >= FSDP2's", target_met=met)
+        lines.append(f"compile gain (eager step / compiled step): OSDP {gains['osdp_compiled']:.2f}x, "
+                     f"FSDP2 {gains['fsdp2_compiled']:.2f}x  -> target OSDP >= FSDP2: {'MET' if met else 'NOT MET'}")
+    else:
+        lines.append("compile gain: not comparable (a peer has no timing: see error)")
+    if "osdp_compiled" in timed and "fsdp2_compiled" in timed:
+        ratio = oc["vs_fsdp2_compiled"] = oc["samples_per_s"] / fc["samples_per_s"]
+        met = ratio >= 1.0
+        oc["target"] = "; ".join(filter(None, [oc.get("target"), "samples/s >= 1.0x FSDP2 compiled"]))
+        oc["target_met"] = (oc.get("target_met", True) and met) if "target_met" in oc else met
+        lines.append(f"OSDP compiled / FSDP2 compiled: {ratio:.2f}x samples/s (b={oc['batch']} vs b={fc['batch']})"
+                     f"  -> target >= 1.0x: {'MET' if met else 'NOT MET'}")
+    else:
+        lines.append("OSDP compiled / FSDP2 compiled: not comparable (a peer has no timing: see error)")
+    if "osdp" in timed and "fsdp2" in timed:
+        lines.append(f"(for reference, eager: OSDP / FSDP2 {o['samples_per_s'] / f['samples_per_s']:.2f}x samples/s)")
+    return [f"    {line}" for line in lines]
+
+
+def _fmt(row, key, spec, scale=1.0):
+    value = row.get(key)
+    return "-" if value in (None, "") else format(value * scale if scale != 1.0 else value, spec)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="one model (N&D), 3 timed rounds: a smoke run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="a tiny GPT, a short profile, 2 timed rounds (the test's run; --backend stays inductor "
+                             "unless given)")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 9; --quick 3)")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of both compiled peers")
+    parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--cache-dir", default=str(ROOT / "bench" / "results" / ".profile-cache"))
+    parser.add_argument("--out", help="CSV path (default bench/results/compile_<device>.csv)")
+    args = parser.parse_args(argv)
+
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    models = {k: MODELS[k] for k in ("N&D 12x128", "W&S 2x768")}
+    auto_kwargs = dict(comm_sizes=(4096, 65536, 1 << 20, 8 << 20), repeats=2)
+    steps = args.steps or (3 if args.quick else 9)
+    if args.quick:
+        models = dict(list(models.items())[:1])
+    if args.models:
+        models = {k: MODELS[k] for k in args.models.split(",")}
+    if args.dry_run:
+        models = {"dry-run 2x32": DRY_MODEL}
+        auto_kwargs = dict(comm_sizes=(4096,), repeats=1, calibrate=False)
+        steps = args.steps or 2
+    # a cold compile per run (the first step's time is reported as the compile time);
+    # one compile worker per rank: the 2 ranks already use both cores
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="osdp-compile-bench-")
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    start = time.perf_counter()
+    table, lines = [], []
+    for name, config in models.items():
+        param_bytes = sum(p.numel() for p in GPT_params(config)) * 4
+        budget = int(BUDGETS[BUDGET] * param_bytes)
+        rows, late = spawn(_run, args.world_size, name, config, budget, steps, args.cache_dir, args.backend,
+                           auto_kwargs)[0]
+        by_peer = {r["peer"]: r for r in rows}
+        summary = _summarize(by_peer, name)
+        if any(late):
+            summary.append(f"    dynamo during the timed steps: {late[0]} graphs compiled, {late[1]} graph breaks "
+                           "(recompiles)")
+        for r in rows:
+            peak = r.get("peak_bytes")
+            r.update(model=name, budget=BUDGET, budget_bytes=budget, device=device,
+                     fits="" if r["compiled"] or peak in (None, "") else bool(r["batch"]) and peak <= budget)
+            table.append(r)
+        lines.append((name, budget, rows, summary))
+        _print_model(name, budget, rows, summary)
+    elapsed = time.perf_counter() - start
+    print(f"\n{'=' * 40} summary ({elapsed / 60:.1f} min, {steps} timed rounds, medians, 2 gloo ranks on {device}, "
+          f"backend {args.backend})")
+    for name, budget, rows, summary in lines:
+        _print_model(name, budget, rows, summary)
+    print("compiled batches: the eager peer's batch, not measured (on CPU the live-tensor tracker is a dispatch mode "
+          "that compiled code runs beneath); compile_s = first step - median steady step")
+    out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
+        f"compile_{device.replace(' ', '_')}{'_dry_run' if args.dry_run else '_quick' if args.quick else ''}.csv")
+    write_csv(out, [{k: r.get(k, "") for k in FIELDS} for r in table])
+
+
+def _print_model(name, budget, rows, summary):
+    print(f"\n{name}  {BUDGET} budget {budget / 2**20:.1f} MiB")
+    print(f"  {'peer':<15} {'batch':>5} {'peak MiB':>9} {'step ms':>8} {'samples/s':>9} {'1st step s':>10} "
+          f"{'compile s':>9} {'regions':>7} {'graphs':>6} {'breaks':>6}  error")
+    for r in rows:
+        print(f"  {r['peer']:<15} {r['batch']:>5} {_fmt(r, 'peak_bytes', '9.1f', 2**-20):>9} "
+              f"{_fmt(r, 'step_s', '8.1f', 1e3):>8} {_fmt(r, 'samples_per_s', '9.2f'):>9} "
+              f"{_fmt(r, 'first_step_s', '10.2f'):>10} "
+              f"{_fmt(r, 'compile_s', '9.2f'):>9} {_fmt(r, 'regions', '7d'):>7} {_fmt(r, 'graphs', '6d'):>6} {_fmt(r, 'graph_breaks', '6d'):>6}  "
+              f"{r.get('error', '')[:160]}")
+    plan = next((r["plan"] for r in rows if r.get("plan")), "")
+    if plan:
+        print(f"  OSDP plan: {plan}")
+    for line in summary:
+        print(line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""bench/compile.py (issue 33): its ratios and targets (no processes), and a dry run end
+to end on 2 gloo ranks (slow: auto mode, four wrapped models, two compiles)."""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "bench"
+
+
+def _bench_compile():
+    """bench/compile.py as a module, with bench/ on sys.path only while importing (see
+    test_bench_helpers._bench_modules) and the benches' OSDP_MEMORY_CHECK=0 not leaking."""
+    check = os.environ.get("OSDP_MEMORY_CHECK")
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_compile", BENCH / "compile.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH))
+        if check is None:
+            os.environ.pop("OSDP_MEMORY_CHECK", None)
+        else:
+            os.environ["OSDP_MEMORY_CHECK"] = check
+    return module
+
+
+bench = _bench_compile()
+
+
+def _rows(osdp_s, osdp_c_s, fsdp_s, fsdp_c_s, batches=(4, 4, 3, 3)):
+    rows = {}
+    for (peer, _, _), step_s, batch in zip(bench.PEERS, (osdp_s, osdp_c_s, fsdp_s, fsdp_c_s), batches):
+        rows[peer] = dict(peer=peer, batch=batch, error="")
+        if step_s is not None:
+            rows[peer].update(step_s=step_s, samples_per_s=batch * 2 / step_s)
+        else:
+            rows[peer]["error"] = "BackendCompilerFailed: boom"
+    return rows
+
+
+def test_targets_met_and_ratios():
+    rows = _rows(1.0, 0.5, 1.0, 0.8)
+    lines = bench._summarize(rows, "m")
+    oc = rows["osdp_compiled"]
+    assert oc["compile_speedup"] == pytest.approx(2.0)
+    assert rows["fsdp2_compiled"]["compile_speedup"] == pytest.approx(1.25)
+    assert oc["vs_fsdp2_compiled"] == pytest.approx((8 / 0.5) / (6 / 0.8))
+    assert oc["target_met"] is True
+    assert sum("NOT MET" in line for line in lines) == 0 and sum("MET" in line for line in lines) == 2
+
+
+def test_targets_not_met_are_said_so():
+    # OSDP gains less from compiling than FSDP2 and ends slower: both targets missed
+    rows = _rows(1.0, 0.9, 2.0, 0.5, batches=(3, 3, 3, 3))
+    lines = bench._summarize(rows, "m")
+    assert rows["osdp_compiled"]["target_met"] is False
+    assert sum("NOT MET" in line for line in lines) == 2
+    # the gain is met but the throughput is not: the row's verdict is "not met"
+    rows = _rows(1.0, 0.5, 1.0, 0.9, batches=(1, 1, 3, 3))
+    lines = bench._summarize(rows, "m")
+    assert rows["osdp_compiled"]["target_met"] is False
+    assert sum("NOT MET" in line for line in lines) == 1
+
+
+def test_a_failed_compile_is_reported_not_compared():
+    rows = _rows(1.0, None, 1.0, 0.8)
+    lines = bench._summarize(rows, "m")
+    assert "compile_speedup" not in rows["osdp_compiled"] and "target_met" not in rows["osdp_compiled"]
+    assert all("not comparable" in line for line in lines[:2])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CPU smoke run; with a GPU run the bench directly")
+def test_compile_bench_dry_run_writes_csv(tmp_path):
+    """A tiny GPT, aot_eager (dynamo and AOTAutograd without inductor's C++ compile:
+    inductor would take minutes here), 2 rounds: every peer wraps, compiles and times."""
+    out = tmp_path / "compile.csv"
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "compile.py"), "--dry-run", "--backend", "aot_eager", "--out", str(out),
+         "--cache-dir", str(tmp_path / "profile-cache")], capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(open(out)))
+    assert [r["peer"] for r in rows] == [p for p, _, _ in bench.PEERS]
+    assert all(not r["error"] and float(r["step_s"]) > 0 and int(r["batch"]) > 0 for r in rows), rows
+    assert all(int(r["graph_breaks"] or 0) == 0 for r in rows if r["peer"] == "osdp_compiled"), rows
+    assert "OSDP compiled / FSDP2 compiled" in proc.stdout
