@@ -53,6 +53,13 @@ def counting_backend(seen: dict):
                         partition_fn=min_cut_rematerialization_partition)
 
 
+def mean_over_ranks(loss: torch.Tensor, world: int) -> float:
+    """The mean of the ranks' losses: the single process's loss on the whole batch."""
+    value = loss.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / world
+
+
 def _gpt(case: Case) -> GPT:
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=case.layers, hidden=32, heads=4,
@@ -73,11 +80,7 @@ def _train(model, rank, world, cfg, clip=True):
              lambda n: torch.nn.utils.clip_grad_norm_(model.parameters(), n))(1.0)
         opt.step()
         opt.zero_grad()
-        value = loss.detach().clone()
-        if rank is not None:
-            dist.all_reduce(value)
-            value /= world
-        losses.append(value.item())
+        losses.append(loss.item() if rank is None else mean_over_ranks(loss, world))
     return losses
 
 
@@ -103,9 +106,7 @@ def run_case(rank: int, world: int, case: Case) -> dict:
         compiled.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
-        value = loss.detach().clone()
-        dist.all_reduce(value)
-        opt_losses.append(value.item() / world)
+        opt_losses.append(mean_over_ranks(loss, world))
         graphs.append(counters["stats"]["unique_graphs"])
         if step == 0:
             gathers = dict(seen)
@@ -147,9 +148,7 @@ def run_hf(rank: int, world: int, key: str, raw: bool, kwargs: dict, scope: str,
             loss.backward()
             opt.step()
             opt.zero_grad()
-            value = loss.detach().clone()
-            dist.all_reduce(value)
-            losses.append(value.item() / world)
+            losses.append(mean_over_ranks(loss, world))
         out[name] = {"losses": losses, "graphs": counters["stats"]["unique_graphs"],
                      "breaks": sum(counters["graph_break"].values()),
                      "break_reasons": [str(k)[:300] for k in counters["graph_break"]]}
