@@ -174,8 +174,12 @@ def kept_group_name(group) -> str:
     registered once (no new communicator)."""
     name = group.group_name + _KEPT_SUFFIX
     try:
-        c10d._resolve_process_group(name)
+        registered = c10d._resolve_process_group(name)
     except (RuntimeError, ValueError, KeyError):
+        registered = None
+    if registered is not group:  # none yet, or left by a destroyed group of that name
+        if registered is not None:
+            c10d._unregister_process_group(name)
         c10d._register_process_group(name, group)
     return name
 
