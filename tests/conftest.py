@@ -31,6 +31,13 @@ def pytest_configure(config):
     config._osdp_started = time.monotonic()
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the rank pools ([Note: test rank pool] in runtime/rank_pool.py), if any started."""
+    pool = sys.modules.get("runtime.rank_pool")
+    if pool is not None:
+        pool.shutdown()
+
+
 def pytest_runtest_setup(item):
     budget = item.config.getoption("--time-budget-s")
     if budget is not None:
