@@ -259,6 +259,14 @@ class RankPool:
         out = [os.path.join(task_dir, f"{r}.pt") for r in range(self.world)]
         logs = [os.path.join(task_dir, f"{r}.log") for r in range(self.world)]
         port = free_port()
+        try:
+            return self._run(fn, out, logs, port, payload, timeout_s)
+        except BaseException:  # an error of its ranks closed it already; an interrupt here: kill it
+            if self.alive:
+                self.close(kill=True)
+            raise
+
+    def _run(self, fn, out, logs, port, payload, timeout_s) -> list:
         for rank, conn in enumerate(self.conns):
             conn.send((port, payload, out[rank], logs[rank]))
 
