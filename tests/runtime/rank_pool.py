@@ -9,7 +9,9 @@ machine, every rank importing torch at once) and the multi-process modules are m
 per module would pay it about as often as spawning. What a module could leak to the
 next is handled per task instead:
 
-- every task gets a fresh default process group (``init_process_group`` on a new port
+- every task runs with the test process's environment variables and working directory of
+  the moment it is sent (what a process spawned then would inherit), and a fresh default
+  process group (``init_process_group`` on a new port
   before ``fn``, a barrier and ``destroy_process_group`` after it: subgroups, device
   meshes' groups and group counters go with it), as a fresh spawn would;
 - after a task that succeeded on every rank, the process-wide state a test can change
@@ -22,7 +24,8 @@ next is handled per task instead:
   next task starts a new pool. A rank that raises while its peers wait in a collective
   is the usual case: its traceback comes back at once, the peers are killed after a
   short grace, and the error says which ranks did not finish. A task that runs past
-  ``timeout_s`` (``OSDP_TEST_POOL_TIMEOUT_S``, 600 s by default) comes back as an
+  ``timeout_s`` (``OSDP_TEST_POOL_TIMEOUT_S``, 300 s by default; the longest task,
+  the 4-rank checkpoint run, takes about 20 s on 2 loaded cores) comes back as an
   error with every unfinished rank's Python stacks (faulthandler, SIGUSR1).
 
 A rank's exception comes back as a RuntimeError carrying that rank's traceback
@@ -59,7 +62,7 @@ from osdp.launch import free_port
 
 __all__ = ["RankPool", "run", "shutdown"]
 
-TIMEOUT_S = float(os.environ.get("OSDP_TEST_POOL_TIMEOUT_S", "600"))
+TIMEOUT_S = float(os.environ.get("OSDP_TEST_POOL_TIMEOUT_S", "300"))
 GRACE_S = 3.0  # after one rank failed: how long the others may take to report theirs
 _START_TIMEOUT_S = 300.0
 
@@ -153,12 +156,15 @@ def _worker(rank: int, world: int, conn) -> None:
             break
         if task is None:
             break
-        port, payload, out_path, log_path = task
+        port, environ, cwd, payload, out_path, log_path = task
         ok = False
         with _Redirect(log_path):
             try:
                 _reseed()
-                os.environ["MASTER_PORT"] = str(port)
+                os.environ.clear()
+                os.environ.update(environ)  # the test process's, as a spawned process inherits it
+                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                os.chdir(cwd)
                 fn, args = pickle.loads(payload)
                 dist.init_process_group("gloo", rank=rank, world_size=world)
                 result = fn(rank, world, *args)
@@ -268,7 +274,7 @@ class RankPool:
 
     def _run(self, fn, out, logs, port, payload, timeout_s) -> list:
         for rank, conn in enumerate(self.conns):
-            conn.send((port, payload, out[rank], logs[rank]))
+            conn.send((port, dict(os.environ), os.getcwd(), payload, out[rank], logs[rank]))
 
         done: dict[int, bool] = {}  # rank -> ok
         dead: dict[int, int | None] = {}  # rank -> exit code

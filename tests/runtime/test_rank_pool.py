@@ -51,6 +51,16 @@ def _looks_fresh(rank, world):
     }
 
 
+def _env_and_cwd(rank, world):
+    return os.environ.get("OSDP_POOL_FROM_PARENT"), os.getcwd()
+
+
+def test_a_task_sees_the_test_process_environment_and_cwd_of_the_moment(monkeypatch, tmp_path):
+    monkeypatch.setenv("OSDP_POOL_FROM_PARENT", "yes")
+    monkeypatch.chdir(tmp_path)
+    assert spawn(_env_and_cwd, 2) == [("yes", str(tmp_path))] * 2
+
+
 def test_results_in_rank_order_and_state_does_not_leak_to_the_next_task():
     assert spawn(_sum_of_ranks, 2, 10) == [(0, 2, 13.0), (1, 2, 13.0)]
     before = spawn(_looks_fresh, 2)
