@@ -32,6 +32,10 @@ A rank's exception comes back as a RuntimeError carrying that rank's traceback
 (``rank N:\\n<traceback>``), results in rank order, like ``osdp.launch.spawn``. A rank's
 stdout and stderr during a task are copied to the test's stderr (pytest captures it).
 
+What is not put back: modules stay imported (a later task sees them loaded, and any
+module-level state they keep, such as osdp's one-time clip guard on torch's total-norm
+helper, stays as the first task left it), and the allocator keeps what it grew to.
+
 Tests that need a process of their own (they set environment variables read at import,
 test process exit, a crash or a timeout, or start their own process group) use
 ``dist_harness.spawn(..., fresh=True)`` or their own processes.
