@@ -21,6 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# One intra-op thread in the test process: the tests' tensors are small, so a second
+# thread gains nothing, and when the cores are busy (the rank pool's processes, a test's
+# subprocess, another job on the machine) OpenMP threads wait on each other: on 2 loaded
+# cores tests/runtime/test_peak.py's [8] tracker test took 11.3 s with 2 threads, 3.4 s
+# with 1. The rank pool's and spawn's ranks set their own (cores // world).
+torch.set_num_threads(1)
+
 
 def pytest_addoption(parser):
     parser.addoption("--time-budget-s", type=float, default=None,
@@ -29,6 +36,13 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     config._osdp_started = time.monotonic()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop the rank pools ([Note: test rank pool] in runtime/rank_pool.py), if any started."""
+    pool = sys.modules.get("runtime.rank_pool")
+    if pool is not None:
+        pool.shutdown()
 
 
 def pytest_runtest_setup(item):

@@ -28,16 +28,42 @@ def auto(model, cache_dir, **extra):
                      auto_kwargs={"cache_dir": cache_dir, "budget_s": 20, **extra})
 
 
-def test_auto_mode_on_meta_initializes_as_a_plain_build_and_trains(tmp_path, caplog):
-    torch.manual_seed(0)
-    with caplog.at_level(logging.INFO, logger="osdp"):
-        wrapped = auto(meta_gpt(), tmp_path)
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+@pytest.fixture(scope="module")
+def first_build(one_rank_group, tmp_path_factory):
+    """The first auto-mode build on an empty cache (it measures, then caches its plan),
+    its osdp log records and the cache directory: one build for the two tests below
+    that read them (a build measures for several seconds)."""
+    cache_dir = tmp_path_factory.mktemp("auto_meta_cache")
+    logger, handler = logging.getLogger("osdp"), _Records()
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        torch.manual_seed(0)
+        wrapped = auto(meta_gpt(), cache_dir)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return wrapped, handler.records, cache_dir
+
+
+def test_auto_mode_on_meta_initializes_as_a_plain_build_and_trains(first_build):
+    wrapped, records, _ = first_build
     torch.manual_seed(0)
     plain = osdp.OSDP(meta_gpt(), default_mode="zdp", param_init_fn=GPT.init_module)
     mine, theirs = wrapped.full_state_dict(), plain.full_state_dict()
     assert all(torch.equal(mine[k], theirs[k]) for k in theirs)  # the draws of a build without auto mode
     assert not any(t.is_meta for t in list(wrapped.parameters()) + list(wrapped.buffers()))
-    lines = [r.getMessage() for r in caplog.records if r.name.startswith("osdp")]
+    lines = [r.getMessage() for r in records if r.name.startswith("osdp")]
     for stage in ("described", "measured plan 1:", "planned:", "calibration:", "picked:"):
         assert any(line.startswith(stage) for line in lines), (stage, lines)
     budget = wrapped.plan.calibration.budget
@@ -49,9 +75,8 @@ def test_auto_mode_on_meta_initializes_as_a_plain_build_and_trains(tmp_path, cap
         optim.zero_grad()
 
 
-def test_a_restarted_job_takes_the_measured_plan_from_the_cache(tmp_path, monkeypatch):
-    torch.manual_seed(0)
-    first = auto(meta_gpt(), tmp_path)
+def test_a_restarted_job_takes_the_measured_plan_from_the_cache(first_build, monkeypatch):
+    first, _, tmp_path = first_build
     made = []
     real_init = runtime_profiler._Trial.__init__
 

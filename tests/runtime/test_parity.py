@@ -26,6 +26,10 @@ W4_CASES = (
     "frozen_random",
     "twice_zdp",
 )
+# what the default run's 4-rank tests (shards, split window, coalescing) read: without the
+# slow 4-rank parity and ledger tests, only these cases train on 4 ranks
+W4_DEFAULT_CASES = ("random", "random_no_coalesce", "split_mixed")
+assert set(W4_DEFAULT_CASES) <= set(W4_CASES)
 _RESULTS: dict[int, list] = {}
 
 
@@ -33,10 +37,18 @@ def _case_names(world_size):
     return [c.name for c in pc.CASES] if world_size == 2 else list(W4_CASES)
 
 
-def results(world_size):
-    if world_size not in _RESULTS:
-        _RESULTS[world_size] = spawn(pc.run_all, world_size, _case_names(world_size))
+def results(world_size, names=None):
+    """Every case of ``world_size`` from one spawn; ``names``: only these are needed
+    (a spawn that ran more is reused, one that ran fewer is replaced)."""
+    names = _case_names(world_size) if names is None else list(names)
+    have = _RESULTS.get(world_size)
+    if have is None or not set(names) <= set(have[0]["osdp"]):
+        _RESULTS[world_size] = spawn(pc.run_all, world_size, names)
     return _RESULTS[world_size]
+
+
+def _default_results(world_size):
+    return results(world_size, W4_DEFAULT_CASES if world_size == 4 else None)
 
 
 # the 4-rank cases share one spawn of about a minute: with the slow tests
@@ -130,7 +142,7 @@ def test_ledger_proves_modes(world_size, name):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shards_are_even_and_named(world_size):
-    res = results(world_size)
+    res = _default_results(world_size)
     name = "split_mixed"
     probes = [r["osdp"][name][2] for r in res]
     assert all(p["shard_numels"] == probes[0]["shard_numels"] for p in probes), "every rank holds an equal shard"
@@ -152,7 +164,7 @@ def test_shards_are_even_and_named(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_split_op_peak_is_slice_plus_window(world_size):
-    for row in results(world_size)[0]["split_window"]:
+    for row in _default_results(world_size)[0]["split_window"]:
         slices, window, peak = row["slice_bytes"], row["window"], row["peak_gathered"]
         assert peak <= max(slices) + window, row
         if window < 2 * max(slices):
@@ -173,7 +185,7 @@ def test_ranks_with_different_configs_raise_not_hang():
 def test_coalescing_cuts_collectives_not_gathers(world_size):
     """Same modes with and without coalesced small units: every unit is gathered and
     reduce-scattered as often (the ledger), in fewer collectives."""
-    rank0 = results(world_size)[0]
+    rank0 = _default_results(world_size)[0]
     _, _, merged = rank0["osdp"]["random"]
     _, _, alone = rank0["osdp"]["random_no_coalesce"]
     assert merged["all_gathers"] == alone["all_gathers"]

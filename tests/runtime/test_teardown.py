@@ -47,13 +47,14 @@ def _atexit_marker_rank(rank, world, marker_dir):
 def test_spawned_workers_leave_without_interpreter_finalization(tmp_path):
     """The race lives in interpreter finalization; spawn's workers skip it (os._exit after
     writing their result), which an atexit handler that never runs shows."""
-    assert spawn(_atexit_marker_rank, 2, str(tmp_path)) == [3.0, 3.0]
+    # fresh: this is about osdp.launch.spawn's own processes (a pool's worker lives on)
+    assert spawn(_atexit_marker_rank, 2, str(tmp_path), fresh=True) == [3.0, 3.0]
     assert list(tmp_path.iterdir()) == [], "a spawned worker finalized its interpreter (atexit ran)"
 
 
 def test_spawned_worker_errors_still_come_back(tmp_path):
     with pytest.raises(RuntimeError, match="(?s)rank 1:.*ZeroDivisionError"):
-        spawn(_failing_rank, 2)
+        spawn(_failing_rank, 2, fresh=True)  # osdp.launch.spawn's error path
 
 
 def _failing_rank(rank, world):
