@@ -124,15 +124,21 @@ class _GatherShard(torch.autograd.Function):
     shard group, averaged, in the master dtype."""
 
     @staticmethod
-    def forward(ctx, flat, world: int, group_name: str, compute_dtype, reduce_dtype):
+    def forward(ctx, flat, world: int, group_name: str, compute_dtype, reduce_dtype, rank_if_all_reduce=None):
         ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.master_dtype = world, group_name, reduce_dtype, flat.dtype
+        ctx.rank_if_all_reduce = rank_if_all_reduce
         return _C10D.wait_tensor(_C10D.all_gather_into_tensor(flat.to(compute_dtype), world, group_name))
 
     @staticmethod
     def backward(ctx, grad):
         grad = grad.to(ctx.reduce_dtype).contiguous()
-        shard = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name))
-        return (shard / ctx.world).to(ctx.master_dtype), None, None, None, None
+        if ctx.rank_if_all_reduce is not None:  # [Note: gloo reduce-scatter]
+            total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
+            n = total.numel() // ctx.world
+            shard = total.narrow(0, ctx.rank_if_all_reduce * n, n)
+        else:
+            shard = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name))
+        return (shard / ctx.world).to(ctx.master_dtype), None, None, None, None, None
 
 
 class _ReplicaGrad(torch.autograd.Function):
@@ -263,6 +269,12 @@ class CompiledUnit:
         self.pieces = tuple((i, offset, n) for _, n, offset, i in pieces)
         self.pad = unit.shard_numel - sum(n for _, _, n in self.pieces)
         self.bucketed = False  # a rep unit whose gradients ReplicaGradBucket all-reduces
+        # [Note: gloo reduce-scatter] gloo's reduce_scatter_tensor_coalesced (what the
+        # functional reduce-scatter runs) was measured ~3-4 ms a call against ~0.7-2.4
+        # ms for its all-reduce; eager OSDP all-reduces and keeps its shard on gloo too
+        use_ar = os.environ.get("OSDP_COMPILED_GLOO_RS_AS_AR", "1") != "0"
+        self.rank_if_all_reduce = (group.rank() if use_ar and not unit.replicated
+                                   and c10d.get_backend(group) == "gloo" else None)
 
     def local_flat(self) -> torch.Tensor:
         """This rank's flat shard rebuilt from the original parameters (a copy; autograd
@@ -278,7 +290,7 @@ class CompiledUnit:
             group_name = None if self.bucketed else self.group_name
             return _ReplicaGrad.apply(self.local_flat(), self.world, group_name, self.compute_dtype, self.reduce_dtype)
         return _GatherShard.apply(self.local_flat(), self.world, self.group_name, self.compute_dtype,
-                                  self.reduce_dtype)
+                                  self.reduce_dtype, self.rank_if_all_reduce)
 
     def gathered(self) -> torch.Tensor:
         """The unit's full flat buffer in the compute dtype."""
