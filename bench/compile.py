@@ -39,6 +39,7 @@ the other peers go on. Writes bench/results/compile_<device>.csv.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 import time
@@ -125,6 +126,8 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
     fsdp_batch, fsdp_peak = largest_fitting_batch("fsdp_zero3", config, budget_bytes)
     _log(rank, t0, f"FSDP2 batch {fsdp_batch}")
     compile_kwargs = dict(backend=backend, dynamic=False)
+    if os.environ.get("OSDP_BENCH_INDUCTOR_OPTIONS"):  # --inductor-options, for both compiled peers
+        compile_kwargs["options"] = json.loads(os.environ["OSDP_BENCH_INDUCTOR_OPTIONS"])
     rows, runs = [], []  # runs: (row, model, optim) timed together below
     for label, peer, compiled in PEERS:
         row = dict(peer=label, compiled=compiled, backend=backend if compiled else "", error="",
@@ -227,9 +230,14 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 9; --quick 3)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of both compiled peers")
     parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
+    parser.add_argument("--inductor-options", help="JSON dict of inductor settings (torch.compile options=) for both "
+                        "compiled peers, e.g. '{\"bucket_all_gathers_fx\": \"all\", \"bucket_all_reduces_fx\": \"all\"}'")
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / "results" / ".profile-cache"))
     parser.add_argument("--out", help="CSV path (default bench/results/compile_<device>.csv)")
     args = parser.parse_args(argv)
+    if args.inductor_options:
+        json.loads(args.inductor_options)  # refuse a malformed one here, not in the ranks
+        os.environ["OSDP_BENCH_INDUCTOR_OPTIONS"] = args.inductor_options
 
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     models = {k: MODELS[k] for k in ("N&D 12x128", "W&S 2x768")}
