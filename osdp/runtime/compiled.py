@@ -40,13 +40,13 @@ What the compiled path does not do (each refused with a clear error naming the u
 hierarchical layouts (one shard group over all ranks only; ``hpz`` is then ``zdp`` or
 ``dp``, [Note: modes per level] in contract.py), split
 ops without a compiled forward (the vocabulary row split of an embedding and its fused
-head loss), turning gradient sync off (every backward reduce-scatters in the graph).
+head loss), turning gradient sync off (every compiled backward reduces its gradients).
 The prefetch window and bucketing are the compiler's (inductor's comm reordering
 passes), not the scheduler's; on CPU/gloo nothing overlaps anyway. Two exceptions: rep
 units' gradients are all-reduced in one bucket after backward ([Note: rep gradients
 bucketed]), and on gloo a sharded gradient is all-reduced and its shard kept ([Note:
 gloo reduce-scatter]). Measured (N&D 12x128 GPT, batch 4, 26 rep + 50 zdp units, 2 gloo
-ranks on a 2-core CPU, 15 interleaved steps, medians): eager 368 ms; compiled per-unit
+ranks on a 2-core CPU, 15 interleaved steps, medians, a quiet machine): eager 368 ms; compiled per-unit
 all-reduces and reduce-scatters 448 ms; with both exceptions 395 ms; adding
 ``options={"bucket_all_gathers_fx": "all", "bucket_all_reduces_fx": "all"}`` 268 ms.
 Those inductor passes are not the default: bucketing a graph's gathers may gather a
