@@ -373,7 +373,11 @@ class ShardedModel(nn.Module):
             self._memory_check.begin_forward()  # checks the step before; see [Note: measured peak]
         if self.compile_config is not None:  # nothing to schedule: see [Note: compiled units]
             output = self.module(*args, **kwargs)
-            return output if policy is None else policy.cast_output(output)
+        else:
+            output = self._scheduled_forward(args, kwargs)
+        return output if policy is None else policy.cast_output(output)
+
+    def _scheduled_forward(self, args, kwargs):
         self._scheduler.begin_forward()
         try:
             output = self.module(*args, **kwargs)
@@ -383,7 +387,7 @@ class ShardedModel(nn.Module):
                 self._memory_check.abort()
             raise
         self._scheduler.end_forward()
-        return output if policy is None else policy.cast_output(output)
+        return output
 
     def _check_batch(self, args, kwargs) -> None:
         limit = self.batch_size
@@ -410,7 +414,7 @@ class ShardedModel(nn.Module):
     def _check_sync_off(self, off: bool) -> None:
         if off and self.compile_config is not None:
             raise ConfigError("gradient sync off (no_sync / set_requires_gradient_sync(False)) is not available "
-                              "with compile=: the compiled backward reduce-scatters in the graph every time. "
+                              "with compile=: every compiled backward reduces its gradients. "
                               "Accumulate with sync on (the same gradients, more communication) or run eager")
 
     @property

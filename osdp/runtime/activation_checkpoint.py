@@ -24,9 +24,11 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger("osdp.runtime")
 
 
-def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_end=None) -> None:
+def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_end=None, context_fn=None) -> None:
     """``on_recompute_end()``: called when a block's forward run by checkpoint returns or
-    stops (in backward, the recompute's end: the memory ledger labels what follows)."""
+    stops (in backward, the recompute's end: the memory ledger labels what follows).
+    ``context_fn``: torch's selective checkpointing contexts (the compiled path's policy
+    that keeps ``dp`` gathers, osdp/runtime/compiled.py); None: everything recomputed."""
     if blocks:
         _disable_kv_cache(model)
     for path in blocks:
@@ -43,6 +45,8 @@ def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_
         def forward(*args, _inner=inner, _run=run, **kwargs):
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
+            if context_fn is not None:
+                return checkpoint(_run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
             return checkpoint(_run, *args, use_reentrant=False, **kwargs)
 
         module.forward = forward

@@ -65,12 +65,12 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ..errors import ConfigError
 from ..module_tree import transformer_blocks
+from .activation_checkpoint import apply_checkpointing
 from .modes import Mode
 from .shard_unit import ShardUnit
 
 _C10D = torch.ops._c10d_functional
 _ALL_GATHER = _C10D.all_gather_into_tensor.default
-_WAIT = _C10D.wait_tensor.default
 SCOPES = ("blocks", "model")
 # a dp unit's gathers name the shard group by this alias, so that a checkpointed
 # block's policy can tell them (saved) from zdp gathers (recomputed)
@@ -237,10 +237,6 @@ def _checkpointed_block(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _contexts(policy):
-    return create_selective_checkpoint_contexts(policy)
-
-
 def kept_group_name(group) -> str:
     """The name ``dp`` gathers use for ``group``: an alias of the same process group,
     registered once (no new communicator)."""
@@ -304,7 +300,7 @@ class CompiledUnit:
         """The unit's full flat buffer in the compute dtype."""
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._gather_now, use_reentrant=False, context_fn=functools.partial(
-                _contexts, _recompute_gathers))
+                create_selective_checkpoint_contexts, _recompute_gathers))
         return self._gather_now()
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -414,8 +410,8 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
         _swap_class(module, runner)
     for path, (module, units) in built.splits.items():
         _swap_class(module, SplitUnits([compiled(u) for u in units]))
-    for path in checkpoint_blocks:
-        _checkpoint_block(model.get_submodule(path))
+    apply_checkpointing(model, checkpoint_blocks,
+                        context_fn=functools.partial(create_selective_checkpoint_contexts, _checkpointed_block))
     if os.environ.get("OSDP_COMPILED_REP_BUCKET", "1") != "0":
         _bucket_replica_grads(list(cache.values()), group)
 
@@ -471,18 +467,6 @@ def _block_of(blocks: tuple[str, ...]):
     def inside(path: str) -> bool:
         return any(path == b or path.startswith(b + ".") for b in blocks)
     return inside
-
-
-def _checkpoint_block(block: nn.Module) -> None:
-    inner = block.forward
-
-    def forward(*args, **kwargs):
-        if not torch.is_grad_enabled():
-            return inner(*args, **kwargs)
-        return checkpoint(inner, *args, use_reentrant=False,
-                          context_fn=functools.partial(_contexts, _checkpointed_block), **kwargs)
-
-    block.forward = forward
 
 
 def compile_regions(model: nn.Module, config: CompileConfig, built) -> list[str]:

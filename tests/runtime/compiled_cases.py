@@ -66,7 +66,9 @@ def _gpt(case: Case) -> GPT:
                          tie_embeddings=case.tie))
 
 
-def _train(model, rank, world, cfg, clip=True):
+def _train(model, rank, world, cfg, clip=True, after_step=lambda step: None):
+    """STEPS AdamW steps on this rank's slice of the global batch (``rank`` None: all of
+    it, single process); the per-step losses (mean over ranks)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
     losses = []
     for step in range(STEPS):
@@ -81,6 +83,7 @@ def _train(model, rank, world, cfg, clip=True):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item() if rank is None else mean_over_ranks(loss, world))
+        after_step(step)
     return losses
 
 
@@ -96,20 +99,14 @@ def run_case(rank: int, world: int, case: Case) -> dict:
     seen = {"fw": 0, "bw": 0}
     compiled = osdp.OSDP(_gpt(case), compile={"scope": case.scope, "backend": counting_backend(seen)},
                          **case.kwargs)
-    graphs = []
-    opt_losses = []
-    opt = torch.optim.AdamW(compiled.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
-    for step in range(STEPS):
-        idx, tgt = example_batch(cfg, LOCAL_BATCH * world, seed=10 + step)
-        loss = compiled(idx[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH], tgt[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH])
-        loss.backward()
-        compiled.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        opt_losses.append(mean_over_ranks(loss, world))
+    graphs, gathers = [], {}
+
+    def record(step):
         graphs.append(counters["stats"]["unique_graphs"])
         if step == 0:
-            gathers = dict(seen)
+            gathers.update(seen)
+
+    opt_losses = _train(compiled, rank, world, cfg, after_step=record)
     state = compiled.full_state_dict(rank0_only=False)
     reference = ref.state_dict()
     return {
