@@ -26,6 +26,7 @@ os.environ.setdefault("OSDP_MEMORY_CHECK", "0")
 import osdp  # noqa: E402
 from osdp.memtrack import LiveBytesTracker  # noqa: E402
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
+from osdp.rank_agreement import collective_device  # noqa: E402
 
 PEERS = ("osdp", "fsdp_zero3", "fsdp_zero2", "ddp", "osdp_ckpt", "fsdp_zero3_ckpt")
 
@@ -124,7 +125,7 @@ def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True) 
         with LiveBytesTracker(_state_tensors(model, optim)) as tracker:
             train_step(model, optim, config, batch, seed=2)
         peak = tracker.peak_bytes
-    t = torch.tensor([float(peak)])
+    t = torch.tensor([float(peak)], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
@@ -161,7 +162,7 @@ def timed_rounds(fns, rounds: int) -> list[float]:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times[i].append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(x) for x in times])
+    t = torch.tensor([statistics.median(x) for x in times], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.tolist()
 

@@ -54,17 +54,30 @@ from common import (ROOT, interleaved_step_s, largest_fitting_batch, measured_pe
 from throughput import BUDGETS, GPT_params, MODELS
 
 from osdp.models import GPTConfig
+from osdp.rank_agreement import collective_device
 
-BUDGET = "middle"
 # (label, wrap_peer's peer, compiled)
 PEERS = (("osdp", "osdp", False), ("osdp_compiled", "osdp", True),
          ("fsdp2", "fsdp_zero3", False), ("fsdp2_compiled", "fsdp_zero3", True))
 FIELDS = ["model", "budget", "budget_bytes", "peer", "compiled", "backend", "batch", "batch_source", "peak_bytes",
           "fits", "first_step_s", "second_step_s", "step_s", "samples_per_s", "compile_s", "regions", "graphs",
-          "graph_breaks",
+          "graph_breaks", "break_reasons",
           "compile_speedup", "vs_fsdp2_compiled", "target", "target_met", "plan", "error", "device"]
 # a tiny GPT for --dry-run (the smoke test): seconds, not minutes
 DRY_MODEL = GPTConfig(vocab_size=128, seq_len=16, num_layers=2, hidden=32, heads=2)
+
+
+def _break_reasons() -> dict[str, int]:
+    """dynamo's graph-break reasons so far in this process, with their counts."""
+    from torch._dynamo.utils import counters
+
+    return {str(reason): int(n) for reason, n in counters["graph_break"].items()}
+
+
+def _new_reasons(before: dict[str, int], after: dict[str, int], top: int = 3) -> str:
+    """The ``top`` most frequent break reasons added between two ``_break_reasons``."""
+    added = sorted(((n - before.get(r, 0), r) for r, n in after.items() if n > before.get(r, 0)), reverse=True)
+    return " | ".join(f"{n}x {' '.join(r.split())[:200]}" for n, r in added[:top])
 
 
 def _dynamo_counts() -> tuple[int, int]:
@@ -83,7 +96,7 @@ def _agreed_error(error: str) -> str:
 
 
 def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([float(x)])
+    t = torch.tensor([float(x)], device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
 
@@ -146,6 +159,7 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
             row["error"] = row["error"] or "batch 1 does not fit the budget"
             continue
         graphs, breaks = _dynamo_counts()
+        reasons = _break_reasons()
         error = ""
         try:
             model = wrap_peer(peer, config, plan=plan if peer == "osdp" else None,
@@ -168,7 +182,8 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
         if peer == "osdp" and not compiled:
             row["peak_bytes"] = measured_peak_bytes(model, optim, config, batch, warm_up=False)
         after = _dynamo_counts()
-        row.update(graphs=after[0] - graphs, graph_breaks=after[1] - breaks)
+        row.update(graphs=after[0] - graphs, graph_breaks=after[1] - breaks,
+                   break_reasons=_new_reasons(reasons, _break_reasons()))
         if compiled:  # how many regions were compiled (OSDP: blocks + each unit outside them)
             row["regions"] = len(model.compiled_regions) if peer == "osdp" else len(model.blocks)
         runs.append((row, model, optim))
@@ -227,6 +242,8 @@ def main(argv=None):
                         help="a tiny GPT, a short profile, 2 timed rounds (the test's run; --backend stays inductor "
                              "unless given)")
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--budget", choices=sorted(BUDGETS), default="middle",
+                        help="memory budget, in fp32 parameter bytes (throughput.BUDGETS); one rank needs 'loose'")
     parser.add_argument("--steps", type=int, default=None, help="timed rounds (default 9; --quick 3)")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend of both compiled peers")
     parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
@@ -259,7 +276,7 @@ def main(argv=None):
     table, lines = [], []
     for name, config in models.items():
         param_bytes = sum(p.numel() for p in GPT_params(config)) * 4
-        budget = int(BUDGETS[BUDGET] * param_bytes)
+        budget = int(BUDGETS[args.budget] * param_bytes)
         rows, late = spawn(_run, args.world_size, name, config, budget, steps, args.cache_dir, args.backend,
                            auto_kwargs)[0]
         by_peer = {r["peer"]: r for r in rows}
@@ -269,16 +286,16 @@ def main(argv=None):
                            "(recompiles)")
         for r in rows:
             peak = r.get("peak_bytes")
-            r.update(model=name, budget=BUDGET, budget_bytes=budget, device=device,
+            r.update(model=name, budget=args.budget, budget_bytes=budget, device=device,
                      fits="" if r["compiled"] or peak in (None, "") else bool(r["batch"]) and peak <= budget)
             table.append(r)
-        lines.append((name, budget, rows, summary))
-        _print_model(name, budget, rows, summary)
+        lines.append((name, args.budget, budget, rows, summary))
+        _print_model(name, args.budget, budget, rows, summary)
     elapsed = time.perf_counter() - start
-    print(f"\n{'=' * 40} summary ({elapsed / 60:.1f} min, {steps} timed rounds, medians, 2 gloo ranks on {device}, "
+    print(f"\n{'=' * 40} summary ({elapsed / 60:.1f} min, {steps} timed rounds, medians, {args.world_size} ranks on {device}, "
           f"backend {args.backend})")
-    for name, budget, rows, summary in lines:
-        _print_model(name, budget, rows, summary)
+    for name, budget_name, budget, rows, summary in lines:
+        _print_model(name, budget_name, budget, rows, summary)
     print("compiled batches: the eager peer's batch, not measured (on CPU the live-tensor tracker is a dispatch mode "
           "that compiled code runs beneath); compile_s = first step - median steady step")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
@@ -286,8 +303,8 @@ def main(argv=None):
     write_csv(out, [{k: r.get(k, "") for k in FIELDS} for r in table])
 
 
-def _print_model(name, budget, rows, summary):
-    print(f"\n{name}  {BUDGET} budget {budget / 2**20:.1f} MiB")
+def _print_model(name, budget_name, budget, rows, summary):
+    print(f"\n{name}  {budget_name} budget {budget / 2**20:.1f} MiB")
     print(f"  {'peer':<15} {'batch':>5} {'peak MiB':>9} {'step ms':>8} {'samples/s':>9} {'1st step s':>10} "
           f"{'compile s':>9} {'regions':>7} {'graphs':>6} {'breaks':>6}  error")
     for r in rows:
@@ -296,6 +313,9 @@ def _print_model(name, budget, rows, summary):
               f"{_fmt(r, 'first_step_s', '10.2f'):>10} "
               f"{_fmt(r, 'compile_s', '9.2f'):>9} {_fmt(r, 'regions', '7d'):>7} {_fmt(r, 'graphs', '6d'):>6} {_fmt(r, 'graph_breaks', '6d'):>6}  "
               f"{r.get('error', '')[:160]}")
+    for r in rows:
+        if r.get("break_reasons"):
+            print(f"  {r['peer']} graph breaks: {r['break_reasons']}")
     plan = next((r["plan"] for r in rows if r.get("plan")), "")
     if plan:
         print(f"  OSDP plan: {plan}")

@@ -3,6 +3,7 @@ the others receive its decision, and every rank checks it holds the same plan. W
 an initialized process group there is one rank, and every helper is the identity."""
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
 from . import errors
@@ -22,6 +23,16 @@ def broadcast_from_rank0(obj, group=None):
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
+
+
+def collective_device(group=None) -> torch.device:
+    """Where a small tensor must live for a collective on ``group``: the CPU on gloo (or
+    a backend pair with gloo for CPU tensors), else this process's current CUDA device
+    (NCCL has no CPU tensors: "No backend type associated with device type cpu")."""
+    backend = str(dist.get_backend(group)) if _distributed() else "gloo"
+    if "gloo" in backend or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def is_rank0(group=None) -> bool:

@@ -145,7 +145,17 @@ def tile_matmul(a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_b
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        if PRECISION == "ieee":
+            # [Note: fp32 two-level sum] each K tile sums into a fresh partial that is
+            # then added to the accumulator, so rounding error grows with BLOCK_K +
+            # K / BLOCK_K instead of K: cuBLAS splits K on small grids, and our one-level
+            # chain had 2.8x-5.5x its error there (H200, bench/results/gpu_20261127).
+            # The partial starts from a zero the compiler cannot see as a constant:
+            # from `acc + dot(a, b, 0)` Triton's combine pass makes `dot(a, b, acc)`.
+            fresh = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32) + k_left.to(tl.float32) * 0.0
+            acc += tl.dot(a, b, fresh, input_precision=PRECISION)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc

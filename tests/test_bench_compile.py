@@ -95,3 +95,10 @@ def test_compile_bench_dry_run_writes_csv(tmp_path):
     assert all(not r["error"] and float(r["step_s"]) > 0 and int(r["batch"]) > 0 for r in rows), rows
     assert all(int(r["graph_breaks"] or 0) == 0 for r in rows if r["peer"] == "osdp_compiled"), rows
     assert "OSDP compiled / FSDP2 compiled" in proc.stdout
+
+
+def test_break_reasons_are_the_new_ones_most_frequent_first():
+    before = {"reason a": 2, "reason b": 1}
+    after = {"reason a": 3, "reason b": 1, "reason\n  c": 4}
+    assert bench._new_reasons(before, after) == "4x reason c | 1x reason a"
+    assert bench._new_reasons(after, after) == ""

@@ -155,7 +155,14 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(GemmParams p) {
           for (int j = 0; j < WARP_N / 16; ++j) wmma::mma_sync(acc[i][j], fa[i], fb[j], acc[i][j]);
       }
     } else {
+      // Two-level sum (see osdp_kernels/_common.py, [Note: fp32 two-level sum]): the
+      // BK products of this tile chain into `part`, which is then added to `facc`.
       const int r = lane / 8, c = lane % 8;
+      float part[16][4];
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) part[i][j] = 0.0f;
 #pragma unroll 4
       for (int kk = 0; kk < BK; ++kk) {
         float av[16], bv[4];
@@ -166,8 +173,12 @@ __global__ void __launch_bounds__(THREADS) gemm_kernel(GemmParams p) {
 #pragma unroll
         for (int i = 0; i < 16; ++i)
 #pragma unroll
-          for (int j = 0; j < 4; ++j) facc[i][j] = fmaf(av[i], bv[j], facc[i][j]);
+          for (int j = 0; j < 4; ++j) part[i][j] = fmaf(av[i], bv[j], part[i][j]);
       }
+#pragma unroll
+      for (int i = 0; i < 16; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) facc[i][j] += part[i][j];
     }
     __syncthreads();  // tiles are overwritten next step (and reused as scratch below)
   }

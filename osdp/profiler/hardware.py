@@ -65,6 +65,7 @@ import torch.nn as nn
 from ..errors import OSDPError
 from ..ops import MatmulSplit, registered_split_ops
 from ..contract import gradient_collective
+from ..rank_agreement import collective_device
 from ..sizes import format_bytes, parse_bytes
 from ..torch_names import all_gather_flat, reduce_scatter_flat
 from ..planner.cost_model import shape_key
@@ -154,7 +155,7 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
                 noisy.add("comm")
             samples = list(kept.samples)
             # the slowest rank decides when a collective is done for everyone
-            t = torch.tensor([statistics.median(samples)], dtype=torch.float64)
+            t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=collective_device(group))
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             xs.append(elems * 4)
             ys.append(float(t))
@@ -167,7 +168,7 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
 
 def _max_over(value: float, group) -> float:
     """The max of ``value`` over the ranks of ``group`` (so that all decide alike)."""
-    t = torch.tensor([float(value)], dtype=torch.float64)
+    t = torch.tensor([float(value)], dtype=torch.float64, device=collective_device(group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     return float(t)
 

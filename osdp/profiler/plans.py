@@ -41,6 +41,7 @@ from ..planner.calibration import Measurement, group_of
 from ..planner.inputs import as_example_inputs, batch_loss
 from ..api import ShardedModel
 from ..errors import OSDPError
+from ..rank_agreement import collective_device
 from ..runtime.materialize import ModuleValues, ValuesFrom, has_meta, meta_skeleton
 from ..runtime.state_dict import ShardValues
 
@@ -309,6 +310,7 @@ class _Trial:
         group_medians = [statistics.median(groups.get(g, 0.0) for groups in self.per_group) for g in group_names]
         row = torch.tensor(list(median_step) + [float(peak)] + group_medians, dtype=torch.float64)
         if dist.is_initialized():
+            row = row.to(collective_device(self.group))
             rows = [torch.zeros_like(row) for _ in range(dist.get_world_size(self.group))]
             dist.all_gather(rows, row, group=self.group)
             slowest = max(rows, key=lambda r: float(r[0]))

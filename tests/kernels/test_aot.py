@@ -349,3 +349,38 @@ def test_every_config_every_dtype_both_archs(tmp_path):
         for k in KERNELS:
             for d in ITEMSIZE:
                 assert any(r["status"] == "ok" for r in rows if (r["arch"], r["kernel"], r["dtype"]) == (arch, k, d))
+
+
+_TWO_LEVEL_PROBE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from osdp_kernels import aot
+spec = next(k for k in aot.KERNELS if k.name == "slice_dw")
+config = triton.Config(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8), num_stages=3, num_warps=4)
+target = GPUTarget("cuda", 90, 32)
+args, flags = spec.example(torch.float32)
+signature, constexprs, attrs, options = aot._specialize(spec, target, args, {**flags, **config.all_kwargs()})
+assert "ieee" in constexprs.values(), constexprs
+print(triton.compile(ASTSource(spec.jit, signature, constexprs, attrs), target=target, options=options.__dict__).asm["ttir"])
+"""
+
+
+def test_fp32_partial_sums_survive_the_compiler(tmp_path):
+    """[Note: fp32 two-level sum]: in the compiled fp32 (ieee) K loop each tile's dot
+    starts from its own zero and is then added to the accumulator. With a constant zero
+    Triton's combine pass folds ``acc + dot(a, b, 0)`` back into ``dot(a, b, acc)``, a
+    K-long chain again (the H200 run measured 2.8x-5.5x cuBLAS's error that way)."""
+    env = {**_env(), "TRITON_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _TWO_LEVEL_PROBE], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    body = proc.stdout[proc.stdout.index("scf.for"):]
+    body = body[:body.index("scf.yield")]
+    dots = re.findall(r"(%\S+) = tt\.dot \S+, \S+, (%[^\s:]+)", body)
+    assert len(dots) == 1, body
+    dot_out, dot_acc = dots[0]
+    carried = re.search(r"iter_args\(.*[(,] ?(%[\w.]+) = %[\w.]+\) ->", proc.stdout).group(1)
+    assert dot_acc != carried, f"the dot accumulates into the loop-carried {carried}: one K-long chain"
+    assert re.search(rf"arith\.addf ({re.escape(carried)}, {re.escape(dot_out)}|{re.escape(dot_out)}, "
+                     rf"{re.escape(carried)}) : tensor<64x64xf32>", body), body

@@ -55,3 +55,38 @@ def test_cuda_streams_path_matches_plain_training():
     for name, (losses, ref_losses, max_alloc, current) in results.items():
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5, msg=name)
         assert max_alloc > 0 and current == 0, name
+
+
+def _measure_on_nccl(port):
+    """measure_plans on an NCCL group: its per-rank rows travel in a tensor on the GPU
+    (NCCL has no CPU tensors; the first GPU run failed there, bench/results/gpu_20261127)."""
+    import os
+
+    import torch.distributed as dist
+
+    import osdp
+    from osdp.models import GPT, GPTConfig, example_batch
+    from osdp.profiler.plans import measure_plans
+    from osdp.rank_agreement import collective_device
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        device = torch.device("cuda", 0)
+        config = GPTConfig(vocab_size=64, seq_len=8, num_layers=2, hidden=32, heads=2)
+        plan = osdp.OSDP(GPT(config), default_mode="zdp").plan
+        inputs = tuple(t.to(device) for t in example_batch(config, 2))
+        (measured,) = measure_plans(GPT(config), [plan], inputs, device=device, steps=2, warmup=1)
+        return str(collective_device()), measured.step_s, measured.peak_bytes
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_measure_plans_on_nccl():
+    import torch.multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(1) as pool:
+        where, step_s, peak = pool.apply(_measure_on_nccl, (free_port(),))
+    assert where == "cuda:0" and step_s > 0 and peak > 0
