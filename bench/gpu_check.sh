@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One call on a GPU machine: build the CUDA kernels, run the gpu-marked tests, the kernel
 # benchmark (split kernels against cuBLAS, same run), the fidelity benchmark (predicted vs
-# measured step time and allocator peak) and the AOT compile report (--quick: the configs
+# measured step time and allocator peak), the torch.compile benchmark on one rank (N&D,
+# OSDP and FSDP2 eager vs compiled, graph-break reasons) and the AOT compile report (--quick: the configs
 # a launch autotunes over; the full report's 240 compiles do not fit its cap), and keep
 # everything under one folder. Sized to finish within 9 minutes on one H100.
 #
@@ -10,9 +11,11 @@
 # OUT_DIR: the argument, else $OUT, else bench/results/gpu_<date>. It receives
 #   summary.txt (step, exit status, seconds, cap), env.txt, nvidia-smi*.txt, build.log,
 #   gpu_tests.log + gpu_tests.xml, kernels.log + kernels_<gpu>.csv, fidelity.log +
-#   fidelity_<gpu>.csv, aot.log + aot.json.
+#   fidelity_<gpu>.csv, compile.log + compile_gpu_quick.csv, aot.log + aot.json.
+# The device tool returns at most 8 files: everything is also packed into all.tgz.
 # Time: GPU_CHECK_BUDGET_S (default 520 s) for the whole run; each step also has its own
-#   cap (below) and is stopped (SIGINT, then SIGKILL) when it reaches it; the benchmarks
+#   cap (below; on an H200, 2026-11-27: build 46-61 s, gpu tests about 150 s cold, kernels
+#   24 s, fidelity 19-40 s, compile 72 s, aot 23 s) and is stopped (SIGINT, then SIGKILL) when it reaches it; the benchmarks
 #   get budgets of their own so they stop starting new shapes in time.
 # Fails fast, before building anything, when no NVIDIA GPU is visible (nvidia-smi, or
 #   the program named by $NVIDIA_SMI, missing or listing no GPU).
@@ -44,12 +47,13 @@ JOBS="$(nproc 2>/dev/null || echo 4)"; JOBS=$(( JOBS > 8 ? 8 : JOBS ))
 define_steps() {
   local world=$1
   STEPS=(
-    "build|150|OSDP_SKIP_CUDA=0 $PYTHON -m pip install -e '.[test]' || { echo '--- offline retry: no build isolation, no dependency resolution'; OSDP_SKIP_CUDA=0 $PYTHON -m pip install --no-build-isolation --no-deps -e .; }"
+    "build|110|OSDP_SKIP_CUDA=0 $PYTHON -m pip install -e '.[test]' || { echo '--- offline retry: no build isolation, no dependency resolution'; OSDP_SKIP_CUDA=0 $PYTHON -m pip install --no-build-isolation --no-deps -e .; }"
     "cuda_visible|20|$PYTHON -c \"import torch, osdp_kernels as K; ok = torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if ok else None, 'osdp_kernels._cuda built:', K.cuda_available()); raise SystemExit(0 if ok else 'torch sees no CUDA device (CPU-only torch build?): the gpu tests would all skip')\""
-    "gpu_tests|140|$PYTHON -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml='$OUT_DIR/gpu_tests.xml'"
-    "kernels|100|$PYTHON bench/kernels.py --quick --budget-s 55 --repeats 10 --out-dir '$OUT_DIR'"
-    "fidelity|60|$PYTHON bench/fidelity.py --quick --world-size $world --budget-s 20 --out-dir '$OUT_DIR'"
-    "aot|70|env -u TRITON_INTERPRET $PYTHON -m osdp_kernels.aot --arch sm_80,sm_90 --quick --jobs $JOBS --cache-dir '$AOT_CACHE' --json '$OUT_DIR/aot.json'"
+    "gpu_tests|170|$PYTHON -m pytest -m gpu -q -rs -p no:cacheprovider --junitxml='$OUT_DIR/gpu_tests.xml'"
+    "kernels|60|$PYTHON bench/kernels.py --quick --budget-s 55 --repeats 10 --out-dir '$OUT_DIR'"
+    "fidelity|50|$PYTHON bench/fidelity.py --quick --world-size $world --budget-s 20 --out-dir '$OUT_DIR'"
+    "compile|100|cd bench && TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --out '$OUT_DIR/compile_gpu_quick.csv'"
+    "aot|30|env -u TRITON_INTERPRET $PYTHON -m osdp_kernels.aot --arch sm_80,sm_90 --quick --jobs $JOBS --cache-dir '$AOT_CACHE' --json '$OUT_DIR/aot.json'"
   )
 }
 
@@ -127,5 +131,6 @@ done
 
 "$NVIDIA_SMI" > "$OUT_DIR/nvidia-smi-after.txt" 2>&1
 echo "total_s $(( $(date +%s) - START ))" >> "$OUT_DIR/summary.txt"
+(cd "$OUT_DIR" && tar czf all.tgz --exclude=all.tgz ./*)
 echo "== summary ($OUT_DIR)"; cat "$OUT_DIR/summary.txt"
 exit $FAILED

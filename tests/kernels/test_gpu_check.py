@@ -46,7 +46,7 @@ def test_dry_run_lists_every_step_within_the_budget(tmp_path):
                    str(tmp_path / "out")]:
         assert needle in text, f"{needle!r} missing from the dry run:\n{text}"
     caps = [int(c) for c in __import__("re").findall(r"\(cap\s+(\d+) s\)", text)]
-    assert len(caps) == 6 and sum(caps) <= 540  # the steps' caps fit the 9-minute budget
+    assert len(caps) == 7 and sum(caps) <= 540  # the steps' caps fit the 9-minute budget
     assert not (tmp_path / "out").exists()
 
 
@@ -64,10 +64,13 @@ def test_steps_run_in_order_and_failures_are_summarized(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     summary = (out / "summary.txt").read_text().splitlines()
     steps = {line.split()[0]: line.split()[1] for line in summary[1:] if not line.startswith("total")}
-    assert steps == {"build": "0", "cuda_visible": "0", "gpu_tests": "0", "kernels": "3", "fidelity": "0", "aot": "0"}
+    assert steps == {"build": "0", "cuda_visible": "0", "gpu_tests": "0", "kernels": "3", "fidelity": "0", "compile": "0",
+                     "aot": "0"}
     assert "pytest -m gpu" in (out / "gpu_tests.log").read_text()
     assert f"--out-dir {out}" in (out / "kernels.log").read_text()
     assert "--world-size 1" in (out / "fidelity.log").read_text()
     assert f"--json {out}/aot.json" in (out / "aot.log").read_text()
+    assert "compile.py --quick --world-size 1" in (out / "compile.log").read_text()
+    assert (out / "all.tgz").exists()
     for name in ("env.txt", "nvidia-smi.txt", "nvidia-smi-q.txt", "nvidia-smi-after.txt", "build.log"):
         assert (out / name).exists(), name
