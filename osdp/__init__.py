@@ -24,6 +24,7 @@ _EXPORTS = {
     "OSDP": "osdp.entry",
     "MixedPrecision": "osdp.runtime.mixed_precision",
     "CompileConfig": "osdp.runtime.compiled",
+    "RuntimeOptions": "osdp.runtime.options",
     "RuntimeConfig": "osdp.contract",
     "auto_plan": "osdp.auto",
     "ExampleInputs": "osdp.planner.inputs",

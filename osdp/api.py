@@ -6,24 +6,21 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .contract import DEFAULT_COALESCE_BYTES, RuntimeConfig, default_prefetch_bytes
+from .contract import RuntimeConfig, default_prefetch_bytes
 from .checkpoint import full_state_dict as gathered_state_dict
 from .errors import ConfigError, OSDPError, PlanMismatchError
 from .planner.calibration import format_report
 from .planner.plan import plan_from_arg
-from .sizes import parse_bytes
-from .runtime.args import device_arg
 from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
-from .runtime.compiled import CompileConfig, compile_regions, install as install_compiled, mark_sharded_grads
+from .runtime.compiled import compile_regions, install as install_compiled, mark_sharded_grads
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
@@ -32,6 +29,7 @@ from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
 from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
+from .runtime.options import RuntimeOptions
 from .runtime.modes import Mode
 from .runtime.peak import StepMemory, StepMemoryCheck, make_monitor
 from .runtime.scheduler import Scheduler
@@ -41,12 +39,6 @@ from .runtime.view import ShardedView
 log = logging.getLogger("osdp")
 
 
-
-
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class ShardedModel(nn.Module):
@@ -88,6 +80,11 @@ class ShardedModel(nn.Module):
     parameter count the plan priced, the plan's dtypes must match ``mixed_precision``
     (:class:`PlanMismatchError` otherwise), and a forward whose batch (dim 0 of the first
     tensor argument) exceeds ``plan.batch_size`` raises :class:`OSDPError`.
+
+    The runtime options below (device, mixed precision, timeout, coalescing, memory
+    check, compile) are checked once into ``model.options``, an
+    :class:`osdp.RuntimeOptions`; ``ShardedModel(m, plan, **model.options.as_kwargs())``
+    runs another model the same way.
 
     ``mixed_precision``: :class:`osdp.runtime.mixed_precision.MixedPrecision` (gathers and
     compute in ``param_dtype``, reduction in ``reduce_dtype``, fp32 shards; see
@@ -150,12 +147,16 @@ class ShardedModel(nn.Module):
         compile=None,
     ):
         super().__init__()
-        group = check_wrappable(module, process_group, mixed_precision, timeout_s)
+        check_wrappable(module)
+        options = RuntimeOptions.from_args(
+            device=device, mixed_precision=mixed_precision, coalesce_bytes=coalesce_bytes, timeout_s=timeout_s,
+            sync_module_states=sync_module_states, memory_limit=memory_limit, memory_check=memory_check,
+            compile=compile)
+        self.options = options
         self.layout = ShardLayout.from_arg(process_group, mesh, node_size)
         group = self.layout.world.group
-        coalesce_bytes = _coalesce_arg(coalesce_bytes)
-        self.device = device_arg(device) if device is not None else default_device()
-        self._init_plan(module, plan, mixed_precision)
+        self.device = options.device
+        self._init_plan(module, plan, options.mixed_precision)
         config = resolve_config(
             module,
             plan=self._run,
@@ -167,15 +168,15 @@ class ShardedModel(nn.Module):
             checkpoint_blocks=checkpoint_blocks,
             world_size=self.layout.world.size,
         )
-        self._init_comm(module, group, config, mixed_precision, coalesce_bytes, timeout_s, sync_module_states)
-        self._init_units(module, config, mixed_precision, param_init_fn)
-        self._init_scheduler(config, coalesce_bytes)
-        self.compile_config = CompileConfig.from_arg(compile)
+        self._init_comm(module, group, config, options)
+        self._init_units(module, config, options.mixed_precision, param_init_fn)
+        self._init_scheduler(config, options.coalesce_bytes)
+        self.compile_config = options.compile
         if self.compile_config is None:
             self._init_hooks(config)
         else:
             self._init_compiled(config)
-        self._init_memory_check(memory_limit, memory_check)
+        self._init_memory_check(options)
         self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built)
                                  if self.compile_config is not None else [])
 
@@ -194,15 +195,15 @@ class ShardedModel(nn.Module):
         self._run = run
         self.mixed_precision = mixed_precision
 
-    def _init_comm(self, module, group, config, mixed_precision, coalesce_bytes, timeout_s, sync_module_states):
+    def _init_comm(self, module, group, config, options: RuntimeOptions):
         """The comm context; every rank must have resolved the same configuration."""
         self.plan_fingerprint = config.fingerprint
         self._state_keys = list(module.state_dict().keys())
         self._view: ShardedView | None = None  # built on first use, see _sharded_view
-        self._comm = CommContext(self.layout.shard.group, self.device, timeout_s, layout=self.layout)
-        self.timeout_s = float(timeout_s)
-        self._check_same_config(config, own_param_counts(module), mixed_precision, coalesce_bytes)
-        if sync_module_states:
+        self._comm = CommContext(self.layout.shard.group, self.device, options.timeout_s, layout=self.layout)
+        self.timeout_s = options.timeout_s
+        self._check_same_config(config, own_param_counts(module), options.mixed_precision, options.coalesce_bytes)
+        if options.sync_module_states:
             if has_meta(module):
                 raise ConfigError("sync_module_states=True broadcasts rank 0's weights, and this model is on the "
                                   "meta device (no weights yet): seed every rank alike (torch.manual_seed) before "
@@ -304,16 +305,16 @@ class ShardedModel(nn.Module):
         self._bindings = []
         mark_sharded_grads(self._built.units)
 
-    def _init_memory_check(self, memory_limit, memory_check) -> None:
+    def _init_memory_check(self, options: RuntimeOptions) -> None:
         """The per-step peak check (osdp/runtime/peak.py): against ``memory_limit``, else
         the plan's; nothing is measured without a limit or with ``memory_check=False``
         (or ``OSDP_MEMORY_CHECK=0``)."""
         limit = getattr(self.plan, "memory_limit_bytes", None)
-        if memory_limit is not None:
-            limit = parse_bytes(memory_limit, "memory_limit")
+        if options.memory_limit_bytes is not None:
+            limit = options.memory_limit_bytes
         predicted = getattr(getattr(self.plan, "predicted", None), "peak_bytes", None)
         self._memory_check = None
-        if limit is None or not memory_check or os.environ.get("OSDP_MEMORY_CHECK", "1") == "0":
+        if limit is None or not options.memory_check_on:
             return
         if self.compile_config is not None and self.device.type != "cuda":
             # the CPU tracker is a dispatch mode, which compiled code runs beneath
@@ -663,14 +664,6 @@ def _unique_params(units) -> list[tuple[str, nn.Parameter]]:
     return out
 
 
-def _coalesce_arg(coalesce_bytes) -> int:
-    if coalesce_bytes is None:
-        return DEFAULT_COALESCE_BYTES
-    if isinstance(coalesce_bytes, bool) or not isinstance(coalesce_bytes, int) or coalesce_bytes < 0:
-        raise OSDPError(f"coalesce_bytes must be an integer >= 0 (bytes), got {coalesce_bytes!r}")
-    return coalesce_bytes
-
-
 def _runtime_config(plan) -> RuntimeConfig | None:
     """The typed config the runtime executes: an ``osdp.contract.RuntimeConfig`` as it
     is, or a plan's ``runtime_config()``."""
@@ -685,21 +678,17 @@ def _runtime_config(plan) -> RuntimeConfig | None:
     return to_config()
 
 
-def check_wrappable(module: nn.Module, process_group, mixed_precision, timeout_s):
-    """Refuse what cannot be wrapped, before anything changes; the process group."""
+def check_wrappable(module: nn.Module) -> None:
+    """Refuse a module that cannot be wrapped, before anything changes (the options are
+    checked by ``RuntimeOptions.from_args``)."""
     if not dist.is_available() or not dist.is_initialized():
         raise OSDPError("OSDP needs torch.distributed initialized (dist.init_process_group) before wrapping")
     _refuse_wrapped(module)
-    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-        raise OSDPError(f"mixed_precision must be an osdp MixedPrecision, got {type(mixed_precision).__name__}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
-        raise OSDPError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
     if not any(True for _ in module.parameters()):
         raise OSDPError(
             f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
             "models with parameters; run a parameter-free module as it is)"
         )
-    return process_group if process_group is not None else dist.group.WORLD
 
 
 def _refuse_wrapped(module: nn.Module) -> None:

@@ -11,9 +11,9 @@ from .auto import plan_with_values, value_holder
 from .errors import ConfigError
 from .planner.cost_model import PlannerSettings
 from .planner.plan import plan_from_arg
-from .runtime.collectives import DEFAULT_TIMEOUT_S
 from .runtime.materialize import ValuesFrom, has_meta
 from .runtime.mesh import ShardLayout
+from .runtime.options import OPTION_KEYWORDS, RuntimeOptions
 from .runtime.state_dict import ShardValues
 
 
@@ -59,19 +59,20 @@ class OSDP(ShardedModel):
         if example_inputs is None:
             raise ConfigError("auto mode needs example_inputs= (one forward's arguments: a tuple, or a dict of "
                               "keyword arguments) beside memory_limit=")
-        check_wrappable(module, runtime.get("process_group"), runtime.get("mixed_precision"),
-                        runtime.get("timeout_s", DEFAULT_TIMEOUT_S))
+        check_wrappable(module)
+        # checked before minutes of profiling, not after
+        options = RuntimeOptions.from_args(**{k: v for k, v in runtime.items() if k in OPTION_KEYWORDS})
         layout = ShardLayout.from_arg(runtime.get("process_group"), runtime.get("mesh"), runtime.get("node_size"))
-        mixed_precision = runtime.get("mixed_precision")
+        mixed_precision = options.mixed_precision
         # a model on meta is initialized now, drawing what a build without auto mode draws
         on_meta = has_meta(module)
-        options = {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {})}
+        auto_options = {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {})}
         plan, values = plan_with_values(module, example_inputs, memory_limit,
                                         holder=value_holder(module, runtime.get("process_group"), layout,
                                                             mixed_precision, param_init_fn) if on_meta else None,
                                     process_group=runtime.get("process_group"), layout=layout,
                                     settings=_with_precision(settings, mixed_precision),
-                                    mixed_precision=mixed_precision, compile=runtime.get("compile"), **options)
+                                    mixed_precision=mixed_precision, compile=options.compile, **auto_options)
         try:
             if not on_meta:
                 values.close()  # a real model's values are its own: no trial is needed beside it

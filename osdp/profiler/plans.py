@@ -42,6 +42,7 @@ from ..planner.inputs import as_example_inputs, batch_loss
 from ..api import ShardedModel
 from ..errors import OSDPError
 from ..rank_agreement import collective_device
+from ..runtime.options import RuntimeOptions
 from ..runtime.materialize import ModuleValues, ValuesFrom, has_meta, meta_skeleton
 from ..runtime.state_dict import ShardValues
 
@@ -156,6 +157,10 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
     if has_meta(module) and (pool is None or pool.values() is None):
         raise OSDPError("measure_plans of a model on the meta device needs its values: a pool holding the wrapped "
                         "model that has them, TrialPool(holder=wrapped)")
+    # memory_check=False: the peak is measured in a step of its own; a plan over its
+    # limit is what calibration is there to find, not an error mid-measurement
+    options = RuntimeOptions.from_args(device=device, mixed_precision=mixed_precision, coalesce_bytes=coalesce_bytes,
+                                       memory_check=False, compile=compile)
     own = pool is None
     if own:
         pool = TrialPool()
@@ -165,10 +170,9 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
         with torch.random.fork_rng(devices=devices):
             for plan in plans:
                 def make(source, plan=plan):
-                    return _Trial(module, plan, example_inputs, loss_fn, process_group, layout, device,
-                                  mixed_precision, coalesce_bytes, source, compile)
+                    return _Trial(module, plan, example_inputs, loss_fn, process_group, layout, options, source)
 
-                trial, warm = pool.trial(make, plan, module, compile)
+                trial, warm = pool.trial(make, plan, module, options.compile)
                 if not warm:
                     for k in range(warmup):
                         # the first step records the use order and makes AdamW's state
@@ -194,21 +198,17 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
 class _Trial:
     """One plan on its own wrapped copy of the model, with its optimizer and inputs."""
 
-    def __init__(self, module, plan, example_inputs, loss_fn, group, layout, device, mixed_precision, coalesce_bytes,
-                 source, compile=None):
+    def __init__(self, module, plan, example_inputs, loss_fn, group, layout, options: RuntimeOptions, source):
         inputs = as_example_inputs(example_inputs)
         self.example_batch = inputs.batch_size()
         self.plan, self.batch, self.loss_fn, self.group = plan, plan.batch_size, loss_fn, group
         inputs = inputs if self.batch == self.example_batch else inputs.with_batch(self.batch)
-        # memory_check=False: the peak is measured below, in a step of its own; a plan
-        # over its limit is what calibration is there to find, not an error mid-measurement
         # on the caller's layout (its mesh and node size) when it has one
         where = {"mesh": layout} if layout is not None else {"process_group": group}
         skeleton = meta_skeleton(module)
-        self.model = ShardedModel(skeleton, plan=plan, **where, device=device, mixed_precision=mixed_precision,
-                          coalesce_bytes=coalesce_bytes, memory_check=False,
-                          param_init_fn=ValuesFrom(skeleton, source), compile=compile)
-        self.compile = compile
+        self.model = ShardedModel(skeleton, plan=plan, **where, **options.as_kwargs(),
+                                  param_init_fn=ValuesFrom(skeleton, source))
+        self.compile = options.compile
         self.first_step_s: float | None = None
         self.dev = self.model.device
         self.inputs = inputs.map_batched(lambda t: t.to(self.dev))

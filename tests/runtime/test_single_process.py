@@ -382,3 +382,20 @@ def test_micro_batch_index_and_sync_switch():
         assert model.requires_gradient_sync is False
     model.set_requires_gradient_sync(False)
     assert model.requires_gradient_sync is False
+
+
+def test_a_wrapped_model_keeps_its_options_and_they_build_a_twin():
+    model = osdp.OSDP(gpt(), default_mode="zdp", coalesce_bytes=0, timeout_s=7, memory_check=False)
+    assert model.options.coalesce_bytes == 0 and model.options.timeout_s == 7.0 and not model.options.memory_check
+    twin = osdp.OSDP(gpt(), default_mode="zdp", **model.options.as_kwargs())
+    assert twin.options == model.options
+    idx, targets = example_batch(CFG, 2)
+    torch.testing.assert_close(twin(idx, targets), model(idx, targets), rtol=0, atol=0)
+
+
+def test_auto_mode_refuses_a_bad_option_before_profiling(monkeypatch):
+    import osdp.entry
+
+    monkeypatch.setattr(osdp.entry, "plan_with_values", lambda *a, **k: pytest.fail("profiled first"))
+    with pytest.raises(OSDPError, match="timeout_s must be a number of seconds > 0"):
+        osdp.OSDP(gpt(), memory_limit="1 GiB", example_inputs=example_batch(CFG, 2), timeout_s=-1)
