@@ -308,10 +308,10 @@ def test_without_prefetch_all_zdp_is_the_cost_models_serial_sum():
 
 def test_runtime_constants_agree():
     """The simulator prices the runtime's own rules (both read osdp.contract)."""
-    from osdp import api
+    from osdp.runtime.options import RuntimeOptions
     from osdp.runtime.scheduler import Scheduler
 
-    assert RUNTIME_COALESCE_BYTES == api.DEFAULT_COALESCE_BYTES
+    assert RUNTIME_COALESCE_BYTES == RuntimeOptions.from_args().coalesce_bytes  # the wrapper's default
     sched = Scheduler([], SimpleNamespace(world_size=2), None, 0, 0)
     assert RUNTIME_MAX_INFLIGHT_REDUCTIONS == sched.reducer.max_inflight
 
