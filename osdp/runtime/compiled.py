@@ -173,38 +173,53 @@ class ReplicaGradBucket:
     collective per reduce dtype after backward, as eager OSDP's bucket does, instead of
     one all-reduce per unit inside the backward graphs (each a blocking gloo round
     trip: measured 26 rep units of the N&D GPT cost the compiled step more than
-    inductor gained). Each parameter's hook takes the local gradient of this backward
-    pass and lets autograd accumulate zeros in its place; a callback queued on the
-    autograd engine, which runs once the backward pass is done, all-reduces the taken
-    gradients flat, averages them and adds them to ``.grad``. The sum and the average
-    are the per-unit path's (elementwise, in the reduce dtype), so ``.grad`` is
-    bit-identical; accumulation over backward passes adds each pass's average, as
-    eagerly. Only for parameters of ``rep`` units alone (a split op's parameter shared
-    with sharded slices keeps the per-unit all-reduce)."""
+    inductor gained). Each parameter's tensor hook takes this pass's local gradient
+    (autograd goes on with it unchanged) and sets the accumulated ``.grad`` aside; a
+    callback queued on the autograd engine, which runs once the backward pass is done,
+    all-reduces the local gradients of the parameters whose ``.grad`` autograd
+    accumulated (their post-accumulate hooks say which), averages them and makes
+    ``.grad`` the set-aside gradient plus the average. The sum and the average are the
+    per-unit path's (elementwise, in the reduce dtype), so ``.grad`` is bit-identical;
+    accumulation over backward passes adds each pass's average, as eagerly.
+    ``torch.autograd.grad`` accumulates nothing: it gets the local gradient and ``.grad``
+    stays as it was, as eagerly (the hook used to hand autograd zeros, and the callback
+    then added the average to ``.grad``). Only for parameters of ``rep`` units alone (a
+    split op's parameter shared with sharded slices keeps the per-unit all-reduce)."""
 
     def __init__(self, group, entries: list[tuple[nn.Parameter, "CompiledUnit"]]):
         self.group = group
-        self.pending: dict[int, torch.Tensor] = {}
+        self.pending: dict[int, torch.Tensor] = {}  # this pass's local gradients
+        self.set_aside: dict[int, torch.Tensor | None] = {}  # .grad before this pass
+        self.accumulated: set[int] = set()
         self.queued = False
         self.entries = entries
         for index, (param, _) in enumerate(entries):
             param.register_hook(functools.partial(self._take, index))
+            param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
 
-    def _take(self, index: int, grad: torch.Tensor) -> torch.Tensor:
+    def _take(self, index: int, grad: torch.Tensor) -> None:
         if index in self.pending:  # the same parameter twice in one pass (should not happen: summed)
             self.pending[index] = self.pending[index] + grad
         else:
             self.pending[index] = grad
+            param = self.entries[index][0]
+            # autograd accumulates this pass alone into .grad: the average replaces it
+            self.set_aside[index], param.grad = param.grad, None
         if not self.queued:
             self.queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-        return torch.zeros_like(grad)
+
+    def _accumulated(self, index: int, param: torch.Tensor) -> None:
+        self.accumulated.add(index)
 
     def _flush(self) -> None:
         self.queued = False
-        pending, self.pending = self.pending, {}
+        pending, set_aside, accumulated = self.pending, self.set_aside, self.accumulated
+        self.pending, self.set_aside, self.accumulated = {}, {}, set()
+        for index in pending.keys() - accumulated:  # torch.autograd.grad: .grad as it was
+            self.entries[index][0].grad = set_aside[index]
         groups: dict[tuple, list[int]] = {}
-        for index in sorted(pending):  # the same order on every rank
+        for index in sorted(accumulated):  # the same order on every rank
             cunit = self.entries[index][1]
             groups.setdefault((cunit.reduce_dtype, cunit.world), []).append(index)
         for (reduce_dtype, world), indices in groups.items():
@@ -213,13 +228,10 @@ class ReplicaGradBucket:
             flat = flat / world
             offset = 0
             for i in indices:
-                param, grad = self.entries[i][0], pending[i]
+                param, grad, before = self.entries[i][0], pending[i], set_aside[i]
                 avg = flat.narrow(0, offset, grad.numel()).view(grad.shape).to(param.dtype)
                 offset += grad.numel()
-                if param.grad is None:
-                    param.grad = avg
-                else:
-                    param.grad.add_(avg)
+                param.grad = avg if before is None else before.add_(avg)
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs):

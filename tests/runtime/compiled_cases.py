@@ -170,8 +170,10 @@ def run_auto(rank: int, world: int) -> dict:
 
 
 def run_idioms(rank: int, world: int) -> dict:
-    """A frozen block, two backward passes accumulating into ``.grad``, ``eval()`` under
-    ``no_grad``, the full state dict: eager and compiled side by side."""
+    """A frozen block, ``torch.autograd.grad`` of a rep unit's weight (a gradient
+    penalty's idiom: this rank's gradient, ``.grad`` untouched), two backward passes
+    accumulating into ``.grad``, ``eval()`` under ``no_grad``, the full state dict: eager
+    and compiled side by side."""
     cfg = GPTConfig(vocab_size=96, seq_len=8, num_layers=2, hidden=32, heads=4)
     seen = {}
     for name, compile_arg in (("eager", None), ("compiled", {"backend": "aot_eager"})):
@@ -179,8 +181,12 @@ def run_idioms(rank: int, world: int) -> dict:
         gpt = GPT(cfg)
         for p in gpt.blocks[0].parameters():
             p.requires_grad_(False)
-        model = osdp.OSDP(gpt, default_mode="zdp", modes={"blocks.1.mlp.c_fc": "dp"}, compile=compile_arg)
+        model = osdp.OSDP(gpt, default_mode="zdp", modes={"blocks.1.mlp.c_fc": "dp", "ln_f": "rep"},
+                          compile=compile_arg)
         idx, tgt = example_batch(cfg, 4, seed=rank)
+        ln_f = dict(model.named_parameters())["ln_f.weight"]
+        (local,) = torch.autograd.grad(model(idx, tgt), [ln_f])
+        untouched = ln_f.grad is None
         for i in range(2):
             model(idx[2 * i:2 * i + 2], tgt[2 * i:2 * i + 2]).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -189,6 +195,7 @@ def run_idioms(rank: int, world: int) -> dict:
             eval_loss = model(idx, tgt).item()
         model.train()
         seen[name] = {"grads": grads, "eval_loss": eval_loss, "state": model.full_state_dict(rank0_only=False),
+                      "autograd_grad": local, "untouched": untouched,
                       "no_grad": sorted(n for n, p in model.named_parameters() if p.grad is None)}
     eager, compiled = seen["eager"], seen["compiled"]
     return {
@@ -196,6 +203,8 @@ def run_idioms(rank: int, world: int) -> dict:
         "grad_diff": max((eager["grads"][k] - compiled["grads"][k]).abs().max().item()
                          for k in eager["grads"] if eager["grads"][k].numel()),
         "eval_losses": (eager["eval_loss"], compiled["eval_loss"]),
+        "autograd_grad": (eager["autograd_grad"], compiled["autograd_grad"]),
+        "untouched": (eager["untouched"], compiled["untouched"]),
         "frozen": (eager["no_grad"], compiled["no_grad"]),
         "state_diff": max((eager["state"][k] - compiled["state"][k]).abs().max().item() for k in eager["state"]),
     }

@@ -58,10 +58,18 @@ def gpt_results(gpt_all):
 
 def test_compiled_keeps_the_eager_idioms(gpt_all):
     """Frozen parameters (no gradient, also where a rank holds an empty piece of a
-    trainable one: an empty gradient, as eagerly), accumulation over two backward
-    passes, eval under no_grad, the full state dict: as eager OSDP."""
+    trainable one: an empty gradient, as eagerly), ``torch.autograd.grad`` of a rep
+    unit's weight (this rank's local gradient, ``.grad`` left alone: compiled handed
+    back zeros and then doubled the next backward's gradient), accumulation over two
+    backward passes, eval under no_grad, the full state dict: as eager OSDP."""
+    local = [rank["idioms"]["autograd_grad"][0] for rank in gpt_all]
+    assert not torch.equal(local[0], local[1])  # each rank's own batch: local, not averaged
     for rank in gpt_all:
         r = rank["idioms"]
+        eager_local, compiled_local = r["autograd_grad"]
+        assert compiled_local.abs().max() > 0
+        torch.testing.assert_close(compiled_local, eager_local, rtol=0, atol=1e-6)
+        assert r["untouched"] == (True, True)
         eager_names, compiled_names = r["grad_names"]
         assert compiled_names == eager_names and eager_names
         assert r["grad_diff"] <= 1e-6
