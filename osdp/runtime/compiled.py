@@ -231,7 +231,9 @@ class ReplicaGradBucket:
                 param, grad, before = self.entries[i][0], pending[i], set_aside[i]
                 avg = flat.narrow(0, offset, grad.numel()).view(grad.shape).to(param.dtype)
                 offset += grad.numel()
-                param.grad = avg if before is None else before.add_(avg)
+                # in place: the tensor autograd accumulated (or the set-aside one) keeps
+                # the replicated marker mark_sharded_grads put on it
+                param.grad = param.grad.copy_(avg) if before is None else before.add_(avg)
 
 
 def _recompute_gathers(ctx, func, *args, **kwargs):

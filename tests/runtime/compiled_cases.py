@@ -190,12 +190,13 @@ def run_idioms(rank: int, world: int) -> dict:
         for i in range(2):
             model(idx[2 * i:2 * i + 2], tgt[2 * i:2 * i + 2]).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        marked = getattr(ln_f.grad, "_osdp_replicated", False)  # torch's clip_grad_norm_ reads it
         model.eval()
         with torch.no_grad():
             eval_loss = model(idx, tgt).item()
         model.train()
         seen[name] = {"grads": grads, "eval_loss": eval_loss, "state": model.full_state_dict(rank0_only=False),
-                      "autograd_grad": local, "untouched": untouched,
+                      "autograd_grad": local, "untouched": untouched, "marked": marked,
                       "no_grad": sorted(n for n, p in model.named_parameters() if p.grad is None)}
     eager, compiled = seen["eager"], seen["compiled"]
     return {
@@ -205,6 +206,7 @@ def run_idioms(rank: int, world: int) -> dict:
         "eval_losses": (eager["eval_loss"], compiled["eval_loss"]),
         "autograd_grad": (eager["autograd_grad"], compiled["autograd_grad"]),
         "untouched": (eager["untouched"], compiled["untouched"]),
+        "marked": (eager["marked"], compiled["marked"]),
         "frozen": (eager["no_grad"], compiled["no_grad"]),
         "state_diff": max((eager["state"][k] - compiled["state"][k]).abs().max().item() for k in eager["state"]),
     }

@@ -69,7 +69,7 @@ def test_compiled_keeps_the_eager_idioms(gpt_all):
         eager_local, compiled_local = r["autograd_grad"]
         assert compiled_local.abs().max() > 0
         torch.testing.assert_close(compiled_local, eager_local, rtol=0, atol=1e-6)
-        assert r["untouched"] == (True, True)
+        assert r["untouched"] == (True, True) and r["marked"] == (True, True)
         eager_names, compiled_names = r["grad_names"]
         assert compiled_names == eager_names and eager_names
         assert r["grad_diff"] <= 1e-6
