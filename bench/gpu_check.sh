@@ -52,7 +52,7 @@ define_steps() {
     "gpu_tests|170|$PYTHON -m pytest -m gpu -n 0 -q -rs -p no:cacheprovider --junitxml='$OUT_DIR/gpu_tests.xml'"
     "kernels|60|$PYTHON bench/kernels.py --quick --budget-s 55 --repeats 10 --out-dir '$OUT_DIR'"
     "fidelity|50|$PYTHON bench/fidelity.py --quick --world-size $world --budget-s 20 --out-dir '$OUT_DIR'"
-    "compile|100|cd bench && TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --out '$OUT_DIR/compile_gpu_quick.csv'"
+    "compile|100|cd bench && TORCH_LOGS=graph_breaks TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --out '$OUT_DIR/compile_gpu_quick.csv'"
     "aot|30|env -u TRITON_INTERPRET $PYTHON -m osdp_kernels.aot --arch sm_80,sm_90 --quick --jobs $JOBS --cache-dir '$AOT_CACHE' --json '$OUT_DIR/aot.json'"
   )
 }
