@@ -57,27 +57,35 @@ def test_cuda_streams_path_matches_plain_training():
         assert max_alloc > 0 and current == 0, name
 
 
-def _measure_on_nccl(port):
-    """measure_plans on an NCCL group: its per-rank rows travel in a tensor on the GPU
-    (NCCL has no CPU tensors; the first GPU run failed there, bench/results/gpu_20261127)."""
+def _measure_on(backend, port):
+    """measure_plans on one rank of ``backend``: on NCCL its per-rank rows travel in a
+    tensor on the GPU (NCCL has no CPU tensors; the first GPU run failed there,
+    bench/results/gpu_20261127)."""
     import os
 
     import torch.distributed as dist
 
-    import osdp
     from osdp.models import GPT, GPTConfig, example_batch
+    from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
+    from osdp.planner.cost_model import PlannerSettings
+    from osdp.planner.description import describe
+    from osdp.planner.run import RunSettings
+    from osdp.planner.uniform_plan import uniform_plan
     from osdp.profiler.plans import measure_plans
     from osdp.rank_agreement import collective_device
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    device = torch.device("cuda", 0) if backend == "nccl" else torch.device("cpu")
+    if backend == "nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group(backend, rank=0, world_size=1)
     try:
-        device = torch.device("cuda", 0)
+        torch.manual_seed(0)
         config = GPTConfig(vocab_size=64, seq_len=8, num_layers=2, hidden=32, heads=2)
-        plan = osdp.OSDP(GPT(config), default_mode="zdp").plan
-        inputs = tuple(t.to(device) for t in example_batch(config, 2))
-        (measured,) = measure_plans(GPT(config), [plan], inputs, device=device, steps=2, warmup=1)
+        module, inputs = GPT(config), example_batch(config, 2)
+        cluster = load_cluster(DEFAULT_CLUSTER).for_run(RunSettings(world_size=1, memory_limit_bytes=64 << 20))
+        plan = uniform_plan(describe(module, inputs), cluster, PlannerSettings(), 2, slices=1, zdp_slices=1)
+        (measured,) = measure_plans(module, [plan], inputs, device=device, steps=2, warmup=2, group_times=False)
         return str(collective_device()), measured.step_s, measured.peak_bytes
     finally:
         dist.destroy_process_group()
@@ -88,5 +96,5 @@ def test_measure_plans_on_nccl():
     import torch.multiprocessing as mp
 
     with mp.get_context("spawn").Pool(1) as pool:
-        where, step_s, peak = pool.apply(_measure_on_nccl, (free_port(),))
+        where, step_s, peak = pool.apply(_measure_on, ("nccl", free_port()))
     assert where == "cuda:0" and step_s > 0 and peak > 0
