@@ -24,7 +24,7 @@ from osdp.launch import spawn  # noqa: E402,F401  (re-exported for the scripts)
 # to none of FSDP2's. Spawned workers inherit this.
 os.environ.setdefault("OSDP_MEMORY_CHECK", "0")
 import osdp  # noqa: E402
-from osdp.memtrack import LiveBytesTracker  # noqa: E402
+from osdp.memtrack import LiveBytesTracker, cuda_own_peak  # noqa: E402
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
 from osdp.rank_agreement import collective_device  # noqa: E402
 
@@ -103,35 +103,23 @@ def _state_tensors(model, optim):
     return tensors
 
 
-def _resident_cuda_bytes(model, optim) -> int:
-    """Bytes of the distinct CUDA storages behind this peer's parameters, gradients,
-    buffers and optimizer state."""
-    tensors = _state_tensors(model, optim) + [p.grad for p in model.parameters() if p.grad is not None]
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.is_cuda}
-    return sum(storages.values())
-
-
 def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True) -> int:
     """Peak bytes of one steady-state training step (after a warm-up step that creates
     the optimizer state; ``warm_up=False`` when an earlier step of this model and
     optimizer did), max over ranks: allocator peak on CUDA, live tensors on CPU.
 
     The allocator's peak is device-wide, and a bench keeps several peers (and auto
-    mode's leftovers) alive in one process: on CUDA the bytes allocated before the step
-    that are not this peer's state are taken off (the H200 run of bench/compile.py
-    measured 153.5 MiB for a plan made for 80.9 MiB, with auto mode's trials run
-    before it in the process: the likely cause, not verified). As on CPU, this
-    peer's state is what its parameters, gradients, buffers and optimizer reach; a
+    mode's leftovers) alive in one process: on CUDA what other tensors held before the
+    step is taken off (``osdp.memtrack.cuda_own_peak``, as the plan measurer does; the
+    H200 run of bench/compile.py measured 153.5 MiB for a plan made for 80.9 MiB, with
+    auto mode's trials run before it in the process: the likely cause, not verified).
+    As on CPU, this peer's state is what its parameters, buffers and optimizer reach; a
     wrapper's own persistent buffers beside them are not counted (unverified on a GPU)."""
     if warm_up:
         train_step(model, optim, config, batch, seed=1)
     if torch.cuda.is_available():
-        torch.cuda.synchronize()
-        others = torch.cuda.memory_allocated() - _resident_cuda_bytes(model, optim)
-        torch.cuda.reset_peak_memory_stats()
-        train_step(model, optim, config, batch, seed=2)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - others
+        _, peak = cuda_own_peak(torch.cuda.current_device(), _state_tensors(model, optim),
+                                lambda: train_step(model, optim, config, batch, seed=2))
     elif isinstance(model, osdp.OSDP):
         # the runtime's incremental tracker: the same bytes as LiveBytesTracker (tests/
         # runtime/test_peak.py), at about 1.2x a step instead of about 4x

@@ -17,6 +17,26 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors``: views of one buffer (a wrapped
+    model's parameters are views of its flat shards) count it once."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def cuda_own_peak(device, resident, fn):
+    """``(fn(), peak bytes)``: the allocator's peak while ``fn`` runs, less what tensors
+    other than ``resident`` (the measured model's parameters, buffers, optimizer state)
+    held when it started. The allocator's peak is device-wide; a process measuring one
+    model beside others (trials, benchmark peers) must not count theirs."""
+    torch.cuda.synchronize(device)
+    others = torch.cuda.memory_allocated(device) - storage_bytes(t for t in resident if t.is_cuda)
+    torch.cuda.reset_peak_memory_stats(device)
+    result = fn()
+    torch.cuda.synchronize(device)
+    return result, torch.cuda.max_memory_allocated(device) - others
+
+
 class LiveBytesTracker(TorchDispatchMode):
     """``with LiveBytesTracker(initial=tensors) as t: ...; t.peak_bytes``"""
 

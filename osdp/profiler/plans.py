@@ -41,6 +41,7 @@ from ..planner.calibration import Measurement, group_of
 from ..planner.inputs import as_example_inputs, batch_loss
 from ..api import ShardedModel
 from ..errors import OSDPError
+from ..memtrack import cuda_own_peak
 from ..rank_agreement import collective_device
 from ..runtime.options import RuntimeOptions
 from ..runtime.materialize import ModuleValues, ValuesFrom, has_meta, meta_skeleton
@@ -278,13 +279,8 @@ class _Trial:
     def _measured_step(self) -> tuple:
         """A step whose peak bytes (this copy's states and what the step adds) are kept."""
         if self.dev.type == "cuda":
-            _sync(self.dev)
-            own = sum(t.untyped_storage().nbytes() for t in {id(t): t for t in self._resident()}.values())
-            base = torch.cuda.memory_allocated(self.dev) - own
-            torch.cuda.reset_peak_memory_stats(self.dev)
-            row = self.step()
-            self.peak = (torch.cuda.max_memory_allocated(self.dev) - base,
-                         "torch.cuda.max_memory_allocated (less what other tensors held before the step)")
+            row, peak = cuda_own_peak(self.dev, self._resident(), self.step)
+            self.peak = (peak, "torch.cuda.max_memory_allocated (less what other tensors held before the step)")
             return row
         if self.compile is not None:  # see measure_plans
             self.peak = (0.0, "not measured: compiled on CPU (the live-tensor tracker is a dispatch mode, which "

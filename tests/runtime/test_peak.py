@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import osdp
 from osdp.errors import MemoryFragmentationWarning, MemoryLimitExceeded, OSDPError
-from osdp.memtrack import LiveBytesTracker, StepPeakTracker
+from osdp.memtrack import LiveBytesTracker, StepPeakTracker, storage_bytes
 from osdp.models import GPT, GPTConfig, example_batch, get_preset
 from osdp.planner import make_plan
 from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
@@ -688,3 +688,13 @@ def test_on_a_stock_llama_the_tracker_matches_an_independent_count_and_the_measu
         # what auto mode picks by covers the loop that holds the output, and so does the model
         assert step.peak_bytes <= measured.peak_bytes <= plan.predicted.peak_bytes, (
             step.peak_bytes, measured.peak_bytes, plan.predicted.peak_bytes)
+
+
+def test_storage_bytes_counts_a_buffer_once_however_many_views_it_has():
+    """A wrapped model's parameters are views of its flat shards: the plan measurer's
+    CUDA peak takes the model's own bytes off by storage, not by tensor (counted by
+    tensor, a unit of two parameters counted its shard twice)."""
+    flat, other = torch.zeros(100), torch.zeros(7, dtype=torch.float64)
+    views = [flat[:60].view(6, 10), flat[60:], flat]
+    assert storage_bytes(views + [other, other[2:]]) == 100 * 4 + 7 * 8
+    assert storage_bytes([]) == 0
