@@ -20,7 +20,7 @@ from .planner.plan import plan_from_arg
 from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
-from .runtime.compiled import compile_regions, install as install_compiled, mark_sharded_grads
+from .runtime.compiled import CompileConfig, compile_regions, install as install_compiled, mark_sharded_grads
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
@@ -37,8 +37,6 @@ from .runtime.state_dict import build_layout
 from .runtime.view import ShardedView
 
 log = logging.getLogger("osdp")
-
-
 
 
 class ShardedModel(nn.Module):
@@ -155,7 +153,6 @@ class ShardedModel(nn.Module):
         self.options = options
         self.layout = ShardLayout.from_arg(process_group, mesh, node_size)
         group = self.layout.world.group
-        self.device = options.device
         self._init_plan(module, plan, options.mixed_precision)
         config = resolve_config(
             module,
@@ -171,7 +168,6 @@ class ShardedModel(nn.Module):
         self._init_comm(module, group, config, options)
         self._init_units(module, config, options.mixed_precision, param_init_fn)
         self._init_scheduler(config, options.coalesce_bytes)
-        self.compile_config = options.compile
         if self.compile_config is None:
             self._init_hooks(config)
         else:
@@ -179,6 +175,23 @@ class ShardedModel(nn.Module):
         self._init_memory_check(options)
         self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built)
                                  if self.compile_config is not None else [])
+
+    # the runtime options it was built with (self.options), by their keyword names
+    @property
+    def device(self) -> torch.device:
+        return self.options.device
+
+    @property
+    def mixed_precision(self) -> MixedPrecision | None:
+        return self.options.mixed_precision
+
+    @property
+    def timeout_s(self) -> float:
+        return self.options.timeout_s
+
+    @property
+    def compile_config(self) -> CompileConfig | None:
+        return self.options.compile
 
     # ---- construction, in order ----------------------------------------------------------
     def _init_plan(self, module, plan, mixed_precision) -> None:
@@ -193,7 +206,6 @@ class ShardedModel(nn.Module):
             check_plan_layout(run, self.layout)  # [Note: plan and layout] in contract.py
         self.plan = plan  # what the user gave (or auto mode made); the runtime reads self._run
         self._run = run
-        self.mixed_precision = mixed_precision
 
     def _init_comm(self, module, group, config, options: RuntimeOptions):
         """The comm context; every rank must have resolved the same configuration."""
@@ -201,7 +213,6 @@ class ShardedModel(nn.Module):
         self._state_keys = list(module.state_dict().keys())
         self._view: ShardedView | None = None  # built on first use, see _sharded_view
         self._comm = CommContext(self.layout.shard.group, self.device, options.timeout_s, layout=self.layout)
-        self.timeout_s = options.timeout_s
         self._check_same_config(config, own_param_counts(module), options.mixed_precision, options.coalesce_bytes)
         if options.sync_module_states:
             if has_meta(module):
