@@ -17,10 +17,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of the storage behind ``tensor`` (its StorageImpl, as
+    ``StorageWeakRef`` keys it): views share it. Unlike ``data_ptr`` it also tells
+    apart storages that have no memory (fake and meta tensors, all at address 0)."""
+    return tensor.untyped_storage()._cdata
+
+
 def storage_bytes(tensors) -> int:
     """Bytes of the distinct storages behind ``tensors``: views of one buffer (a wrapped
     model's parameters are views of its flat shards) count it once."""
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    storages = {storage_key(t): t.untyped_storage().nbytes() for t in tensors}
     return sum(storages.values())
 
 

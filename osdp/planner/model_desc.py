@@ -44,7 +44,7 @@ import torch.nn as nn
 
 from ..contract import fuses_head_loss
 from ..errors import OSDPError
-from ..memtrack import IntervalPeakTracker
+from ..memtrack import IntervalPeakTracker, storage_key
 from ..module_tree import transformer_blocks
 from ..ops import registered_split_ops, split_op_of
 from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
@@ -207,13 +207,6 @@ def _vocab_head(order: list[str], by_path: dict) -> str | None:
     if isinstance(last, nn.Linear) and last.out_features in rows and vocab_split_op(type(last)) is not None:
         return order[-1]
     return None
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    """Identity of the storage behind ``tensor`` (its StorageImpl, as
-    ``StorageWeakRef`` keys it): views share it. Unlike ``data_ptr`` it also tells
-    apart storages that have no memory (fake and meta tensors, all at address 0)."""
-    return tensor.untyped_storage()._cdata
 
 
 class _Recorder:
