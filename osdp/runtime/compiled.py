@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 from dataclasses import dataclass
 
 import torch
@@ -374,16 +375,29 @@ def _compiled_call(self, *args, **kwargs):
     return self._osdp_compiled.forward(self, args, kwargs)
 
 
+def _forward_of(base: type):
+    """A copy of :func:`_compiled_call` with a code object of its own for ``base``'s
+    subclass. Dynamo keeps its compiled code per code object and falls back to eager,
+    with only a log line, past ``recompile_limit`` (8) entries on one: one shared
+    function gave every region of every compiled model one cache (a GPT's embeddings,
+    final norm and head are 4 entries besides its blocks), so a second compiled model
+    in the process ran partly eager."""
+    name = f"forward_{base.__name__}"
+    code = _compiled_call.__code__.replace(co_name=name, co_qualname=f"Compiled{base.__name__}.{name}")
+    return types.FunctionType(code, _compiled_call.__globals__, name)
+
+
 _CLASSES: dict[type, type] = {}
 
 
 def _swap_class(module: nn.Module, runner) -> None:
     """Give ``module`` a subclass of its class whose forward runs ``runner`` (one
-    subclass per class, so blocks of one type share their compiled code)."""
+    subclass per class, so blocks of one type share their compiled code; each class a
+    forward code object of its own, :func:`_forward_of`)."""
     base = type(module)
     cls = _CLASSES.get(base)
     if cls is None:
-        cls = _CLASSES[base] = type(f"Compiled{base.__name__}", (base,), {"forward": _compiled_call,
+        cls = _CLASSES[base] = type(f"Compiled{base.__name__}", (base,), {"forward": _forward_of(base),
                                                                          "__module__": base.__module__})
     module.__class__ = cls
     module.__dict__["_osdp_compiled"] = runner

@@ -78,6 +78,13 @@ def test_compiled_keeps_the_eager_idioms(gpt_all):
         assert r["state_diff"] <= 1e-6
 
 
+def test_compiled_models_side_by_side_stay_compiled(gpt_all):
+    """Dynamo's cache per code object must not fill up with the regions of several
+    compiled models (it would run the rest eager, saying so only in a log line)."""
+    for rank in gpt_all:
+        assert rank["side_by_side"]["error"] == ""
+
+
 @pytest.mark.parametrize("case,gathers", CASES, ids=[c.name for c, _ in CASES])
 def test_compiled_matches_eager_and_single_process(gpt_results, case, gathers):
     for rank_result in gpt_results:
