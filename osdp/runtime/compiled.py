@@ -42,7 +42,14 @@ hierarchical layouts (one shard group over all ranks only; ``hpz`` is then ``zdp
 ops without a compiled forward (the vocabulary row split of an embedding and its fused
 head loss), turning gradient sync off (every compiled backward reduces its gradients).
 The prefetch window and bucketing are the compiler's (inductor's comm reordering
-passes), not the scheduler's; on CPU/gloo nothing overlaps anyway. Two exceptions: rep
+passes), not the scheduler's. Inductor's defaults wait for each collective where it is
+issued. Its iterative reordering passes (``sink_waits_iterative``,
+``reorder_communication_preserving_peak_memory``) schedule by runtime estimates, which
+are 0 on CPU. Measured, N&D 12x128, 2 gloo ranks, 9 interleaved steps, one process:
+eager 359 ms, compiled 343 ms, compiled with those passes 344 ms; ``sink_waits`` alone
+gained nothing either. Earlier runs that seemed to show a gain had hit dynamo's
+recompile limit and ran partly eager (:func:`_forward_of`). Their risk across ranks is
+[Note: comm reordering across ranks]. On a GPU they are untried. Two exceptions: rep
 units' gradients are all-reduced in one bucket after backward ([Note: rep gradients
 bucketed]), and on gloo a sharded gradient is all-reduced and its shard kept ([Note:
 gloo reduce-scatter]). Measured (N&D 12x128 GPT, batch 4, 26 rep + 50 zdp units, 2 gloo
@@ -118,6 +125,35 @@ class CompileConfig:
             return value
         raise ConfigError(f"compile={value!r}: use True, one of {SCOPES}, a dict of CompileConfig fields or an "
                           "osdp.CompileConfig")
+
+    def refuse_unsafe_comm_reordering(self) -> None:
+        """[Note: comm reordering across ranks] Inductor's iterative comm/compute
+        reordering passes (``sink_waits_iterative``,
+        ``reorder_communication_preserving_peak_memory``) may, with
+        ``torch._inductor.config_comms``'s defaults, move collectives past one another
+        (``*_unsafe_collectives_reorder``, "must be used with runtime estimations aligned
+        across ranks"). A unit's graph differs between ranks (a rank's shard may be one
+        parameter's view, another's a concatenation of pieces and padding), so the passes
+        decide differently per rank and the ranks issue collectives in different orders:
+        measured on 2 gloo ranks (W&S 2x768 GPT), gloo aborted with "Received data size
+        doesn't match expected size"; NCCL would hang. Refused here, naming the fix."""
+        from torch._inductor import config as inductor_config, config_comms
+
+        options = self.options or {}
+        overlap = options.get("reorder_for_compute_comm_overlap", inductor_config.reorder_for_compute_comm_overlap)
+        passes = options.get("reorder_for_compute_comm_overlap_passes",
+                             inductor_config.reorder_for_compute_comm_overlap_passes)
+        flags = {"sink_waits_iterative": "sink_waits_iterative_unsafe_collectives_reorder",
+                 "reorder_communication_preserving_peak_memory": "reorder_iterative_unsafe_collectives_reorder"}
+        unsafe = [flags[p] for p in passes if overlap and isinstance(p, str) and p in flags
+                  and getattr(config_comms, flags[p])]
+        if unsafe:
+            raise ConfigError(
+                f"compile options run inductor's {', '.join(p for p in passes if p in flags)} with "
+                f"torch._inductor.config_comms.{' and .'.join(unsafe)} = True: they may reorder collectives differently "
+                "on each rank (a unit's graph differs between ranks), and the ranks then mismatch or hang. Set "
+                f"{' and '.join(f'torch._inductor.config_comms.{u} = False' for u in unsafe)} on every rank before "
+                "wrapping, or leave these passes out")
 
     def torch_compile_kwargs(self) -> dict:
         kwargs = {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
@@ -499,6 +535,7 @@ def _block_of(blocks: tuple[str, ...]):
 
 def compile_regions(model: nn.Module, config: CompileConfig, built) -> list[str]:
     """Compile ``model`` per ``config.scope``; the paths compiled, in order."""
+    config.refuse_unsafe_comm_reordering()
     kwargs = config.torch_compile_kwargs()
     if config.scope == "model":
         model.compile(**kwargs)

@@ -194,6 +194,33 @@ def test_compiled_refuses_hierarchical_layouts(fake_world):
         osdp.OSDP(_gpt(), default_mode="hpz", node_size=2, compile=True)
 
 
+_ITERATIVE = {"reorder_for_compute_comm_overlap": True,
+              "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative",
+                                                          "reorder_communication_preserving_peak_memory"]}
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_compiled_refuses_comm_reordering_that_may_differ_between_ranks(fake_world):
+    """[Note: comm reordering across ranks]: refused while config_comms lets the passes
+    move collectives past one another; accepted once the user turns that off."""
+    from torch._inductor import config_comms
+
+    unsafe = {"sink_waits_iterative_unsafe_collectives_reorder": True,
+              "reorder_iterative_unsafe_collectives_reorder": True}
+    with config_comms.patch(unsafe), pytest.raises(ConfigError, match="reorder_iterative_unsafe_collectives_reorder"
+                                                   r" = False.*leave these passes out"):
+        osdp.OSDP(_gpt(), default_mode="zdp", compile={"options": _ITERATIVE})
+    safe = {k: False for k in unsafe}
+    with config_comms.patch(safe):
+        model = osdp.OSDP(_gpt(), default_mode="zdp", compile={"options": _ITERATIVE})
+    assert model.compiled_regions
+    # the old passes keep the collectives' order (inductor chains them): not refused
+    with config_comms.patch(unsafe):
+        osdp.OSDP(_gpt(), default_mode="zdp", compile={"options": {"reorder_for_compute_comm_overlap": True,
+                                                                   "reorder_for_compute_comm_overlap_passes":
+                                                                       ["sink_waits"]}})
+
+
 @pytest.mark.parametrize("value,match", [("graph", "scope='graph'"), (3, "compile=3"),
                                          ({"scope": "blocks", "modes": "x"}, "modes")])
 def test_compile_argument_errors(value, match):
