@@ -26,7 +26,7 @@ os.environ.setdefault("OSDP_MEMORY_CHECK", "0")
 import osdp  # noqa: E402
 from osdp.memtrack import LiveBytesTracker, cuda_own_peak  # noqa: E402
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
-from osdp.rank_agreement import collective_device  # noqa: E402
+from osdp.rank_agreement import max_over_ranks  # noqa: E402
 
 PEERS = ("osdp", "fsdp_zero3", "fsdp_zero2", "ddp", "osdp_ckpt", "fsdp_zero3_ckpt")
 
@@ -130,9 +130,7 @@ def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True) 
         with LiveBytesTracker(_state_tensors(model, optim)) as tracker:
             train_step(model, optim, config, batch, seed=2)
         peak = tracker.peak_bytes
-    t = torch.tensor([float(peak)], device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
+    return int(max_over_ranks(float(peak)))
 
 
 def median_step_s(model, optim, config, batch: int, steps: int, warm_up: bool = True) -> float:
@@ -167,9 +165,7 @@ def timed_rounds(fns, rounds: int) -> list[float]:
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             times[i].append(time.perf_counter() - start)
-    t = torch.tensor([statistics.median(x) for x in times], device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.tolist()
+    return max_over_ranks([statistics.median(x) for x in times])
 
 
 def largest_fitting_batch(peer, config, budget_bytes, max_batch=256, checkpoint=False):

@@ -54,7 +54,7 @@ from common import (ROOT, interleaved_step_s, largest_fitting_batch, measured_pe
 from throughput import BUDGETS, GPT_params, MODELS
 
 from osdp.models import GPTConfig
-from osdp.rank_agreement import collective_device
+from osdp.rank_agreement import max_over_ranks
 
 # (label, wrap_peer's peer, compiled)
 PEERS = (("osdp", "osdp", False), ("osdp_compiled", "osdp", True),
@@ -95,17 +95,11 @@ def _agreed_error(error: str) -> str:
     return next((e for e in errors if e), "")
 
 
-def _max_over_ranks(x: float) -> float:
-    t = torch.tensor([float(x)], device=collective_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
 def _timed_step(model, optim, config, batch, seed) -> float:
     dist.barrier()
     start = time.perf_counter()
     train_step(model, optim, config, batch, seed=seed)
-    return _max_over_ranks(time.perf_counter() - start)
+    return max_over_ranks(time.perf_counter() - start)
 
 
 def _plan_label(plan) -> str:
@@ -177,7 +171,7 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
         if error:
             row["error"] = error
             continue
-        row["first_step_s"] = _max_over_ranks(first)
+        row["first_step_s"] = max_over_ranks(first)
         row["second_step_s"] = _timed_step(model, optim, config, batch, seed=2)
         if peer == "osdp" and not compiled:
             row["peak_bytes"] = measured_peak_bytes(model, optim, config, batch, warm_up=False)

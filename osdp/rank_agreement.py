@@ -35,6 +35,19 @@ def collective_device(group=None) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+def max_over_ranks(values, group=None):
+    """The elementwise max over the ranks of ``group`` of a float or a list of floats
+    (the slowest rank's time, the largest peak: what every rank then holds alike);
+    ``values`` as given without a process group."""
+    if not _distributed():
+        return values
+    one = not isinstance(values, (list, tuple))
+    t = torch.tensor([values] if one else list(values), dtype=torch.float64, device=collective_device(group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    out = t.tolist()
+    return out[0] if one else out
+
+
 def is_rank0(group=None) -> bool:
     return not _distributed() or dist.get_rank(group) == 0
 

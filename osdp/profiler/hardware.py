@@ -65,7 +65,7 @@ import torch.nn as nn
 from ..errors import OSDPError
 from ..ops import MatmulSplit, registered_split_ops
 from ..contract import gradient_collective
-from ..rank_agreement import collective_device
+from ..rank_agreement import max_over_ranks
 from ..sizes import format_bytes, parse_bytes
 from ..torch_names import all_gather_flat, reduce_scatter_flat
 from ..planner.cost_model import shape_key
@@ -150,27 +150,18 @@ def profile_collectives(group=None, sizes=DEFAULT_COMM_SIZES, repeats: int = 3, 
             # the first run warms up buffers and connections (timed_samples drops it)
             kept = steady(lambda once=once: timed_samples(once, repeats, sync=lambda: _sync(device),
                                                           before=lambda: dist.barrier(group)),
-                          f"{op} of {format_bytes(elems * 4)}", agree=lambda s: _max_over(s, group))
+                          f"{op} of {format_bytes(elems * 4)}", agree=lambda s: max_over_ranks(s, group))
             if kept.noisy and noisy is not None:
                 noisy.add("comm")
             samples = list(kept.samples)
             # the slowest rank decides when a collective is done for everyone
-            t = torch.tensor([statistics.median(samples)], dtype=torch.float64, device=collective_device(group))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
             xs.append(elems * 4)
-            ys.append(float(t))
+            ys.append(max_over_ranks(statistics.median(samples), group))
             if progress:
                 progress.step(f"{op} {format_bytes(elems * 4)}")
         intercept, slope = _fit_line(xs, ys)
         fits.append(CollectiveCost(alpha_s=intercept / (world - 1), beta_s_per_byte=slope * world / (world - 1)))
     return fits[0], fits[1]
-
-
-def _max_over(value: float, group) -> float:
-    """The max of ``value`` over the ranks of ``group`` (so that all decide alike)."""
-    t = torch.tensor([float(value)], dtype=torch.float64, device=collective_device(group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return float(t)
 
 
 # ---- compute -----------------------------------------------------------------------
