@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common import ROOT, measured_peak_bytes, median_step_s, spawn, wrap_peer
+from common import ROOT, spawn
 
 from osdp.models import GPTConfig
 

@@ -36,7 +36,7 @@ import numpy as np
 from ..errors import InfeasiblePlanError
 from ..sizes import format_bytes
 from ..planner.cluster import load_cluster
-from ..planner.cost_model import PlannerSettings, _option_times, option_compute_s, optimizer_step_s
+from ..planner.cost_model import PlannerSettings, option_times, option_compute_s, optimizer_step_s
 from ..planner.llama_desc import describe_llama, llama_preset
 from ..planner.run import RunSettings
 from ..planner.batch_sweep import Scheduled, schedule
@@ -80,7 +80,7 @@ def step_components(s: Scheduled) -> dict[str, float]:
     steps = t.settings.accumulation_steps
     compute = steps * float(np.sum(comp_f[chosen] + comp_b[chosen]))
     recompute = steps * float(np.sum((comp_f * t.opt_checkpointed)[chosen]))
-    total = float(np.sum(_option_times(t, s.batch)[chosen]))
+    total = float(np.sum(option_times(t, s.batch)[chosen]))
     return {"compute": compute, "recompute": recompute, "exposed comm": max(total - compute - recompute, 0.0),
             "optimizer": optimizer_step_s(t.desc, t.device, t.settings)}
 

@@ -54,7 +54,7 @@ import numpy as np
 from ..errors import InfeasiblePlanError, OSDPError
 from ..sizes import format_bytes
 from .collective_cost import LAYOUTS, spans_nodes
-from .cost_model import (Estimate, PlannerSettings, ProblemTemplate, _option_times, align_tied, build_template, evaluate,
+from .cost_model import (Estimate, PlannerSettings, ProblemTemplate, option_times, align_tied, build_template, evaluate,
                          option_local_bytes, static_bytes, template_optimizer_s, tied_choices, unit_indices)
 from .model_desc import ModelDesc
 from .device import DeviceInfo
@@ -85,7 +85,7 @@ class Scheduled:
 
 
 def _time_lower_bound(t: ProblemTemplate, batch: int) -> float:
-    times = _option_times(t, batch)
+    times = option_times(t, batch)
     best = np.full(len(t.desc.ops), np.inf)
     np.minimum.at(best, t.opt_op, times)
     return float(best.sum())

@@ -12,6 +12,7 @@ gather of the optimizer state through each split op's ``merge`` (exact).
 """
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -240,7 +241,7 @@ def _mismatch_checks(rank, root, path3):
     del other, other_opt
 
     untied, untied_opt = wrap({"default_mode": "zdp"}, cfg=UNTIED)
-    out["err_untied"] = _expect(lambda: ck.load(untied, untied_opt, path3), PlanMismatchError)
+    out["err_untied"] = _expect(functools.partial(ck.load, untied, untied_opt, path3), PlanMismatchError)
     del untied, untied_opt
 
     sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)

@@ -14,7 +14,7 @@ import osdp
 import osdp.checkpoint as ck
 from osdp.checkpoint._dcp import flat_index, range_boxes
 from osdp.errors import OSDPError
-from osdp.models import GPT, GPTConfig, example_batch
+from osdp.models import GPT, GPTConfig
 from osdp.runtime.state_dict import box_view
 
 CFG = GPTConfig(vocab_size=97, seq_len=8, num_layers=2, hidden=10, heads=2)

@@ -12,7 +12,6 @@ import itertools
 import json
 import math
 
-import numpy as np
 import pytest
 
 from osdp.contract import MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES

@@ -4,7 +4,6 @@ for a tied pair (against enumerating every consistent plan), the paper's W&S mod
 16 GiB, the event simulator's per-use backward gathers, and `osdp simulate --paper`."""
 import contextlib
 import math
-import dataclasses
 import io
 import itertools
 
@@ -14,7 +13,7 @@ import pytest
 from osdp.cli import main
 from osdp.models import GPTConfig, get_preset
 from osdp.planner.cluster import load_cluster
-from osdp.planner.cost_model import PlannerSettings, build_template, evaluate, _option_times, tied_choices
+from osdp.planner.cost_model import PlannerSettings, build_template, evaluate, option_times, tied_choices
 from osdp.planner.description import ModelDesc, OpDesc
 from osdp.planner.device import CollectiveCost, DeviceInfo
 from osdp.planner.gpt_desc import describe_gpt
@@ -82,7 +81,7 @@ def test_row_split_embedding_option_is_priced_by_its_declaration(g):
     fwd = 1e-5 + (g - 1) * 3e-6
     bwd = 2e-5 + (g - 1) * 3e-6
     want_s = max(fwd, g * ag) + max(bwd, g * rs)
-    assert _option_times(t, b)[o] == pytest.approx(want_s, rel=1e-12)
+    assert option_times(t, b)[o] == pytest.approx(want_s, rel=1e-12)
     # the exact memory of that plan: shards (params, AdamW) + slice buffers + saved ids
     # + its backward transients, at its backward (its slices' sharded grads included)
     est = evaluate(t, b, [o], [0])

@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from . import hsdp_cases as hc
 from . import rep_cases as rc
 from .dist_harness import spawn
 

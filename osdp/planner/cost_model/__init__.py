@@ -21,8 +21,8 @@ step_sim.py imports only from those above memory.py: memory.py imports step_sim)
     tied_templates  tied units: sub-templates per joint choice, aligned uses
     memory          a plan's live bytes per op, with its exact gathers
     evaluate        a plan's Estimate: step time and peak
-This package re-exports their public names (and ``_option_times``, which scheduler.py,
-scale.py and tests use), so ``from osdp.planner.cost_model import X`` works for all.
+This package re-exports their public names, so ``from osdp.planner.cost_model import X``
+works for all.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from .units import backward_needs_weights, tied_grads_bytes, tied_groups, unit_i
 from .replicate import (rep_is_direct, rep_op_mask, rep_unit_names, replicate_buckets, replicate_reduce_s,
                         replicated_grads_bytes)
 from .static import LOSS_SCALARS_BYTES, optimizer_step_bytes, sharded_grads_after, static_bytes
-from .timing import (_option_times, coalesced_latency_shares, option_compute_s, option_unit_uses, optimizer_step_s,
+from .timing import (option_times, coalesced_latency_shares, option_compute_s, option_unit_uses, optimizer_step_s,
                      shape_key, split_efficiency, template_optimizer_s)
 from .prefetch import WINDOW_BUDGET_SHARE, prefetch_window
 from .options import OptionRow, pending_reduce_bytes
@@ -48,7 +48,7 @@ __all__ = [
     "POLICIES", "PlannerSettings", "ProblemTemplate", "WINDOW_BUDGET_SHARE", "activation_scale", "align_tied",
     "backward_needs_weights", "build_template", "coalesced_latency_shares", "element_bytes", "evaluate",
     "exact_transients", "fused_logits_bytes", "gathered_bytes", "layout_collectives", "live_memory", "mode_choices",
-    "option_compute_s", "option_local_bytes", "option_unit_uses", "optimizer_step_bytes", "optimizer_step_s",
+    "option_compute_s", "option_times", "option_local_bytes", "option_unit_uses", "optimizer_step_bytes", "optimizer_step_s",
     "pending_reduce_bytes", "prefetch_window", "reduced_bytes", "rep_is_direct", "rep_op_mask", "rep_unit_names",
     "replicate_buckets", "replicate_reduce_s", "replicated_grads_bytes", "reshard_choices", "restrict_template",
     "shape_key", "sharded_grads_after", "slice_choices", "split_efficiency", "static_bytes", "template_optimizer_s",

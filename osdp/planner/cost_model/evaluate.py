@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from .memory import live_memory
 from .template import ProblemTemplate
-from .timing import _option_times, template_optimizer_s
+from .timing import option_times, template_optimizer_s
 
 OPTIMIZER_STEP = "optimizer step"  # Estimate.peak_op when the step is the peak
 
@@ -37,7 +37,7 @@ def evaluate(
     of the template, with exact bytes (no quantization) and the plan's own gathers
     ([Note: exact gathers]; ``exact=False``: the window's bound, as the search counts)."""
     t = template
-    times = _option_times(t, batch)
+    times = option_times(t, batch)
     rows = live_memory(t, batch, option_index, variant, exact=exact)
     total_s = template_optimizer_s(t) + float(sum(times[o] for o in option_index))
     peak_i, breakdown = max(rows, key=lambda row: sum(row[1].values()))

@@ -9,7 +9,7 @@ import numpy as np
 
 from ...errors import OSDPError
 from ..search_problem import SearchProblem
-from .timing import _option_times, template_optimizer_s
+from .timing import option_times, template_optimizer_s
 
 if TYPE_CHECKING:  # annotations only: template.py imports this module
     from .template import ProblemTemplate
@@ -99,7 +99,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         opt_zdp_slices=t.opt_zdp,
         opt_held_q=held_q,
         opt_local_bytes=option_local_bytes(t, batch),
-        opt_time_s=_option_times(t, batch),
+        opt_time_s=option_times(t, batch),
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
         static_bytes=float(sum(t.static.values())),

@@ -138,7 +138,7 @@ def _phase_times(t: ProblemTemplate, batch: int, reduce: bool) -> np.ndarray:
     return np.where(t.opt_overlap, overlapped, serial)
 
 
-def _option_times(t: ProblemTemplate, batch: int) -> np.ndarray:
+def option_times(t: ProblemTemplate, batch: int) -> np.ndarray:
     """Time of one optimizer step per option: every micro-batch of the accumulation,
     reduce-scattering after each one or only after the last (``gradient_sync``)."""
     steps = t.settings.accumulation_steps
