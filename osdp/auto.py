@@ -14,6 +14,7 @@ from .api import ShardedModel
 from .errors import OSDPError
 from .measured_choice import measured_choice
 from .measured_plans import MeasuredPlans
+from .ops import registered_split_ops
 from .planner import calibration as cal
 from .planner.cost_model import PlannerSettings
 from .planner.device import DeviceInfo
@@ -23,7 +24,7 @@ from .planner.plan import Plan
 from .planner.planner import make_plan
 from .profiler import profile
 from .planner.uniform_plan import uniform_plan
-from .profiler import TrialPool, measure_plans
+from .profiler import TrialPool, compiled_peaks_measured, measure_plans
 from .rank_agreement import check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
 from .planning_budget import (DEFAULT_BUDGET_S, MIN_SHARE, PROFILE_SHARE, PlanningBudget, predicted_optimizer_step_s,
@@ -120,8 +121,8 @@ def auto_plan(
     when the model was off, refitted and planned again once; see [Note: calibrate and
     re-plan]. The returned plan carries ``measured`` and ``calibration``.
     ``mixed_precision``: the policy the model will be wrapped with (for that measurement).
-    ``compile``: the ``OSDP(compile=...)`` the model will run with: the chosen plan is
-    also measured compiled and records it ([Note: compiled plans]).
+    ``compile``: the ``OSDP(compile=...)`` the model will run with: plans are measured
+    compiled, the factors fitted to compiled steps ([Note: compiled plans]).
     """
     # a meta model's values: initialized under a forked state (the caller's draws stay its
     # own); passed on, not kept here (the pool lets it go once a trial holds them)
@@ -175,6 +176,9 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
                                  cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
     log.info("described %d units%s and profiled this machine in %.1f s", len(desc.ops),
              " on fake tensors (the model is on the meta device)" if has_meta(model) else "", budget.spent())
+    compile_config = CompileConfig.from_arg(compile)
+    if compile_config is not None:
+        desc = splits_the_compiled_path_runs(desc)
     device = cluster.for_run(run)
     settings = for_model_device(settings, model)
     if layout is not None:
@@ -183,10 +187,11 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
     calibrate = calibrate and dist.is_available() and dist.is_initialized()
     measure = RuntimeMeasure(model, example_inputs, loss_fn=loss_fn, process_group=process_group,
                              steps=calibration_steps, mixed_precision=mixed_precision, layout=layout, holder=holder,
-                             budget=budget)
+                             budget=budget, compile=compile_config)
     del holder  # the pool holds it, until a trial holds the values
     cache = MeasuredPlans(cache_dir, enabled=use_plan_cache and calibrate, group=process_group)
-    key = cache.key(desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision)
+    key = cache.key(desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision,
+                    compile_config)
     try:
         plan = cache.get(key)
         if plan is not None:
@@ -214,8 +219,8 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
             log.info("calibration: %s", plan.calibration.decision or "-")
             plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
                                    global_batch=global_batch, backend=backend, process_group=process_group)
-            if compile is not None:
-                plan = measure_compiled(plan, measure, compile)
+            if compile_config is not None:
+                plan = record_compiled(plan, measure)
             plan = replace(plan, calibration=plan.calibration.with_(budget=budget.record()),
                            assumed_loss=getattr(loss_fn, "assumed", ""))
             cache.put(key, plan)
@@ -249,24 +254,53 @@ class RuntimeMeasure:
     values of a ``model`` on the meta device."""
 
     def __init__(self, model, example_inputs, *, loss_fn=None, process_group=None, steps: int = 3,
-                 mixed_precision=None, layout=None, holder=None, budget: PlanningBudget | None = None):
+                 mixed_precision=None, layout=None, holder=None, budget: PlanningBudget | None = None,
+                 compile: CompileConfig | None = None):
         self.model, self.example_inputs, self.steps = model, example_inputs, steps
         self.options = dict(loss_fn=loss_fn, process_group=process_group, mixed_precision=mixed_precision,
                             layout=layout)
         self.pool = TrialPool(holder=holder)
         self.budget = budget if budget is not None else PlanningBudget(None, process_group)
+        self.compile = compile
         self.count = 0
+        # per plan hash, of the compiled runs ([Note: compiled plans]): the eager step
+        # measured beside it, the first (compiling) step
+        self.eager_step_s: dict[str, float] = {}
+        self.first_compiled_step_s: dict[str, float] = {}
 
-    def __call__(self, plans, compile=None):
+    def __call__(self, plans, compile: CompileConfig | None = None):
+        """Each plan's :class:`Measurement`: compiled when this run compiles (see
+        [Note: compiled plans]), eager otherwise; ``compile`` measures compiled once
+        without changing that."""
+        config = compile if compile is not None else self.compile
+        if config is None:
+            return self.eager(plans)
+        compiled = []
+        for plan in plans:  # one at a time: each trial's first step is its compile
+            compiled += self._measured([plan], config)
+            self.first_compiled_step_s[plan.plan_hash()] = self.pool.current.first_step_s
+        if compiled_peaks_measured():
+            return [replace(m, compiled=True) for m in compiled]
+        eager = self.eager(plans)
+        for plan, m in zip(plans, eager):
+            self.eager_step_s[plan.plan_hash()] = m.step_s
+        return [replace(c, peak_bytes=e.peak_bytes, peak_source=f"the eager step's: {e.peak_source}", compiled=True)
+                for c, e in zip(compiled, eager)]
+
+    def eager(self, plans):
+        """Each plan measured eager, whatever this run compiles."""
+        return self._measured(plans, None)
+
+    def _measured(self, plans, config):
         steps = self.budget.steps(plans, self.steps, warmup=2)
-        results = measure_plans(self.model, plans, self.example_inputs, steps=steps, pool=self.pool, compile=compile,
+        results = measure_plans(self.model, plans, self.example_inputs, steps=steps, pool=self.pool, compile=config,
                                 **self.options)
         for plan, m in zip(plans, results):
             self.count += 1
-            log.info("measured plan %d: %s, batch %d: step %.0f ms (%d timed), %.1f samples/s, peak %s; %.0f s of "
-                     "the budget left", self.count, plan_summary(plan), plan.batch_size, m.step_s * 1e3, m.steps,
-                     m.samples_per_s(plan.world_size, plan.accumulation_steps), format_bytes(m.peak_bytes),
-                     max(self.budget.left(), 0))
+            log.info("measured plan %d%s: %s, batch %d: step %.0f ms (%d timed), %.1f samples/s, peak %s; %.0f s of "
+                     "the budget left", self.count, " compiled" if config is not None else "", plan_summary(plan),
+                     plan.batch_size, m.step_s * 1e3, m.steps, m.samples_per_s(plan.world_size, plan.accumulation_steps),
+                     format_bytes(m.peak_bytes), max(self.budget.left(), 0))
         return results
 
     def first_step_s(self) -> float | None:
@@ -284,26 +318,39 @@ class RuntimeMeasure:
         self.pool.holder = None  # a holder never measured from (a cached plan) goes too
 
 
-def measure_compiled(plan: Plan, measure: RuntimeMeasure, compile) -> Plan:
-    """[Note: compiled plans] Auto mode with ``compile=``: the plan is chosen with the
-    factors fitted to eager steps (calibration's measurements and the measured choice
-    run eager: the live-tensor tracker that measures their peaks on CPU cannot see
-    inside compiled code), then measured once compiled, and the plan records both step
-    times (``plan.calibration.compiled``), so that ``model.report()`` and the plan say
-    what compiling gave. Not done yet: fitting the compute factors to compiled steps, so
-    that the search prices compiled compute (and its activations) when it compares
-    plans."""
-    config = CompileConfig.from_arg(compile)
-    (compiled,) = measure([plan], compile=config)
-    eager = Measurement.from_dict(plan.measured).step_s if plan.measured else None
-    record = {"scope": config.scope, "step_s": compiled.step_s}
-    if eager is not None:
-        record["eager_step_s"] = eager
-    first = measure.first_step_s()
+def splits_the_compiled_path_runs(desc):
+    """``desc`` with the ops whose split op has no compiled forward (the embedding's row
+    split) left whole: every plan a compiled run measures, and the one it hands out, must
+    run on the compiled path ([Note: compiled units] refuses the others)."""
+    ops = registered_split_ops()
+    return replace(desc, ops=tuple(op if not op.splittable or hasattr(ops.get(op.split_op), "compiled_forward")
+                                   else replace(op, splittable=False) for op in desc.ops))
+
+
+def record_compiled(plan: Plan, measure: RuntimeMeasure) -> Plan:
+    """[Note: compiled plans] Auto mode with ``compile=`` measures every plan compiled:
+    calibration's reference plans, the plan, a re-plan and the measured choice's
+    alternatives (``RuntimeMeasure``), so that the factors are fitted to compiled steps
+    (compiled compute is faster: ``compute_scale`` takes it, to first order; the
+    per-operator profile stays eager) and plans are compared as they will run. Where a
+    compiled step's peak is not measured (CPU: the live-tensor tracker cannot see inside
+    compiled code), each plan is measured eager too and the measurement takes the eager
+    step's peak (``peak_source`` says so): a compiled step's activations may differ,
+    unmeasured there. Here the plan records both step times (``plan.calibration.compiled``:
+    the eager one measured beside it, or now on CUDA, where only compiled steps were),
+    so that ``model.report()`` and the plan say what compiling gave. Compile time is
+    the planning budget's: every compiled trial's first step compiles."""
+    compiled = Measurement.from_dict(plan.measured)
+    key = plan.plan_hash()
+    eager = measure.eager_step_s.get(key)
+    if eager is None:
+        eager = measure.eager([plan])[0].step_s
+    record = {"scope": measure.compile.scope, "step_s": compiled.step_s, "eager_step_s": eager}
+    first = measure.first_compiled_step_s.get(key)
     if first is not None:
         record["first_step_s"] = first
-    log.info("measured compiled (%s): step %.0f ms%s; the first step, compiling, %.1f s", config.scope,
-             compiled.step_s * 1e3, f" (eager {eager * 1e3:.0f} ms)" if eager is not None else "", first or 0.0)
+    log.info("measured compiled (%s): step %.0f ms (eager %.0f ms); the first step, compiling, %.1f s",
+             measure.compile.scope, compiled.step_s * 1e3, eager * 1e3, first or 0.0)
     return replace(plan, calibration=plan.calibration.with_(compiled=record))
 
 

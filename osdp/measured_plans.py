@@ -59,7 +59,10 @@ class MeasuredPlans:
         self.path = cache_dir(directory) / "plans"
         self.enabled, self.group = enabled, group
 
-    def key(self, desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision) -> str:
+    def key(self, desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision,
+            compile=None) -> str:
+        """``compile``: the run's CompileConfig (its plans are measured compiled, [Note:
+        compiled plans] in osdp/auto.py); None (eager) keeps the keys eager runs had."""
         loss = _loss_key(loss_fn)
         parts = {
             "desc": desc.to_dict(),
@@ -71,6 +74,8 @@ class MeasuredPlans:
             "loss": loss,
             "mixed_precision": repr(mixed_precision),
         }
+        if compile is not None:
+            parts["compile"] = repr(compile)
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def _file(self, key: str):

@@ -81,7 +81,8 @@ class Measurement:
     step (``peak_source`` says how it was read). ``groups``: unit group (module path
     with layer indices as ``*``) -> measured forward seconds of a step's first
     micro-batch, summed over the group's units (each from its forward pre-hook to the
-    next unit's: its compute, the work attributed to it, and waits for the next gather)."""
+    next unit's: its compute, the work attributed to it, and waits for the next gather).
+    ``compiled``: the steps ran compiled ([Note: compiled plans] in osdp/auto.py)."""
 
     step_s: float
     forward_s: float
@@ -92,6 +93,7 @@ class Measurement:
     steps: int = 0
     peak_source: str = ""
     groups: dict = field(default_factory=dict)
+    compiled: bool = False
 
     def samples_per_s(self, world_size: int, accumulation_steps: int = 1) -> float:
         return self.batch_size * accumulation_steps * world_size / self.step_s
@@ -537,7 +539,8 @@ def format_report(plan) -> str:
         lines.append(f"  compiled ({compiled.get('scope', '?')}): step {compiled['step_s'] * 1e3:.2f} ms measured"
                      + (f" (eager: {eager * 1e3:.2f} ms, so {eager / compiled['step_s']:.2f}x eager's speed)" if eager else "")
                      + (f"; first step (compiling) {compiled['first_step_s']:.1f} s" if "first_step_s" in compiled
-                        else "") + "; the rows below are eager")
+                        else "")
+                     + ("; the rows below are compiled steps" if measured.get("compiled") else "; the rows below are eager"))
 
     def row(name, pred, meas):
         p = f"{pred * 1e3:10.2f}" if pred is not None else f"{'-':>10}"

@@ -121,7 +121,7 @@ class Plan:
 
     # [Note: measured beside predicted] what the runtime measured running this plan
     # (osdp.profiler.measure_plan: Measurement.to_dict(): step_s, forward_s, backward_s,
-    # optimizer_s, peak_bytes, batch_size, steps, peak_source, groups); {}: not measured
+    # optimizer_s, peak_bytes, batch_size, steps, peak_source, groups, compiled); {}: not measured
     measured: dict = field(default_factory=dict)
     # auto mode's calibration (osdp/auto.py): the factors fitted, why, the predictions
     # per phase and unit group, and the other plan measured when a re-plan was tried
@@ -477,7 +477,7 @@ def format_plan(plan: Plan, max_rows: int = 60) -> str:
                         if picked else ""))
     if plan.measured:
         m = plan.measured
-        lines.append(f"  measured on the runtime: step {m['step_s'] * 1e3:.2f} ms "
+        lines.append(f"  measured on the runtime{' (compiled)' if m.get('compiled') else ''}: step {m['step_s'] * 1e3:.2f} ms "
                      f"({plan.batch_size * plan.accumulation_steps * plan.world_size / m['step_s']:.2f} samples/s), "
                      f"peak {format_bytes(m['peak_bytes'])}" + (f" ({m['peak_source']})" if m.get("peak_source") else ""))
     if plan.calibration.decision:

@@ -43,7 +43,8 @@ from ..api import ShardedModel
 from ..errors import OSDPError
 from ..memtrack import cuda_own_peak
 from ..rank_agreement import collective_device
-from ..runtime.options import RuntimeOptions
+from ..runtime.args import device_arg
+from ..runtime.options import RuntimeOptions, default_device
 from ..runtime.materialize import ModuleValues, ValuesFrom, has_meta, meta_skeleton
 from ..runtime.state_dict import ShardValues
 
@@ -194,6 +195,13 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
         if own:
             pool.close()
     return out
+
+
+def compiled_peaks_measured(device=None) -> bool:
+    """Whether a compiled trial on ``device`` (None: the runtime's default) measures its
+    peak: on CUDA (the allocator's statistics), not on CPU (the live-tensor tracker is a
+    dispatch mode, which compiled code runs beneath: ``_Trial._measured_step``)."""
+    return (device_arg(device) if device is not None else default_device()).type == "cuda"
 
 
 class _Trial:

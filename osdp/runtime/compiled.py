@@ -412,29 +412,27 @@ def _compiled_call(self, *args, **kwargs):
 
 
 def _forward_of(base: type):
-    """A copy of :func:`_compiled_call` with a code object of its own for ``base``'s
-    subclass. Dynamo keeps its compiled code per code object and falls back to eager,
-    with only a log line, past ``recompile_limit`` (8) entries on one: one shared
-    function gave every region of every compiled model one cache (a GPT's embeddings,
-    final norm and head are 4 entries besides its blocks), so a second compiled model
-    in the process ran partly eager."""
+    """A copy of :func:`_compiled_call` with a code object of its own, for one wrapped
+    model's subclass of ``base``. Dynamo keeps its compiled code per code object and
+    falls back to eager, with only a log line, past ``recompile_limit`` (8) entries on
+    one: one shared function gave every region of every compiled model one cache (a
+    GPT's embeddings, final norm and head are 4 entries besides its blocks), so a second
+    compiled model in the process ran partly eager; auto mode measures several compiled
+    trials in one process ([Note: compiled plans] in osdp/auto.py)."""
     name = f"forward_{base.__name__}"
     code = _compiled_call.__code__.replace(co_name=name, co_qualname=f"Compiled{base.__name__}.{name}")
     return types.FunctionType(code, _compiled_call.__globals__, name)
 
 
-_CLASSES: dict[type, type] = {}
-
-
-def _swap_class(module: nn.Module, runner) -> None:
-    """Give ``module`` a subclass of its class whose forward runs ``runner`` (one
-    subclass per class, so blocks of one type share their compiled code; each class a
-    forward code object of its own, :func:`_forward_of`)."""
+def _swap_class(module: nn.Module, runner, classes: dict[type, type]) -> None:
+    """Give ``module`` a subclass of its class whose forward runs ``runner``: one
+    subclass per class and wrapped model (``classes``), so that the blocks of one type
+    share their compiled code and two models never share a cache (:func:`_forward_of`)."""
     base = type(module)
-    cls = _CLASSES.get(base)
+    cls = classes.get(base)
     if cls is None:
-        cls = _CLASSES[base] = type(f"Compiled{base.__name__}", (base,), {"forward": _forward_of(base),
-                                                                         "__module__": base.__module__})
+        cls = classes[base] = type(f"Compiled{base.__name__}", (base,), {"forward": _forward_of(base),
+                                                                        "__module__": base.__module__})
     module.__class__ = cls
     module.__dict__["_osdp_compiled"] = runner
 
@@ -458,6 +456,7 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
     group = layout.world.group
     inside = _block_of(checkpoint_blocks)
     cache: dict[ShardUnit, CompiledUnit] = {}
+    classes: dict[type, type] = {}  # this model's swapped classes
 
     def compiled(unit: ShardUnit) -> CompiledUnit:
         if unit not in cache:  # a unit's name is its module's path (a slice's: path[i])
@@ -471,9 +470,9 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
             for attr, _ in slots:
                 module.__dict__.pop(attr, None)  # eager views, if set: attribute reads find the pieces
         runner = ModuleUnits([(compiled(u), slots) for u, slots in entries], _base_forward(module))
-        _swap_class(module, runner)
+        _swap_class(module, runner, classes)
     for path, (module, units) in built.splits.items():
-        _swap_class(module, SplitUnits([compiled(u) for u in units]))
+        _swap_class(module, SplitUnits([compiled(u) for u in units]), classes)
     apply_checkpointing(model, checkpoint_blocks,
                         context_fn=functools.partial(create_selective_checkpoint_contexts, _checkpointed_block))
     if os.environ.get("OSDP_COMPILED_REP_BUCKET", "1") != "0":

@@ -230,11 +230,15 @@ def test_compile_argument_errors(value, match):
 
 @pytest.mark.slow
 def test_auto_mode_measures_its_plan_compiled():
-    """[Note: compiled plans]: auto mode with compile= measures the plan it picked compiled
-    and records both step times; the model it hands out runs compiled."""
+    """[Note: compiled plans]: auto mode with compile= measures its plans compiled (the
+    factors are fitted to compiled steps; on CPU each takes the eager step's peak), records
+    the eager step beside the compiled one; the model it hands out runs compiled."""
     r = spawn(run_auto, 2)[0]
     compiled = r["compiled"]
     assert compiled["scope"] == "blocks" and compiled["step_s"] > 0 and compiled["eager_step_s"] > 0
     assert compiled["first_step_s"] > compiled["step_s"]  # it compiled in its first step
-    assert "compiled (blocks): step" in r["report"]
+    assert r["measured"]["compiled"] and r["measured"]["step_s"] == compiled["step_s"]
+    assert r["measured"]["peak_bytes"] > 0 and r["measured"]["peak_source"].startswith("the eager step's")
+    assert r["observations"] and all(m["compiled"] for m in r["observations"])
+    assert "compiled (blocks): step" in r["report"] and "the rows below are compiled steps" in r["report"]
     assert r["regions"][:2] == ["blocks.0", "blocks.1"]
