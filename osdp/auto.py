@@ -268,16 +268,14 @@ class RuntimeMeasure:
         self.eager_step_s: dict[str, float] = {}
         self.first_compiled_step_s: dict[str, float] = {}
 
-    def __call__(self, plans, compile: CompileConfig | None = None):
+    def __call__(self, plans):
         """Each plan's :class:`Measurement`: compiled when this run compiles (see
-        [Note: compiled plans]), eager otherwise; ``compile`` measures compiled once
-        without changing that."""
-        config = compile if compile is not None else self.compile
-        if config is None:
+        [Note: compiled plans]), eager otherwise."""
+        if self.compile is None:
             return self.eager(plans)
         compiled = []
         for plan in plans:  # one at a time: each trial's first step is its compile
-            compiled += self._measured([plan], config)
+            compiled += self._measured([plan], self.compile)
             self.first_compiled_step_s[plan.plan_hash()] = self.pool.current.first_step_s
         if compiled_peaks_measured():
             return [replace(m, compiled=True) for m in compiled]
@@ -302,10 +300,6 @@ class RuntimeMeasure:
                      plan.batch_size, m.step_s * 1e3, m.steps, m.samples_per_s(plan.world_size, plan.accumulation_steps),
                      format_bytes(m.peak_bytes), max(self.budget.left(), 0))
         return results
-
-    def first_step_s(self) -> float | None:
-        """The first step of the last trial built (a compiled one compiles in it)."""
-        return getattr(self.pool.current, "first_step_s", None)
 
     def holder(self):
         """The wrapped model that holds a meta model's values now (None for a real
