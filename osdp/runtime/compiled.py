@@ -416,8 +416,8 @@ def _forward_of(base: type):
     model's subclass of ``base``. Dynamo keeps its compiled code per code object and
     falls back to eager, with only a log line, past ``recompile_limit`` (8) entries on
     one: one shared function gave every region of every compiled model one cache (a
-    GPT's embeddings, final norm and head are 4 entries besides its blocks), so a second
-    compiled model in the process ran partly eager; auto mode measures several compiled
+    GPT's embeddings, final norm and head are 4 entries besides its blocks), so a few
+    compiled models in one process ran partly eager; auto mode measures several compiled
     trials in one process ([Note: compiled plans] in osdp/auto.py)."""
     name = f"forward_{base.__name__}"
     code = _compiled_call.__code__.replace(co_name=name, co_qualname=f"Compiled{base.__name__}.{name}")
