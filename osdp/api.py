@@ -31,7 +31,7 @@ from .runtime.mesh import ShardLayout
 from .runtime.mixed_precision import MixedPrecision, check_plan_dtypes
 from .runtime.options import RuntimeOptions
 from .runtime.modes import Mode
-from .runtime.peak import StepMemory, StepMemoryCheck, make_monitor
+from .runtime.peak import StepMemory, StepMemoryCheck, make_monitor, step_peak_readable
 from .runtime.scheduler import Scheduler
 from .runtime.state_dict import build_layout
 from .runtime.view import ShardedView
@@ -327,8 +327,7 @@ class ShardedModel(nn.Module):
         self._memory_check = None
         if limit is None or not options.memory_check_on:
             return
-        if self.compile_config is not None and self.device.type != "cuda":
-            # the CPU tracker is a dispatch mode, which compiled code runs beneath
+        if not step_peak_readable(self.device, self.compile_config is not None):
             log.info("compile=: the per-step memory check needs the CUDA allocator's statistics; not measured on %s",
                      self.device)
             return

@@ -24,12 +24,14 @@ from .planner.plan import Plan
 from .planner.planner import make_plan
 from .profiler import profile
 from .planner.uniform_plan import uniform_plan
-from .profiler import TrialPool, compiled_peaks_measured, measure_plans
+from .profiler import TrialPool, measure_plans
 from .rank_agreement import check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
 from .planning_budget import (DEFAULT_BUDGET_S, MIN_SHARE, PROFILE_SHARE, PlanningBudget, predicted_optimizer_step_s,
                               show_progress)
 from .runtime.compiled import CompileConfig
+from .runtime.options import default_device
+from .runtime.peak import step_peak_readable
 from .runtime.materialize import has_meta, meta_skeleton
 from .sizes import format_bytes
 
@@ -277,7 +279,7 @@ class RuntimeMeasure:
         for plan in plans:  # one at a time: each trial's first step is its compile
             compiled += self._measured([plan], self.compile)
             self.first_compiled_step_s[plan.plan_hash()] = self.pool.current.first_step_s
-        if compiled_peaks_measured():
+        if step_peak_readable(default_device(), compiled=True):  # the trials' device
             return [replace(m, compiled=True) for m in compiled]
         eager = self.eager(plans)
         for plan, m in zip(plans, eager):

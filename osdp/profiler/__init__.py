@@ -6,6 +6,6 @@ profiler fits] in ``osdp/planner/calibration.py``). The planner stays pure (it n
 runs torch collectives or the runtime); this package is where its numbers meet the
 machine."""
 from .hardware import profile
-from .plans import TrialPool, compiled_peaks_measured, measure_plan, measure_plans
+from .plans import TrialPool, measure_plan, measure_plans
 
-__all__ = ["TrialPool", "compiled_peaks_measured", "measure_plan", "measure_plans", "profile"]
+__all__ = ["TrialPool", "measure_plan", "measure_plans", "profile"]

@@ -43,8 +43,8 @@ from ..api import ShardedModel
 from ..errors import OSDPError
 from ..memtrack import cuda_own_peak
 from ..rank_agreement import collective_device
-from ..runtime.args import device_arg
-from ..runtime.options import RuntimeOptions, default_device
+from ..runtime.options import RuntimeOptions
+from ..runtime.peak import step_peak_readable
 from ..runtime.materialize import ModuleValues, ValuesFrom, has_meta, meta_skeleton
 from ..runtime.state_dict import ShardValues
 
@@ -197,13 +197,6 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
     return out
 
 
-def compiled_peaks_measured(device=None) -> bool:
-    """Whether a compiled trial on ``device`` (None: the runtime's default) measures its
-    peak: on CUDA (the allocator's statistics), not on CPU (the live-tensor tracker is a
-    dispatch mode, which compiled code runs beneath: ``_Trial._measured_step``)."""
-    return (device_arg(device) if device is not None else default_device()).type == "cuda"
-
-
 class _Trial:
     """One plan on its own wrapped copy of the model, with its optimizer and inputs."""
 
@@ -286,14 +279,14 @@ class _Trial:
 
     def _measured_step(self) -> tuple:
         """A step whose peak bytes (this copy's states and what the step adds) are kept."""
+        if not step_peak_readable(self.dev, self.compile is not None):  # see measure_plans
+            self.peak = (0.0, "not measured: compiled on CPU (the live-tensor tracker is a dispatch mode, which "
+                              "compiled code runs beneath)")
+            return self.step()
         if self.dev.type == "cuda":
             row, peak = cuda_own_peak(self.dev, self._resident(), self.step)
             self.peak = (peak, "torch.cuda.max_memory_allocated (less what other tensors held before the step)")
             return row
-        if self.compile is not None:  # see measure_plans
-            self.peak = (0.0, "not measured: compiled on CPU (the live-tensor tracker is a dispatch mode, which "
-                              "compiled code runs beneath)")
-            return self.step()
         # the runtime's own tracker, the one its memory check reads: the same bytes as
         # osdp.memtrack.LiveBytesTracker (tests/runtime/test_peak.py), at a sixth of its
         # cost (I&C 6x128-512 all zdp b14, 2 ranks: +5% on a step against +30%)

@@ -76,6 +76,13 @@ from ..sizes import format_bytes
 from .ledger import MemoryLedger
 
 
+def step_peak_readable(device: torch.device, compiled: bool) -> bool:
+    """Whether a step's peak can be measured on ``device``: eager steps always; compiled
+    ones on CUDA only (the allocator's statistics): the CPU tracker is a dispatch mode,
+    which compiled code runs beneath (inductor allocates outside the dispatcher)."""
+    return not compiled or device.type == "cuda"
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """The measured memory of one step window, beside what was promised."""

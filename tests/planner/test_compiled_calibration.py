@@ -59,7 +59,7 @@ class _FakeMeasurePlans:
 def _measure(monkeypatch, plans, cuda: bool):
     fake = _FakeMeasurePlans(plans, cuda)
     monkeypatch.setattr(auto, "measure_plans", fake)
-    monkeypatch.setattr(auto, "compiled_peaks_measured", lambda: cuda)
+    monkeypatch.setattr(auto, "step_peak_readable", lambda device, compiled: cuda or not compiled)
     measure = auto.RuntimeMeasure(None, None, compile=CompileConfig(scope="blocks", backend="aot_eager"))
     return measure, fake
 

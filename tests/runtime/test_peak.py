@@ -698,3 +698,12 @@ def test_storage_bytes_counts_a_buffer_once_however_many_views_it_has():
     views = [flat[:60].view(6, 10), flat[60:], flat]
     assert storage_bytes(views + [other, other[2:]]) == 100 * 4 + 7 * 8
     assert storage_bytes([]) == 0
+
+
+def test_a_compiled_steps_peak_is_readable_on_cuda_only():
+    """One rule for the runtime's memory check, the plan measurer and auto mode."""
+    from osdp.runtime.peak import step_peak_readable
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert step_peak_readable(cpu, compiled=False) and step_peak_readable(cuda, compiled=False)
+    assert step_peak_readable(cuda, compiled=True) and not step_peak_readable(cpu, compiled=True)
