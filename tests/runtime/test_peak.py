@@ -20,6 +20,7 @@ from osdp.memtrack import LiveBytesTracker, StepPeakTracker, storage_bytes
 from osdp.models import GPT, GPTConfig, example_batch, get_preset
 from osdp.planner import make_plan
 from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
+from osdp.runtime.peak import step_peak_readable
 from osdp.planner.calibration import assignment_of
 from osdp.planner.cost_model import OPTIMIZER_STEP, PlannerSettings, live_memory
 from osdp.planner.description import describe
@@ -702,8 +703,6 @@ def test_storage_bytes_counts_a_buffer_once_however_many_views_it_has():
 
 def test_a_compiled_steps_peak_is_readable_on_cuda_only():
     """One rule for the runtime's memory check, the plan measurer and auto mode."""
-    from osdp.runtime.peak import step_peak_readable
-
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert step_peak_readable(cpu, compiled=False) and step_peak_readable(cuda, compiled=False)
     assert step_peak_readable(cuda, compiled=True) and not step_peak_readable(cpu, compiled=True)
