@@ -20,7 +20,6 @@ from osdp.memtrack import LiveBytesTracker, StepPeakTracker, storage_bytes
 from osdp.models import GPT, GPTConfig, example_batch, get_preset
 from osdp.planner import make_plan
 from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
-from osdp.runtime.peak import step_peak_readable
 from osdp.planner.calibration import assignment_of
 from osdp.planner.cost_model import OPTIMIZER_STEP, PlannerSettings, live_memory
 from osdp.planner.description import describe
@@ -28,7 +27,7 @@ from osdp.planner.run import RunSettings
 from osdp.planner.uniform_plan import uniform_plan
 from osdp.runtime.direct import direct_units
 from osdp.runtime.ledger import MemoryLedger
-from osdp.runtime.peak import CudaPeakMonitor, StepMemory, check_step
+from osdp.runtime.peak import CudaPeakMonitor, StepMemory, check_step, step_peak_readable
 
 MiB = 1 << 20
 
