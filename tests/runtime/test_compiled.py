@@ -194,6 +194,28 @@ def test_compiled_refuses_hierarchical_layouts(fake_world):
         osdp.OSDP(_gpt(), default_mode="hpz", node_size=2, compile=True)
 
 
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("mixed", [False, True])
+def test_compiled_rep_units_compute_with_their_parameters(fake_world, mixed):
+    """[Note: rep units uncopied]: a bucketed rep unit's module reads its parameters
+    themselves, no per-step flat copy (a Linear's weight and bias would be concatenated);
+    with mixed precision, their casts."""
+    policy = MixedPrecision(param_dtype=torch.bfloat16) if mixed else None
+    model = osdp.OSDP(_gpt(), default_mode="rep", mixed_precision=policy, compile={"backend": "aot_eager"})
+    units = [m._osdp_compiled.entries[0][0] for m in model.modules()
+             if isinstance(m, torch.nn.Linear) and hasattr(m, "_osdp_compiled") and m.bias is not None]
+    assert units
+    for cunit in units:
+        params = cunit.unit.params
+        tensors = cunit.slot_tensors()
+        assert len(params) == 2 and [t.shape for t in tensors] == [s.shape for s in cunit.unit.slots]
+        if mixed:
+            assert all(t.dtype == torch.bfloat16 and torch.equal(t, p.to(torch.bfloat16))
+                       for t, p in zip(tensors, params))
+        else:
+            assert [t.data_ptr() for t in tensors] == [p.data_ptr() for p in params]
+
+
 _ITERATIVE = {"reorder_for_compute_comm_overlap": True,
               "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative",
                                                           "reorder_communication_preserving_peak_memory"]}
