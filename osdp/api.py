@@ -173,7 +173,7 @@ class ShardedModel(nn.Module):
         else:
             self._init_compiled(config)
         self._init_memory_check(options)
-        self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built)
+        self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built, self.prefetch_bytes)
                                  if self.compile_config is not None else [])
 
     # the runtime options it was built with (self.options), by their keyword names

@@ -41,9 +41,11 @@ hierarchical layouts (one shard group over all ranks only; ``hpz`` is then ``zdp
 ``dp``, [Note: modes per level] in contract.py), split
 ops without a compiled forward (the vocabulary row split of an embedding and its fused
 head loss), turning gradient sync off (every compiled backward reduces its gradients).
-The prefetch window and bucketing are the compiler's (inductor's comm reordering
-passes), not the scheduler's. Inductor's defaults wait for each collective where it is
-issued. Its iterative reordering passes (``sink_waits_iterative``,
+There is no scheduler: with inductor, OSDP's own scheduling pass issues each gather
+while the unit before it computes and runs each reduction under the compute after it,
+within the plan's prefetch window ([Note: compiled prefetch] in compiled_prefetch.py;
+``CompileConfig(overlap=False)`` leaves inductor's order, which waits for each
+collective where it is issued). Bucketing is inductor's. Inductor's iterative reordering passes (``sink_waits_iterative``,
 ``reorder_communication_preserving_peak_memory``) schedule by runtime estimates, which
 are 0 on CPU. Measured, N&D 12x128, 2 gloo ranks, 9 interleaved steps, one process:
 eager 359 ms, compiled 343 ms, compiled with those passes 344 ms; ``sink_waits`` alone
@@ -83,12 +85,15 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..errors import ConfigError
 from ..module_tree import transformer_blocks
 from .activation_checkpoint import apply_checkpointing
+from .compiled_prefetch import WindowPrefetch
 from .modes import Mode
 from .shard_unit import ShardUnit
 
 _C10D = torch.ops._c10d_functional
 _ALL_GATHER = _C10D.all_gather_into_tensor.default
 SCOPES = ("blocks", "model")
+# inductor settings that choose the comm/compute reordering: given by the user, they win
+_OVERLAP_KEYS = ("reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes")
 # a dp unit's gathers name the shard group by this alias, so that a checkpointed
 # block's policy can tell them (saved) from zdp gathers (recomputed)
 _KEPT_SUFFIX = ":osdp-kept"
@@ -103,7 +108,11 @@ class CompileConfig:
     habit: short compiles, and a recompile costs one block); ``"model"`` compiles the
     wrapped model's forward as one region. ``mode``, ``fullgraph``, ``dynamic``,
     ``backend`` and ``options`` (inductor's settings, e.g. its collective bucketing and
-    comm/compute reordering passes) go to ``torch.compile`` as given."""
+    comm/compute reordering passes) go to ``torch.compile`` as given. ``overlap``: with
+    the inductor backend, issue each gather while the unit before it computes and run
+    each gradient reduction under the backward compute that follows, within the plan's
+    prefetch window ([Note: compiled prefetch] in compiled_prefetch.py); left out when
+    ``options`` set inductor's ``reorder_for_compute_comm_overlap`` passes themselves."""
 
     scope: str = "blocks"
     mode: str | None = None
@@ -111,6 +120,7 @@ class CompileConfig:
     dynamic: bool | None = None
     backend: object = "inductor"
     options: dict | None = None
+    overlap: bool = True
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -164,10 +174,22 @@ class CompileConfig:
                 f"{' and '.join(f'torch._inductor.config_comms.{u} = False' for u in unsafe)} on every rank before "
                 "wrapping, or leave these passes out")
 
-    def torch_compile_kwargs(self) -> dict:
+    def torch_compile_kwargs(self, window_bytes: int | None = None) -> dict:
+        """``torch.compile``'s keyword arguments; ``window_bytes``: the prefetch window
+        of the overlap pass (None: no pass)."""
         kwargs = {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
-        if self.options is not None:
-            kwargs["options"] = dict(self.options)
+        options = dict(self.options) if self.options is not None else None
+        if self.overlap and window_bytes is not None and self.backend == "inductor" and not any(
+                key in (options or {}) for key in _OVERLAP_KEYS):
+            if options is None and self.mode not in (None, "default"):
+                from torch._inductor import list_mode_options
+
+                options = list_mode_options(self.mode, self.dynamic)  # torch.compile takes mode or options
+                kwargs["mode"] = None
+            options = {**(options or {}), "reorder_for_compute_comm_overlap": True,
+                       "reorder_for_compute_comm_overlap_passes": [WindowPrefetch(window_bytes)]}
+        if options is not None:
+            kwargs["options"] = options
         return kwargs
 
 
@@ -550,10 +572,11 @@ def _block_of(blocks: tuple[str, ...]):
     return inside
 
 
-def compile_regions(model: nn.Module, config: CompileConfig, built) -> list[str]:
-    """Compile ``model`` per ``config.scope``; the paths compiled, in order."""
+def compile_regions(model: nn.Module, config: CompileConfig, built, window_bytes: int) -> list[str]:
+    """Compile ``model`` per ``config.scope``; the paths compiled, in order.
+    ``window_bytes``: the prefetch window ([Note: compiled prefetch])."""
     config.refuse_unsafe_comm_reordering()
-    kwargs = config.torch_compile_kwargs()
+    kwargs = config.torch_compile_kwargs(window_bytes)
     if config.scope == "model":
         model.compile(**kwargs)
         return [""]

@@ -216,6 +216,28 @@ def test_compiled_rep_units_compute_with_their_parameters(fake_world, mixed):
             assert [t.data_ptr() for t in tensors] == [p.data_ptr() for p in params]
 
 
+def test_compile_kwargs_add_the_overlap_pass_to_inductor_only():
+    """[Note: compiled prefetch]: inductor gets OSDP's pass (a mode becomes its options:
+    torch.compile takes one of them); options that choose the reordering themselves, other
+    backends and overlap=False get none."""
+    from osdp.runtime.compiled_prefetch import WindowPrefetch
+
+    def passes(config, window=1024):
+        options = config.torch_compile_kwargs(window).get("options") or {}
+        return options.get("reorder_for_compute_comm_overlap_passes")
+
+    assert passes(osdp.CompileConfig()) == [WindowPrefetch(1024)]
+    kwargs = osdp.CompileConfig(mode="max-autotune-no-cudagraphs").torch_compile_kwargs(1024)
+    assert kwargs["mode"] is None and kwargs["options"]["max_autotune"] is True
+    assert kwargs["options"]["reorder_for_compute_comm_overlap_passes"] == [WindowPrefetch(1024)]
+    assert passes(osdp.CompileConfig(options={"reorder_for_compute_comm_overlap": False})) is None
+    assert passes(osdp.CompileConfig(options={"reorder_for_compute_comm_overlap_passes": ["sink_waits"]})) == [
+        "sink_waits"]
+    assert passes(osdp.CompileConfig(backend="aot_eager")) is None
+    assert passes(osdp.CompileConfig(overlap=False)) is None
+    assert osdp.CompileConfig(overlap=False).torch_compile_kwargs(1024).get("options") is None
+
+
 _ITERATIVE = {"reorder_for_compute_comm_overlap": True,
               "reorder_for_compute_comm_overlap_passes": ["sink_waits_iterative",
                                                           "reorder_communication_preserving_peak_memory"]}

@@ -1,0 +1,184 @@
+"""The compiled path's overlap: an inductor scheduling pass that issues each unit's
+all-gather while the unit before it computes, and lets each gradient reduction run
+while the backward pass goes on, within the eager runtime's bounds.
+
+[Note: compiled prefetch]
+Inductor emits each functional collective where the unit that uses it was traced and
+waits for it at once, so on the compiled path every gather and every reduction was
+exposed (eager OSDP overlaps both: [Note: prefetch window] in prefetch.py, [Note:
+unsharded gradients] in reduce.py). Inductor's own ``raise_comms`` lifts every gather
+to the top of its graph: all of a block's gathered weights live at once, a peak the plan
+never priced. This pass is the eager rules cut to what one graph sees:
+
+- Gathers: the graph's first collective, if a gather that fits ``window_bytes``, is
+  issued at the graph's start (nothing of the graph is gathered before it); when collective k+1 is a gather and
+  collective k a gather too, k+1 is issued right after k's wait (so unit k computes while k+1 gathers), if the two units'
+  gathered bytes fit ``window_bytes`` together (the window is twice the largest gathered
+  unit by default, so they do). One gather in flight beside the unit in use, as eagerly;
+  only what the gather reads moves with it (its shard's rebuild and cast).
+- Reductions: the wait of a reduction (a gradient's reduce-scatter or all-reduce), and
+  what reads its result (the average, the cast), are held back until the next collective
+  is issued or the graph ends, so the reduction runs under the backward compute that
+  follows. At most one reduction in flight beside the gradient being computed, as
+  eagerly (MAX_INFLIGHT_REDUCE_SCATTERS).
+
+Collectives keep their order: inductor makes each collective depend on the previous
+one's wait (``comms.decide_global_ordering_of_comms``), and the pass moves none past
+another, so every rank issues the same sequence; every decision reads only the
+collectives, their order and their sizes, which are the same on every rank (a shard's
+rebuild is not: one parameter's view on one rank, pieces and padding on another). The
+same dependency keeps a backward graph's re-gather behind the reduction before it (that
+gather stays exposed), and units in different graphs (blocks compiled one by one) do not
+prefetch across the boundary: ``scope="model"`` is one graph. The order the pass returns
+is checked against every dependency; if one were broken the graph keeps inductor's order.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+log = logging.getLogger(__name__)
+VERSION = 3  # of the ordering rules: part of the inductor cache key (__repr__)
+
+
+class WindowPrefetch:
+    """A ``reorder_for_compute_comm_overlap_passes`` entry: inductor's scheduler nodes in,
+    the same nodes in the overlapping order out ([Note: compiled prefetch])."""
+
+    def __init__(self, window_bytes: int):
+        self.window_bytes = int(window_bytes)
+
+    def __repr__(self) -> str:
+        # inductor's graph cache keys on the passes' reprs: a change of the rules above
+        # must change VERSION, or graphs ordered by the old rules are reused
+        return f"osdp.WindowPrefetch(v{VERSION}, window_bytes={self.window_bytes})"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, WindowPrefetch) and other.window_bytes == self.window_bytes
+
+    def __hash__(self) -> int:
+        return hash((WindowPrefetch, self.window_bytes))
+
+    def __call__(self, snodes: list) -> list:
+        try:
+            return self._order(snodes)
+        except Exception as exc:  # noqa: BLE001  (inductor's scheduler IR is internal and changes between releases)
+            log.warning("osdp: the compiled prefetch pass failed (%s: %s); keeping inductor's order",
+                        type(exc).__name__, exc)
+            return snodes
+
+    def _order(self, snodes: list) -> list:
+        from torch._inductor.utils import contains_collective, contains_wait
+
+        comms = [s for s in snodes if contains_collective(s)]
+        if not comms:
+            return snodes
+        producer = {}  # buffer name -> the node that writes it
+        for s in snodes:
+            for name in s.get_buffer_names():
+                producer[name] = s
+        wait_of = {}
+        for s in snodes:
+            if contains_wait(s):
+                for comm in {producer.get(d.name) for d in s.unmet_dependencies} & set(comms):
+                    wait_of.setdefault(comm, s)
+        gather_after = {}  # a gather's wait -> the next gather, issued right after it
+        for before, after in itertools.pairwise(comms):
+            if (_is_gather(before) and _is_gather(after) and before in wait_of
+                    and _gathered_bytes(before) + _gathered_bytes(after) <= self.window_bytes):
+                gather_after[wait_of[before]] = after
+        reduction_waits = {wait_of[c] for c in comms if not _is_gather(c) and c in wait_of}
+
+        order, emitted = [], set()
+        held, held_set = [], set()  # reduction waits and what reads them, not emitted yet
+
+        def emit(node) -> None:
+            order.append(node)
+            emitted.add(node)
+
+        def release() -> None:
+            for node in held:
+                emit(node)
+            held.clear()
+            held_set.clear()
+
+        position = {n: i for i, n in enumerate(snodes)}
+
+        def issue_early(gather) -> None:
+            needed = [n for n in _ancestors(gather, producer) if n not in emitted]
+            if not any(n in held_set or contains_collective(n) or contains_wait(n) for n in needed):
+                release()
+                for node in sorted(needed, key=position.__getitem__) + [gather]:
+                    emit(node)
+
+        if _is_gather(comms[0]) and _gathered_bytes(comms[0]) <= self.window_bytes:
+            issue_early(comms[0])  # nothing of this graph is gathered before it
+        for s in snodes:
+            if s in emitted:
+                continue
+            if held and contains_collective(s):
+                release()  # the reduction in flight is waited for before the next collective
+            if s in reduction_waits or any(producer.get(d.name) in held_set for d in s.unmet_dependencies):
+                held.append(s)
+                held_set.add(s)
+                continue
+            emit(s)
+            gather = gather_after.get(s)
+            if gather is not None and gather not in emitted:
+                issue_early(gather)
+        release()
+        if len(order) != len(snodes) or not _respects_dependencies(order, producer):
+            log.warning("osdp: the compiled prefetch order broke a dependency; keeping inductor's order")
+            return snodes
+        return order
+
+
+def _is_gather(snode) -> bool:
+    return getattr(snode.node, "op_overload", None) is _ALL_GATHER
+
+
+def _gathered_bytes(snode) -> int:
+    layout = snode.node.get_layout()
+    numel = 1
+    for dim in layout.size:
+        numel *= _hint(dim)
+    return numel * layout.dtype.itemsize
+
+
+def _hint(dim) -> int:
+    """A size as an int: parameters' are static; a symbolic one (dynamic shapes) by
+    inductor's hint (``optimization_hint`` in newer torch, ``size_hint`` in older)."""
+    try:
+        return int(dim)
+    except TypeError:
+        from torch._inductor.virtualized import V
+
+        sizevars = V.graph.sizevars
+        hint = getattr(sizevars, "optimization_hint", None) or sizevars.size_hint
+        return int(hint(dim))
+
+
+def _ancestors(snode, producer: dict) -> list:
+    """Every node ``snode`` depends on, transitively."""
+    seen, stack = set(), [snode]
+    while stack:
+        for dep in stack.pop().unmet_dependencies:
+            node = producer.get(dep.name)
+            if node is not None and node not in seen:
+                seen.add(node)
+                stack.append(node)
+    return list(seen)
+
+
+def _respects_dependencies(order: list, producer: dict) -> bool:
+    done = set()
+    for node in order:
+        for dep in node.unmet_dependencies:
+            source = producer.get(dep.name)
+            if source is not None and source is not node and source not in done:
+                return False
+        done.add(node)
+    return True
