@@ -41,7 +41,7 @@ import torch
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 log = logging.getLogger(__name__)
-VERSION = 3  # of the ordering rules: part of the inductor cache key (__repr__)
+VERSION = 4  # of the ordering rules: part of the inductor cache key (__repr__)
 
 
 class WindowPrefetch:
@@ -86,10 +86,10 @@ class WindowPrefetch:
                 for comm in {producer.get(d.name) for d in s.unmet_dependencies} & set(comms):
                     wait_of.setdefault(comm, s)
         gather_after = {}  # a gather's wait -> the next gather, issued right after it
-        for before, after in itertools.pairwise(comms):
-            if (_is_gather(before) and _is_gather(after) and before in wait_of
-                    and _gathered_bytes(before) + _gathered_bytes(after) <= self.window_bytes):
+        for before, after in itertools.pairwise([c for c in comms if _is_gather(c)]):
+            if before in wait_of and _gathered_bytes(before) + _gathered_bytes(after) <= self.window_bytes:
                 gather_after[wait_of[before]] = after
+        comm_or_wait = set(comms) | set(wait_of.values())
         reduction_waits = {wait_of[c] for c in comms if not _is_gather(c) and c in wait_of}
 
         order, emitted = [], set()
@@ -107,12 +107,18 @@ class WindowPrefetch:
 
         position = {n: i for i, n in enumerate(snodes)}
 
+        raised = set()
+
         def issue_early(gather) -> None:
-            needed = [n for n in _ancestors(gather, producer) if n not in emitted]
+            # a gather reads a shard; the collective order (a fake dependency on the
+            # previous collective) is the pass's to keep: a gather raised before a
+            # reduction lands before it on every rank (the rules read collectives only)
+            needed = [n for n in _ancestors(gather, producer, skip=comm_or_wait) if n not in emitted]
             if not any(n in held_set or contains_collective(n) or contains_wait(n) for n in needed):
                 release()
                 for node in sorted(needed, key=position.__getitem__) + [gather]:
                     emit(node)
+                raised.add(gather)
 
         if _is_gather(comms[0]) and _gathered_bytes(comms[0]) <= self.window_bytes:
             issue_early(comms[0])  # nothing of this graph is gathered before it
@@ -130,7 +136,7 @@ class WindowPrefetch:
             if gather is not None and gather not in emitted:
                 issue_early(gather)
         release()
-        if len(order) != len(snodes) or not _respects_dependencies(order, producer):
+        if len(order) != len(snodes) or not _respects_dependencies(order, producer, raised, comm_or_wait):
             log.warning("osdp: the compiled prefetch order broke a dependency; keeping inductor's order")
             return snodes
         return order
@@ -161,22 +167,36 @@ def _hint(dim) -> int:
         return int(hint(dim))
 
 
-def _ancestors(snode, producer: dict) -> list:
-    """Every node ``snode`` depends on, transitively."""
+def _ordering_only(dep, producer: dict, comm_or_wait: set) -> bool:
+    """``dep`` only orders collectives: inductor's fake dependency on the previous
+    collective (``comms.decide_global_ordering_of_comms``)."""
+    return getattr(dep, "is_fake", False) and producer.get(dep.name) in comm_or_wait
+
+
+def _ancestors(snode, producer: dict, skip: set) -> list:
+    """Every node ``snode`` depends on, transitively, besides its collective-ordering
+    dependencies (``skip``: the collectives and their waits)."""
     seen, stack = set(), [snode]
     while stack:
-        for dep in stack.pop().unmet_dependencies:
-            node = producer.get(dep.name)
-            if node is not None and node not in seen:
-                seen.add(node)
-                stack.append(node)
+        node = stack.pop()
+        for dep in node.unmet_dependencies:
+            if node is snode and _ordering_only(dep, producer, skip):
+                continue
+            source = producer.get(dep.name)
+            if source is not None and source not in seen:
+                seen.add(source)
+                stack.append(source)
     return list(seen)
 
 
-def _respects_dependencies(order: list, producer: dict) -> bool:
+def _respects_dependencies(order: list, producer: dict, raised: set, comm_or_wait: set) -> bool:
+    """Every node after what it reads; a raised gather may precede the collective its
+    ordering-only dependency names."""
     done = set()
     for node in order:
         for dep in node.unmet_dependencies:
+            if node in raised and _ordering_only(dep, producer, comm_or_wait):
+                continue
             source = producer.get(dep.name)
             if source is not None and source is not node and source not in done:
                 return False
