@@ -11,26 +11,35 @@ to the top of its graph: all of a block's gathered weights live at once, a peak 
 never priced. This pass is the eager rules cut to what one graph sees:
 
 - Gathers: the graph's first collective, if a gather that fits ``window_bytes``, is
-  issued at the graph's start (nothing of the graph is gathered before it); when collective k+1 is a gather and
-  collective k a gather too, k+1 is issued right after k's wait (so unit k computes while k+1 gathers), if the two units'
-  gathered bytes fit ``window_bytes`` together (the window is twice the largest gathered
-  unit by default, so they do). One gather in flight beside the unit in use, as eagerly;
-  only what the gather reads moves with it (its shard's rebuild and cast).
+  issued at the graph's start (nothing of the graph is gathered before it); every later
+  gather right after the previous gather's wait (unit k computes while k+1 gathers), if
+  the two units' gathered bytes fit ``window_bytes`` together (the window is twice the
+  largest gathered unit by default, so they do). One gather in flight beside the unit
+  in use, as eagerly; only what the gather reads moves with it (its shard's rebuild and
+  cast). In a backward graph that puts a re-gather ahead of the reduction before it.
 - Reductions: the wait of a reduction (a gradient's reduce-scatter or all-reduce), and
   what reads its result (the average, the cast), are held back until the next collective
   is issued or the graph ends, so the reduction runs under the backward compute that
   follows. At most one reduction in flight beside the gradient being computed, as
   eagerly (MAX_INFLIGHT_REDUCE_SCATTERS).
 
-Collectives keep their order: inductor makes each collective depend on the previous
-one's wait (``comms.decide_global_ordering_of_comms``), and the pass moves none past
-another, so every rank issues the same sequence; every decision reads only the
-collectives, their order and their sizes, which are the same on every rank (a shard's
-rebuild is not: one parameter's view on one rank, pieces and padding on another). The
-same dependency keeps a backward graph's re-gather behind the reduction before it (that
-gather stays exposed), and units in different graphs (blocks compiled one by one) do not
-prefetch across the boundary: ``scope="model"`` is one graph. The order the pass returns
-is checked against every dependency; if one were broken the graph keeps inductor's order.
+Every rank issues the same collectives in the same order. Inductor chains them (each
+collective has an ordering-only dependency on the previous one's wait,
+``comms.decide_global_ordering_of_comms``); the pass drops that dependency only for a
+gather it raises, and every decision reads only the collectives, their waits, their
+order and their sizes, which are the same on every rank (a shard's rebuild is not: one
+parameter's view on one rank, pieces and padding on another). A gather that reads a
+reduction's result for real stays behind it. Units in different graphs (blocks compiled
+one by one) do not prefetch across the boundary: ``scope="model"`` is one graph. The
+order the pass returns is checked against every other dependency; if one were broken,
+or the pass failed (inductor's scheduler IR is internal), the graph keeps inductor's
+order, with a warning.
+
+Measured (N&D 12x128 GPT, the bench's plan: 50 rep, 19 zdp, 7 dp units, batch 3, 2 gloo
+ranks on a 2-core CPU, 21 interleaved steps, medians, two runs): compiled without the
+pass 0.88x and 0.94x eager's speed, with it 0.94x and 0.96x. Two ranks' compute and
+gloo threads share two cores here; on a GPU, where NCCL runs beside compute, it is
+unmeasured.
 """
 from __future__ import annotations
 
