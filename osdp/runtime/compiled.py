@@ -45,7 +45,8 @@ There is no scheduler: with inductor, OSDP's own scheduling pass issues each gat
 while the unit before it computes and runs each reduction under the compute after it,
 within the plan's prefetch window ([Note: compiled prefetch] in compiled_prefetch.py;
 ``CompileConfig(overlap=False)`` leaves inductor's order, which waits for each
-collective where it is issued). Bucketing is inductor's. Inductor's iterative reordering passes (``sink_waits_iterative``,
+collective where it is issued). Bucketing is inductor's. Inductor's iterative
+reordering passes (``sink_waits_iterative``,
 ``reorder_communication_preserving_peak_memory``) schedule by runtime estimates, which
 are 0 on CPU. Measured, N&D 12x128, 2 gloo ranks, 9 interleaved steps, one process:
 eager 359 ms, compiled 343 ms, compiled with those passes 344 ms; ``sink_waits`` alone

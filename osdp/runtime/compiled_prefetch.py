@@ -13,7 +13,8 @@ never priced. This pass is the eager rules cut to what one graph sees:
 - Gathers: the graph's first collective, if a gather that fits ``window_bytes``, is
   issued at the graph's start (nothing of the graph is gathered before it); every later
   gather right after the previous gather's wait (unit k computes while k+1 gathers), if
-  the two units' gathered bytes fit ``window_bytes`` together (the window is twice the
+  the two units' gathered bytes fit ``window_bytes`` together (the eager walk's own
+  test, ``schedule_rules.prefetch_walk``, with one candidate; the window is twice the
   largest gathered unit by default, so they do). One gather in flight beside the unit
   in use, as eagerly; only what the gather reads moves with it (its shard's rebuild and
   cast). In a backward graph that puts a re-gather ahead of the reduction before it.
@@ -48,6 +49,8 @@ import logging
 
 import torch
 
+from ..schedule_rules import prefetch_walk
+
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 log = logging.getLogger(__name__)
 VERSION = 4  # of the ordering rules: part of the inductor cache key (__repr__)
@@ -79,6 +82,13 @@ class WindowPrefetch:
                         type(exc).__name__, exc)
             return snodes
 
+    def _fits(self, gather, in_use_bytes: int) -> bool:
+        """Whether the eager prefetch walk (``schedule_rules.prefetch_walk``, [Note:
+        prefetch window]) issues ``gather`` beside ``in_use_bytes`` gathered: the pass
+        prefetches one unit ahead, so the walk has one candidate."""
+        return any(True for _ in prefetch_walk([(0, gather)], self.window_bytes, size=_gathered_bytes,
+                                               transient=lambda: in_use_bytes, skip=lambda pos, unit: False))
+
     def _order(self, snodes: list) -> list:
         from torch._inductor.utils import contains_collective, contains_wait
 
@@ -89,20 +99,23 @@ class WindowPrefetch:
         for s in snodes:
             for name in s.get_buffer_names():
                 producer[name] = s
+        comm_set = set(comms)
         wait_of = {}
         for s in snodes:
             if contains_wait(s):
-                for comm in {producer.get(d.name) for d in s.unmet_dependencies} & set(comms):
+                for comm in {producer.get(d.name) for d in s.unmet_dependencies} & comm_set:
                     wait_of.setdefault(comm, s)
         gather_after = {}  # a gather's wait -> the next gather, issued right after it
         for before, after in itertools.pairwise([c for c in comms if _is_gather(c)]):
-            if before in wait_of and _gathered_bytes(before) + _gathered_bytes(after) <= self.window_bytes:
+            if before in wait_of and self._fits(after, in_use_bytes=_gathered_bytes(before)):
                 gather_after[wait_of[before]] = after
-        comm_or_wait = set(comms) | set(wait_of.values())
+        comm_or_wait = comm_set | set(wait_of.values())
         reduction_waits = {wait_of[c] for c in comms if not _is_gather(c) and c in wait_of}
+        position = {n: i for i, n in enumerate(snodes)}
 
         order, emitted = [], set()
         held, held_set = [], set()  # reduction waits and what reads them, not emitted yet
+        raised = set()  # gathers issued early
 
         def emit(node) -> None:
             order.append(node)
@@ -113,10 +126,6 @@ class WindowPrefetch:
                 emit(node)
             held.clear()
             held_set.clear()
-
-        position = {n: i for i, n in enumerate(snodes)}
-
-        raised = set()
 
         def issue_early(gather) -> None:
             # a gather reads a shard; the collective order (a fake dependency on the
@@ -129,7 +138,7 @@ class WindowPrefetch:
                     emit(node)
                 raised.add(gather)
 
-        if _is_gather(comms[0]) and _gathered_bytes(comms[0]) <= self.window_bytes:
+        if _is_gather(comms[0]) and self._fits(comms[0], in_use_bytes=0):
             issue_early(comms[0])  # nothing of this graph is gathered before it
         for s in snodes:
             if s in emitted:
