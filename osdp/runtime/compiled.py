@@ -408,8 +408,11 @@ class _ModuleWithViews:
     effects inside a checkpoint region)."""
 
     def __init__(self, module: nn.Module, views: dict[str, torch.Tensor]):
-        self.__dict__.update(views)
-        self.__dict__["_osdp_module"] = module
+        # One store per attribute: torch 2.11's dynamo breaks the graph on
+        # ``self.__dict__.update`` (every call of every unit's module on an H200 run).
+        for name, view in views.items():
+            object.__setattr__(self, name, view)
+        object.__setattr__(self, "_osdp_module", module)
 
     def __getattr__(self, name: str):
         value = getattr(self._osdp_module, name)
