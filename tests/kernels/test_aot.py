@@ -127,6 +127,8 @@ def test_shared_memory_is_the_pipeline_tiles(subset):
         assert r["smem_estimate_bytes"] >= r["smem_bytes"]  # the launch filter's estimate is safe
 
 
+@pytest.mark.slow  # four real compiles, about 22 s; the default run checks the filter against the
+# stored reports (test_filter_drops_what_the_stored_reports_saw_spill) and compiles the fp32 loop
 def test_too_big_and_spilling_configs_are_rejected(extras):
     (filtered, rep), (unfiltered, rep_nf) = extras
     assert filtered.returncode == 0, filtered.stdout[-3000:] + filtered.stderr[-2000:]

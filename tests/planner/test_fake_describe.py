@@ -113,7 +113,8 @@ def _six_layer_cases():
     }
 
 
-@pytest.mark.parametrize("case", ["osdp-gpt", "hf-gpt2", "hf-llama-sdpa"])
+# Llama (about 10 s) with the slow tests: its description is checked field by field above
+@pytest.mark.parametrize("case", ["osdp-gpt", "hf-gpt2", pytest.param("hf-llama-sdpa", marks=pytest.mark.slow)])
 def test_alike_layers_written_out_equal_every_layer_measured(case):
     build, vocab = _six_layer_cases()[case]
     with torch.device("meta"):

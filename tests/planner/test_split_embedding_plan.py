@@ -227,6 +227,7 @@ def test_paper_presets_are_untied_like_mingpt():
             assert not get_preset(name).tie_embeddings, name
 
 
+@pytest.mark.slow  # the paper's whole grid, about 17 s; W&S 2x12288 at 16 GiB is checked above
 def test_simulate_paper_prints_every_cell_and_every_16g_model_gets_a_plan():
     from osdp.cli.simulate import FAMILIES, LIMITS_GIB
 

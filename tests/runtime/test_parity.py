@@ -26,8 +26,9 @@ W4_CASES = (
     "frozen_random",
     "twice_zdp",
 )
-# what the default run's 4-rank tests (shards, split window, coalescing) read: without the
-# slow 4-rank parity and ledger tests, only these cases train on 4 ranks
+# what the 4-rank shard, split-window and coalescing tests read (slow, like the 4-rank
+# parity and ledger tests: the default run checks the same on 2 ranks); without the 4-rank
+# parity and ledger tests, only these cases train on 4 ranks
 W4_DEFAULT_CASES = ("random", "random_no_coalesce", "split_mixed")
 assert set(W4_DEFAULT_CASES) <= set(W4_CASES)
 _RESULTS: dict[int, list] = {}
@@ -140,7 +141,7 @@ def test_ledger_proves_modes(world_size, name):
             assert has == (unit not in no_grad), pname
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_shards_are_even_and_named(world_size):
     res = _default_results(world_size)
     name = "split_mixed"
@@ -162,7 +163,7 @@ def test_shards_are_even_and_named(world_size):
     assert order.index("blocks.0.mlp.c_fc[3]") == order.index("blocks.0.mlp.c_fc[0]") + 3
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_split_op_peak_is_slice_plus_window(world_size):
     for row in _default_results(world_size)[0]["split_window"]:
         slices, window, peak = row["slice_bytes"], row["window"], row["peak_gathered"]
@@ -181,7 +182,7 @@ def test_ranks_with_different_configs_raise_not_hang():
     assert all(m and "different OSDP configurations" in m for m in messages)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_coalescing_cuts_collectives_not_gathers(world_size):
     """Same modes with and without coalesced small units: every unit is gathered and
     reduce-scattered as often (the ledger), in fewer collectives."""

@@ -100,6 +100,7 @@ def own_pool():
     pool.close()
 
 
+@pytest.mark.slow  # the test harness's failure paths restart ranks: 8-11 s each
 def test_a_rank_failing_while_its_peer_waits_comes_back_and_the_pool_recovers(own_pool):
     start = time.monotonic()
     with pytest.raises(RuntimeError, match=r"(?s)rank 1:.*ZeroDivisionError: rank 1 fails"):
@@ -109,12 +110,14 @@ def test_a_rank_failing_while_its_peer_waits_comes_back_and_the_pool_recovers(ow
     assert own_pool.run(_sum_of_ranks, 1) == [(0, 2, 4.0), (1, 2, 4.0)]
 
 
+@pytest.mark.slow  # the test harness's failure paths restart ranks: 8-11 s each
 def test_a_dead_rank_comes_back_with_its_exit_code(own_pool):
     with pytest.raises(RuntimeError, match=r"rank 0: the process died \(exit code 7\)"):
         own_pool.run(_die)
     assert own_pool.run(_sum_of_ranks, 0) == [(0, 2, 3.0), (1, 2, 3.0)]
 
 
+@pytest.mark.slow  # the test harness's failure paths restart ranks: 8-11 s each
 def test_a_hanging_task_times_out_with_its_stacks(own_pool):
     with pytest.raises(RuntimeError, match=r"(?s)ranks \[0, 1\] did not finish within 2 s.*in _hang"):
         own_pool.run(_hang, timeout_s=2)
