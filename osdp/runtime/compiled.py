@@ -86,12 +86,11 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..errors import ConfigError
 from ..module_tree import transformer_blocks
 from .activation_checkpoint import apply_checkpointing
-from .compiled_prefetch import WindowPrefetch
+from .compiled_prefetch import _ALL_GATHER, WindowPrefetch
 from .modes import Mode
 from .shard_unit import ShardUnit
 
 _C10D = torch.ops._c10d_functional
-_ALL_GATHER = _C10D.all_gather_into_tensor.default
 SCOPES = ("blocks", "model")
 # inductor settings that choose the comm/compute reordering: given by the user, they win
 _OVERLAP_KEYS = ("reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes")
@@ -394,8 +393,8 @@ class CompiledUnit:
         gathered buffer's views, or, for a bucketed ``rep`` unit (not a split op's
         slice), its own parameters ([Note: rep units uncopied])."""
         if self.bucketed and self.unit.split_params is None:
-            return [p.view(s.shape) if p.dtype == self.compute_dtype else p.to(self.compute_dtype).view(s.shape)
-                    for p, s in zip(self.unit.params, self.unit.slots)]
+            # ``to`` returns the parameter itself where the dtype is already the compute one
+            return [p.to(self.compute_dtype).view(s.shape) for p, s in zip(self.unit.params, self.unit.slots)]
         return self.views(self.gathered())
 
 

@@ -51,7 +51,7 @@ import torch
 
 from ..schedule_rules import prefetch_walk
 
-_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default  # also compiled.py's
 log = logging.getLogger(__name__)
 VERSION = 4  # of the ordering rules: part of the inductor cache key (__repr__)
 

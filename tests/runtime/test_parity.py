@@ -29,8 +29,8 @@ W4_CASES = (
 # what the 4-rank shard, split-window and coalescing tests read (slow, like the 4-rank
 # parity and ledger tests: the default run checks the same on 2 ranks); without the 4-rank
 # parity and ledger tests, only these cases train on 4 ranks
-W4_DEFAULT_CASES = ("random", "random_no_coalesce", "split_mixed")
-assert set(W4_DEFAULT_CASES) <= set(W4_CASES)
+W4_LAYOUT_CASES = ("random", "random_no_coalesce", "split_mixed")
+assert set(W4_LAYOUT_CASES) <= set(W4_CASES)
 _RESULTS: dict[int, list] = {}
 
 
@@ -48,8 +48,8 @@ def results(world_size, names=None):
     return _RESULTS[world_size]
 
 
-def _default_results(world_size):
-    return results(world_size, W4_DEFAULT_CASES if world_size == 4 else None)
+def _layout_results(world_size):
+    return results(world_size, W4_LAYOUT_CASES if world_size == 4 else None)
 
 
 # the 4-rank cases share one spawn of about a minute: with the slow tests
@@ -143,7 +143,7 @@ def test_ledger_proves_modes(world_size, name):
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_shards_are_even_and_named(world_size):
-    res = _default_results(world_size)
+    res = _layout_results(world_size)
     name = "split_mixed"
     probes = [r["osdp"][name][2] for r in res]
     assert all(p["shard_numels"] == probes[0]["shard_numels"] for p in probes), "every rank holds an equal shard"
@@ -165,7 +165,7 @@ def test_shards_are_even_and_named(world_size):
 
 @pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_split_op_peak_is_slice_plus_window(world_size):
-    for row in _default_results(world_size)[0]["split_window"]:
+    for row in _layout_results(world_size)[0]["split_window"]:
         slices, window, peak = row["slice_bytes"], row["window"], row["peak_gathered"]
         assert peak <= max(slices) + window, row
         if window < 2 * max(slices):
@@ -186,7 +186,7 @@ def test_ranks_with_different_configs_raise_not_hang():
 def test_coalescing_cuts_collectives_not_gathers(world_size):
     """Same modes with and without coalesced small units: every unit is gathered and
     reduce-scattered as often (the ledger), in fewer collectives."""
-    rank0 = _default_results(world_size)[0]
+    rank0 = _layout_results(world_size)[0]
     _, _, merged = rank0["osdp"]["random"]
     _, _, alone = rank0["osdp"]["random_no_coalesce"]
     assert merged["all_gathers"] == alone["all_gathers"]
