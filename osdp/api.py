@@ -173,7 +173,8 @@ class ShardedModel(nn.Module):
         else:
             self._init_compiled(config)
         self._init_memory_check(options)
-        self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built, self.prefetch_bytes)
+        self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built, self.prefetch_bytes,
+                                                 self._region_classes)
                                  if self.compile_config is not None else [])
 
     # the runtime options it was built with (self.options), by their keyword names
@@ -311,7 +312,7 @@ class ShardedModel(nn.Module):
         """The compiled path: modules gather through collectives the compiler sees, no
         hooks, no scheduler at run time; see [Note: compiled units] in
         osdp/runtime/compiled.py."""
-        install_compiled(self.module, self._built, self.layout, config.checkpoint_blocks)
+        self._region_classes = install_compiled(self.module, self._built, self.layout, config.checkpoint_blocks)
         self.checkpoint_blocks = config.checkpoint_blocks
         self._bindings = []
         mark_sharded_grads(self._built.units)

@@ -24,13 +24,13 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger("osdp.runtime")
 
 
-def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_end=None, context_fn=None) -> None:
-    """``on_recompute_end()``: called when a block's forward run by checkpoint returns or
-    stops (in backward, the recompute's end: the memory ledger labels what follows).
-    ``context_fn``: torch's selective checkpointing contexts (the compiled path's policy
-    that keeps ``dp`` gathers, osdp/runtime/compiled.py); None: everything recomputed."""
+def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_end=None) -> None:
+    """The eager path's checkpointing (the compiled path's is a region class, [Note: one
+    code object per region plan] in compiled_regions.py). ``on_recompute_end()``:
+    called when a block's forward run by checkpoint returns or stops (in backward, the
+    recompute's end: the memory ledger labels what follows)."""
     if blocks:
-        _disable_kv_cache(model)
+        disable_kv_cache(model)
     for path in blocks:
         module = model.get_submodule(path)
         inner = module.forward
@@ -45,14 +45,12 @@ def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_
         def forward(*args, _inner=inner, _run=run, **kwargs):
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
-            if context_fn is not None:
-                return checkpoint(_run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
             return checkpoint(_run, *args, use_reentrant=False, **kwargs)
 
         module.forward = forward
 
 
-def _disable_kv_cache(model: nn.Module) -> None:
+def disable_kv_cache(model: nn.Module) -> None:
     """See [Note: checkpointing and key/value caches]."""
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):

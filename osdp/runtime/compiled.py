@@ -84,9 +84,10 @@ import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import ConfigError
-from ..module_tree import transformer_blocks
-from .activation_checkpoint import apply_checkpointing
+from .activation_checkpoint import disable_kv_cache
 from .compiled_prefetch import _ALL_GATHER, WindowPrefetch
+from .compiled_regions import (RegionClasses, compile_regions as _compile_regions, inside_any, region_paths,
+                               region_signature)
 from .modes import Mode
 from .shard_unit import ShardUnit
 
@@ -362,6 +363,15 @@ class CompiledUnit:
         self.rank_if_all_reduce = (group.rank() if use_ar and not unit.replicated
                                    and c10d.get_backend(group) == "gloo" else None)
 
+    def signature(self) -> tuple:
+        """Everything the traced code reads from this unit, as plain values
+        ([Note: one code object per region plan] in compiled_regions.py)."""
+        unit = self.unit
+        return (self.world, self.group_name, self.recompute, self.compute_dtype, self.reduce_dtype, self.pieces,
+                self.pad, self.bucketed, self.rank_if_all_reduce, unit.replicated, unit.split_params is None,
+                tuple((s.attr, s.offset, s.numel, tuple(s.shape)) for s in unit.slots),
+                tuple((tuple(p.shape), p.dtype, p.requires_grad) for p in unit.params))
+
     def local_flat(self) -> torch.Tensor:
         """This rank's flat shard rebuilt from the original parameters (a copy; autograd
         carries the gradient back into their ``.grad``)."""
@@ -427,6 +437,9 @@ class ModuleUnits:
         self.entries = entries
         self.base_forward = base_forward
 
+    def signature(self) -> tuple:
+        return tuple((cunit.signature(), tuple(slots)) for cunit, slots in self.entries)
+
     def forward(self, module: nn.Module, args, kwargs):
         views = {}
         for cunit, slots in self.entries:
@@ -441,6 +454,9 @@ class SplitUnits:
 
     def __init__(self, slices: list[CompiledUnit]):
         self.slices = slices
+
+    def signature(self) -> tuple:
+        return ("split",) + tuple(cunit.signature() for cunit in self.slices)
 
     def forward(self, module: nn.Module, args, kwargs):
         def slice_views(i: int) -> dict[str, torch.Tensor]:
@@ -491,13 +507,14 @@ def _refuse(built, layout) -> None:
                               "conv1d_nx): leave it unsplit, or run eager (compile=None)")
 
 
-def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...]) -> None:
+def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...]) -> RegionClasses:
     """Make every module that computes with units run the compiled path (module
     forwards swapped, no hooks) and checkpoint ``checkpoint_blocks`` with the policy
-    that keeps ``dp`` gathers. Compiling is :func:`compile_regions`."""
+    that keeps ``dp`` gathers. The region classes returned are the ones
+    :func:`compile_regions` adds to ([Note: one code object per region plan])."""
     _refuse(built, layout)
     group = layout.world.group
-    inside = _block_of(checkpoint_blocks)
+    inside = inside_any(checkpoint_blocks)
     cache: dict[ShardUnit, CompiledUnit] = {}
     classes: dict[type, type] = {}  # this model's swapped classes
 
@@ -516,10 +533,17 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
         _swap_class(module, runner, classes)
     for path, (module, units) in built.splits.items():
         _swap_class(module, SplitUnits([compiled(u) for u in units]), classes)
-    apply_checkpointing(model, checkpoint_blocks,
-                        context_fn=functools.partial(create_selective_checkpoint_contexts, _checkpointed_block))
     if os.environ.get("OSDP_COMPILED_REP_BUCKET", "1") != "0":
-        _bucket_replica_grads(list(cache.values()), group)
+        _bucket_replica_grads(list(cache.values()), group)  # before the signatures: it sets cunit.bucketed
+    regions = RegionClasses()
+    if checkpoint_blocks:
+        disable_kv_cache(model)
+        policy = functools.partial(create_selective_checkpoint_contexts, _checkpointed_block)
+        for path in checkpoint_blocks:
+            block = model.get_submodule(path)
+            block.__dict__.pop("forward", None)  # an instance forward would hide the region's
+            regions.give(block, region_signature(block), context_fn=policy)
+    return regions
 
 
 def _bucket_replica_grads(cunits: list[CompiledUnit], group) -> ReplicaGradBucket | None:
@@ -569,27 +593,13 @@ def _base_forward(module: nn.Module):
     return lambda _module, *args, **kwargs: own(*args, **kwargs)
 
 
-def _block_of(blocks: tuple[str, ...]):
-    def inside(path: str) -> bool:
-        return any(path == b or path.startswith(b + ".") for b in blocks)
-    return inside
-
-
-def compile_regions(model: nn.Module, config: CompileConfig, built, window_bytes: int) -> list[str]:
-    """Compile ``model`` per ``config.scope``; the paths compiled, in order.
-    ``window_bytes``: the prefetch window ([Note: compiled prefetch])."""
+def compile_regions(model: nn.Module, config: CompileConfig, built, window_bytes: int,
+                    regions: RegionClasses) -> list[str]:
+    """Compile ``model`` per ``config.scope``, each region with its class from
+    ``regions``; the paths compiled, in order. ``window_bytes``: the prefetch window
+    ([Note: compiled prefetch])."""
     config.refuse_unsafe_comm_reordering()
-    kwargs = config.torch_compile_kwargs(window_bytes)
-    if config.scope == "model":
-        model.compile(**kwargs)
-        return [""]
     unit_paths = [p for _, p, _ in built.bindings] + list(built.splits)
-    # the blocks computing with units (not a ModuleList of Identity bridges)
-    regions = [b for b in transformer_blocks(model) if any(_block_of((b,))(p) for p in unit_paths)]
-    inside = _block_of(tuple(regions))
-    for path in unit_paths:
-        if not inside(path) and path not in regions:
-            regions.append(path)  # a unit outside the blocks: its own region (zdp needs a graph)
-    for path in regions:
-        model.get_submodule(path).compile(**kwargs)
-    return regions
+    paths = region_paths(model, unit_paths, config.scope)
+    _compile_regions(model, paths, regions, config.torch_compile_kwargs(window_bytes))
+    return paths

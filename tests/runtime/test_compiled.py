@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import osdp
 from osdp.errors import ConfigError
-from osdp.models.gpt import GPT, GPTConfig
+from osdp.models.gpt import GPT, GPTConfig, example_batch
 from osdp.runtime.mixed_precision import MixedPrecision
 from runtime.compiled_cases import Case, run_all, run_auto, run_hf_cases
 from runtime.dist_harness import spawn
@@ -192,6 +193,33 @@ def test_compiled_refuses_split_ops_without_compiled_forward(fake_world):
 def test_compiled_refuses_hierarchical_layouts(fake_world):
     with pytest.raises(ConfigError, match="one shard group over all ranks"):
         osdp.OSDP(_gpt(), default_mode="hpz", node_size=2, compile=True)
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_compiled_blocks_compile_once_per_plan_within_the_recompile_limit(fake_world):
+    """[Note: one code object per region plan]: 5 blocks with 4 plans (block 4's is
+    block 0's; block 3 checkpointed), dynamo's recompile limit at 2 and told to fail
+    where it would run a frame eagerly: every block compiled, the two alike blocks
+    share one graph, and a second step compiles nothing."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=5, hidden=32, heads=4))
+    block_class = type(gpt.blocks[0])
+    model = osdp.OSDP(gpt, default_mode="zdp", modes={"blocks.1.mlp.c_fc": "dp", "blocks.2.attn.c_attn": "dp"},
+                      checkpoint_blocks=("blocks.3",), compile={"backend": "aot_eager"})
+    blocks = model.module.blocks
+    assert type(blocks[0]) is type(blocks[4])
+    assert len({type(b) for b in blocks}) == 4 and all(isinstance(b, block_class) for b in blocks)
+    idx, tgt = example_batch(gpt.config, 2)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+        for _ in range(2):
+            model(idx, tgt).backward()
+            graphs.append(counters["stats"]["unique_graphs"])
+    # 4 block plans + wte, wpe, ln_f, lm_head, each its own region
+    assert graphs == [8, 8]
+    assert sum(counters["graph_break"].values()) == 0
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)

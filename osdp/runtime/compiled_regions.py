@@ -1,0 +1,128 @@
+"""What ``torch.compile`` compiles on the compiled path (osdp/runtime/compiled.py): one
+region per transformer block and per unit outside the blocks (``scope="blocks"``) or
+the whole model (``scope="model"``), each region entered through a forward whose code
+object is its own.
+
+[Note: one code object per region plan]
+Dynamo keeps compiled code per code object (the first frame it traces: a region's
+``forward``) and, past ``torch._dynamo.config.recompile_limit`` (8) entries on one,
+runs that frame eagerly with only a warning. A block's units differ by plan (which
+are ``dp``, which ``zdp``, which split) and dynamo guards on it, so every distinct
+block plan is an entry on the block class's one ``forward``: measured, a 10-layer GPT
+whose blocks had 10 different plans compiled 8 of them and ran the other two eagerly
+(with ``fail_on_recompile_limit_hit`` it raised). The planner's per-operator plans
+give exactly that, on the deep models compile is for. So each region's module gets a
+subclass, one per (class, checkpointed or not, :func:`region_signature`) in each
+wrapped model, whose ``forward`` has a code object of its own and calls the class's
+forward. Blocks with the same plan share a subclass and so one compiled graph (as
+torchtitan's per-block compile shares it across identical layers: dynamo guards on
+the module's structure, not its identity); blocks with different plans never share a
+cache; two wrapped models never do (auto mode compiles several trials in one
+process, [Note: compiled plans] in osdp/auto.py).
+
+A checkpointed block's subclass runs its forward under non-reentrant checkpoint with
+the compiled path's policy (``context_fn``), in place of
+:func:`~osdp.runtime.activation_checkpoint.apply_checkpointing`'s instance-level
+forward: a function set on the instance is one code object for every checkpointed
+block of every model, the cache this note keeps apart.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+from ..module_tree import transformer_blocks
+
+# a region's module's class is swapped to one of these; the value: how it was made
+_REGION_ATTR = "_osdp_region_key"
+
+
+def region_signature(module: nn.Module) -> tuple:
+    """What the compiled graph of ``module`` depends on besides its class: per
+    submodule, its path, class and, where it computes with units, how each unit is
+    gathered (mode, layout of this rank's shard, slots, dtypes; the runner's
+    ``signature()``). Equal for blocks of one class with one plan."""
+    return tuple((name, type(sub), getattr(sub.__dict__.get("_osdp_compiled"), "signature", lambda: None)())
+                 for name, sub in module.named_modules())
+
+
+class RegionClasses:
+    """One wrapped model's region subclasses, by (base class, checkpoint policy,
+    signature); see [Note: one code object per region plan]."""
+
+    def __init__(self):
+        self.classes: dict[tuple, type] = {}
+
+    def give(self, module: nn.Module, signature: tuple, context_fn=None) -> None:
+        """Swap ``module`` to the subclass for its class, checkpointing (``context_fn``,
+        torch's selective-checkpoint contexts; None: not checkpointed) and signature.
+        A module given one already keeps it (a checkpointed block that is also a
+        region)."""
+        if _REGION_ATTR in module.__dict__:
+            return
+        base = type(module)
+        key = (base, context_fn, signature)
+        cls = self.classes.get(key)
+        if cls is None:
+            name = f"forward_region{len(self.classes)}_{base.__name__}"
+            forward = _region_forward(_class_forward(base), context_fn, name, f"{base.__name__}.{name}")
+            cls = self.classes[key] = type(base.__name__, (base,), {"forward": forward,
+                                                                    "__module__": base.__module__})
+        module.__class__ = cls
+        module.__dict__[_REGION_ATTR] = len(self.classes)
+
+
+def _class_forward(base: type):
+    """The forward instances of ``base`` run. A forward set on an instance was taken
+    off it when the compiled path was installed (compiled.py ``_base_forward``) only for
+    modules computing with units; on any other region it would hide the subclass's."""
+    return base.forward
+
+
+def _region_forward(base_forward, context_fn, name: str, qualname: str):
+    """``base_forward`` called from a function with a code object of its own, under
+    checkpoint with ``context_fn`` when given and gradients are on."""
+    def forward(self, *args, **kwargs):
+        if context_fn is None or not torch.is_grad_enabled():
+            return base_forward(self, *args, **kwargs)
+
+        def run(*inner_args, **inner_kwargs):
+            return base_forward(self, *inner_args, **inner_kwargs)
+        return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    code = forward.__code__.replace(co_name=name, co_qualname=qualname)
+    return types.FunctionType(code, forward.__globals__, name, None, forward.__closure__)
+
+
+def inside_any(blocks) -> callable:
+    """``path`` -> whether it is one of ``blocks`` or inside one."""
+    blocks = tuple(blocks)
+
+    def inside(path: str) -> bool:
+        return any(path == b or path.startswith(b + ".") for b in blocks)
+    return inside
+
+
+def region_paths(model: nn.Module, unit_paths: list[str], scope: str) -> list[str]:
+    """The paths ``scope`` compiles, in order: ``[""]`` (the model) for ``"model"``;
+    else the blocks computing with units (not a ModuleList of Identity bridges), then,
+    each on its own, every unit's module outside them (a zdp unit needs a graph)."""
+    if scope == "model":
+        return [""]
+    regions = [b for b in transformer_blocks(model) if any(inside_any((b,))(p) for p in unit_paths)]
+    inside = inside_any(regions)
+    for path in unit_paths:
+        if not inside(path) and path not in regions:
+            regions.append(path)
+    return regions
+
+
+def compile_regions(model: nn.Module, regions: list[str], classes: RegionClasses, compile_kwargs: dict) -> None:
+    """``torch.compile`` each region in place, each with its region subclass."""
+    for path in regions:
+        module = model.get_submodule(path)
+        classes.give(module, region_signature(module))
+        module.compile(**compile_kwargs)
