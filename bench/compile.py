@@ -28,8 +28,12 @@ Per model, in ONE spawned run (so that the ratios come from one interleaved run)
 - ``dynamic=False`` for both compiled peers: their blocks share ``nn.Module._call_impl``'s
   code object, and dynamo's automatic-dynamic would otherwise mark the batch dimension
   dynamic for whichever peer compiles second when the two batches differ.
-- Inductor's caches go to a fresh folder per run (``TORCHINDUCTOR_CACHE_DIR``), so that
-  the compile time is a cold one.
+- Inductor's caches go to a fresh folder per run (``TORCHINDUCTOR_CACHE_DIR``), and each
+  compiled peer's first step runs under ``torch._inductor.utils.fresh_cache`` (a folder
+  of its own, in-memory caches cleared), so that each compile time is a cold one. Before
+  (until 2026-11-27) both peers shared one: FSDP2's block kernels (layer norm, softmax,
+  GELU, the same code as OSDP's) were cache hits from OSDP's compile, which runs first,
+  and FSDP2's compile time read several times shorter than a cold one.
 
 Targets (issue 33), printed next to the numbers: OSDP's compile gain (eager step /
 compiled step) >= FSDP2's; OSDP compiled >= 1.0x FSDP2 compiled in samples/s. An error
@@ -39,6 +43,7 @@ the other peers go on. Writes bench/results/compile_<device>.csv.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import tempfile
@@ -93,6 +98,14 @@ def _agreed_error(error: str) -> str:
     errors = [None] * dist.get_world_size()
     dist.all_gather_object(errors, error)
     return next((e for e in errors if e), "")
+
+
+def _cold_compile_cache():
+    """Inductor's caches, on disk and in memory, empty for one peer's compile (renamed
+    from ``fresh_inductor_cache`` in torch 2.8)."""
+    from torch._inductor import utils
+
+    return (getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache)()
 
 
 def _timed_step(model, optim, config, batch, seed) -> float:
@@ -156,13 +169,14 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
         reasons = _break_reasons()
         error = ""
         try:
-            model = wrap_peer(peer, config, plan=plan if peer == "osdp" else None,
-                              compile=compile_kwargs if compiled else None)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            dist.barrier()
-            start = time.perf_counter()
-            train_step(model, optim, config, batch, seed=1)
-            first = time.perf_counter() - start
+            with _cold_compile_cache() if compiled else contextlib.nullcontext():
+                model = wrap_peer(peer, config, plan=plan if peer == "osdp" else None,
+                                  compile=compile_kwargs if compiled else None)
+                optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+                dist.barrier()
+                start = time.perf_counter()
+                train_step(model, optim, config, batch, seed=1)
+                first = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001  (a compiler error is a result to report)
             error = f"{type(e).__name__}: {e}".replace("\n", " ")[:500]
             if rank == 0:

@@ -70,6 +70,20 @@ and a split of each gradient in backward. Measured (N&D 12x128 GPT, every unit `
 batch 3, 2 gloo ranks, 9 steps, medians): compiled backward 105 -> 88 ms against eager's
 87, forward 39 -> 37 ms against eager's 35. A ``rep`` slice of a split op keeps the flat
 path: its parameter is shared with the op's other slices.
+
+[Note: units outside the blocks]
+With ``scope="blocks"``, a unit outside the transformer blocks (embeddings, final
+norm, head) is a region of one module. It still needs a graph: run eagerly, a ``zdp``
+unit's gathered weight would be saved by its own operator for backward (the
+must-recompute checkpoint governs only the gather), so it would be kept as ``dp``
+keeps it. But it gains nothing from code generation (one matmul or lookup, a norm)
+and costs a compile each: inductor compiled 30 CPU kernels for N&D 12x128 all-``zdp``
+(one block graph shared by the 12 blocks, and the 4 units outside), 7 of them for the
+4 units outside. So those regions take ``CompileConfig.outside_backend``, by default
+``aot_eager``: dynamo and AOT autograd with the min-cut partitioner, the same
+partitioner inductor uses (the plan's recompute and collectives hold, 0 graph breaks
+as in the blocks), and aten operators run as traced. Measured: see the README's
+Compiled section. ``outside_backend=None`` compiles them with ``backend``.
 """
 from __future__ import annotations
 
@@ -113,7 +127,9 @@ class CompileConfig:
     the inductor backend, issue each gather while the unit before it computes and run
     each gradient reduction under the backward compute that follows, within the plan's
     prefetch window ([Note: compiled prefetch] in compiled_prefetch.py); left out when
-    ``options`` set inductor's ``reorder_for_compute_comm_overlap`` passes themselves."""
+    ``options`` set inductor's ``reorder_for_compute_comm_overlap`` passes themselves.
+    ``outside_backend``: the backend of the regions outside the blocks
+    (``scope="blocks"``), [Note: units outside the blocks]; None: ``backend``."""
 
     scope: str = "blocks"
     mode: str | None = None
@@ -122,6 +138,7 @@ class CompileConfig:
     backend: object = "inductor"
     options: dict | None = None
     overlap: bool = True
+    outside_backend: object = "aot_eager"
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -192,6 +209,12 @@ class CompileConfig:
         if options is not None:
             kwargs["options"] = options
         return kwargs
+
+    def outside_compile_kwargs(self, window_bytes: int | None = None) -> dict:
+        """``torch.compile``'s keyword arguments for a unit outside the blocks."""
+        if self.outside_backend is None or self.outside_backend == self.backend:
+            return self.torch_compile_kwargs(window_bytes)
+        return {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.outside_backend}
 
 
 # ---- the collectives, differentiable ---------------------------------------------------------
@@ -600,6 +623,7 @@ def compile_regions(model: nn.Module, config: CompileConfig, built, window_bytes
     ([Note: compiled prefetch])."""
     config.refuse_unsafe_comm_reordering()
     unit_paths = [p for _, p, _ in built.bindings] + list(built.splits)
-    paths = region_paths(model, unit_paths, config.scope)
-    _compile_regions(model, paths, regions, config.torch_compile_kwargs(window_bytes))
-    return paths
+    blocks, outside = region_paths(model, unit_paths, config.scope)
+    _compile_regions(model, blocks, regions, config.torch_compile_kwargs(window_bytes))
+    _compile_regions(model, outside, regions, config.outside_compile_kwargs(window_bytes))
+    return blocks + outside

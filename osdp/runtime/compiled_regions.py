@@ -106,18 +106,21 @@ def inside_any(blocks) -> callable:
     return inside
 
 
-def region_paths(model: nn.Module, unit_paths: list[str], scope: str) -> list[str]:
-    """The paths ``scope`` compiles, in order: ``[""]`` (the model) for ``"model"``;
-    else the blocks computing with units (not a ModuleList of Identity bridges), then,
-    each on its own, every unit's module outside them (a zdp unit needs a graph)."""
+def region_paths(model: nn.Module, unit_paths: list[str], scope: str) -> tuple[list[str], list[str]]:
+    """The paths ``scope`` compiles, in order: the blocks (``[""]``, the model, for
+    ``"model"``; else the blocks computing with units, not a ModuleList of Identity
+    bridges) and the regions outside them: each unit's module outside the blocks, on
+    its own (a ``zdp`` unit's recompute needs a graph, [Note: units outside the
+    blocks] in compiled.py)."""
     if scope == "model":
-        return [""]
-    regions = [b for b in transformer_blocks(model) if any(inside_any((b,))(p) for p in unit_paths)]
-    inside = inside_any(regions)
+        return [""], []
+    blocks = [b for b in transformer_blocks(model) if any(inside_any((b,))(p) for p in unit_paths)]
+    inside = inside_any(blocks)
+    outside = []
     for path in unit_paths:
-        if not inside(path) and path not in regions:
-            regions.append(path)
-    return regions
+        if not inside(path) and path not in outside:
+            outside.append(path)
+    return blocks, outside
 
 
 def compile_regions(model: nn.Module, regions: list[str], classes: RegionClasses, compile_kwargs: dict) -> None:

@@ -15,7 +15,7 @@ import osdp
 from osdp.errors import ConfigError
 from osdp.models.gpt import GPT, GPTConfig, example_batch
 from osdp.runtime.mixed_precision import MixedPrecision
-from runtime.compiled_cases import Case, run_all, run_auto, run_hf_cases
+from runtime.compiled_cases import Case, counting_backend, run_all, run_auto, run_hf_cases
 from runtime.dist_harness import spawn
 
 # per case: (all-gathers in the forward graphs, in the backward graphs), derived from
@@ -197,29 +197,46 @@ def test_compiled_refuses_hierarchical_layouts(fake_world):
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 def test_compiled_blocks_compile_once_per_plan_within_the_recompile_limit(fake_world):
-    """[Note: one code object per region plan]: 5 blocks with 4 plans (block 4's is
-    block 0's; block 3 checkpointed), dynamo's recompile limit at 2 and told to fail
+    """[Note: one code object per region plan]: 4 blocks with 3 plans (block 3's is
+    block 0's; block 2 checkpointed), dynamo's recompile limit at 1 and told to fail
     where it would run a frame eagerly: every block compiled, the two alike blocks
     share one graph, and a second step compiles nothing."""
     torch.manual_seed(0)
-    gpt = GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=5, hidden=32, heads=4))
+    gpt = GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=4, hidden=32, heads=4))
     block_class = type(gpt.blocks[0])
-    model = osdp.OSDP(gpt, default_mode="zdp", modes={"blocks.1.mlp.c_fc": "dp", "blocks.2.attn.c_attn": "dp"},
-                      checkpoint_blocks=("blocks.3",), compile={"backend": "aot_eager"})
+    model = osdp.OSDP(gpt, default_mode="zdp", modes={"blocks.1.mlp.c_fc": "dp"}, checkpoint_blocks=("blocks.2",),
+                      compile={"backend": "aot_eager"})
     blocks = model.module.blocks
-    assert type(blocks[0]) is type(blocks[4])
-    assert len({type(b) for b in blocks}) == 4 and all(isinstance(b, block_class) for b in blocks)
+    assert type(blocks[0]) is type(blocks[3])
+    assert len({type(b) for b in blocks}) == 3 and all(isinstance(b, block_class) for b in blocks)
     idx, tgt = example_batch(gpt.config, 2)
     torch._dynamo.reset()
     counters.clear()
     graphs = []
-    with torch._dynamo.config.patch(recompile_limit=2, fail_on_recompile_limit_hit=True):
+    with torch._dynamo.config.patch(recompile_limit=1, fail_on_recompile_limit_hit=True):
         for _ in range(2):
             model(idx, tgt).backward()
             graphs.append(counters["stats"]["unique_graphs"])
-    # 4 block plans + wte, wpe, ln_f, lm_head, each its own region
-    assert graphs == [8, 8]
+    # 3 block plans + wte, wpe, ln_f, lm_head, each its own region
+    assert graphs == [7, 7]
     assert sum(counters["graph_break"].values()) == 0
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("outside_backend,gathers", [("aot_eager", 6), (None, 10)])
+def test_units_outside_the_blocks_take_their_own_backend(fake_world, outside_backend, gathers):
+    """[Note: units outside the blocks]: by default the block's backend (here one that
+    counts all-gathers) compiles the block's 6 units, not wte, wpe, ln_f and lm_head;
+    ``outside_backend=None`` gives it all 10."""
+    torch.manual_seed(0)
+    gpt = GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=1, hidden=32, heads=4))
+    seen = {"fw": 0, "bw": 0}
+    model = osdp.OSDP(gpt, default_mode="zdp", compile={"backend": counting_backend(seen),
+                                                        "outside_backend": outside_backend})
+    torch._dynamo.reset()
+    model(*example_batch(gpt.config, 2)).backward()
+    assert seen["fw"] == gathers
+    assert model.compiled_regions == ["blocks.0", "wte", "wpe", "ln_f", "lm_head"]
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
