@@ -148,6 +148,10 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
     compile_kwargs = dict(backend=backend, dynamic=False)
     if os.environ.get("OSDP_BENCH_INDUCTOR_OPTIONS"):  # --inductor-options, for both compiled peers
         compile_kwargs["options"] = json.loads(os.environ["OSDP_BENCH_INDUCTOR_OPTIONS"])
+    outside = {}  # --outside-backend: OSDP's units outside the blocks
+    if os.environ.get("OSDP_BENCH_OUTSIDE_BACKEND"):
+        name = os.environ["OSDP_BENCH_OUTSIDE_BACKEND"]
+        outside["outside_backend"] = None if name == "same" else name
     rows, runs = [], []  # runs: (row, model, optim) timed together below
     for label, peer, compiled in PEERS:
         row = dict(peer=label, compiled=compiled, backend=backend if compiled else "", error="",
@@ -169,9 +173,9 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
         reasons = _break_reasons()
         error = ""
         try:
+            peer_compile = {**compile_kwargs, **(outside if peer == "osdp" else {})} if compiled else None
             with _cold_compile_cache() if compiled else contextlib.nullcontext():
-                model = wrap_peer(peer, config, plan=plan if peer == "osdp" else None,
-                                  compile=compile_kwargs if compiled else None)
+                model = wrap_peer(peer, config, plan=plan if peer == "osdp" else None, compile=peer_compile)
                 optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
                 dist.barrier()
                 start = time.perf_counter()
@@ -257,9 +261,13 @@ def main(argv=None):
     parser.add_argument("--models", help=f"comma-separated subset of: {', '.join(MODELS)}")
     parser.add_argument("--inductor-options", help="JSON dict of inductor settings (torch.compile options=) for both "
                         "compiled peers, e.g. '{\"bucket_all_gathers_fx\": \"all\", \"bucket_all_reduces_fx\": \"all\"}'")
+    parser.add_argument("--outside-backend", help="backend of OSDP's units outside the blocks "
+                        "(CompileConfig.outside_backend, e.g. aot_eager; default and 'same': --backend)")
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / "results" / ".profile-cache"))
     parser.add_argument("--out", help="CSV path (default bench/results/compile_<device>.csv)")
     args = parser.parse_args(argv)
+    if args.outside_backend:
+        os.environ["OSDP_BENCH_OUTSIDE_BACKEND"] = args.outside_backend
     if args.inductor_options:
         json.loads(args.inductor_options)  # refuse a malformed one here, not in the ranks
         os.environ["OSDP_BENCH_INDUCTOR_OPTIONS"] = args.inductor_options

@@ -73,17 +73,23 @@ path: its parameter is shared with the op's other slices.
 
 [Note: units outside the blocks]
 With ``scope="blocks"``, a unit outside the transformer blocks (embeddings, final
-norm, head) is a region of one module. It still needs a graph: run eagerly, a ``zdp``
-unit's gathered weight would be saved by its own operator for backward (the
-must-recompute checkpoint governs only the gather), so it would be kept as ``dp``
-keeps it. But it gains nothing from code generation (one matmul or lookup, a norm)
-and costs a compile each: inductor compiled 30 CPU kernels for N&D 12x128 all-``zdp``
-(one block graph shared by the 12 blocks, and the 4 units outside), 7 of them for the
-4 units outside. So those regions take ``CompileConfig.outside_backend``, by default
-``aot_eager``: dynamo and AOT autograd with the min-cut partitioner, the same
-partitioner inductor uses (the plan's recompute and collectives hold, 0 graph breaks
-as in the blocks), and aten operators run as traced. Measured: see the README's
-Compiled section. ``outside_backend=None`` compiles them with ``backend``.
+norm, head) is a region of one module. It needs a graph: run eagerly, a ``zdp`` unit's
+gathered weight would be saved by its own operator for backward (the must-recompute
+checkpoint governs only the gather), so it would be kept as ``dp`` keeps it.
+``CompileConfig.outside_backend`` chooses how these regions are compiled: None (the
+default) with ``backend``, as the blocks; ``"aot_eager"``: dynamo and AOT autograd with
+the min-cut partitioner inductor also uses (the plan's recompute and collectives hold,
+0 graph breaks) and aten operators run as traced, without generating code for one
+matmul or lookup. Measured (N&D 12x128 at the bench's middle budget, its plan of 50
+rep, 19 zdp and 7 dp units; 2 gloo ranks, 2-core CPU, cold caches, 15 interleaved
+steps, medians, one run): first step 56.2 s -> 39.9 s with ``"aot_eager"`` outside,
+steady step 254.7 -> 260.0 ms (eager OSDP 246.8 ms). The default keeps the step; a
+short job, or auto mode compiling several trials, may take the compile time.
+Dividing a sharded gradient by the group size before its reduce-scatter (so that the
+division fuses into the kernel making the gradient, 5 fewer CPU kernels of 23 for that
+model all-``zdp``, first step 42.0 -> 32.6 s) was measured too, and not kept: a weight's
+gradient comes from a matmul, which fuses nothing, so the division became a pass over
+the whole gradient instead of this rank's 1/N shard (steady step 260.0 -> 270.9 ms).
 """
 from __future__ import annotations
 
@@ -138,7 +144,7 @@ class CompileConfig:
     backend: object = "inductor"
     options: dict | None = None
     overlap: bool = True
-    outside_backend: object = "aot_eager"
+    outside_backend: object = None
 
     def __post_init__(self):
         if self.scope not in SCOPES:
@@ -220,8 +226,8 @@ class CompileConfig:
 # ---- the collectives, differentiable ---------------------------------------------------------
 class _GatherShard(torch.autograd.Function):
     """This rank's flat shard (master dtype) -> the gathered flat buffer (compute
-    dtype). Backward: the gradient in the reduce dtype, divided by the shard group's
-    size, reduce-scattered (sum) over it, in the master dtype."""
+    dtype). Backward: the gradient in the reduce dtype, reduce-scattered (sum) over the
+    shard group, averaged, in the master dtype."""
 
     @staticmethod
     def forward(ctx, flat, world: int, group_name: str, compute_dtype, reduce_dtype, rank_if_all_reduce=None):
@@ -231,18 +237,14 @@ class _GatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        # divided before the sum: the division fuses into the kernel that makes the
-        # gradient, where after the collective it was a kernel of its own per unit (6 of
-        # a GPT block's 15 backward kernels, each a C++ or Triton compile). Exact for a
-        # power-of-two world, as eager's division after the sum is.
-        grad = (grad.to(ctx.reduce_dtype) / ctx.world).contiguous()
+        grad = grad.to(ctx.reduce_dtype).contiguous()
         if ctx.rank_if_all_reduce is not None:  # [Note: gloo reduce-scatter]
             total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
             n = total.numel() // ctx.world
             shard = total.narrow(0, ctx.rank_if_all_reduce * n, n)
         else:
             shard = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name))
-        return shard.to(ctx.master_dtype), None, None, None, None, None
+        return (shard / ctx.world).to(ctx.master_dtype), None, None, None, None, None
 
 
 class _ReplicaGrad(torch.autograd.Function):

@@ -97,9 +97,8 @@ def run_case(rank: int, world: int, case: Case) -> dict:
     eager_losses = _train(eager, rank, world, cfg)
     eager_state = eager.full_state_dict(rank0_only=False)
     seen = {"fw": 0, "bw": 0}
-    # the units outside the blocks counted too: on the block's backend
-    compiled = osdp.OSDP(_gpt(case), compile={"scope": case.scope, "backend": counting_backend(seen),
-                                              "outside_backend": None}, **case.kwargs)
+    compiled = osdp.OSDP(_gpt(case), compile={"scope": case.scope, "backend": counting_backend(seen)},
+                         **case.kwargs)
     graphs, gathers = [], {}
 
     def record(step):

@@ -225,9 +225,9 @@ def test_compiled_blocks_compile_once_per_plan_within_the_recompile_limit(fake_w
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 @pytest.mark.parametrize("outside_backend,gathers", [("aot_eager", 6), (None, 10)])
 def test_units_outside_the_blocks_take_their_own_backend(fake_world, outside_backend, gathers):
-    """[Note: units outside the blocks]: by default the block's backend (here one that
-    counts all-gathers) compiles the block's 6 units, not wte, wpe, ln_f and lm_head;
-    ``outside_backend=None`` gives it all 10."""
+    """[Note: units outside the blocks]: with ``outside_backend="aot_eager"`` the
+    blocks' backend (here one that counts all-gathers) compiles the block's 6 units, not
+    wte, wpe, ln_f and lm_head; by default (None) it compiles all 10."""
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=1, hidden=32, heads=4))
     seen = {"fw": 0, "bw": 0}
