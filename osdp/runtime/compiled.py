@@ -570,7 +570,6 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
         policy = functools.partial(create_selective_checkpoint_contexts, _checkpointed_block)
         for path in checkpoint_blocks:
             block = model.get_submodule(path)
-            block.__dict__.pop("forward", None)  # an instance forward would hide the region's
             regions.give(block, region_signature(block), context_fn=policy)
     return regions
 

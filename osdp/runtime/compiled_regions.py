@@ -60,26 +60,30 @@ class RegionClasses:
         """Swap ``module`` to the subclass for its class, checkpointing (``context_fn``,
         torch's selective-checkpoint contexts; None: not checkpointed) and signature.
         A module given one already keeps it (a checkpointed block that is also a
-        region)."""
+        region). A forward set on the instance (a user's, or a library hook's) is
+        taken off it and runs from a subclass of its own: shared with no other module,
+        since it is that instance's."""
         if _REGION_ATTR in module.__dict__:
             return
         base = type(module)
-        key = (base, context_fn, signature)
+        own = module.__dict__.pop("forward", None)
+        key = (base, context_fn, signature, own)
         cls = self.classes.get(key)
         if cls is None:
             name = f"forward_region{len(self.classes)}_{base.__name__}"
-            forward = _region_forward(_class_forward(base), context_fn, name, f"{base.__name__}.{name}")
+            base_forward = base.forward if own is None else _calling(own)
+            forward = _region_forward(base_forward, context_fn, name, f"{base.__name__}.{name}")
             cls = self.classes[key] = type(base.__name__, (base,), {"forward": forward,
                                                                     "__module__": base.__module__})
         module.__class__ = cls
         module.__dict__[_REGION_ATTR] = len(self.classes)
 
 
-def _class_forward(base: type):
-    """The forward instances of ``base`` run. A forward set on an instance was taken
-    off it when the compiled path was installed (compiled.py ``_base_forward``) only for
-    modules computing with units; on any other region it would hide the subclass's."""
-    return base.forward
+def _calling(own):
+    """An instance's own forward as a function of (module, *args)."""
+    def forward(_module, *args, **kwargs):
+        return own(*args, **kwargs)
+    return forward
 
 
 def _region_forward(base_forward, context_fn, name: str, qualname: str):

@@ -224,6 +224,26 @@ def test_compiled_blocks_compile_once_per_plan_within_the_recompile_limit(fake_w
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("checkpointed", [False, True])
+def test_a_forward_set_on_a_block_still_runs_compiled(fake_world, checkpointed):
+    """A forward set on a block's instance (a user's wrapper, a library's hook) runs in
+    its compiled region, checkpointed or not: the same loss as the plain model with
+    that wrapper (rep units: the forward computes on every rank's real weights)."""
+    def halve_block(gpt):
+        inner = gpt.blocks[0].forward
+        gpt.blocks[0].forward = lambda *args, **kwargs: inner(*args, **kwargs) * 0.5
+        return gpt
+
+    batch = example_batch(_gpt().config, 2)
+    plain = halve_block(_gpt())(*batch)
+    model = osdp.OSDP(halve_block(_gpt()), default_mode="rep", compile={"backend": "aot_eager"},
+                      checkpoint_blocks=("blocks.0",) if checkpointed else ())
+    torch._dynamo.reset()
+    assert model(*batch).item() == pytest.approx(plain.item(), rel=1e-6)
+    assert "forward" not in model.module.blocks[0].__dict__
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
 @pytest.mark.parametrize("outside_backend,gathers", [("aot_eager", 6), (None, 10)])
 def test_units_outside_the_blocks_take_their_own_backend(fake_world, outside_backend, gathers):
     """[Note: units outside the blocks]: with ``outside_backend="aot_eager"`` the
