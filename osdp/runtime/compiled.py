@@ -95,7 +95,6 @@ from __future__ import annotations
 
 import functools
 import os
-import types
 from dataclasses import dataclass
 
 import torch
@@ -106,8 +105,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from ..errors import ConfigError
 from .activation_checkpoint import disable_kv_cache
 from .compiled_prefetch import _ALL_GATHER, WindowPrefetch
-from .compiled_regions import (RegionClasses, compile_regions as _compile_regions, inside_any, region_paths,
-                               region_signature)
+from .compiled_regions import (RegionClasses, compile_each, inside_any, region_paths, region_signature,
+                               with_own_code)
 from .modes import Mode
 from .shard_unit import ShardUnit
 
@@ -501,15 +500,12 @@ def _compiled_call(self, *args, **kwargs):
 
 def _forward_of(base: type):
     """A copy of :func:`_compiled_call` with a code object of its own, for one wrapped
-    model's subclass of ``base``. Dynamo keeps its compiled code per code object and
-    falls back to eager, with only a log line, past ``recompile_limit`` (8) entries on
-    one: one shared function gave every region of every compiled model one cache (a
-    GPT's embeddings, final norm and head are 4 entries besides its blocks), so a few
-    compiled models in one process ran partly eager; auto mode measures several compiled
-    trials in one process ([Note: compiled plans] in osdp/auto.py)."""
+    model's subclass of ``base``. A region's frame has its own code already ([Note: one
+    code object per region plan] in compiled_regions.py) and inlines this; it is a frame
+    of its own where dynamo resumes after a graph break inside a unit's module, and
+    then one function shared by every model would be one cache for all of them."""
     name = f"forward_{base.__name__}"
-    code = _compiled_call.__code__.replace(co_name=name, co_qualname=f"Compiled{base.__name__}.{name}")
-    return types.FunctionType(code, _compiled_call.__globals__, name)
+    return with_own_code(_compiled_call, name, f"Compiled{base.__name__}.{name}")
 
 
 def _swap_class(module: nn.Module, runner, classes: dict[type, type]) -> None:
@@ -634,6 +630,6 @@ def compile_regions(model: nn.Module, config: CompileConfig, built, window_bytes
     config.refuse_unsafe_comm_reordering()
     unit_paths = [p for _, p, _ in built.bindings] + list(built.splits)
     blocks, outside = region_paths(model, unit_paths, config.scope)
-    _compile_regions(model, blocks, regions, config.torch_compile_kwargs(window_bytes))
-    _compile_regions(model, outside, regions, config.outside_compile_kwargs(window_bytes))
+    compile_each(model, blocks, regions, config.torch_compile_kwargs(window_bytes))
+    compile_each(model, outside, regions, config.outside_compile_kwargs(window_bytes))
     return blocks + outside

@@ -36,10 +36,6 @@ from torch.utils.checkpoint import checkpoint
 
 from ..module_tree import transformer_blocks
 
-# a region's module's class is swapped to one of these; the value: how it was made
-_REGION_ATTR = "_osdp_region_key"
-
-
 def region_signature(module: nn.Module) -> tuple:
     """What the compiled graph of ``module`` depends on besides its class: per
     submodule, its path, class and, where it computes with units, how each unit is
@@ -55,6 +51,7 @@ class RegionClasses:
 
     def __init__(self):
         self.classes: dict[tuple, type] = {}
+        self.made: set[type] = set()  # the values of ``classes``
 
     def give(self, module: nn.Module, signature: tuple, context_fn=None) -> None:
         """Swap ``module`` to the subclass for its class, checkpointing (``context_fn``,
@@ -63,7 +60,7 @@ class RegionClasses:
         region). A forward set on the instance (a user's, or a library hook's) is
         taken off it and runs from a subclass of its own: shared with no other module,
         since it is that instance's."""
-        if _REGION_ATTR in module.__dict__:
+        if type(module) in self.made:
             return
         base = type(module)
         own = module.__dict__.pop("forward", None)
@@ -75,8 +72,8 @@ class RegionClasses:
             forward = _region_forward(base_forward, context_fn, name, f"{base.__name__}.{name}")
             cls = self.classes[key] = type(base.__name__, (base,), {"forward": forward,
                                                                     "__module__": base.__module__})
+            self.made.add(cls)
         module.__class__ = cls
-        module.__dict__[_REGION_ATTR] = len(self.classes)
 
 
 def _calling(own):
@@ -97,8 +94,14 @@ def _region_forward(base_forward, context_fn, name: str, qualname: str):
             return base_forward(self, *inner_args, **inner_kwargs)
         return checkpoint(run, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
-    code = forward.__code__.replace(co_name=name, co_qualname=qualname)
-    return types.FunctionType(code, forward.__globals__, name, None, forward.__closure__)
+    return with_own_code(forward, name, qualname)
+
+
+def with_own_code(fn, name: str, qualname: str):
+    """A copy of ``fn`` (its globals, defaults and closure) whose code object is its
+    own: dynamo keeps compiled code per code object."""
+    code = fn.__code__.replace(co_name=name, co_qualname=qualname)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
 def inside_any(blocks) -> callable:
@@ -127,7 +130,7 @@ def region_paths(model: nn.Module, unit_paths: list[str], scope: str) -> tuple[l
     return blocks, outside
 
 
-def compile_regions(model: nn.Module, regions: list[str], classes: RegionClasses, compile_kwargs: dict) -> None:
+def compile_each(model: nn.Module, regions: list[str], classes: RegionClasses, compile_kwargs: dict) -> None:
     """``torch.compile`` each region in place, each with its region subclass."""
     for path in regions:
         module = model.get_submodule(path)
