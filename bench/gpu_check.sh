@@ -18,7 +18,8 @@
 #   (a 170 s cap cut the last one), kernels 20-24 s, fidelity 19-40 s, compile 49-72 s,
 #   aot 21-23 s) and is stopped (SIGINT, then SIGKILL) when it reaches it; the benchmarks
 #   get budgets of their own so they stop starting new shapes in time. Compile's cap is 90 s
-#   (build's 85 s) since the compile bench compiles FSDP2 cold too (fresh_cache per peer).
+#   (build's 85 s) since the compile bench compiles FSDP2 cold too (fresh_cache per peer);
+#   OSDP compiles at its default scope only ("model"; "blocks" as well would not fit).
 # Fails fast, before building anything, when no NVIDIA GPU is visible (nvidia-smi, or
 #   the program named by $NVIDIA_SMI, missing or listing no GPU).
 # Exit status: 0 every step passed, 1 some step failed or timed out, 2 no GPU / bad usage.
@@ -54,7 +55,7 @@ define_steps() {
     "gpu_tests|200|$PYTHON -m pytest -m gpu -n 0 -q -rs -p no:cacheprovider --junitxml='$OUT_DIR/gpu_tests.xml'"
     "kernels|60|$PYTHON bench/kernels.py --quick --budget-s 55 --repeats 10 --out-dir '$OUT_DIR'"
     "fidelity|50|$PYTHON bench/fidelity.py --quick --world-size $world --budget-s 20 --out-dir '$OUT_DIR'"
-    "compile|90|cd bench && TORCH_LOGS=graph_breaks TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --out '$OUT_DIR/compile_gpu_quick.csv'"
+    "compile|90|cd bench && TORCH_LOGS=graph_breaks TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --osdp-scopes model --out '$OUT_DIR/compile_gpu_quick.csv'"
     "aot|30|env -u TRITON_INTERPRET $PYTHON -m osdp_kernels.aot --arch sm_80,sm_90 --quick --jobs $JOBS --cache-dir '$AOT_CACHE' --json '$OUT_DIR/aot.json'"
   )
 }

@@ -37,10 +37,19 @@ def _bench_compile():
 bench = _bench_compile()
 
 
-def _rows(osdp_s, osdp_c_s, fsdp_s, fsdp_c_s, batches=(4, 4, 3, 3)):
+def _rows(osdp_s, osdp_c_s, fsdp_s, fsdp_c_s, batches=(4, 4, 3, 3), model_scope_s=None):
+    """Rows of the eager and blocks-scope peers; the model-scope OSDP peer only where
+    ``model_scope_s`` is given (``--osdp-scopes blocks`` leaves it out)."""
+    times = {"osdp": (osdp_s, batches[0]), "osdp_compiled": (osdp_c_s, batches[1]), "fsdp2": (fsdp_s, batches[2]),
+             "fsdp2_compiled": (fsdp_c_s, batches[3])}
+    if model_scope_s is not None:
+        times["osdp_compiled_model"] = (model_scope_s, batches[1])
     rows = {}
-    for (peer, _, _), step_s, batch in zip(bench.PEERS, (osdp_s, osdp_c_s, fsdp_s, fsdp_c_s), batches):
-        rows[peer] = dict(peer=peer, batch=batch, error="")
+    for peer, _, scope in bench.PEERS:
+        if peer not in times:
+            continue
+        step_s, batch = times[peer]
+        rows[peer] = dict(peer=peer, batch=batch, error="", scope=scope or "")
         if step_s is not None:
             rows[peer].update(step_s=step_s, samples_per_s=batch * 2 / step_s)
         else:
@@ -72,6 +81,18 @@ def test_targets_not_met_are_said_so():
     assert sum("NOT MET" in line for line in lines) == 1
 
 
+def test_each_osdp_scope_is_judged_on_its_own():
+    # blocks scope slower than eager (gain 0.95x < FSDP2's 1.0x), model scope faster (1.1x)
+    rows = _rows(1.0, 1.0 / 0.95, 1.0, 1.0, batches=(3, 3, 3, 3), model_scope_s=1.0 / 1.1)
+    lines = bench._summarize(rows, "m")
+    blocks, model = rows["osdp_compiled"], rows["osdp_compiled_model"]
+    assert blocks["compile_speedup"] == pytest.approx(0.95) and blocks["target_met"] is False
+    assert model["compile_speedup"] == pytest.approx(1.1) and model["target_met"] is True
+    assert model["vs_fsdp2_compiled"] == pytest.approx(1.1)
+    assert [("(model)" in line, "NOT MET" in line) for line in lines if "MET" in line] == [
+        (False, True), (False, True), (True, False), (True, False)]
+
+
 def test_a_failed_compile_is_reported_not_compared():
     rows = _rows(1.0, None, 1.0, 0.8)
     lines = bench._summarize(rows, "m")
@@ -92,9 +113,11 @@ def test_compile_bench_dry_run_writes_csv(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = list(csv.DictReader(open(out)))
     assert [r["peer"] for r in rows] == [p for p, _, _ in bench.PEERS]
+    assert [r["scope"] for r in rows if r["peer"].startswith("osdp_compiled")] == ["blocks", "model"]
     assert all(not r["error"] and float(r["step_s"]) > 0 and int(r["batch"]) > 0 for r in rows), rows
-    assert all(int(r["graph_breaks"] or 0) == 0 for r in rows if r["peer"] == "osdp_compiled"), rows
-    assert "OSDP compiled / FSDP2 compiled" in proc.stdout
+    assert all(int(r["graph_breaks"] or 0) == 0 for r in rows if r["peer"] in bench.OSDP_COMPILED), rows
+    assert "OSDP compiled (blocks) / FSDP2 compiled" in proc.stdout
+    assert "OSDP compiled (model) / FSDP2 compiled" in proc.stdout
 
 
 def test_break_reasons_are_the_new_ones_most_frequent_first():

@@ -123,10 +123,13 @@ _KEPT_SUFFIX = ":osdp-kept"
 class CompileConfig:
     """How ``OSDP(..., compile=...)`` compiles: see [Note: compiled units].
 
-    ``scope``: ``"blocks"`` compiles each transformer block (the children of every
+    ``scope``: ``"model"`` (the default) compiles the wrapped model's forward as one
+    region, so that every gather is prefetched and every reduction overlapped across
+    blocks; ``"blocks"`` compiles each transformer block (the children of every
     ``nn.ModuleList``) and, on its own, each unit's module outside them (torchtitan's
-    habit: short compiles, and a recompile costs one block); ``"model"`` compiles the
-    wrapped model's forward as one region. ``mode``, ``fullgraph``, ``dynamic``,
+    habit: shorter compiles, a recompile costs one block, but each graph's first gather
+    and last reduction wait are exposed); measured in [Note: compile scope] in
+    compiled_regions.py. ``mode``, ``fullgraph``, ``dynamic``,
     ``backend`` and ``options`` (inductor's settings, e.g. its collective bucketing and
     comm/compute reordering passes) go to ``torch.compile`` as given. ``overlap``: with
     the inductor backend, issue each gather while the unit before it computes and run
@@ -136,7 +139,7 @@ class CompileConfig:
     ``outside_backend``: the backend of the regions outside the blocks
     (``scope="blocks"``), [Note: units outside the blocks]; None: ``backend``."""
 
-    scope: str = "blocks"
+    scope: str = "model"
     mode: str | None = None
     fullgraph: bool = False
     dynamic: bool | None = None
@@ -153,8 +156,8 @@ class CompileConfig:
 
     @classmethod
     def from_arg(cls, value) -> CompileConfig | None:
-        """``compile=``: None/False (eager), True (blocks), a scope name, a dict of
-        fields or a CompileConfig."""
+        """``compile=``: None/False (eager), True (the default scope), a scope name, a
+        dict of fields or a CompileConfig."""
         if value is None or value is False:
             return None
         if value is True:

@@ -25,6 +25,28 @@ the compiled path's policy (``context_fn``), in place of
 :func:`~osdp.runtime.activation_checkpoint.apply_checkpointing`'s instance-level
 forward: a function set on the instance is one code object for every checkpointed
 block of every model, the cache this note keeps apart.
+
+[Note: compile scope]
+``scope="blocks"`` makes a graph per transformer block and per unit outside the blocks;
+blocks with one plan share theirs, so compile time grows with the number of distinct
+block plans, not with depth. But OSDP's overlap pass orders collectives within one
+graph ([Note: compiled prefetch] in compiled_prefetch.py), so at each graph boundary
+the next graph's first gather and this graph's last reduction wait are exposed, where
+eager OSDP (and FSDP2's eager hooks around its per-block graphs) prefetch across
+blocks. ``scope="model"`` (the default) is one graph: every gather prefetched, every
+reduction overlapped, at the cost of tracing every layer. Measured (``python
+bench/compile.py``: 2 gloo ranks on a 2-core CPU, each model's middle-budget auto plan,
+9 interleaved rounds, medians, cold inductor caches, one run; gain = eager step /
+compiled step; compile = first step - steady step):
+
+  model        FSDP2 gain  OSDP "blocks"  OSDP "model"  compile s: FSDP2, "blocks", "model"
+  N&D 12x128   1.01x       0.96x          1.08x         20, 54, 88
+  W&S 2x768    1.01x       1.00x          1.03x         23, 45, 61
+
+On one H200 (one rank, N&D with every unit ``rep``, batch 6, 15 interleaved steps; a
+scratch script's phases in bench/results/gpu_20261127_b/README.txt): eager 30.5 ms,
+"blocks" 30.4 ms, "model" 24.8 ms. ``"blocks"`` stays for deep models whose compile
+time matters more than a few percent of each step, and for runs that recompile often.
 """
 from __future__ import annotations
 

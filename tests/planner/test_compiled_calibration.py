@@ -109,9 +109,10 @@ def test_measured_plans_of_a_compiled_run_have_keys_of_their_own(tmp_path):
     args = (desc, device, PlannerSettings(), None, None, (torch.zeros(2, 8, dtype=torch.long),), None, None)
     eager = cache.key(*args)
     assert eager == cache.key(*args, None)  # eager keys as before
-    blocks = cache.key(*args, CompileConfig())
+    blocks = cache.key(*args, CompileConfig(scope="blocks"))
     assert blocks != eager and blocks != cache.key(*args, CompileConfig(scope="model"))
-    assert blocks == cache.key(*args, CompileConfig())
+    assert blocks == cache.key(*args, CompileConfig(scope="blocks"))
+    assert cache.key(*args, CompileConfig()) == cache.key(*args, CompileConfig(scope="model"))  # the default
 
 
 def test_a_measurement_says_whether_it_was_compiled():

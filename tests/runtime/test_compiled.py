@@ -207,7 +207,7 @@ def test_compiled_blocks_compile_once_per_plan_within_the_recompile_limit(fake_w
     gpt = GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=4, hidden=32, heads=4))
     block_class = type(gpt.blocks[0])
     model = osdp.OSDP(gpt, default_mode="zdp", modes={"blocks.1.mlp.c_fc": "dp"}, checkpoint_blocks=("blocks.2",),
-                      compile={"backend": "eager"})
+                      compile={"scope": "blocks", "backend": "eager"})
     blocks = model.module.blocks
     assert type(blocks[0]) is type(blocks[3])
     assert len({type(b) for b in blocks}) == 3 and all(isinstance(b, block_class) for b in blocks)
@@ -237,7 +237,7 @@ def test_a_forward_set_on_a_block_still_runs_compiled(fake_world, checkpointed):
 
     batch = example_batch(_gpt().config, 2)
     plain = halve_block(_gpt())(*batch)
-    model = osdp.OSDP(halve_block(_gpt()), default_mode="rep", compile={"backend": "eager"},
+    model = osdp.OSDP(halve_block(_gpt()), default_mode="rep", compile={"scope": "blocks", "backend": "eager"},
                       checkpoint_blocks=("blocks.0",) if checkpointed else ())
     torch._dynamo.reset()
     assert model(*batch).item() == pytest.approx(plain.item(), rel=1e-6)
@@ -253,7 +253,7 @@ def test_units_outside_the_blocks_take_their_own_backend(fake_world, outside_bac
     torch.manual_seed(0)
     gpt = GPT(GPTConfig(vocab_size=96, seq_len=8, num_layers=1, hidden=32, heads=4))
     seen = {"fw": 0, "bw": 0}
-    model = osdp.OSDP(gpt, default_mode="zdp", compile={"backend": counting_backend(seen),
+    model = osdp.OSDP(gpt, default_mode="zdp", compile={"scope": "blocks", "backend": counting_backend(seen),
                                                         "outside_backend": outside_backend})
     torch._dynamo.reset()
     model(*example_batch(gpt.config, 2)).backward()
@@ -368,10 +368,10 @@ def test_auto_mode_measures_its_plan_compiled():
     the eager step beside the compiled one; the model it hands out runs compiled."""
     r = spawn(run_auto, 2)[0]
     compiled = r["compiled"]
-    assert compiled["scope"] == "blocks" and compiled["step_s"] > 0 and compiled["eager_step_s"] > 0
+    assert compiled["scope"] == "model" and compiled["step_s"] > 0 and compiled["eager_step_s"] > 0
     assert compiled["first_step_s"] > compiled["step_s"]  # it compiled in its first step
     assert r["measured"]["compiled"] and r["measured"]["step_s"] == compiled["step_s"]
     assert r["measured"]["peak_bytes"] > 0 and r["measured"]["peak_source"].startswith("the eager step's")
     assert r["observations"] and all(m["compiled"] for m in r["observations"])
-    assert "compiled (blocks): step" in r["report"] and "the rows below are compiled steps" in r["report"]
-    assert r["regions"][:2] == ["blocks.0", "blocks.1"]
+    assert "compiled (model): step" in r["report"] and "the rows below are compiled steps" in r["report"]
+    assert r["regions"] == [""]  # the default scope: the whole model, one region
