@@ -36,17 +36,24 @@ eager OSDP (and FSDP2's eager hooks around its per-block graphs) prefetch across
 blocks. ``scope="model"`` (the default) is one graph: every gather prefetched, every
 reduction overlapped, at the cost of tracing every layer. Measured (``python
 bench/compile.py``: 2 gloo ranks on a 2-core CPU, each model's middle-budget auto plan,
-9 interleaved rounds, medians, cold inductor caches, one run; gain = eager step /
-compiled step; compile = first step - steady step):
+9 interleaved rounds, medians, cold inductor caches; two runs, bench/results/
+compile_cpu_scopes{,_run2}.log; gain = eager step / compiled step; compile = first step
+- steady step, first run):
 
-  model        FSDP2 gain  OSDP "blocks"  OSDP "model"  compile s: FSDP2, "blocks", "model"
-  N&D 12x128   1.01x       0.96x          1.08x         20, 54, 88
-  W&S 2x768    1.01x       1.00x          1.03x         23, 45, 61
+  model        FSDP2 gain    OSDP "blocks"  OSDP "model"  compile s: FSDP2, "blocks", "model"
+  N&D 12x128   1.01x, 1.13x  0.96x, 0.97x   1.08x, 1.12x  20, 54, 88
+  W&S 2x768    1.01x, 1.05x  1.00x, 0.95x   1.03x, 0.91x  23, 45, 61
 
-On one H200 (one rank, N&D with every unit ``rep``, batch 6, 15 interleaved steps; a
-scratch script's phases in bench/results/gpu_20261127_b/README.txt): eager 30.5 ms,
-"blocks" 30.4 ms, "model" 24.8 ms. ``"blocks"`` stays for deep models whose compile
-time matters more than a few percent of each step, and for runs that recompile often.
+N&D (12 small blocks: collectives and per-op overhead weigh) gains from one graph in
+both runs; W&S (2 wide blocks, matmul-bound on CPU) shows no difference beyond this
+machine's noise. On one H200 (one rank, N&D with every unit ``rep``, batch 6, 15
+interleaved steps; a scratch script's phases in bench/results/gpu_20261127_b/README.txt):
+eager 30.5 ms, "blocks" 30.4 ms, "model" 24.8 ms. Memory: what the partitioner saves for
+backward is about the same at both scopes (N&D all ``zdp``, batch 3: 25.6 MiB across
+the per-block graphs, 26.3 MiB in the one graph; 0.7 MiB is about the loss's logits,
+0.75 MiB, which eager autograd saves outside the per-block graphs: not checked tensor
+by tensor); peaks inside a graph are not measured on CPU. ``"blocks"`` stays for deep models whose compile time matters more
+than a few percent of each step, and for runs that recompile often.
 """
 from __future__ import annotations
 
