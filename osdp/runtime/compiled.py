@@ -117,6 +117,9 @@ _OVERLAP_KEYS = ("reorder_for_compute_comm_overlap", "reorder_for_compute_comm_o
 # a dp unit's gathers name the shard group by this alias, so that a checkpointed
 # block's policy can tell them (saved) from zdp gathers (recomputed)
 _KEPT_SUFFIX = ":osdp-kept"
+# a zdp unit's second, third... use in one graph gathers under this name plus the use's
+# index ([Note: a unit used twice in one graph])
+_USE_SUFFIX = ":osdp-use"
 
 
 @dataclass(frozen=True)
@@ -354,7 +357,22 @@ def _checkpointed_block(ctx, func, *args, **kwargs):
 def kept_group_name(group) -> str:
     """The name ``dp`` gathers use for ``group``: an alias of the same process group,
     registered once (no new communicator)."""
-    name = group.group_name + _KEPT_SUFFIX
+    return group_alias(group, _KEPT_SUFFIX)
+
+
+# [Note: a unit used twice in one graph]
+# A tied weight's unit (a GPT's wte, also its head) computes in two modules. In one graph
+# (scope="model") the two gathers of a zdp unit were the same functional collective of
+# the same inputs, and AOT autograd's common-subexpression pass merged them: one gather,
+# its buffer held from the lookup to the head, where the plan (and eager OSDP) gathers
+# for each use and frees in between. Measured (the tied case of test_compiled.py,
+# scope="model"): 13 forward gathers where the plan has 14. So each later use of a zdp
+# unit gathers under a name of its own for the same process group (``claim_use``,
+# :func:`group_alias`). A dp unit's uses share one gather: eagerly it stays gathered.
+def group_alias(group, suffix: str) -> str:
+    """``group``'s name plus ``suffix``, registered as another name of the same process
+    group (no new communicator)."""
+    name = group.group_name + suffix
     try:
         registered = c10d._resolve_process_group(name)
     except (RuntimeError, ValueError, KeyError):
@@ -376,6 +394,11 @@ class CompiledUnit:
         self.world = unit.shard_world if not unit.replicated else group.size()
         keep = mode == Mode.DP.value
         self.group_name = kept_group_name(group) if keep and not unit.replicated else group.group_name
+        self.group = group
+        # [Note: a unit used twice in one graph] each use's gathers name the group by a
+        # name of their own (use 0: group_name)
+        self.use_names: list[str] = []
+        self.freed_between_uses = not keep and not unit.replicated
         # zdp: its own must-recompute region, unless a checkpointed block's policy decides
         self.recompute = mode == Mode.ZDP.value and not in_checkpointed_block
         self.compute_dtype = unit.param_dtype
@@ -412,31 +435,40 @@ class CompiledUnit:
             parts.append(params[0].new_zeros(self.pad))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def _gather_now(self) -> torch.Tensor:
+    def claim_use(self) -> int:
+        """One more module computing with this unit (two: a tied weight): its use index. A
+        ``zdp`` unit's later uses gather under a group name of their own ([Note: a unit
+        used twice in one graph])."""
+        use = len(self.use_names)
+        self.use_names.append(group_alias(self.group, f"{_USE_SUFFIX}{use}") if use and self.freed_between_uses
+                              else self.group_name)
+        return use
+
+    def _gather_now(self, use: int = 0) -> torch.Tensor:
         if self.unit.replicated:
             group_name = None if self.bucketed else self.group_name
             return _ReplicaGrad.apply(self.local_flat(), self.world, group_name, self.compute_dtype, self.reduce_dtype)
-        return _GatherShard.apply(self.local_flat(), self.world, self.group_name, self.compute_dtype,
+        return _GatherShard.apply(self.local_flat(), self.world, self.use_names[use], self.compute_dtype,
                                   self.reduce_dtype, self.rank_if_all_reduce)
 
-    def gathered(self) -> torch.Tensor:
-        """The unit's full flat buffer in the compute dtype."""
+    def gathered(self, use: int = 0) -> torch.Tensor:
+        """The unit's full flat buffer in the compute dtype, for its ``use``-th module."""
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._gather_now, use_reentrant=False, context_fn=functools.partial(
+            return checkpoint(self._gather_now, use, use_reentrant=False, context_fn=functools.partial(
                 create_selective_checkpoint_contexts, _recompute_gathers))
-        return self._gather_now()
+        return self._gather_now(use)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.unit.slots]
 
-    def slot_tensors(self) -> list[torch.Tensor]:
+    def slot_tensors(self, use: int = 0) -> list[torch.Tensor]:
         """What the module computes with, one tensor per slot in the compute dtype: the
         gathered buffer's views, or, for a bucketed ``rep`` unit (not a split op's
         slice), its own parameters ([Note: rep units uncopied])."""
         if self.bucketed and self.unit.split_params is None:
             # ``to`` returns the parameter itself where the dtype is already the compute one
             return [p.to(self.compute_dtype).view(s.shape) for p, s in zip(self.unit.params, self.unit.slots)]
-        return self.views(self.gathered())
+        return self.views(self.gathered(use))
 
 
 # ---- modules computing with units ---------------------------------------------------------------
@@ -465,16 +497,17 @@ class ModuleUnits:
     """A module's units and which of their slots its attributes read."""
 
     def __init__(self, entries: list[tuple[CompiledUnit, list[tuple[str, int]]]], base_forward):
-        self.entries = entries
+        # each unit with this module's use of it (0 but for a tied weight's later modules)
+        self.entries = [(cunit, slots, cunit.claim_use()) for cunit, slots in entries]
         self.base_forward = base_forward
 
     def signature(self) -> tuple:
-        return tuple((cunit.signature(), tuple(slots)) for cunit, slots in self.entries)
+        return tuple((cunit.signature(), tuple(slots), use) for cunit, slots, use in self.entries)
 
     def forward(self, module: nn.Module, args, kwargs):
         views = {}
-        for cunit, slots in self.entries:
-            gathered = cunit.slot_tensors()
+        for cunit, slots, use in self.entries:
+            gathered = cunit.slot_tensors(use)
             for attr, i in slots:
                 views[attr] = gathered[i]
         return self.base_forward(_ModuleWithViews(module, views), *args, **kwargs)
@@ -485,14 +518,15 @@ class SplitUnits:
 
     def __init__(self, slices: list[CompiledUnit]):
         self.slices = slices
+        self.uses = [cunit.claim_use() for cunit in slices]
 
     def signature(self) -> tuple:
-        return ("split",) + tuple(cunit.signature() for cunit in self.slices)
+        return ("split",) + tuple((cunit.signature(), use) for cunit, use in zip(self.slices, self.uses))
 
     def forward(self, module: nn.Module, args, kwargs):
         def slice_views(i: int) -> dict[str, torch.Tensor]:
             cunit = self.slices[i]
-            return {s.attr: v for s, v in zip(cunit.unit.slots, cunit.slot_tensors())}
+            return {s.attr: v for s, v in zip(cunit.unit.slots, cunit.slot_tensors(self.uses[i]))}
 
         return module.compiled_forward(slice_views, *args, **kwargs)
 

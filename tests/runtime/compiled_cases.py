@@ -26,7 +26,7 @@ class Case:
     kwargs: dict  # OSDP keyword arguments besides compile=
     layers: int = 2
     tie: bool = False
-    scope: str = "blocks"
+    scope: str = "model"  # CompileConfig's default
     extra: dict = field(default_factory=dict)
 
 

@@ -23,12 +23,14 @@ from runtime.dist_harness import free_port, spawn
 # the plan. The GPT has 16 units: wte, wpe, 6 per block (ln_1, c_attn, c_proj, ln_2,
 # c_fc, mlp.c_proj) x 2, ln_f, lm_head. Forward gathers every sharded unit per use;
 # backward gathers again every zdp unit whose backward reads weights (not wte/wpe:
-# an embedding's backward reads none).
+# an embedding's backward reads none). Scopes: the default ("model", one graph) unless
+# the case says "blocks" (a graph per block and per unit outside the blocks).
 CASES = [
     # 16 forward; backward: 16 - wte - wpe
-    (Case("zdp", {"default_mode": "zdp"}), (16, 14)),
+    (Case("zdp", {"default_mode": "zdp"}, scope="blocks"), (16, 14)),
     # tied head: 15 units, 2 rep (ln_f, blocks.0.ln_1) -> 13 sharded, wte gathered twice
-    # (lookup and head); backward: 13 - 2 dp - wpe (wte's head use reads it)
+    # (lookup and head, in one graph: [Note: a unit used twice in one graph]); backward:
+    # 13 - 2 dp - wpe (wte's head use reads it)
     (Case("dp_zdp_rep_tied", {"modes": {"blocks.0.attn.c_attn": "dp", "blocks.1.mlp.c_fc": "dp", "ln_f": "rep",
                                         "blocks.0.ln_1": "rep"}}, tie=True), (14, 10)),
     # 3 ops split into 2 + 3 + 2 slices: 16 - 3 + 7 = 20 units; 3 dp slices; - wte, wpe
@@ -40,11 +42,11 @@ CASES = [
     # sharded; backward: 16 - dp c_attn - wte - wpe
     (Case("mixed_precision", {"modes": {"blocks.0.attn.c_attn": "dp", "ln_f": "rep"}, "splits": {"blocks.1.mlp.c_fc": 2},
                               "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16,
-                                                                reduce_dtype=torch.float32)}), (16, 13)),
+                                                                reduce_dtype=torch.float32)}, scope="blocks"), (16, 13)),
     # block 0 checkpointed, 2 dp units in it: the recompute gathers its zdp units again,
-    # not the dp ones; one graph for the whole model
+    # not the dp ones
     (Case("checkpointed_dp_in_block", {"modes": {"blocks.0.attn.c_attn": "dp", "blocks.0.mlp.c_fc": "dp"},
-                                       "checkpoint_blocks": ("blocks.0",)}, scope="model"), (16, 12)),
+                                       "checkpoint_blocks": ("blocks.0",)}), (16, 12)),
 ]
 
 
