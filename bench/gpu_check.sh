@@ -17,9 +17,10 @@
 #   cap (below; on an H200, 2026-11-27: build 46-61 s, gpu tests 173 s cold for 58 tests
 #   (a 170 s cap cut the last one), kernels 20-24 s, fidelity 19-40 s, compile 49-72 s,
 #   aot 21-23 s) and is stopped (SIGINT, then SIGKILL) when it reaches it; the benchmarks
-#   get budgets of their own so they stop starting new shapes in time. Compile's cap is 90 s
-#   (build's 85 s) since the compile bench compiles FSDP2 cold too (fresh_cache per peer);
-#   OSDP compiles at its default scope only ("model"; "blocks" as well would not fit).
+#   get budgets of their own so they stop starting new shapes in time. Compile's cap is
+#   105 s: the compile bench compiles FSDP2 cold too (fresh_cache per peer), and OSDP at
+#   its default scope ("model": all 12 layers traced; "blocks" as well would not fit);
+#   kernels' is 45 s (its own budget 40 s), build's 85 s.
 # Fails fast, before building anything, when no NVIDIA GPU is visible (nvidia-smi, or
 #   the program named by $NVIDIA_SMI, missing or listing no GPU).
 # Exit status: 0 every step passed, 1 some step failed or timed out, 2 no GPU / bad usage.
@@ -53,9 +54,9 @@ define_steps() {
     "build|85|OSDP_SKIP_CUDA=0 $PYTHON -m pip install -e '.[test]' || { echo '--- offline retry: no build isolation, no dependency resolution'; OSDP_SKIP_CUDA=0 $PYTHON -m pip install --no-build-isolation --no-deps -e .; }"
     "cuda_visible|20|$PYTHON -c \"import torch, osdp_kernels as K; ok = torch.cuda.is_available(); print('torch', torch.__version__, 'cuda', torch.version.cuda, 'device', torch.cuda.get_device_name() if ok else None, 'osdp_kernels._cuda built:', K.cuda_available()); raise SystemExit(0 if ok else 'torch sees no CUDA device (CPU-only torch build?): the gpu tests would all skip')\""
     "gpu_tests|200|$PYTHON -m pytest -m gpu -n 0 -q -rs -p no:cacheprovider --junitxml='$OUT_DIR/gpu_tests.xml'"
-    "kernels|60|$PYTHON bench/kernels.py --quick --budget-s 55 --repeats 10 --out-dir '$OUT_DIR'"
+    "kernels|45|$PYTHON bench/kernels.py --quick --budget-s 40 --repeats 10 --out-dir '$OUT_DIR'"
     "fidelity|50|$PYTHON bench/fidelity.py --quick --world-size $world --budget-s 20 --out-dir '$OUT_DIR'"
-    "compile|90|cd bench && TORCH_LOGS=graph_breaks TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --osdp-scopes model --out '$OUT_DIR/compile_gpu_quick.csv'"
+    "compile|105|cd bench && TORCH_LOGS=graph_breaks TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --osdp-scopes model --out '$OUT_DIR/compile_gpu_quick.csv'"
     "aot|30|env -u TRITON_INTERPRET $PYTHON -m osdp_kernels.aot --arch sm_80,sm_90 --quick --jobs $JOBS --cache-dir '$AOT_CACHE' --json '$OUT_DIR/aot.json'"
   )
 }
