@@ -51,10 +51,10 @@ def device_for(rank: int) -> torch.device:
 def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False, compile: dict | None = None):
     """A fresh model (same seed everywhere) wrapped as ``peer``; returns the module.
     ``compile``: ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``,
-    ``fullgraph``; OSDP's ``scope`` too) for the compiled peers: OSDP's ``compile=``
-    (scope "blocks" unless ``compile`` names one), FSDP2's blocks each ``.compile()``-d
-    after ``fully_shard`` (torchtitan's per-block compile; FSDP2's hooks stay eager
-    around each block's graph)."""
+    ``fullgraph``; OSDP's ``scope`` too) for the compiled peers: OSDP's ``compile=`` as
+    given (``CompileConfig``'s default scope unless it names one), FSDP2's blocks each
+    ``.compile()``-d after ``fully_shard`` (torchtitan's per-block compile; FSDP2's
+    hooks stay eager around each block's graph)."""
     device = device_for(dist.get_rank())
     torch.manual_seed(0)
     model = GPT(config)
@@ -62,7 +62,7 @@ def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False,
         import osdp
 
         return osdp.OSDP(model, plan=plan, device=device,
-                         compile=None if compile is None else {"scope": "blocks", **compile})
+                         compile=compile)
     model = model.to(device)
     if checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing

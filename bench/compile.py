@@ -68,8 +68,8 @@ from osdp.rank_agreement import max_over_ranks
 PEERS = (("osdp", "osdp", None), ("osdp_compiled", "osdp", "blocks"), ("osdp_compiled_model", "osdp", "model"),
          ("fsdp2", "fsdp_zero3", None), ("fsdp2_compiled", "fsdp_zero3", "blocks"))
 OSDP_COMPILED = tuple(label for label, peer, scope in PEERS if peer == "osdp" and scope)
-FIELDS = ["model", "budget", "budget_bytes", "peer", "compiled", "scope", "backend", "batch", "batch_source", "peak_bytes",
-          "fits", "first_step_s", "second_step_s", "step_s", "samples_per_s", "compile_s", "regions", "graphs",
+FIELDS = ["model", "budget", "budget_bytes", "peer", "compiled", "scope", "backend", "batch", "batch_source",
+          "peak_bytes", "fits", "first_step_s", "second_step_s", "step_s", "samples_per_s", "compile_s", "regions", "graphs",
           "graph_breaks", "break_reasons",
           "compile_speedup", "vs_fsdp2_compiled", "target", "target_met", "plan", "error", "device"]
 # a tiny GPT for --dry-run (the smoke test): seconds, not minutes

@@ -42,7 +42,8 @@ CASES = [
     # sharded; backward: 16 - dp c_attn - wte - wpe
     (Case("mixed_precision", {"modes": {"blocks.0.attn.c_attn": "dp", "ln_f": "rep"}, "splits": {"blocks.1.mlp.c_fc": 2},
                               "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16,
-                                                                reduce_dtype=torch.float32)}, scope="blocks"), (16, 13)),
+                                                                reduce_dtype=torch.float32)},
+          scope="blocks"), (16, 13)),
     # block 0 checkpointed, 2 dp units in it: the recompute gathers its zdp units again,
     # not the dp ones
     (Case("checkpointed_dp_in_block", {"modes": {"blocks.0.attn.c_attn": "dp", "blocks.0.mlp.c_fc": "dp"},
