@@ -95,6 +95,7 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -117,9 +118,9 @@ _OVERLAP_KEYS = ("reorder_for_compute_comm_overlap", "reorder_for_compute_comm_o
 # a dp unit's gathers name the shard group by this alias, so that a checkpointed
 # block's policy can tell them (saved) from zdp gathers (recomputed)
 _KEPT_SUFFIX = ":osdp-kept"
-# a zdp unit's second, third... use in one graph gathers under this name plus the use's
-# index ([Note: a unit used twice in one graph])
-_USE_SUFFIX = ":osdp-use"
+# each zdp gather of a graph after its first names the shard group by this suffix plus
+# its index ([Note: a unit used twice in one graph])
+_CALL_SUFFIX = ":osdp-call"
 
 
 @dataclass(frozen=True)
@@ -361,14 +362,22 @@ def kept_group_name(group) -> str:
 
 
 # [Note: a unit used twice in one graph]
-# A tied weight's unit (a GPT's wte, also its head) computes in two modules. In one graph
-# (scope="model") the two gathers of a zdp unit were the same functional collective of
-# the same inputs, and AOT autograd's common-subexpression pass merged them: one gather,
-# its buffer held from the lookup to the head, where the plan (and eager OSDP) gathers
-# for each use and frees in between. Measured (the tied case of test_compiled.py,
-# scope="model"): 13 forward gathers where the plan has 14. So each later use of a zdp
-# unit gathers under a name of its own for the same process group (``claim_use``,
-# :func:`group_alias`). A dp unit's uses share one gather: eagerly it stays gathered.
+# A unit's module may compute more than once in one forward: a tied weight's unit (a GPT's
+# wte, also its head) in two modules, a module called twice (ALBERT's shared layer, a
+# block looped over). In one graph (scope="model") the gathers of a zdp unit for those
+# calls were the same functional collective of the same inputs, and AOT autograd's
+# common-subexpression pass merged them: one gather, its buffer held from the first call
+# to the last, where the plan (and eager OSDP) gathers for each call and frees in between.
+# Measured: 13 forward gathers where the plan has 14 (the tied case of test_compiled.py);
+# a Linear called twice, 3 forward and 2 backward gathers where the plan has 4 and 3. So
+# the zdp gathers of one graph name the shard group each by a name of its own: the n-th
+# zdp gather dynamo traces in a graph by the group's n-th alias
+# (:func:`_traced_gather_name`, run by dynamo while tracing, its result a constant of
+# the graph; :func:`group_alias`), and common-subexpression elimination finds no two
+# alike. A dp unit's calls share one gather: eagerly it stays gathered. The count reads
+# nothing of the unit (alike blocks keep sharing their code, [Note: one code object per
+# region plan]); the aliases number at most the zdp gathers of one graph, and ranks need
+# not agree on them (an alias is the same communicator).
 def group_alias(group, suffix: str) -> str:
     """``group``'s name plus ``suffix``, registered as another name of the same process
     group (no new communicator)."""
@@ -384,6 +393,26 @@ def group_alias(group, suffix: str) -> str:
     return name
 
 
+# the trace under way (a weak reference to its tracing context) and the zdp gathers
+# named in it so far ([Note: a unit used twice in one graph])
+_traced_gathers: list = [lambda: None, 0]
+
+
+@torch._dynamo.assume_constant_result
+def _traced_gather_name(group_name: str) -> str:
+    """The group name of the next zdp gather in the graph dynamo is tracing: run by
+    dynamo at trace time (its result a constant of the graph), not by the compiled graph
+    ([Note: a unit used twice in one graph]). The count starts again with each trace
+    (its own tracing context); it reads nothing of the unit, so alike blocks keep
+    sharing their code."""
+    trace = torch._guards.TracingContext.try_get()
+    if trace is None or _traced_gathers[0]() is not trace:
+        _traced_gathers[:] = [weakref.ref(trace) if trace is not None else lambda: None, 0]
+    count = _traced_gathers[1]
+    _traced_gathers[1] = count + 1
+    return group_alias(c10d._resolve_process_group(group_name), f"{_CALL_SUFFIX}{count}") if count else group_name
+
+
 # ---- one unit ----------------------------------------------------------------------------------
 class CompiledUnit:
     """How one unit is gathered on the compiled path (static: the compiler guards on
@@ -394,11 +423,9 @@ class CompiledUnit:
         self.world = unit.shard_world if not unit.replicated else group.size()
         keep = mode == Mode.DP.value
         self.group_name = kept_group_name(group) if keep and not unit.replicated else group.group_name
-        self.group = group
-        # [Note: a unit used twice in one graph] each use's gathers name the group by a
-        # name of their own (use 0: group_name)
-        self.use_names: list[str] = []
-        self.freed_between_uses = not keep and not unit.replicated
+        # [Note: a unit used twice in one graph]: a zdp unit's calls gather under names of
+        # their own
+        self.freed_between_calls = not keep and not unit.replicated
         # zdp: its own must-recompute region, unless a checkpointed block's policy decides
         self.recompute = mode == Mode.ZDP.value and not in_checkpointed_block
         self.compute_dtype = unit.param_dtype
@@ -435,40 +462,39 @@ class CompiledUnit:
             parts.append(params[0].new_zeros(self.pad))
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
-    def claim_use(self) -> int:
-        """One more module computing with this unit (two: a tied weight): its use index. A
-        ``zdp`` unit's later uses gather under a group name of their own ([Note: a unit
-        used twice in one graph])."""
-        use = len(self.use_names)
-        self.use_names.append(group_alias(self.group, f"{_USE_SUFFIX}{use}") if use and self.freed_between_uses
-                              else self.group_name)
-        return use
-
-    def _gather_now(self, use: int = 0) -> torch.Tensor:
+    def _gather_now(self, group_name: str) -> torch.Tensor:
         if self.unit.replicated:
             group_name = None if self.bucketed else self.group_name
             return _ReplicaGrad.apply(self.local_flat(), self.world, group_name, self.compute_dtype, self.reduce_dtype)
-        return _GatherShard.apply(self.local_flat(), self.world, self.use_names[use], self.compute_dtype,
+        return _GatherShard.apply(self.local_flat(), self.world, group_name, self.compute_dtype,
                                   self.reduce_dtype, self.rank_if_all_reduce)
 
-    def gathered(self, use: int = 0) -> torch.Tensor:
-        """The unit's full flat buffer in the compute dtype, for its ``use``-th module."""
+    def call_group_name(self) -> str:
+        """The name this call's gather gives the shard group ([Note: a unit used twice in
+        one graph]): one of its own for each traced call of a zdp unit."""
+        if self.freed_between_calls and torch.compiler.is_compiling():
+            return _traced_gather_name(self.group_name)
+        return self.group_name
+
+    def gathered(self) -> torch.Tensor:
+        """The unit's full flat buffer in the compute dtype, for one call of its module."""
+        group_name = self.call_group_name()
         if self.recompute and torch.is_grad_enabled():
-            return checkpoint(self._gather_now, use, use_reentrant=False, context_fn=functools.partial(
+            return checkpoint(self._gather_now, group_name, use_reentrant=False, context_fn=functools.partial(
                 create_selective_checkpoint_contexts, _recompute_gathers))
-        return self._gather_now(use)
+        return self._gather_now(group_name)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat.narrow(0, s.offset, s.numel).view(s.shape) for s in self.unit.slots]
 
-    def slot_tensors(self, use: int = 0) -> list[torch.Tensor]:
+    def slot_tensors(self) -> list[torch.Tensor]:
         """What the module computes with, one tensor per slot in the compute dtype: the
         gathered buffer's views, or, for a bucketed ``rep`` unit (not a split op's
         slice), its own parameters ([Note: rep units uncopied])."""
         if self.bucketed and self.unit.split_params is None:
             # ``to`` returns the parameter itself where the dtype is already the compute one
             return [p.to(self.compute_dtype).view(s.shape) for p, s in zip(self.unit.params, self.unit.slots)]
-        return self.views(self.gathered(use))
+        return self.views(self.gathered())
 
 
 # ---- modules computing with units ---------------------------------------------------------------
@@ -497,17 +523,16 @@ class ModuleUnits:
     """A module's units and which of their slots its attributes read."""
 
     def __init__(self, entries: list[tuple[CompiledUnit, list[tuple[str, int]]]], base_forward):
-        # each unit with this module's use of it (0 but for a tied weight's later modules)
-        self.entries = [(cunit, slots, cunit.claim_use()) for cunit, slots in entries]
+        self.entries = entries
         self.base_forward = base_forward
 
     def signature(self) -> tuple:
-        return tuple((cunit.signature(), tuple(slots), use) for cunit, slots, use in self.entries)
+        return tuple((cunit.signature(), tuple(slots)) for cunit, slots in self.entries)
 
     def forward(self, module: nn.Module, args, kwargs):
         views = {}
-        for cunit, slots, use in self.entries:
-            gathered = cunit.slot_tensors(use)
+        for cunit, slots in self.entries:
+            gathered = cunit.slot_tensors()
             for attr, i in slots:
                 views[attr] = gathered[i]
         return self.base_forward(_ModuleWithViews(module, views), *args, **kwargs)
@@ -518,15 +543,14 @@ class SplitUnits:
 
     def __init__(self, slices: list[CompiledUnit]):
         self.slices = slices
-        self.uses = [cunit.claim_use() for cunit in slices]
 
     def signature(self) -> tuple:
-        return ("split",) + tuple((cunit.signature(), use) for cunit, use in zip(self.slices, self.uses))
+        return ("split",) + tuple(cunit.signature() for cunit in self.slices)
 
     def forward(self, module: nn.Module, args, kwargs):
         def slice_views(i: int) -> dict[str, torch.Tensor]:
             cunit = self.slices[i]
-            return {s.attr: v for s, v in zip(cunit.unit.slots, cunit.slot_tensors(self.uses[i]))}
+            return {s.attr: v for s, v in zip(cunit.unit.slots, cunit.slot_tensors())}
 
         return module.compiled_forward(slice_views, *args, **kwargs)
 

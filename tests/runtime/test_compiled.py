@@ -264,6 +264,54 @@ def test_units_outside_the_blocks_take_their_own_backend(fake_world, outside_bac
     assert model.compiled_regions == ["blocks.0", "wte", "wpe", "ln_f", "lm_head"]
 
 
+class _SharedLayerBlock(torch.nn.Module):
+    """A block calling one Linear twice (ALBERT's shared layer, a looped block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        return self.shared(torch.relu(self.shared(x)))
+
+
+class _SharedLayerNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(16, 32), torch.nn.Linear(32, 4)
+        self.blocks = torch.nn.ModuleList([_SharedLayerBlock(), _SharedLayerBlock()])
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x).sum()
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+@pytest.mark.parametrize("scope,checkpointed,mode,gathers", [
+    ("model", False, "zdp", (6, 5)), ("model", True, "zdp", (6, 5)), ("blocks", True, "zdp", (6, 5)),
+    ("model", True, "dp", (4, 0))])
+def test_a_module_called_twice_gathers_as_the_plan_says(fake_world, scope, checkpointed, mode, gathers):
+    """[Note: a unit used twice in one graph]: a zdp unit gathers for each call of its
+    module, forward and backward (per step: inp, 2 x 2 shared, out forward; backward the
+    same but inp, whose input needs no gradient), also in one graph, where AOT
+    autograd's common-subexpression pass merged the calls' gathers (3 forward, 2
+    backward for one block); a dp unit gathers once per step and is kept. Alike blocks
+    still share one graph."""
+    seen = {"fw": 0, "bw": 0}
+    torch.manual_seed(0)
+    model = osdp.OSDP(_SharedLayerNet(), default_mode=mode, checkpoint_blocks=("blocks.0",) if checkpointed else (),
+                      compile={"scope": scope, "backend": counting_backend(seen)})
+    torch._dynamo.reset()
+    counters.clear()
+    for _ in range(2):
+        model(torch.randn(8, 16)).backward()
+    assert (seen["fw"], seen["bw"]) == (2 * gathers[0], 2 * gathers[1])
+    # one graph; per block: the blocks (one, or two where block 0 is checkpointed), inp, out
+    assert counters["stats"]["unique_graphs"] == (1 if scope == "model" else 3 + checkpointed)
+
+
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 @pytest.mark.parametrize("mixed", [False, True])
 def test_compiled_rep_units_compute_with_their_parameters(fake_world, mixed):
