@@ -20,7 +20,8 @@ from .planner.plan import plan_from_arg
 from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
-from .runtime.compiled import CompileConfig, compile_regions, install as install_compiled, mark_sharded_grads
+from .runtime.compile_config import CompileConfig
+from .runtime.compiled import compile_regions, install as install_compiled, mark_sharded_grads
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard

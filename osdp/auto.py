@@ -29,7 +29,7 @@ from .rank_agreement import check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
 from .planning_budget import (DEFAULT_BUDGET_S, MIN_SHARE, PROFILE_SHARE, PlanningBudget, predicted_optimizer_step_s,
                               show_progress)
-from .runtime.compiled import CompileConfig
+from .runtime.compile_config import CompileConfig
 from .runtime.options import default_device
 from .runtime.peak import step_peak_readable
 from .runtime.materialize import has_meta, meta_skeleton

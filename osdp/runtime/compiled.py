@@ -32,7 +32,7 @@ and every operator, and may fuse the elementwise work around them.
 The flat shard is rebuilt from the ORIGINAL parameters ([Note: original parameters] in
 shard_unit.py, a copy of 1/N of the unit), so autograd hands each parameter its
 gradient: ``p.grad`` accumulates across backward passes as in plain PyTorch, and
-optimizers and parameter groups see what they see eagerly. :class:`_GatherShard` casts
+optimizers and parameter groups see what they see eagerly. :class:`GatherShard` casts
 to the compute dtype, gathers, and in backward reduce-scatters in the reduce dtype and
 averages over the shard group.
 
@@ -52,11 +52,12 @@ are 0 on CPU. Measured, N&D 12x128, 2 gloo ranks, 9 interleaved steps, one proce
 eager 359 ms, compiled 343 ms, compiled with those passes 344 ms; ``sink_waits`` alone
 gained nothing either. Earlier runs that seemed to show a gain had hit dynamo's
 recompile limit and ran partly eager (:func:`_forward_of`). Their risk across ranks is
-[Note: comm reordering across ranks]. On a GPU they are untried. Two exceptions: rep
-units' gradients are all-reduced in one bucket after backward ([Note: rep gradients
-bucketed]), and on gloo a sharded gradient is all-reduced and its shard kept ([Note:
-gloo reduce-scatter]). Measured (N&D 12x128 GPT, batch 4, 26 rep + 50 zdp units, 2 gloo
-ranks on a 2-core CPU, 15 interleaved steps, medians, a quiet machine): eager 368 ms; compiled per-unit
+[Note: comm reordering across ranks] in compile_config.py. On a GPU they are untried.
+Two exceptions: rep units' gradients are all-reduced in one bucket after backward
+([Note: rep gradients bucketed] in compiled_collectives.py), and on gloo a sharded
+gradient is all-reduced and its shard kept ([Note: gloo reduce-scatter]). Measured (N&D
+12x128 GPT, batch 4, 26 rep + 50 zdp units, 2 gloo ranks on a 2-core CPU, 15
+interleaved steps, medians, a quiet machine): eager 368 ms; compiled per-unit
 all-reduces and reduce-scatters 448 ms; with both exceptions 395 ms; adding
 ``options={"bucket_all_gathers_fx": "all", "bucket_all_reduces_fx": "all"}`` 268 ms.
 Those inductor passes are not the default: bucketing a graph's gathers may gather a
@@ -95,322 +96,23 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
-from dataclasses import dataclass
 
 import torch
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import ConfigError
 from .activation_checkpoint import disable_kv_cache
-from .compiled_prefetch import _ALL_GATHER, WindowPrefetch
+from .compile_config import CompileConfig
+from .compiled_collectives import (GatherShard, ReplicaGrad, ReplicaGradBucket, checkpointed_block_policy,
+                                   kept_group_name, recompute_gathers_policy, traced_gather_name)
 from .compiled_regions import (RegionClasses, compile_each, inside_any, region_paths, region_signature,
                                with_own_code)
 from .modes import Mode
 from .shard_unit import ShardUnit
 
-_C10D = torch.ops._c10d_functional
-SCOPES = ("blocks", "model")
-# inductor settings that choose the comm/compute reordering: given by the user, they win
-_OVERLAP_KEYS = ("reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes")
-# a dp unit's gathers name the shard group by this alias, so that a checkpointed
-# block's policy can tell them (saved) from zdp gathers (recomputed)
-_KEPT_SUFFIX = ":osdp-kept"
-# each zdp gather of a graph after its first names the shard group by this suffix plus
-# its index ([Note: a unit used twice in one graph])
-_CALL_SUFFIX = ":osdp-call"
-
-
-@dataclass(frozen=True)
-class CompileConfig:
-    """How ``OSDP(..., compile=...)`` compiles: see [Note: compiled units].
-
-    ``scope``: ``"model"`` (the default) compiles the wrapped model's forward as one
-    region, so that every gather is prefetched and every reduction overlapped across
-    blocks; ``"blocks"`` compiles each transformer block (the children of every
-    ``nn.ModuleList``) and, on its own, each unit's module outside them (torchtitan's
-    habit: shorter compiles, a recompile costs one block, but each graph's first gather
-    and last reduction wait are exposed); measured in [Note: compile scope] in
-    compiled_regions.py. ``mode``, ``fullgraph``, ``dynamic``,
-    ``backend`` and ``options`` (inductor's settings, e.g. its collective bucketing and
-    comm/compute reordering passes) go to ``torch.compile`` as given. ``overlap``: with
-    the inductor backend, issue each gather while the unit before it computes and run
-    each gradient reduction under the backward compute that follows, within the plan's
-    prefetch window ([Note: compiled prefetch] in compiled_prefetch.py); left out when
-    ``options`` set inductor's ``reorder_for_compute_comm_overlap`` passes themselves.
-    ``outside_backend``: the backend of the regions outside the blocks
-    (``scope="blocks"``), [Note: units outside the blocks]; None: ``backend``."""
-
-    scope: str = "model"
-    mode: str | None = None
-    fullgraph: bool = False
-    dynamic: bool | None = None
-    backend: object = "inductor"
-    options: dict | None = None
-    overlap: bool = True
-    outside_backend: object = None
-
-    def __post_init__(self):
-        if self.scope not in SCOPES:
-            raise ConfigError(f"CompileConfig(scope={self.scope!r}): use one of {SCOPES}")
-        if self.mode is not None and self.options is not None:
-            raise ConfigError("CompileConfig: give mode= or options=, not both (torch.compile takes one of them)")
-
-    @classmethod
-    def from_arg(cls, value) -> CompileConfig | None:
-        """``compile=``: None/False (eager), True (the default scope), a scope name, a
-        dict of fields or a CompileConfig."""
-        if value is None or value is False:
-            return None
-        if value is True:
-            return cls()
-        if isinstance(value, str):
-            return cls(scope=value)
-        if isinstance(value, dict):
-            return cls(**value)
-        if isinstance(value, cls):
-            return value
-        raise ConfigError(f"compile={value!r}: use True, one of {SCOPES}, a dict of CompileConfig fields or an "
-                          "osdp.CompileConfig")
-
-    def refuse_unsafe_comm_reordering(self) -> None:
-        """[Note: comm reordering across ranks] Inductor's iterative comm/compute
-        reordering passes (``sink_waits_iterative``,
-        ``reorder_communication_preserving_peak_memory``) may, with
-        ``torch._inductor.config_comms``'s defaults, move collectives past one another
-        (``*_unsafe_collectives_reorder``, "must be used with runtime estimations aligned
-        across ranks"). A unit's graph differs between ranks (a rank's shard may be one
-        parameter's view, another's a concatenation of pieces and padding), so the passes
-        decide differently per rank and the ranks issue collectives in different orders:
-        measured on 2 gloo ranks (W&S 2x768 GPT), gloo aborted with "Received data size
-        doesn't match expected size"; NCCL would hang. Refused here, naming the fix."""
-        from torch._inductor import config as inductor_config, config_comms
-
-        options = self.options or {}
-        overlap = options.get("reorder_for_compute_comm_overlap", inductor_config.reorder_for_compute_comm_overlap)
-        passes = options.get("reorder_for_compute_comm_overlap_passes",
-                             inductor_config.reorder_for_compute_comm_overlap_passes)
-        flags = {"sink_waits_iterative": "sink_waits_iterative_unsafe_collectives_reorder",
-                 "reorder_communication_preserving_peak_memory": "reorder_iterative_unsafe_collectives_reorder"}
-        unsafe = [flags[p] for p in passes if overlap and isinstance(p, str) and p in flags
-                  and getattr(config_comms, flags[p])]
-        if unsafe:
-            raise ConfigError(
-                f"compile options run inductor's {', '.join(p for p in passes if p in flags)} with "
-                f"torch._inductor.config_comms.{' and .'.join(unsafe)} = True: they may reorder collectives differently "
-                "on each rank (a unit's graph differs between ranks), and the ranks then mismatch or hang. Set "
-                f"{' and '.join(f'torch._inductor.config_comms.{u} = False' for u in unsafe)} on every rank before "
-                "wrapping, or leave these passes out")
-
-    def torch_compile_kwargs(self, window_bytes: int | None = None) -> dict:
-        """``torch.compile``'s keyword arguments; ``window_bytes``: the prefetch window
-        of the overlap pass (None: no pass)."""
-        kwargs = {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
-        options = dict(self.options) if self.options is not None else None
-        if self.overlap and window_bytes is not None and self.backend == "inductor" and not any(
-                key in (options or {}) for key in _OVERLAP_KEYS):
-            if options is None and self.mode not in (None, "default"):
-                from torch._inductor import list_mode_options
-
-                options = list_mode_options(self.mode, self.dynamic)  # torch.compile takes mode or options
-                kwargs["mode"] = None
-            options = {**(options or {}), "reorder_for_compute_comm_overlap": True,
-                       "reorder_for_compute_comm_overlap_passes": [WindowPrefetch(window_bytes)]}
-        if options is not None:
-            kwargs["options"] = options
-        return kwargs
-
-    def outside_compile_kwargs(self, window_bytes: int | None = None) -> dict:
-        """``torch.compile``'s keyword arguments for a unit outside the blocks."""
-        if self.outside_backend is None or self.outside_backend == self.backend:
-            return self.torch_compile_kwargs(window_bytes)
-        return {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.outside_backend}
-
-
-# ---- the collectives, differentiable ---------------------------------------------------------
-class _GatherShard(torch.autograd.Function):
-    """This rank's flat shard (master dtype) -> the gathered flat buffer (compute
-    dtype). Backward: the gradient in the reduce dtype, reduce-scattered (sum) over the
-    shard group, averaged, in the master dtype."""
-
-    @staticmethod
-    def forward(ctx, flat, world: int, group_name: str, compute_dtype, reduce_dtype, rank_if_all_reduce=None):
-        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.master_dtype = world, group_name, reduce_dtype, flat.dtype
-        ctx.rank_if_all_reduce = rank_if_all_reduce
-        return _C10D.wait_tensor(_C10D.all_gather_into_tensor(flat.to(compute_dtype), world, group_name))
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.to(ctx.reduce_dtype).contiguous()
-        if ctx.rank_if_all_reduce is not None:  # [Note: gloo reduce-scatter]
-            total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
-            n = total.numel() // ctx.world
-            shard = total.narrow(0, ctx.rank_if_all_reduce * n, n)
-        else:
-            shard = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name))
-        return (shard / ctx.world).to(ctx.master_dtype), None, None, None, None, None
-
-
-class _ReplicaGrad(torch.autograd.Function):
-    """A ``rep`` unit's flat parameters (master dtype) -> its compute copy; backward:
-    the gradient all-reduced (sum, in the reduce dtype) and averaged over the ranks
-    (``group_name`` None: the local gradient, left to :class:`ReplicaGradBucket`)."""
-
-    @staticmethod
-    def forward(ctx, flat, world: int, group_name, compute_dtype, reduce_dtype):
-        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.master_dtype = world, group_name, reduce_dtype, flat.dtype
-        return flat.to(compute_dtype) if compute_dtype != flat.dtype else flat.view_as(flat)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.group_name is None:
-            return grad.to(ctx.master_dtype), None, None, None, None
-        grad = grad.to(ctx.reduce_dtype).contiguous()
-        total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
-        return (total / ctx.world).to(ctx.master_dtype), None, None, None, None
-
-
-class ReplicaGradBucket:
-    """[Note: rep gradients bucketed] The gradients of ``rep`` units, all-reduced in one
-    collective per reduce dtype after backward, as eager OSDP's bucket does, instead of
-    one all-reduce per unit inside the backward graphs (each a blocking gloo round
-    trip: measured 26 rep units of the N&D GPT cost the compiled step more than
-    inductor gained). Each parameter's tensor hook takes this pass's local gradient
-    (autograd goes on with it unchanged) and sets the accumulated ``.grad`` aside; a
-    callback queued on the autograd engine, which runs once the backward pass is done,
-    all-reduces the local gradients of the parameters whose ``.grad`` autograd
-    accumulated (their post-accumulate hooks say which), averages them and makes
-    ``.grad`` the set-aside gradient plus the average. The sum and the average are the
-    per-unit path's (elementwise, in the reduce dtype), so ``.grad`` is bit-identical;
-    accumulation over backward passes adds each pass's average, as eagerly.
-    ``torch.autograd.grad`` accumulates nothing: it gets the local gradient and ``.grad``
-    stays as it was, as eagerly (the hook used to hand autograd zeros, and the callback
-    then added the average to ``.grad``). Only for parameters of ``rep`` units alone (a
-    split op's parameter shared with sharded slices keeps the per-unit all-reduce)."""
-
-    def __init__(self, group, entries: list[tuple[nn.Parameter, "CompiledUnit"]]):
-        self.group = group
-        self.pending: dict[int, torch.Tensor] = {}  # this pass's local gradients
-        self.set_aside: dict[int, torch.Tensor | None] = {}  # .grad before this pass
-        self.accumulated: set[int] = set()
-        self.queued = False
-        self.entries = entries
-        for index, (param, _) in enumerate(entries):
-            param.register_hook(functools.partial(self._take, index))
-            param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
-
-    def _take(self, index: int, grad: torch.Tensor) -> None:
-        if index in self.pending:  # the same parameter twice in one pass (should not happen: summed)
-            self.pending[index] = self.pending[index] + grad
-        else:
-            self.pending[index] = grad
-            param = self.entries[index][0]
-            # autograd accumulates this pass alone into .grad: the average replaces it
-            self.set_aside[index], param.grad = param.grad, None
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-
-    def _accumulated(self, index: int, param: torch.Tensor) -> None:
-        self.accumulated.add(index)
-
-    def _flush(self) -> None:
-        self.queued = False
-        pending, set_aside, accumulated = self.pending, self.set_aside, self.accumulated
-        self.pending, self.set_aside, self.accumulated = {}, {}, set()
-        for index in pending.keys() - accumulated:  # torch.autograd.grad: .grad as it was
-            self.entries[index][0].grad = set_aside[index]
-        groups: dict[tuple, list[int]] = {}
-        for index in sorted(accumulated):  # the same order on every rank
-            cunit = self.entries[index][1]
-            groups.setdefault((cunit.reduce_dtype, cunit.world), []).append(index)
-        for (reduce_dtype, world), indices in groups.items():
-            flat = torch.cat([pending[i].reshape(-1).to(reduce_dtype) for i in indices])
-            c10d.all_reduce(flat, group=self.group)
-            flat = flat / world
-            offset = 0
-            for i in indices:
-                param, grad, before = self.entries[i][0], pending[i], set_aside[i]
-                avg = flat.narrow(0, offset, grad.numel()).view(grad.shape).to(param.dtype)
-                offset += grad.numel()
-                # in place: the tensor autograd accumulated (or the set-aside one) keeps
-                # the replicated marker mark_sharded_grads put on it
-                param.grad = param.grad.copy_(avg) if before is None else before.add_(avg)
-
-
-def _recompute_gathers(ctx, func, *args, **kwargs):
-    """A ``zdp`` gather's region: everything in it (the shard's rebuild, the cast, the
-    all-gather) runs again for backward; nothing of it is saved."""
-    return CheckpointPolicy.MUST_RECOMPUTE
-
-
-def _checkpointed_block(ctx, func, *args, **kwargs):
-    """A checkpointed block: everything recomputed for backward except the gathers of
-    ``dp`` units (their gathered buffers are kept, as eagerly)."""
-    if func is _ALL_GATHER:
-        kept = isinstance(args[2], str) and args[2].endswith(_KEPT_SUFFIX)
-        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.MUST_RECOMPUTE
-    return CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def kept_group_name(group) -> str:
-    """The name ``dp`` gathers use for ``group``: an alias of the same process group,
-    registered once (no new communicator)."""
-    return group_alias(group, _KEPT_SUFFIX)
-
-
-# [Note: a unit used twice in one graph]
-# A unit's module may compute more than once in one forward: a tied weight's unit (a GPT's
-# wte, also its head) in two modules, a module called twice (ALBERT's shared layer, a
-# block looped over). In one graph (scope="model") the gathers of a zdp unit for those
-# calls were the same functional collective of the same inputs, and AOT autograd's
-# common-subexpression pass merged them: one gather, its buffer held from the first call
-# to the last, where the plan (and eager OSDP) gathers for each call and frees in between.
-# Measured: 13 forward gathers where the plan has 14 (the tied case of test_compiled.py);
-# a Linear called twice, 3 forward and 2 backward gathers where the plan has 4 and 3. So
-# the zdp gathers of one graph name the shard group each by a name of its own: the n-th
-# zdp gather dynamo traces in a graph by the group's n-th alias
-# (:func:`_traced_gather_name`, run by dynamo while tracing, its result a constant of
-# the graph; :func:`group_alias`), and common-subexpression elimination finds no two
-# alike. A dp unit's calls share one gather: eagerly it stays gathered. The count reads
-# nothing of the unit (alike blocks keep sharing their code, [Note: one code object per
-# region plan]); the aliases number at most the zdp gathers of one graph, and ranks need
-# not agree on them (an alias is the same communicator).
-def group_alias(group, suffix: str) -> str:
-    """``group``'s name plus ``suffix``, registered as another name of the same process
-    group (no new communicator)."""
-    name = group.group_name + suffix
-    try:
-        registered = c10d._resolve_process_group(name)
-    except (RuntimeError, ValueError, KeyError):
-        registered = None
-    if registered is not group:  # none yet, or left by a destroyed group of that name
-        if registered is not None:
-            c10d._unregister_process_group(name)
-        c10d._register_process_group(name, group)
-    return name
-
-
-# the trace under way (a weak reference to its tracing context) and the zdp gathers
-# named in it so far ([Note: a unit used twice in one graph])
-_traced_gathers: list = [lambda: None, 0]
-
-
-@torch._dynamo.assume_constant_result
-def _traced_gather_name(group_name: str) -> str:
-    """The group name of the next zdp gather in the graph dynamo is tracing: run by
-    dynamo at trace time (its result a constant of the graph), not by the compiled graph
-    ([Note: a unit used twice in one graph]). The count starts again with each trace
-    (its own tracing context); it reads nothing of the unit, so alike blocks keep
-    sharing their code."""
-    trace = torch._guards.TracingContext.try_get()
-    if trace is None or _traced_gathers[0]() is not trace:
-        _traced_gathers[:] = [weakref.ref(trace) if trace is not None else lambda: None, 0]
-    count = _traced_gathers[1]
-    _traced_gathers[1] = count + 1
-    return group_alias(c10d._resolve_process_group(group_name), f"{_CALL_SUFFIX}{count}") if count else group_name
+__all__ = ["CompileConfig", "CompiledUnit", "compile_regions", "install", "mark_sharded_grads"]
 
 
 # ---- one unit ----------------------------------------------------------------------------------
@@ -423,8 +125,8 @@ class CompiledUnit:
         self.world = unit.shard_world if not unit.replicated else group.size()
         keep = mode == Mode.DP.value
         self.group_name = kept_group_name(group) if keep and not unit.replicated else group.group_name
-        # [Note: a unit used twice in one graph]: a zdp unit's calls gather under names of
-        # their own
+        # [Note: a unit used twice in one graph] (compiled_collectives.py): a zdp unit's
+        # calls gather under names of their own
         self.freed_between_calls = not keep and not unit.replicated
         # zdp: its own must-recompute region, unless a checkpointed block's policy decides
         self.recompute = mode == Mode.ZDP.value and not in_checkpointed_block
@@ -465,15 +167,15 @@ class CompiledUnit:
     def _gather_now(self, group_name: str) -> torch.Tensor:
         if self.unit.replicated:
             group_name = None if self.bucketed else self.group_name
-            return _ReplicaGrad.apply(self.local_flat(), self.world, group_name, self.compute_dtype, self.reduce_dtype)
-        return _GatherShard.apply(self.local_flat(), self.world, group_name, self.compute_dtype,
+            return ReplicaGrad.apply(self.local_flat(), self.world, group_name, self.compute_dtype, self.reduce_dtype)
+        return GatherShard.apply(self.local_flat(), self.world, group_name, self.compute_dtype,
                                   self.reduce_dtype, self.rank_if_all_reduce)
 
     def call_group_name(self) -> str:
         """The name this call's gather gives the shard group ([Note: a unit used twice in
         one graph]): one of its own for each traced call of a zdp unit."""
         if self.freed_between_calls and torch.compiler.is_compiling():
-            return _traced_gather_name(self.group_name)
+            return traced_gather_name(self.group_name)
         return self.group_name
 
     def gathered(self) -> torch.Tensor:
@@ -481,7 +183,7 @@ class CompiledUnit:
         group_name = self.call_group_name()
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(self._gather_now, group_name, use_reentrant=False, context_fn=functools.partial(
-                create_selective_checkpoint_contexts, _recompute_gathers))
+                create_selective_checkpoint_contexts, recompute_gathers_policy))
         return self._gather_now(group_name)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
@@ -624,7 +326,7 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
     regions = RegionClasses()
     if checkpoint_blocks:
         disable_kv_cache(model)
-        policy = functools.partial(create_selective_checkpoint_contexts, _checkpointed_block)
+        policy = functools.partial(create_selective_checkpoint_contexts, checkpointed_block_policy)
         for path in checkpoint_blocks:
             block = model.get_submodule(path)
             regions.give(block, region_signature(block), context_fn=policy)
@@ -633,7 +335,8 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
 
 def _bucket_replica_grads(cunits: list[CompiledUnit], group) -> ReplicaGradBucket | None:
     """Hand the gradients of ``rep`` units whose parameters no sharded unit shares to
-    one :class:`ReplicaGradBucket` ([Note: rep gradients bucketed])."""
+    one :class:`ReplicaGradBucket` ([Note: rep gradients bucketed] in
+    compiled_collectives.py)."""
     owners: dict[int, list[CompiledUnit]] = {}
     for cunit in cunits:
         for param in cunit.unit.params:

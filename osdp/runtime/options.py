@@ -16,7 +16,7 @@ from ..errors import OSDPError
 from ..sizes import parse_bytes
 from .args import device_arg
 from .collectives import DEFAULT_TIMEOUT_S
-from .compiled import CompileConfig
+from .compile_config import CompileConfig
 from .mixed_precision import MixedPrecision
 
 

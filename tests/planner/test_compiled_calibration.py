@@ -18,7 +18,7 @@ from osdp.planner.gpt_desc import describe_gpt
 from osdp.planner.plan import format_plan
 from osdp.planner.planner import make_plan
 from osdp.planner.run import RunSettings
-from osdp.runtime.compiled import CompileConfig
+from osdp.runtime.compile_config import CompileConfig
 
 CONFIG = GPTConfig(vocab_size=512, seq_len=64, num_layers=2, hidden=64, heads=4)
 

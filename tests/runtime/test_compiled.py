@@ -29,8 +29,8 @@ CASES = [
     # 16 forward; backward: 16 - wte - wpe
     (Case("zdp", {"default_mode": "zdp"}, scope="blocks"), (16, 14)),
     # tied head: 15 units, 2 rep (ln_f, blocks.0.ln_1) -> 13 sharded, wte gathered twice
-    # (lookup and head, in one graph: [Note: a unit used twice in one graph]); backward:
-    # 13 - 2 dp - wpe (wte's head use reads it)
+    # (lookup and head, in one graph: [Note: a unit used twice in one graph] in
+    # compiled_collectives.py); backward: 13 - 2 dp - wpe (wte's head use reads it)
     (Case("dp_zdp_rep_tied", {"modes": {"blocks.0.attn.c_attn": "dp", "blocks.1.mlp.c_fc": "dp", "ln_f": "rep",
                                         "blocks.0.ln_1": "rep"}}, tie=True), (14, 10)),
     # 3 ops split into 2 + 3 + 2 slices: 16 - 3 + 7 = 20 units; 3 dp slices; - wte, wpe

@@ -1,0 +1,223 @@
+"""The compiled path's collectives (differentiable gathers, replicated gradients
+bucketed after backward) and the names its gathers give the shard group, which say
+what a checkpoint keeps and keep alike gathers apart ([Note: compiled units] in
+compiled.py)."""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed.distributed_c10d as c10d
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+from .compiled_prefetch import _ALL_GATHER
+
+if TYPE_CHECKING:
+    from .compiled import CompiledUnit
+
+_C10D = torch.ops._c10d_functional
+# a dp unit's gathers name the shard group by this alias, so that a checkpointed
+# block's policy can tell them (saved) from zdp gathers (recomputed)
+_KEPT_SUFFIX = ":osdp-kept"
+# each zdp gather of a graph after its first names the shard group by this suffix plus
+# its index ([Note: a unit used twice in one graph])
+_CALL_SUFFIX = ":osdp-call"
+
+
+# ---- the collectives, differentiable ---------------------------------------------------------
+class GatherShard(torch.autograd.Function):
+    """This rank's flat shard (master dtype) -> the gathered flat buffer (compute
+    dtype). Backward: the gradient in the reduce dtype, reduce-scattered (sum) over the
+    shard group, averaged, in the master dtype."""
+
+    @staticmethod
+    def forward(ctx, flat, world: int, group_name: str, compute_dtype, reduce_dtype, rank_if_all_reduce=None):
+        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.master_dtype = world, group_name, reduce_dtype, flat.dtype
+        ctx.rank_if_all_reduce = rank_if_all_reduce
+        return _C10D.wait_tensor(_C10D.all_gather_into_tensor(flat.to(compute_dtype), world, group_name))
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.to(ctx.reduce_dtype).contiguous()
+        if ctx.rank_if_all_reduce is not None:  # [Note: gloo reduce-scatter]
+            total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
+            n = total.numel() // ctx.world
+            shard = total.narrow(0, ctx.rank_if_all_reduce * n, n)
+        else:
+            shard = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name))
+        return (shard / ctx.world).to(ctx.master_dtype), None, None, None, None, None
+
+
+class ReplicaGrad(torch.autograd.Function):
+    """A ``rep`` unit's flat parameters (master dtype) -> its compute copy; backward:
+    the gradient all-reduced (sum, in the reduce dtype) and averaged over the ranks
+    (``group_name`` None: the local gradient, left to :class:`ReplicaGradBucket`)."""
+
+    @staticmethod
+    def forward(ctx, flat, world: int, group_name, compute_dtype, reduce_dtype):
+        ctx.world, ctx.group_name, ctx.reduce_dtype, ctx.master_dtype = world, group_name, reduce_dtype, flat.dtype
+        return flat.to(compute_dtype) if compute_dtype != flat.dtype else flat.view_as(flat)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.group_name is None:
+            return grad.to(ctx.master_dtype), None, None, None, None
+        grad = grad.to(ctx.reduce_dtype).contiguous()
+        total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
+        return (total / ctx.world).to(ctx.master_dtype), None, None, None, None
+
+
+class ReplicaGradBucket:
+    """[Note: rep gradients bucketed] The gradients of ``rep`` units, all-reduced in one
+    collective per reduce dtype after backward, as eager OSDP's bucket does, instead of
+    one all-reduce per unit inside the backward graphs (each a blocking gloo round
+    trip: measured 26 rep units of the N&D GPT cost the compiled step more than
+    inductor gained). Each parameter's tensor hook takes this pass's local gradient
+    (autograd goes on with it unchanged) and sets the accumulated ``.grad`` aside; a
+    callback queued on the autograd engine, which runs once the backward pass is done,
+    all-reduces the local gradients of the parameters whose ``.grad`` autograd
+    accumulated (their post-accumulate hooks say which), averages them and makes
+    ``.grad`` the set-aside gradient plus the average. The sum and the average are the
+    per-unit path's (elementwise, in the reduce dtype), so ``.grad`` is bit-identical;
+    accumulation over backward passes adds each pass's average, as eagerly.
+    ``torch.autograd.grad`` accumulates nothing: it gets the local gradient and ``.grad``
+    stays as it was, as eagerly (the hook used to hand autograd zeros, and the callback
+    then added the average to ``.grad``). Only for parameters of ``rep`` units alone (a
+    split op's parameter shared with sharded slices keeps the per-unit all-reduce).
+
+    Its cost: after backward nothing is left to overlap the all-reduce with, where eager
+    OSDP's buckets go out during backward (a compiled backward hands autograd all its
+    gradients at its end, so no hook can start one earlier). Measured (2026-11-27, every
+    unit ``rep``, model scope, inductor, 2 gloo ranks, 2-core CPU, 15 interleaved steps,
+    medians; bench-free script): W&S 2x768 at batch 9, eager 630 ms, this bucket 678 ms
+    (0.93x), the per-unit all-reduces in the graph (``OSDP_COMPILED_REP_BUCKET=0``) with
+    inductor's ``bucket_all_reduces_fx="all"`` 647 ms (0.97x); N&D 12x128 at batch 3,
+    74.4 / 72.0 / 70.3 ms. On one rank the compiled step is 1.04x eager (W&S, batch 18):
+    the loss is the exposed all-reduce. The in-graph variant is not the default: there
+    ``torch.autograd.grad`` returns the average, not this rank's local gradient as
+    eagerly, and a GPU run has not measured it."""
+
+    def __init__(self, group, entries: list[tuple[nn.Parameter, CompiledUnit]]):
+        self.group = group
+        self.pending: dict[int, torch.Tensor] = {}  # this pass's local gradients
+        self.set_aside: dict[int, torch.Tensor | None] = {}  # .grad before this pass
+        self.accumulated: set[int] = set()
+        self.queued = False
+        self.entries = entries
+        for index, (param, _) in enumerate(entries):
+            param.register_hook(functools.partial(self._take, index))
+            param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
+
+    def _take(self, index: int, grad: torch.Tensor) -> None:
+        if index in self.pending:  # the same parameter twice in one pass (should not happen: summed)
+            self.pending[index] = self.pending[index] + grad
+        else:
+            self.pending[index] = grad
+            param = self.entries[index][0]
+            # autograd accumulates this pass alone into .grad: the average replaces it
+            self.set_aside[index], param.grad = param.grad, None
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+
+    def _accumulated(self, index: int, param: torch.Tensor) -> None:
+        self.accumulated.add(index)
+
+    def _flush(self) -> None:
+        self.queued = False
+        pending, set_aside, accumulated = self.pending, self.set_aside, self.accumulated
+        self.pending, self.set_aside, self.accumulated = {}, {}, set()
+        for index in pending.keys() - accumulated:  # torch.autograd.grad: .grad as it was
+            self.entries[index][0].grad = set_aside[index]
+        groups: dict[tuple, list[int]] = {}
+        for index in sorted(accumulated):  # the same order on every rank
+            cunit = self.entries[index][1]
+            groups.setdefault((cunit.reduce_dtype, cunit.world), []).append(index)
+        for (reduce_dtype, world), indices in groups.items():
+            flat = torch.cat([pending[i].reshape(-1).to(reduce_dtype) for i in indices])
+            c10d.all_reduce(flat, group=self.group)
+            flat = flat / world
+            offset = 0
+            for i in indices:
+                param, grad, before = self.entries[i][0], pending[i], set_aside[i]
+                avg = flat.narrow(0, offset, grad.numel()).view(grad.shape).to(param.dtype)
+                offset += grad.numel()
+                # in place: the tensor autograd accumulated (or the set-aside one) keeps
+                # the replicated marker mark_sharded_grads put on it
+                param.grad = param.grad.copy_(avg) if before is None else before.add_(avg)
+
+
+def recompute_gathers_policy(ctx, func, *args, **kwargs):
+    """A ``zdp`` gather's region: everything in it (the shard's rebuild, the cast, the
+    all-gather) runs again for backward; nothing of it is saved."""
+    return CheckpointPolicy.MUST_RECOMPUTE
+
+
+def checkpointed_block_policy(ctx, func, *args, **kwargs):
+    """A checkpointed block: everything recomputed for backward except the gathers of
+    ``dp`` units (their gathered buffers are kept, as eagerly)."""
+    if func is _ALL_GATHER:
+        kept = isinstance(args[2], str) and args[2].endswith(_KEPT_SUFFIX)
+        return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def kept_group_name(group) -> str:
+    """The name ``dp`` gathers use for ``group``: an alias of the same process group,
+    registered once (no new communicator)."""
+    return group_alias(group, _KEPT_SUFFIX)
+
+
+# [Note: a unit used twice in one graph]
+# A unit's module may compute more than once in one forward: a tied weight's unit (a GPT's
+# wte, also its head) in two modules, a module called twice (ALBERT's shared layer, a
+# block looped over). In one graph (scope="model") the gathers of a zdp unit for those
+# calls were the same functional collective of the same inputs, and AOT autograd's
+# common-subexpression pass merged them: one gather, its buffer held from the first call
+# to the last, where the plan (and eager OSDP) gathers for each call and frees in between.
+# Measured: 13 forward gathers where the plan has 14 (the tied case of test_compiled.py);
+# a Linear called twice, 3 forward and 2 backward gathers where the plan has 4 and 3. So
+# the zdp gathers of one graph name the shard group each by a name of its own: the n-th
+# zdp gather dynamo traces in a graph by the group's n-th alias
+# (:func:`traced_gather_name`, run by dynamo while tracing, its result a constant of
+# the graph; :func:`group_alias`), and common-subexpression elimination finds no two
+# alike. A dp unit's calls share one gather: eagerly it stays gathered. The count reads
+# nothing of the unit (alike blocks keep sharing their code, [Note: one code object per
+# region plan]); the aliases number at most the zdp gathers of one graph, and ranks need
+# not agree on them (an alias is the same communicator).
+def group_alias(group, suffix: str) -> str:
+    """``group``'s name plus ``suffix``, registered as another name of the same process
+    group (no new communicator)."""
+    name = group.group_name + suffix
+    try:
+        registered = c10d._resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        registered = None
+    if registered is not group:  # none yet, or left by a destroyed group of that name
+        if registered is not None:
+            c10d._unregister_process_group(name)
+        c10d._register_process_group(name, group)
+    return name
+
+
+# the trace under way (a weak reference to its tracing context) and the zdp gathers
+# named in it so far ([Note: a unit used twice in one graph])
+_traced_gathers: list = [lambda: None, 0]
+
+
+@torch._dynamo.assume_constant_result
+def traced_gather_name(group_name: str) -> str:
+    """The group name of the next zdp gather in the graph dynamo is tracing: run by
+    dynamo at trace time (its result a constant of the graph), not by the compiled graph
+    ([Note: a unit used twice in one graph]). The count starts again with each trace
+    (its own tracing context); it reads nothing of the unit, so alike blocks keep
+    sharing their code."""
+    trace = torch._guards.TracingContext.try_get()
+    if trace is None or _traced_gathers[0]() is not trace:
+        _traced_gathers[:] = [weakref.ref(trace) if trace is not None else lambda: None, 0]
+    count = _traced_gathers[1]
+    _traced_gathers[1] = count + 1
+    return group_alias(c10d._resolve_process_group(group_name), f"{_CALL_SUFFIX}{count}") if count else group_name
