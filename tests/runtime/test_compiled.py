@@ -313,6 +313,44 @@ def test_a_module_called_twice_gathers_as_the_plan_says(fake_world, scope, check
 
 
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_stock_albert_shared_layer_gathers_as_eagerly(fake_world):
+    """Hugging Face's ALBERT calls one layer at every depth (4 here): compiled as one
+    graph, all ``zdp``, it gathers in forward what eager OSDP gathers (its runtime's
+    ledger), and in backward what eager OSDP gathers but the 3 embeddings' (an
+    embedding's backward reads no weight: the partitioner does not gather it again,
+    eager OSDP does). The model's own output, the user's loss."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.AlbertConfig(vocab_size=100, embedding_size=16, hidden_size=32, num_hidden_layers=4,
+                                    num_attention_heads=4, intermediate_size=64, max_position_embeddings=32)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+
+    def albert(compile_arg):
+        torch.manual_seed(0)
+        return osdp.OSDP(transformers.AlbertModel(cfg), default_mode="zdp", compile=compile_arg)
+
+    def loss_of(model):
+        out = model(input_ids=ids)
+        return out.last_hidden_state.square().mean() + out.pooler_output.sum()
+
+    eager = albert(None)
+    loss_of(eager).backward()  # a first step: the steady schedule after it
+    ledger = eager._ledger
+    ledger.reset()
+    loss = loss_of(eager)
+    eager_fw = sum(ledger.all_gathers.values())
+    loss.backward()
+    eager_bw = sum(ledger.all_gathers.values()) - eager_fw
+    seen = {"fw": 0, "bw": 0}
+    compiled = albert({"backend": counting_backend(seen)})
+    torch._dynamo.reset()
+    counters.clear()
+    loss_of(compiled).backward()
+    assert sum(counters["graph_break"].values()) == 0
+    assert eager_fw > 4 * 8  # the shared layer's 8 units, gathered at each of the 4 depths
+    assert (seen["fw"], seen["bw"]) == (eager_fw, eager_bw - 3)
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
 @pytest.mark.parametrize("mixed", [False, True])
 def test_compiled_rep_units_compute_with_their_parameters(fake_world, mixed):
     """[Note: rep units uncopied]: a bucketed rep unit's module reads its parameters
