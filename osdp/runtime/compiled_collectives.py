@@ -96,9 +96,21 @@ class ReplicaGradBucket:
     (0.93x), the per-unit all-reduces in the graph (``OSDP_COMPILED_REP_BUCKET=0``) with
     inductor's ``bucket_all_reduces_fx="all"`` 647 ms (0.97x); N&D 12x128 at batch 3,
     74.4 / 72.0 / 70.3 ms. On one rank the compiled step is 1.04x eager (W&S, batch 18):
-    the loss is the exposed all-reduce. The in-graph variant is not the default: there
-    ``torch.autograd.grad`` returns the average, not this rank's local gradient as
-    eagerly, and a GPU run has not measured it."""
+    the loss is the exposed all-reduce. The per-unit in-graph variant is not the default:
+    there ``torch.autograd.grad`` returns the average, not this rank's local gradient
+    as eagerly. Tried and not kept (same day, same setup, 21 rounds, two orders): each
+    bucketed parameter computing through an autograd function whose backward hands the
+    parameter its local gradient and a side leaf (an expanded zero, no memory) the
+    gradient all-reduced in the graph, this bucket then making ``.grad`` the side
+    leaf's average (idioms kept: the compiled tests passed), with inductor's
+    ``bucket_all_reduces_fx`` in eager's 4 MiB buckets
+    (``bucket_all_reduces_fx_bucket_size_determinator``; inductor's default is one
+    2000 MiB bucket, issued at the end of backward). W&S: 673 / 666 ms against this
+    bucket's 689 / 683 (1.025x), eager 649 / 635; N&D all rep: 71.5 against 70.6 ms,
+    and its cold first step 36.7 s against 27.3 s (a function per parameter for dynamo
+    to trace). Without inductor's bucketing the graph's per-parameter all-reduces cost
+    288 ms on N&D (gloo's latency per call). On a GPU, where NCCL overlaps for real, it
+    may be worth trying again."""
 
     def __init__(self, group, entries: list[tuple[nn.Parameter, CompiledUnit]]):
         self.group = group
