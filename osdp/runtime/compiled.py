@@ -165,9 +165,9 @@ class CompiledUnit:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def _gather_now(self, group_name: str) -> torch.Tensor:
-        if self.unit.replicated:
-            group_name = None if self.bucketed else self.group_name
-            return ReplicaGrad.apply(self.local_flat(), self.world, group_name, self.compute_dtype, self.reduce_dtype)
+        if self.unit.replicated:  # group_name is self.group_name; a bucketed unit's gradient stays local
+            return ReplicaGrad.apply(self.local_flat(), self.world, None if self.bucketed else group_name,
+                                     self.compute_dtype, self.reduce_dtype)
         return GatherShard.apply(self.local_flat(), self.world, group_name, self.compute_dtype,
                                   self.reduce_dtype, self.rank_if_all_reduce)
 

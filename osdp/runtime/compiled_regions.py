@@ -44,6 +44,11 @@ compile_cpu_scopes{,_run2}.log; gain = eager step / compiled step; compile = fir
   N&D 12x128   1.01x, 1.13x  0.96x, 0.97x   1.08x, 1.12x  20, 54, 88
   W&S 2x768    1.01x, 1.05x  1.00x, 0.95x   1.03x, 0.91x  23, 45, 61
 
+A third run on a faster machine (15 rounds, compile_cpu_scopes_run3.log): N&D 1.01x,
+0.96x, 1.04x (compile 10, 31, 37 s); W&S 1.01x, 0.94x, 0.91x, its auto plan there every
+unit ``rep`` (compiled, their gradients are all-reduced after backward: [Note: rep
+gradients bucketed] in compiled_collectives.py).
+
 N&D (12 small blocks: collectives and per-op overhead weigh) gains from one graph in
 both runs; W&S (2 wide blocks, matmul-bound on CPU) shows no difference beyond this
 machine's noise. On one H200 (one rank, N&D with every unit ``rep``, batch 6, 15

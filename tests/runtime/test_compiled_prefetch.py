@@ -42,8 +42,8 @@ def _orders(monkeypatch, tmp_path, **osdp_kwargs) -> list[tuple[str, str]]:
     torch._dynamo.reset()
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=64, seq_len=8, num_layers=1, hidden=32, heads=2)
-    model = osdp.OSDP(GPT(config), default_mode="zdp", compile={"scope": "blocks", "backend": "inductor", "dynamic": False},
-                      **osdp_kwargs)
+    model = osdp.OSDP(GPT(config), default_mode="zdp",
+                      compile={"scope": "blocks", "backend": "inductor", "dynamic": False}, **osdp_kwargs)
     idx, targets = example_batch(config, 2, seed=0)
     model(idx, targets).backward()
     return [(before, after) for before, after in seen if "G" in before or "R" in before]
