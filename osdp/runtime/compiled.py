@@ -53,9 +53,10 @@ eager 359 ms, compiled 343 ms, compiled with those passes 344 ms; ``sink_waits``
 gained nothing either. Earlier runs that seemed to show a gain had hit dynamo's
 recompile limit and ran partly eager (:func:`_forward_of`). Their risk across ranks is
 [Note: comm reordering across ranks] in compile_config.py. On a GPU they are untried.
-Two exceptions: rep units' gradients are all-reduced in one bucket after backward
-([Note: rep gradients bucketed] in compiled_collectives.py), and on gloo a sharded
-gradient is all-reduced and its shard kept ([Note: gloo reduce-scatter]). Measured (N&D
+Two exceptions: rep units' gradients are all-reduced in eager's buckets by hooks
+outside the graphs ([Note: rep gradients bucketed] in compiled_rep_grads.py), and on
+gloo a sharded gradient is all-reduced and its shard kept ([Note: gloo reduce-scatter]).
+Measured (N&D
 12x128 GPT, batch 4, 26 rep + 50 zdp units, 2 gloo ranks on a 2-core CPU, 15
 interleaved steps, medians, a quiet machine): eager 368 ms; compiled per-unit
 all-reduces and reduce-scatters 448 ms; with both exceptions 395 ms; adding
@@ -105,10 +106,11 @@ from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_conte
 from ..errors import ConfigError
 from .activation_checkpoint import disable_kv_cache
 from .compile_config import CompileConfig
-from .compiled_collectives import (GatherShard, ReplicaGrad, ReplicaGradBucket, checkpointed_block_policy,
-                                   kept_group_name, recompute_gathers_policy, traced_gather_name)
+from .compiled_collectives import (GatherShard, ReplicaGrad, checkpointed_block_policy, kept_group_name,
+                                   recompute_gathers_policy, traced_gather_name)
 from .compiled_regions import (RegionClasses, compile_each, inside_any, region_paths, region_signature,
                                with_own_code)
+from .compiled_rep_grads import ReplicaGradBucket
 from .modes import Mode
 from .shard_unit import ShardUnit
 
@@ -336,7 +338,7 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
 def _bucket_replica_grads(cunits: list[CompiledUnit], group) -> ReplicaGradBucket | None:
     """Hand the gradients of ``rep`` units whose parameters no sharded unit shares to
     one :class:`ReplicaGradBucket` ([Note: rep gradients bucketed] in
-    compiled_collectives.py)."""
+    compiled_rep_grads.py)."""
     owners: dict[int, list[CompiledUnit]] = {}
     for cunit in cunits:
         for param in cunit.unit.params:

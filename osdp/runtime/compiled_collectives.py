@@ -1,22 +1,16 @@
-"""The compiled path's collectives (differentiable gathers, replicated gradients
-bucketed after backward) and the names its gathers give the shard group, which say
+"""The compiled path's collectives (differentiable gathers; replicated gradients are
+compiled_rep_grads.py's) and the names its gathers give the shard group, which say
 what a checkpoint keeps and keep alike gathers apart ([Note: compiled units] in
 compiled.py)."""
 from __future__ import annotations
 
-import functools
 import weakref
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed.distributed_c10d as c10d
-import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .compiled_prefetch import _ALL_GATHER
-
-if TYPE_CHECKING:
-    from .compiled import CompiledUnit
 
 _C10D = torch.ops._c10d_functional
 # a dp unit's gathers name the shard group by this alias, so that a checkpointed
@@ -68,98 +62,6 @@ class ReplicaGrad(torch.autograd.Function):
         grad = grad.to(ctx.reduce_dtype).contiguous()
         total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
         return (total / ctx.world).to(ctx.master_dtype), None, None, None, None
-
-
-class ReplicaGradBucket:
-    """[Note: rep gradients bucketed] The gradients of ``rep`` units, all-reduced in one
-    collective per reduce dtype after backward, as eager OSDP's bucket does, instead of
-    one all-reduce per unit inside the backward graphs (each a blocking gloo round
-    trip: measured 26 rep units of the N&D GPT cost the compiled step more than
-    inductor gained). Each parameter's tensor hook takes this pass's local gradient
-    (autograd goes on with it unchanged) and sets the accumulated ``.grad`` aside; a
-    callback queued on the autograd engine, which runs once the backward pass is done,
-    all-reduces the local gradients of the parameters whose ``.grad`` autograd
-    accumulated (their post-accumulate hooks say which), averages them and makes
-    ``.grad`` the set-aside gradient plus the average. The sum and the average are the
-    per-unit path's (elementwise, in the reduce dtype), so ``.grad`` is bit-identical;
-    accumulation over backward passes adds each pass's average, as eagerly.
-    ``torch.autograd.grad`` accumulates nothing: it gets the local gradient and ``.grad``
-    stays as it was, as eagerly (the hook used to hand autograd zeros, and the callback
-    then added the average to ``.grad``). Only for parameters of ``rep`` units alone (a
-    split op's parameter shared with sharded slices keeps the per-unit all-reduce).
-
-    Its cost: after backward nothing is left to overlap the all-reduce with, where eager
-    OSDP's buckets go out during backward (a compiled backward hands autograd all its
-    gradients at its end, so no hook can start one earlier). Measured (2026-11-27, every
-    unit ``rep``, model scope, inductor, 2 gloo ranks, 2-core CPU, 15 interleaved steps,
-    medians; bench-free script): W&S 2x768 at batch 9, eager 630 ms, this bucket 678 ms
-    (0.93x), the per-unit all-reduces in the graph (``OSDP_COMPILED_REP_BUCKET=0``) with
-    inductor's ``bucket_all_reduces_fx="all"`` 647 ms (0.97x); N&D 12x128 at batch 3,
-    74.4 / 72.0 / 70.3 ms. On one rank the compiled step is 1.04x eager (W&S, batch 18):
-    the loss is the exposed all-reduce. The per-unit in-graph variant is not the default:
-    there ``torch.autograd.grad`` returns the average, not this rank's local gradient
-    as eagerly. Tried and not kept (same day, same setup, 21 rounds, two orders): each
-    bucketed parameter computing through an autograd function whose backward hands the
-    parameter its local gradient and a side leaf (an expanded zero, no memory) the
-    gradient all-reduced in the graph, this bucket then making ``.grad`` the side
-    leaf's average (idioms kept: the compiled tests passed), with inductor's
-    ``bucket_all_reduces_fx`` in eager's 4 MiB buckets
-    (``bucket_all_reduces_fx_bucket_size_determinator``; inductor's default is one
-    2000 MiB bucket, issued at the end of backward). W&S: 673 / 666 ms against this
-    bucket's 689 / 683 (1.025x), eager 649 / 635; N&D all rep: 71.5 against 70.6 ms,
-    and its cold first step 36.7 s against 27.3 s (a function per parameter for dynamo
-    to trace). Without inductor's bucketing the graph's per-parameter all-reduces cost
-    288 ms on N&D (gloo's latency per call). On a GPU, where NCCL overlaps for real, it
-    may be worth trying again."""
-
-    def __init__(self, group, entries: list[tuple[nn.Parameter, CompiledUnit]]):
-        self.group = group
-        self.pending: dict[int, torch.Tensor] = {}  # this pass's local gradients
-        self.set_aside: dict[int, torch.Tensor | None] = {}  # .grad before this pass
-        self.accumulated: set[int] = set()
-        self.queued = False
-        self.entries = entries
-        for index, (param, _) in enumerate(entries):
-            param.register_hook(functools.partial(self._take, index))
-            param.register_post_accumulate_grad_hook(functools.partial(self._accumulated, index))
-
-    def _take(self, index: int, grad: torch.Tensor) -> None:
-        if index in self.pending:  # the same parameter twice in one pass (should not happen: summed)
-            self.pending[index] = self.pending[index] + grad
-        else:
-            self.pending[index] = grad
-            param = self.entries[index][0]
-            # autograd accumulates this pass alone into .grad: the average replaces it
-            self.set_aside[index], param.grad = param.grad, None
-        if not self.queued:
-            self.queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-
-    def _accumulated(self, index: int, param: torch.Tensor) -> None:
-        self.accumulated.add(index)
-
-    def _flush(self) -> None:
-        self.queued = False
-        pending, set_aside, accumulated = self.pending, self.set_aside, self.accumulated
-        self.pending, self.set_aside, self.accumulated = {}, {}, set()
-        for index in pending.keys() - accumulated:  # torch.autograd.grad: .grad as it was
-            self.entries[index][0].grad = set_aside[index]
-        groups: dict[tuple, list[int]] = {}
-        for index in sorted(accumulated):  # the same order on every rank
-            cunit = self.entries[index][1]
-            groups.setdefault((cunit.reduce_dtype, cunit.world), []).append(index)
-        for (reduce_dtype, world), indices in groups.items():
-            flat = torch.cat([pending[i].reshape(-1).to(reduce_dtype) for i in indices])
-            c10d.all_reduce(flat, group=self.group)
-            flat = flat / world
-            offset = 0
-            for i in indices:
-                param, grad, before = self.entries[i][0], pending[i], set_aside[i]
-                avg = flat.narrow(0, offset, grad.numel()).view(grad.shape).to(param.dtype)
-                offset += grad.numel()
-                # in place: the tensor autograd accumulated (or the set-aside one) keeps
-                # the replicated marker mark_sharded_grads put on it
-                param.grad = param.grad.copy_(avg) if before is None else before.add_(avg)
 
 
 def recompute_gathers_policy(ctx, func, *args, **kwargs):

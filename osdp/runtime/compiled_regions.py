@@ -46,8 +46,8 @@ compile_cpu_scopes{,_run2}.log; gain = eager step / compiled step; compile = fir
 
 A third run on a faster machine (15 rounds, compile_cpu_scopes_run3.log): N&D 1.01x,
 0.96x, 1.04x (compile 10, 31, 37 s); W&S 1.01x, 0.94x, 0.91x, its auto plan there every
-unit ``rep`` (compiled, their gradients are all-reduced after backward: [Note: rep
-gradients bucketed] in compiled_collectives.py).
+unit ``rep`` (compiled, their gradients are all-reduced once backward hands them out,
+at the end at model scope: [Note: rep gradients bucketed] in compiled_rep_grads.py).
 
 N&D (12 small blocks: collectives and per-op overhead weigh) gains from one graph in
 both runs; W&S (2 wide blocks, matmul-bound on CPU) shows no difference beyond this
