@@ -58,6 +58,25 @@ def replication_alternative(desc, device, plan: Plan, settings: PlannerSettings,
     return _plan_within(desc, device, settings.with_(policy="rep"), limit, limit, "", **kwargs)
 
 
+def sharded_alternative(desc, device, plan: Plan, settings: PlannerSettings, **kwargs) -> Plan | None:
+    """The best plan without ``rep`` units (every unit sharded, ``dp``/``zdp`` and
+    splits) at its own best batch, where the planner chose its rep set (policy "osdp",
+    ``rep_units`` None) and ``plan`` has ``rep`` units; None when it does not fit. The
+    converse of ``replication_alternative``, for the same reason: a larger batch with
+    sharded units against whole weights at a smaller one. Measured (W&S 2x768 at
+    bench/compile.py's middle budget, 2 gloo ranks, eager): the planner picked every
+    unit ``rep`` at batch 9, 27.9 samples/s, where every unit ``zdp`` at batch 19 ran
+    29.1 (2026-11-27, [Note: compile scope]'s third run), and compiled the gap grows,
+    since a compiled backward hands the ``rep`` gradients out at its end ([Note: rep
+    gradients bucketed] in osdp/runtime/compiled_rep_grads.py)."""
+    if settings.policy != "osdp" or settings.rep_units is not None:
+        return None
+    if not any(m == "rep" for u in plan.units for m in u.modes):
+        return None
+    limit = device.memory_limit_bytes
+    return _plan_within(desc, device, settings.with_(rep_units=()), limit, limit, "", **kwargs)
+
+
 def checkpointed_fsdp_alternative(desc, device, plan: Plan, settings: PlannerSettings, **kwargs) -> Plan | None:
     """FSDP with every block checkpointed (all ``zdp``; the peer OSDP+ckpt is compared
     with) at its own best batch, where the user allowed checkpointing ("auto" or "all")
@@ -226,10 +245,11 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     So, on the calibrated device:
     1. the plan with the other checkpointing extreme (``checkpointing_alternative``; only
        when the user allowed checkpointing, ``checkpointing="auto"``), the all-rep
-       plan (``replication_alternative``, DDP; only when the planner chose the rep set)
-       and FSDP with every block checkpointed (``checkpointed_fsdp_alternative``; when
-       checkpointing is allowed) are measured beside the calibrated plan, their steps
-       interleaved;
+       plan (``replication_alternative``, DDP) or the best plan without rep units
+       (``sharded_alternative``; each only when the planner chose the rep set and the
+       plan is not already that) and FSDP with every block checkpointed
+       (``checkpointed_fsdp_alternative``; when checkpointing is allowed) are measured
+       beside the calibrated plan, their steps interleaved;
     2. the calibrated plan and each alternative are planned again for the memory their
        own measurement showed (``memory_corrected``: the budget moved by how far the
        model was off on it; FSDP+ckpt stays FSDP+ckpt, the others are planned with the
@@ -282,7 +302,8 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     # dp/zdp mix at b11 that measured 7% slower than FSDP+ckpt at b12)
     planned_with = {fsdp_ckpt.plan_hash(): checkpointed_fsdp(settings)} if fsdp_ckpt is not None else {}
     first_round = round_of(_new([checkpointing_alternative(desc, device, plan, settings, **kwargs),
-                                 replication_alternative(desc, device, plan, settings, **kwargs), fsdp_ckpt], seen)
+                                 replication_alternative(desc, device, plan, settings, **kwargs),
+                                 sharded_alternative(desc, device, plan, settings, **kwargs), fsdp_ckpt], seen)
                            if is_rank0(group) else [])
     corrected = []
     if is_rank0(group):

@@ -5,7 +5,8 @@ from dataclasses import replace
 import pytest
 
 from osdp.measured_choice import (checkpointed_fsdp, checkpointed_fsdp_alternative, checkpointing_alternative, faster_within_limit,
-                                  measured_choice, memory_corrected, replication_alternative, same_schedule)
+                                  measured_choice, memory_corrected, replication_alternative, same_schedule,
+                                  sharded_alternative)
 from osdp.models import GPTConfig
 from osdp.planner.calibration import Measurement
 from osdp.planner.cluster import load_cluster
@@ -117,6 +118,20 @@ def test_the_replication_alternative_is_ddp_where_the_planner_chose_the_rep_set(
     assert replication_alternative(desc, small, low, settings, backend="python") is None
 
 
+def test_the_sharded_alternative_has_no_rep_unit_where_the_planner_chose_rep_units():
+    desc, device, settings, plan = _setup("none")
+    assert all(m == "rep" for u in plan.units for m in u.modes)  # this roomy limit: DDP
+    sharded = sharded_alternative(desc, device, plan, settings, backend="python")
+    assert sharded is not None and sharded.memory_limit_bytes == LIMIT and sharded.predicted.peak_bytes <= LIMIT
+    assert "rep" not in {m for u in sharded.units for m in u.modes}
+    # the same as planning without rep units from the start
+    unrepped = make_plan(desc, device, settings.with_(rep_units=()), backend="python", baselines=False)
+    assert sharded.plan_hash() == unrepped.plan_hash()
+    assert sharded_alternative(desc, device, sharded, settings, backend="python") is None  # no rep unit
+    assert sharded_alternative(desc, device, plan, settings.with_(rep_units=()), backend="python") is None
+    assert sharded_alternative(desc, device, plan, settings.with_(policy="rep"), backend="python") is None
+
+
 def _choose(measure_of):
     desc, device, settings, plan = _setup()
     first = _measured(plan, 0.1, plan.predicted.peak_bytes - 0.1 * LIMIT)
@@ -133,12 +148,13 @@ def _choose(measure_of):
 
 def test_a_faster_alternative_that_fits_by_measurement_is_kept():
     plan, chosen, seen = _choose(lambda p, i: _measured(p, 0.1 if i == 0 else 0.05, 0.8 * LIMIT))
-    # round 1: the plan, its checkpointing alternative and FSDP with every block
-    # checkpointed (the pick is already all rep: no replication alternative); round 2:
+    # round 1: the plan, its checkpointing alternative, the best plan without rep units
+    # and FSDP with every block checkpointed (the pick is already all rep: no
+    # replication alternative); round 2:
     # the best so far and the memory-corrected plans; then, when another schedule measured
     # as fast, the two best schedules' tiebreak (two more measurements of the pair)
     assert all(m == "rep" for u in plan.units for m in u.modes)
-    assert seen[0][0] == plan.plan_hash() and len(seen[0]) == 3 and len(seen[1]) >= 2
+    assert seen[0][0] == plan.plan_hash() and len(seen[0]) == 4 and len(seen[1]) >= 2
     tiebreak = seen[2:]
     assert tiebreak == [] or (len(tiebreak) == 2 and tiebreak[0] == tiebreak[1] and len(tiebreak[0]) == 2)
     # every alternative measured twice as fast as the plan: the one with the most samples/s
