@@ -10,9 +10,12 @@ budget. Each OSDP scope is judged against FSDP2 on its own.
 
 Per model, in ONE spawned run (so that the ratios come from one interleaved run):
 
-- OSDP: auto mode at the budget (profile + plan, as bench/throughput.py), then that same
-  plan wrapped eager and compiled at each scope of ``--osdp-scopes``; all run
-  at the plan's batch, whose eager peak is measured (the runtime's tracker).
+- OSDP: auto mode at the budget (profile + plan, as bench/throughput.py), wrapped eager
+  at its plan's batch, whose eager peak is measured (the runtime's tracker); and for
+  each scope of ``--osdp-scopes`` auto mode with that ``compile=`` (what a user who
+  compiles gets: its finalists measured compiled, [Note: compiled plans] in
+  osdp/compiled_choice.py), wrapped compiled at its own plan's batch. Until 2026-11-28
+  the compiled peers ran the eager plan.
 - FSDP2 (ZeRO-3): the largest batch whose eager peak fits the budget (live-tensor
   tracker, as bench/throughput.py); the compiled FSDP2 model runs at that same batch.
 - Compiled batches are the eager ones, not measured: on CPU the only peak we measure is
@@ -37,7 +40,8 @@ Per model, in ONE spawned run (so that the ratios come from one interleaved run)
   GELU, the same code as OSDP's) were cache hits from OSDP's compile, which runs first,
   and FSDP2's compile time read several times shorter than a cold one.
 
-Targets (issue 33), printed next to the numbers: OSDP's compile gain (eager step /
+Targets (issue 33), printed next to the numbers: OSDP's compile gain (compiled samples/s
+/ eager samples/s, each at its own plan's batch; for FSDP2, one batch: eager step /
 compiled step) >= FSDP2's; OSDP compiled >= 1.0x FSDP2 compiled in samples/s. An error
 from the compiler (or a peer that does not fit) is reported in the table and the CSV;
 the other peers go on. Writes bench/results/compile_<device>.csv.
@@ -71,7 +75,7 @@ PEERS = (("osdp", "osdp", None), ("osdp_compiled", "osdp", "blocks"), ("osdp_com
 OSDP_COMPILED = tuple(label for label, peer, scope in PEERS if peer == "osdp" and scope)
 FIELDS = ["model", "budget", "budget_bytes", "peer", "compiled", "scope", "backend", "batch", "batch_source",
           "peak_bytes", "fits", "first_step_s", "second_step_s", "step_s", "samples_per_s", "compile_s", "regions",
-          "graphs", "graph_breaks", "break_reasons",
+          "graphs", "graph_breaks", "break_reasons", "auto_s",
           "compile_speedup", "vs_fsdp2_compiled", "target", "target_met", "plan", "error", "device"]
 # a tiny GPT for --dry-run (the smoke test): seconds, not minutes
 DRY_MODEL = GPTConfig(vocab_size=128, seq_len=16, num_layers=2, hidden=32, heads=2)
@@ -139,17 +143,6 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
     from osdp.models import GPT, example_batch
     from osdp.planner.cost_model import PlannerSettings
 
-    torch.manual_seed(0)
-    plan, plan_error = None, ""
-    try:  # auto mode at the budget, without checkpointing (bench/throughput.py's "osdp" peer)
-        plan = osdp.auto_plan(GPT(config), example_batch(config, 4), budget_bytes, cache_dir=cache_dir,
-                              settings=PlannerSettings(max_slices=8, checkpointing="none"), progress=False,
-                              **auto_kwargs)
-    except osdp.InfeasiblePlanError as e:
-        plan_error = f"no plan fits: {e}"[:300]
-    _log(rank, t0, f"auto plan: batch {plan.batch_size if plan else '-'}")
-    fsdp_batch, fsdp_peak = largest_fitting_batch("fsdp_zero3", config, budget_bytes)
-    _log(rank, t0, f"FSDP2 batch {fsdp_batch}")
     compile_kwargs = dict(backend=backend, dynamic=False)
     if os.environ.get("OSDP_BENCH_INDUCTOR_OPTIONS"):  # --inductor-options, for both compiled peers
         compile_kwargs["options"] = json.loads(os.environ["OSDP_BENCH_INDUCTOR_OPTIONS"])
@@ -157,13 +150,35 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
     if os.environ.get("OSDP_BENCH_OUTSIDE_BACKEND"):
         name = os.environ["OSDP_BENCH_OUTSIDE_BACKEND"]
         outside["outside_backend"] = None if name == "same" else name
+
+    def osdp_compile(scope):
+        return None if scope is None else {"scope": scope, **compile_kwargs, **outside}
+
+    plans = {}  # scope (None: eager) -> (plan or None, error, seconds in auto mode)
+    for label, peer, scope in PEERS:
+        if peer != "osdp" or (scope and scope not in osdp_scopes):
+            continue
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        try:  # auto mode at the budget, without checkpointing (bench/throughput.py's "osdp" peer)
+            with _cold_compile_cache() if scope else contextlib.nullcontext():
+                plan = osdp.auto_plan(GPT(config), example_batch(config, 4), budget_bytes, cache_dir=cache_dir,
+                                      settings=PlannerSettings(max_slices=8, checkpointing="none"), progress=False,
+                                      compile=osdp_compile(scope), **auto_kwargs)
+            plans[scope] = (plan, "", max_over_ranks(time.perf_counter() - start))
+        except osdp.InfeasiblePlanError as e:
+            plans[scope] = (None, f"no plan fits: {e}"[:300], "")
+        _log(rank, t0, f"auto plan for {label}: batch {plans[scope][0].batch_size if plans[scope][0] else '-'}")
+    fsdp_batch, fsdp_peak = largest_fitting_batch("fsdp_zero3", config, budget_bytes)
+    _log(rank, t0, f"FSDP2 batch {fsdp_batch}")
     rows, runs = [], []  # runs: (row, model, optim) timed together below
     for label, peer, scope in PEERS:
         if peer == "osdp" and scope and scope not in osdp_scopes:
             continue
         compiled = scope is not None
+        plan, plan_error, auto_s = plans.get(scope, (None, "", "")) if peer == "osdp" else (None, "", "")
         row = dict(peer=label, compiled=compiled, scope=scope or "", backend=backend if compiled else "", error="",
-                   plan=_plan_label(plan) if peer == "osdp" and plan is not None else "")
+                   plan=_plan_label(plan) if plan is not None else "", auto_s=auto_s)
         rows.append(row)
         if peer == "osdp":
             batch, source = (plan.batch_size, "the plan's") if plan else (0, "")
@@ -171,7 +186,7 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
         else:
             batch, source = fsdp_batch, "largest fitting (eager tracker)"
             row["peak_bytes"] = "" if compiled else fsdp_peak
-        if compiled and batch:
+        if compiled and batch and peer != "osdp":
             source = "the eager peer's (not measured: see the docstring)"
         row.update(batch=batch, batch_source=source)
         if not batch:
@@ -181,8 +196,7 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
         reasons = _break_reasons()
         error = ""
         try:
-            peer_compile = None if not compiled else (
-                {"scope": scope, **compile_kwargs, **outside} if peer == "osdp" else compile_kwargs)
+            peer_compile = None if not compiled else osdp_compile(scope) if peer == "osdp" else compile_kwargs
             with _cold_compile_cache() if compiled else contextlib.nullcontext():
                 model = wrap_peer(peer, config, plan=plan if peer == "osdp" else None, compile=peer_compile)
                 optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -228,8 +242,9 @@ def _summarize(rows: dict, name: str) -> list[str]:
     lines = []
 
     def gain(eager: str, comp: str) -> float | None:
+        """Compiled samples/s over eager samples/s (each at its own batch)."""
         if eager in timed and comp in timed:
-            rows[comp]["compile_speedup"] = timed[eager]["step_s"] / timed[comp]["step_s"]
+            rows[comp]["compile_speedup"] = timed[comp]["samples_per_s"] / timed[eager]["samples_per_s"]
             return rows[comp]["compile_speedup"]
         return None
 
@@ -241,7 +256,7 @@ def _summarize(rows: dict, name: str) -> list[str]:
         if osdp_gain is not None and fsdp_gain is not None:
             met = osdp_gain >= fsdp_gain
             oc.update(target="compile gain >= FSDP2's", target_met=met)
-            lines.append(f"compile gain (eager step / compiled step): OSDP ({scope}) {osdp_gain:.2f}x, FSDP2 "
+            lines.append(f"compile gain (compiled / eager samples/s): OSDP ({scope}) {osdp_gain:.2f}x, FSDP2 "
                          f"{fsdp_gain:.2f}x  -> target OSDP >= FSDP2: {'MET' if met else 'NOT MET'}")
         else:
             lines.append(f"compile gain, OSDP ({scope}): not comparable (a peer has no timing: see error)")
@@ -355,9 +370,9 @@ def _print_model(name, budget_name, budget, rows, summary):
     for r in rows:
         if r.get("break_reasons"):
             print(f"  {r['peer']} graph breaks: {r['break_reasons']}")
-    plan = next((r["plan"] for r in rows if r.get("plan")), "")
-    if plan:
-        print(f"  OSDP plan: {plan}")
+    for r in rows:
+        if r.get("plan"):
+            print(f"  {r['peer']} plan: {r['plan']} ({_fmt(r, 'auto_s', '.0f')} s in auto mode)")
     for line in summary:
         print(line)
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from .api import ShardedModel
 from .errors import OSDPError
+from .compiled_choice import compiled_choice
 from .measured_choice import measured_choice
 from .measured_plans import MeasuredPlans
 from .ops import registered_split_ops
@@ -123,8 +124,9 @@ def auto_plan(
     when the model was off, refitted and planned again once; see [Note: calibrate and
     re-plan]. The returned plan carries ``measured`` and ``calibration``.
     ``mixed_precision``: the policy the model will be wrapped with (for that measurement).
-    ``compile``: the ``OSDP(compile=...)`` the model will run with: plans are measured
-    compiled, the factors fitted to compiled steps ([Note: compiled plans]).
+    ``compile``: the ``OSDP(compile=...)`` the model will run with: the best eager plans
+    are measured compiled and the fastest compiled kept ([Note: compiled plans] in
+    osdp/compiled_choice.py).
     """
     # a meta model's values: initialized under a forked state (the caller's draws stay its
     # own); passed on, not kept here (the pool lets it go once a trial holds them)
@@ -219,10 +221,12 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
                                   batch=batch, global_batch=global_batch, backend=backend,
                                   process_group=process_group)
             log.info("calibration: %s", plan.calibration.decision or "-")
+            measured = []
             plan = measured_choice(desc, device, plan, measure, settings=settings, batch=batch,
-                                   global_batch=global_batch, backend=backend, process_group=process_group)
+                                   global_batch=global_batch, backend=backend, process_group=process_group,
+                                   measured_out=measured)
             if compile_config is not None:
-                plan = record_compiled(plan, measure)
+                plan = compiled_choice(desc, device, plan, measured, measure, process_group=process_group)
             plan = replace(plan, calibration=plan.calibration.with_(budget=budget.record()),
                            assumed_loss=getattr(loss_fn, "assumed", ""))
             cache.put(key, plan)
@@ -263,36 +267,31 @@ class RuntimeMeasure:
                             layout=layout)
         self.pool = TrialPool(holder=holder)
         self.budget = budget if budget is not None else PlanningBudget(None, process_group)
-        self.compile = compile
+        self.compile = compile  # the run's: its compiled choice's trials ([Note: compiled plans])
         self.count = 0
-        # per plan hash, of the compiled runs ([Note: compiled plans]): the eager step
-        # measured beside it, the first (compiling) step
-        self.eager_step_s: dict[str, float] = {}
-        self.first_compiled_step_s: dict[str, float] = {}
+        self.first_compiled_step_s: dict[str, float] = {}  # per plan hash: its compiled trial's first step
 
     def __call__(self, plans):
-        """Each plan's :class:`Measurement`: compiled when this run compiles (see
-        [Note: compiled plans]), eager otherwise."""
-        if self.compile is None:
-            return self.eager(plans)
-        compiled = []
-        for plan in plans:  # one at a time: each trial's first step is its compile
-            compiled += self._measured([plan], self.compile)
-            self.first_compiled_step_s[plan.plan_hash()] = self.pool.current.first_step_s
-        if step_peak_readable(default_device(), compiled=True):  # the trials' device
-            return [replace(m, compiled=True) for m in compiled]
-        eager = self.eager(plans)
-        for plan, m in zip(plans, eager):
-            self.eager_step_s[plan.plan_hash()] = m.step_s
-        return [replace(c, peak_bytes=e.peak_bytes, peak_source=f"the eager step's: {e.peak_source}", compiled=True)
-                for c, e in zip(compiled, eager)]
-
-    def eager(self, plans):
-        """Each plan measured eager, whatever this run compiles."""
+        """Each plan's eager :class:`Measurement` (compiled runs too: [Note: compiled
+        plans] in osdp/compiled_choice.py)."""
         return self._measured(plans, None)
 
-    def _measured(self, plans, config):
-        steps = self.budget.steps(plans, self.steps, warmup=2)
+    def compiled(self, pairs) -> list[Measurement]:
+        """Each ``(plan, its eager measurement)`` measured compiled, one trial at a time
+        (each trial's first step compiles), with all of ``self.steps`` timed: the
+        compiled choice is outside the planning budget. Where a compiled step's peak is
+        not read (CPU), the eager measurement's peak stands for it, said so."""
+        out = []
+        for plan, eager in pairs:
+            (m,) = self._measured([plan], self.compile, budgeted=False)
+            self.first_compiled_step_s[plan.plan_hash()] = self.pool.current.first_step_s
+            if not step_peak_readable(default_device(), compiled=True):  # the trials' device
+                m = replace(m, peak_bytes=eager.peak_bytes, peak_source=f"the eager step's: {eager.peak_source}")
+            out.append(replace(m, compiled=True))
+        return out
+
+    def _measured(self, plans, config, budgeted: bool = True):
+        steps = self.budget.steps(plans, self.steps, warmup=2) if budgeted else self.steps
         results = measure_plans(self.model, plans, self.example_inputs, steps=steps, pool=self.pool, compile=config,
                                 **self.options)
         for plan, m in zip(plans, results):
@@ -321,33 +320,6 @@ def splits_the_compiled_path_runs(desc):
     ops = registered_split_ops()
     return replace(desc, ops=tuple(op if not op.splittable or hasattr(ops.get(op.split_op), "compiled_forward")
                                    else replace(op, splittable=False) for op in desc.ops))
-
-
-def record_compiled(plan: Plan, measure: RuntimeMeasure) -> Plan:
-    """[Note: compiled plans] Auto mode with ``compile=`` measures every plan compiled:
-    calibration's reference plans, the plan, a re-plan and the measured choice's
-    alternatives (``RuntimeMeasure``), so that the factors are fitted to compiled steps
-    (compiled compute is faster: ``compute_scale`` takes it, to first order; the
-    per-operator profile stays eager) and plans are compared as they will run. Where a
-    compiled step's peak is not measured (CPU: the live-tensor tracker cannot see inside
-    compiled code), each plan is measured eager too and the measurement takes the eager
-    step's peak (``peak_source`` says so): a compiled step's activations may differ,
-    unmeasured there. Here the plan records both step times (``plan.calibration.compiled``:
-    the eager one measured beside it, or now on CUDA, where only compiled steps were),
-    so that ``model.report()`` and the plan say what compiling gave. Compile time is
-    the planning budget's: every compiled trial's first step compiles."""
-    compiled = Measurement.from_dict(plan.measured)
-    key = plan.plan_hash()
-    eager = measure.eager_step_s.get(key)
-    if eager is None:
-        eager = measure.eager([plan])[0].step_s
-    record = {"scope": measure.compile.scope, "step_s": compiled.step_s, "eager_step_s": eager}
-    first = measure.first_compiled_step_s.get(key)
-    if first is not None:
-        record["first_step_s"] = first
-    log.info("measured compiled (%s): step %.0f ms (eager %.0f ms); the first step, compiling, %.1f s",
-             measure.compile.scope, compiled.step_s * 1e3, eager * 1e3, first or 0.0)
-    return replace(plan, calibration=plan.calibration.with_(compiled=record))
 
 
 def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure, *, process_group=None,

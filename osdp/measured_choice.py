@@ -234,7 +234,7 @@ def _tiebreak(best, measured, measure, group):
 
 
 def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=None, global_batch=None,
-                    backend: str = "auto", process_group=None) -> Plan:
+                    backend: str = "auto", process_group=None, measured_out: list | None = None) -> Plan:
     """[Note: measured choice]
     The cost model ranks plans well but not perfectly, and its two most consequential
     errors are ones a measurement settles at once:
@@ -262,7 +262,9 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     CLOSE_MARGIN of the best (``close_runner_up``: a few timed steps cannot tell them
     apart), the two are measured again TIEBREAK_REPEATS times, interleaved, and the
     faster over those measurements is kept (``_tiebreak``). Every plan handed out has
-    been measured on this machine. Rank 0 decides and broadcasts."""
+    been measured on this machine. Rank 0 decides and broadcasts. ``measured_out``: a
+    list to extend with every (plan, measurement) measured (the compiled choice's pool,
+    [Note: compiled plans] in osdp/compiled_choice.py)."""
     if not plan.measured:
         return plan
     group = process_group
@@ -314,6 +316,8 @@ def measured_choice(desc, device, plan: Plan, measure, *, settings=None, batch=N
     tiebreak = _tiebreak(best, measured, measure, group)
     if tiebreak is not None:
         best, tiebreak_row = tiebreak
+    if measured_out is not None:
+        measured_out.extend(measured)
 
     def choose():
         chosen, result = best

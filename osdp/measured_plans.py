@@ -31,6 +31,9 @@ from .planner.profile_cache import cache_dir, default_max_age_s, reprofile_reque
 from .rank_agreement import decide_on_rank0, is_rank0
 
 log = logging.getLogger("osdp.auto")
+# how a compiled run chooses its plan ([Note: compiled plans] in osdp/compiled_choice.py):
+# part of its key, so that a plan chosen another way is measured again
+COMPILED_CHOICE = "eager-calibrated, finalists compiled"
 
 
 def _inputs_signature(example_inputs) -> list:
@@ -61,8 +64,11 @@ class MeasuredPlans:
 
     def key(self, desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision,
             compile=None) -> str:
-        """``compile``: the run's CompileConfig (its plans are measured compiled, [Note:
-        compiled plans] in osdp/auto.py); None (eager) keeps the keys eager runs had."""
+        """``compile``: the run's CompileConfig (its finalists are measured compiled,
+        [Note: compiled plans] in osdp/compiled_choice.py); None (eager) keeps the keys
+        eager runs had. A compiled run's key names how it chooses (COMPILED_CHOICE): the
+        plans cached by the earlier way (every plan measured compiled, out of the
+        budget) are not reused."""
         loss = _loss_key(loss_fn)
         parts = {
             "desc": desc.to_dict(),
@@ -75,7 +81,7 @@ class MeasuredPlans:
             "mixed_precision": repr(mixed_precision),
         }
         if compile is not None:
-            parts["compile"] = repr(compile)
+            parts["compile"] = [repr(compile), COMPILED_CHOICE]
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def _file(self, key: str):

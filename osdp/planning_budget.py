@@ -26,6 +26,10 @@ and a progress line):
 4. candidates: an alternative plan (calibration's re-plan, measured choice's candidates,
    its tiebreak) whose estimated cost is more than what is left is not measured.
 
+With ``compile=`` all of the above is eager, as without it; the compiled choice's
+finalists ([Note: compiled plans] in osdp/compiled_choice.py: at most two compiles, each
+a trial's first step) are measured after it, outside the budget.
+
 Every decision is rank 0's, broadcast (the ranks' clocks differ; their collectives must
 not). The budget is a target, not a deadline: a measurement that started runs to its
 end, and the first plan is always measured.

@@ -82,7 +82,7 @@ class Measurement:
     with layer indices as ``*``) -> measured forward seconds of a step's first
     micro-batch, summed over the group's units (each from its forward pre-hook to the
     next unit's: its compute, the work attributed to it, and waits for the next gather).
-    ``compiled``: the steps ran compiled ([Note: compiled plans] in osdp/auto.py)."""
+    ``compiled``: the steps ran compiled ([Note: compiled plans] in osdp/compiled_choice.py)."""
 
     step_s: float
     forward_s: float
@@ -533,14 +533,8 @@ def format_report(plan) -> str:
                      f"{format_bytes(f['memory_constant_bytes'])}")
     if not measured:
         lines.append("  not measured (plans made with calibrate=True in auto mode carry a measurement)")
-    compiled = info.compiled  # [Note: compiled plans] in osdp/auto.py
-    if compiled:
-        eager = compiled.get("eager_step_s")
-        lines.append(f"  compiled ({compiled.get('scope', '?')}): step {compiled['step_s'] * 1e3:.2f} ms measured"
-                     + (f" (eager: {eager * 1e3:.2f} ms, so {eager / compiled['step_s']:.2f}x eager's speed)" if eager else "")
-                     + (f"; first step (compiling) {compiled['first_step_s']:.1f} s" if "first_step_s" in compiled
-                        else "")
-                     + ("; the rows below are compiled steps" if measured.get("compiled") else "; the rows below are eager"))
+    if info.compiled:  # [Note: compiled plans] in osdp/compiled_choice.py
+        lines += _compiled_lines(info.compiled, measured)
 
     def row(name, pred, meas):
         p = f"{pred * 1e3:10.2f}" if pred is not None else f"{'-':>10}"
@@ -577,3 +571,25 @@ def predictions(desc: ModelDesc, device: DeviceInfo, plan) -> dict:
                 "predicted_groups": predicted_groups(a, device)}
     except OSDPError as exc:
         return {"predicted_error": str(exc)}
+
+
+def _compiled_lines(compiled: dict, measured: dict) -> list[str]:
+    """The report's lines on the compiled steps: the kept plan's, and the compiled choice
+    between the finalists ([Note: compiled plans] in osdp/compiled_choice.py)."""
+    eager = compiled.get("eager_step_s")
+    line = f"  compiled ({compiled.get('scope', '?')}): step {compiled['step_s'] * 1e3:.2f} ms measured"
+    if eager:
+        line += f" (eager: {eager * 1e3:.2f} ms, so {eager / compiled['step_s']:.2f}x eager's speed)"
+    if "first_step_s" in compiled:
+        line += f"; first step (compiling) {compiled['first_step_s']:.1f} s"
+    line += "; the rows below are compiled steps" if measured.get("compiled") else "; the rows below are eager"
+    lines = [line]
+    finalists = compiled.get("finalists") or []
+    if len(finalists) > 1:
+        kept = next((f for f in finalists if f["plan"] == compiled.get("kept")), finalists[0])
+        which = "the eager pick" if kept is finalists[0] else "a plan other than the eager pick"
+        others = ", ".join(f"batch {f['batch_size']}: {f['samples_per_s']:.2f} compiled, "
+                           f"{f['eager_samples_per_s']:.2f} eager" for f in finalists if f is not kept)
+        lines.append(f"  compiled choice: kept {which} (batch {kept['batch_size']}: {kept['samples_per_s']:.2f} "
+                     f"samples/s compiled, {kept['eager_samples_per_s']:.2f} eager) over {others}")
+    return lines

@@ -120,8 +120,11 @@ def _compiled(name, value):
     for key in ("step_s", "eager_step_s", "first_step_s"):
         if key in value:
             _number(f"{name}.{key}", value[key])
-    if "scope" in value:
-        _string(f"{name}.scope", value["scope"])
+    for key in ("scope", "kept"):
+        if key in value:
+            _string(f"{name}.{key}", value[key])
+    if "finalists" in value:
+        _objects(f"{name}.finalists", value["finalists"])
     return value
 
 
@@ -172,8 +175,10 @@ class CalibrationRecord:
     measured_choice: dict | None = None
     # the planning budget (``PlanningBudget.record()``): {"budget_s", "spent_s", "cuts"}
     budget: dict | None = None
-    # the plan measured compiled (auto mode with compile=): {"scope", "step_s",
-    # "eager_step_s", "first_step_s"}: see [Note: compiled plans] in osdp/auto.py
+    # the plans measured compiled (auto mode with compile=): {"scope", "step_s",
+    # "eager_step_s", "first_step_s" (the kept plan's), "finalists": [{"plan",
+    # "batch_size", "eager_samples_per_s", "samples_per_s", "peak_bytes"}], "kept"}: see
+    # [Note: compiled plans] in osdp/compiled_choice.py
     compiled: dict | None = None
     # keys this OSDP does not know, as read
     extra: dict = field(default_factory=dict)

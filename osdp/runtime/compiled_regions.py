@@ -18,7 +18,7 @@ forward. Blocks with the same plan share a subclass and so one compiled graph (a
 torchtitan's per-block compile shares it across identical layers: dynamo guards on
 the module's structure, not its identity); blocks with different plans never share a
 cache; two wrapped models never do (auto mode compiles several trials in one
-process, [Note: compiled plans] in osdp/auto.py).
+process, [Note: compiled plans] in osdp/compiled_choice.py).
 
 A checkpointed block's subclass runs its forward under non-reentrant checkpoint with
 the compiled path's policy (``context_fn``), in place of

@@ -1,8 +1,9 @@
-"""[Note: compiled plans] in osdp/auto.py: with ``compile=``, auto mode measures every plan
-compiled (the factors are fitted to compiled steps, plans compared as they will run);
-where a compiled step's peak is not measured (CPU), the eager step's peak goes with it.
-Measurements are made up per plan here (a fake ``measure_plans``); the gloo run with real
-compiled trials is tests/runtime/test_compiled.py::test_auto_mode_measures_its_plan_compiled."""
+"""[Note: compiled plans] in osdp/compiled_choice.py: with ``compile=``, auto mode
+calibrates and chooses on eager steps, then measures its finalists compiled and keeps
+the fastest compiled; where a compiled step's peak is not measured (CPU), the eager
+step's peak goes with it. Measurements are made up per plan here (a fake
+``measure_plans``); the gloo run with real compiled trials is
+tests/runtime/test_compiled.py::test_auto_mode_measures_its_plan_compiled."""
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,6 @@ from osdp.planner.calibration import Measurement
 from osdp.planner.cluster import load_cluster
 from osdp.planner.cost_model import PlannerSettings
 from osdp.planner.gpt_desc import describe_gpt
-from osdp.planner.plan import format_plan
 from osdp.planner.planner import make_plan
 from osdp.planner.run import RunSettings
 from osdp.runtime.compile_config import CompileConfig
@@ -41,10 +41,11 @@ class _FakeMeasurePlans:
 
     def __init__(self, plans, cuda: bool):
         self.step = {plans[0].plan_hash(): (0.06, 0.10), plans[1].plan_hash(): (0.05, 0.08)}
-        self.cuda, self.calls = cuda, []
+        self.cuda, self.calls, self.steps = cuda, [], []
 
     def __call__(self, model, plans, example_inputs, *, steps, pool, compile, **options):
         self.calls.append(([p.plan_hash() for p in plans], compile is not None))
+        self.steps.append(steps)
         out = []
         for plan in plans:
             compiled_s, eager_s = self.step[plan.plan_hash()]
@@ -61,38 +62,40 @@ def _measure(monkeypatch, plans, cuda: bool):
     monkeypatch.setattr(auto, "measure_plans", fake)
     monkeypatch.setattr(auto, "step_peak_readable", lambda device, compiled: cuda or not compiled)
     measure = auto.RuntimeMeasure(None, None, compile=CompileConfig(scope="blocks", backend="aot_eager"))
+    measure.pool.current = SimpleNamespace(first_step_s=0.0)
     return measure, fake
 
 
-def test_on_cpu_every_plan_is_measured_compiled_with_the_eager_steps_peak(monkeypatch):
+def test_a_compiled_run_measures_eager_and_its_finalists_compiled(monkeypatch):
     _, _, zdp, dp = _plans()
     measure, fake = _measure(monkeypatch, [zdp, dp], cuda=False)
-    m_zdp, m_dp = measure([zdp, dp])
-    # compiled times, the eager step's peak (said so), marked compiled
-    assert (m_zdp.step_s, m_dp.step_s) == (0.06, 0.05)
-    assert m_zdp.peak_bytes == m_dp.peak_bytes == 9e6
-    assert m_zdp.peak_source == "the eager step's: measured" and m_zdp.compiled and m_dp.compiled
-    # each plan compiled on its own trial, then both eager
-    assert fake.calls == [([zdp.plan_hash()], True), ([dp.plan_hash()], True), ([zdp.plan_hash(), dp.plan_hash()], False)]
-    assert measure.eager_step_s == {zdp.plan_hash(): 0.10, dp.plan_hash(): 0.08}
+    (m,) = measure([zdp])  # calibration and the measured choice: eager
+    assert fake.calls == [([zdp.plan_hash()], False)] and m.step_s == 0.10 and not m.compiled
+    eager_dp = _eager(dp)
+    m_zdp, m_dp = measure.compiled([(zdp, m), (dp, eager_dp)])
+    # each on its own trial, compiled times, the eager measurement's peak (said so)
+    assert fake.calls[1:] == [([zdp.plan_hash()], True), ([dp.plan_hash()], True)]
+    assert (m_zdp.step_s, m_dp.step_s) == (0.06, 0.05) and m_zdp.compiled and m_dp.compiled
+    assert (m_zdp.peak_bytes, m_dp.peak_bytes) == (9e6, 8e6)
+    assert m_dp.peak_source == "the eager step's: eager, made up"
     assert measure.first_compiled_step_s == {zdp.plan_hash(): 12.5, dp.plan_hash(): 12.5}
-    # the record: both step times and the compile, no measurement again
-    plan = auto.record_compiled(_with_measured(zdp, m_zdp), measure)
-    assert plan.calibration.compiled == {"scope": "blocks", "step_s": 0.06, "eager_step_s": 0.10,
-                                         "first_step_s": 12.5}
-    assert len(fake.calls) == 3
-    assert "measured on the runtime (compiled): step 60.00 ms" in format_plan(plan)
 
 
-def test_on_cuda_the_compiled_steps_peak_is_its_own_and_the_eager_step_is_measured_once(monkeypatch):
+def test_on_cuda_the_compiled_steps_peak_is_its_own(monkeypatch):
     _, _, zdp, dp = _plans()
     measure, fake = _measure(monkeypatch, [zdp, dp], cuda=True)
-    m_zdp, m_dp = measure([zdp, dp])
-    assert (m_zdp.step_s, m_zdp.peak_bytes, m_zdp.peak_source, m_zdp.compiled) == (0.06, 7e6, "measured", True)
-    assert fake.calls == [([zdp.plan_hash()], True), ([dp.plan_hash()], True)]  # no eager measurement
-    plan = auto.record_compiled(_with_measured(dp, m_dp), measure)
-    assert fake.calls[-1] == ([dp.plan_hash()], False)  # the report's eager step, measured now
-    assert plan.calibration.compiled["eager_step_s"] == 0.08 and plan.calibration.compiled["step_s"] == 0.05
+    (m,) = measure.compiled([(dp, _eager(dp))])
+    assert (m.step_s, m.peak_bytes, m.peak_source, m.compiled) == (0.05, 7e6, "measured", True)
+    assert fake.calls == [([dp.plan_hash()], True)]  # no eager measurement again
+
+
+def test_the_compiled_trials_time_all_their_steps_whatever_the_budget(monkeypatch):
+    _, _, zdp, _ = _plans()
+    measure, fake = _measure(monkeypatch, [zdp, zdp], cuda=False)
+    measure.budget.steps = lambda plans, steps, warmup: 1  # a spent budget: one timed step
+    measure([zdp])
+    measure.compiled([(zdp, _eager(zdp))])
+    assert fake.steps == [1, measure.steps]
 
 
 def test_an_eager_run_measures_eager_only(monkeypatch):
@@ -101,6 +104,59 @@ def test_an_eager_run_measures_eager_only(monkeypatch):
     monkeypatch.setattr(auto, "measure_plans", fake)
     (m,) = auto.RuntimeMeasure(None, None)([zdp])
     assert fake.calls == [([zdp.plan_hash()], False)] and m.step_s == 0.10 and not m.compiled
+
+
+def _eager(plan, step_s=0.08, peak=8e6):
+    return Measurement(step_s, step_s / 3, step_s / 2, step_s / 6, peak, plan.batch_size, steps=3,
+                       peak_source="eager, made up")
+
+
+def test_the_finalists_are_the_eager_pick_and_the_fastest_other_schedule_near_it():
+    from dataclasses import replace
+
+    from osdp.compiled_choice import finalists
+
+    _, _, zdp, dp = _plans()
+    pick = (dp, _eager(dp, 0.080))
+    larger = replace(dp, batch_size=dp.batch_size + 1)  # the pick's schedule: never a finalist
+    near, far = (zdp, _eager(zdp, 0.090)), (zdp, _eager(zdp, 0.200))
+    assert finalists(*pick, [pick, (larger, _eager(larger, 0.070)), near]) == [pick, near]
+    assert finalists(*pick, [pick, far]) == [pick]  # more than FINALIST_MARGIN behind
+    over = (zdp, _eager(zdp, 0.090, peak=2 * zdp.memory_limit_bytes))
+    assert finalists(*pick, [over]) == [pick]  # over its limit
+    assert finalists(*pick, [near], most=1) == [pick]
+
+
+def test_the_compiled_choice_keeps_the_fastest_finalist_compiled(monkeypatch):
+    """zdp is the eager pick (80 ms a step against dp's 85 ms, one batch) but dp runs
+    faster compiled (50 ms against 90): dp is kept, with its eager measurement and its
+    own predictions; the record lists both finalists."""
+    from dataclasses import replace
+
+    from osdp.compiled_choice import compiled_choice
+    from osdp.planner.calibration import format_report
+
+    desc, device, zdp, dp = _plans()
+    dp = replace(dp, batch_size=zdp.batch_size)
+    measure, fake = _measure(monkeypatch, [zdp, dp], cuda=False)
+    fake.step = {zdp.plan_hash(): (0.09, 0.08), dp.plan_hash(): (0.05, 0.085)}
+    e_zdp, e_dp = _eager(zdp, 0.080), _eager(dp, 0.085)
+    picked = replace(zdp, measured=e_zdp.to_dict())
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    assert chosen.plan_hash() == dp.plan_hash()
+    assert Measurement.from_dict(chosen.measured) == e_dp  # its eager measurement
+    record = chosen.calibration.compiled
+    assert record["kept"] == dp.plan_hash() and record["step_s"] == 0.05 and record["eager_step_s"] == 0.085
+    assert record["first_step_s"] == 12.5 and [f["plan"] for f in record["finalists"]] == [zdp.plan_hash(),
+                                                                                           dp.plan_hash()]
+    assert chosen.calibration.predicted_step_s is not None
+    report = format_report(chosen)
+    assert "compiled choice: kept a plan other than the eager pick" in report and "the rows below are eager" in report
+    # compiled slower than the pick: the pick stays, its record says so
+    fake.step = {zdp.plan_hash(): (0.05, 0.08), dp.plan_hash(): (0.09, 0.085)}
+    kept = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    assert kept.plan_hash() == zdp.plan_hash() and kept.calibration.compiled["kept"] == zdp.plan_hash()
+    assert "compiled choice: kept the eager pick" in format_report(kept)
 
 
 def test_measured_plans_of_a_compiled_run_have_keys_of_their_own(tmp_path):

@@ -166,6 +166,7 @@ def run_auto(rank: int, world: int) -> dict:
     loss = model(idx[:model.batch_size], tgt[:model.batch_size])
     loss.backward()
     return {"report": model.report(), "compiled": model.plan.calibration.compiled, "regions": model.compiled_regions,
+            "plan_hash": model.plan.plan_hash(),
             "loss": loss.item(), "measured": model.plan.measured,
             "observations": [o["measured"] for o in model.plan.calibration.observations or ()]}
 
