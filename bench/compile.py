@@ -75,7 +75,7 @@ PEERS = (("osdp", "osdp", None), ("osdp_compiled", "osdp", "blocks"), ("osdp_com
 OSDP_COMPILED = tuple(label for label, peer, scope in PEERS if peer == "osdp" and scope)
 FIELDS = ["model", "budget", "budget_bytes", "peer", "compiled", "scope", "backend", "batch", "batch_source",
           "peak_bytes", "fits", "first_step_s", "second_step_s", "step_s", "samples_per_s", "compile_s", "regions",
-          "graphs", "graph_breaks", "break_reasons", "auto_s",
+          "graphs", "graph_breaks", "break_reasons", "auto_s", "finalists",
           "compile_speedup", "vs_fsdp2_compiled", "target", "target_met", "plan", "error", "device"]
 # a tiny GPT for --dry-run (the smoke test): seconds, not minutes
 DRY_MODEL = GPTConfig(vocab_size=128, seq_len=16, num_layers=2, hidden=32, heads=2)
@@ -132,6 +132,16 @@ def _plan_label(plan) -> str:
     return "; ".join(f"{n}x {label}" for label, n in labels.most_common()) + ckpt
 
 
+def _finalists_label(plan) -> str:
+    """What compiled auto mode measured ([Note: compiled plans]): each finalist's batch,
+    compiled and eager samples/s, the kept one marked."""
+    record = (plan.calibration.compiled or {}) if plan is not None else {}
+    return "; ".join(f"{'kept ' if f['plan'] == record.get('kept') else ''}b{f['batch_size']} "
+                     f"{f['samples_per_s']:.2f} compiled / {f['eager_samples_per_s']:.2f} eager"
+                     + (f" (x{f['repeats']})" if f.get("repeats", 1) > 1 else "")
+                     for f in record.get("finalists", []))
+
+
 def _log(rank, start, what):
     if rank == 0:
         print(f"  [{time.perf_counter() - start:6.1f} s] {what}", flush=True)
@@ -178,7 +188,8 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
         compiled = scope is not None
         plan, plan_error, auto_s = plans.get(scope, (None, "", "")) if peer == "osdp" else (None, "", "")
         row = dict(peer=label, compiled=compiled, scope=scope or "", backend=backend if compiled else "", error="",
-                   plan=_plan_label(plan) if plan is not None else "", auto_s=auto_s)
+                   plan=_plan_label(plan) if plan is not None else "", auto_s=auto_s,
+                   finalists=_finalists_label(plan) if compiled else "")
         rows.append(row)
         if peer == "osdp":
             batch, source = (plan.batch_size, "the plan's") if plan else (0, "")
@@ -372,7 +383,8 @@ def _print_model(name, budget_name, budget, rows, summary):
             print(f"  {r['peer']} graph breaks: {r['break_reasons']}")
     for r in rows:
         if r.get("plan"):
-            print(f"  {r['peer']} plan: {r['plan']} ({_fmt(r, 'auto_s', '.0f')} s in auto mode)")
+            print(f"  {r['peer']} plan: {r['plan']} ({_fmt(r, 'auto_s', '.0f')} s in auto mode)"
+                  + (f"; finalists: {r['finalists']}" if r.get("finalists") else ""))
     for line in summary:
         print(line)
 

@@ -4,6 +4,7 @@ the fastest compiled; where a compiled step's peak is not measured (CPU), the ea
 step's peak goes with it. Measurements are made up per plan here (a fake
 ``measure_plans``); the gloo run with real compiled trials is
 tests/runtime/test_compiled.py::test_auto_mode_measures_its_plan_compiled."""
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -112,8 +113,6 @@ def _eager(plan, step_s=0.08, peak=8e6):
 
 
 def test_the_finalists_are_the_eager_pick_and_the_fastest_other_schedule_near_it():
-    from dataclasses import replace
-
     from osdp.compiled_choice import finalists
 
     _, _, zdp, dp = _plans()
@@ -131,8 +130,6 @@ def test_the_compiled_choice_keeps_the_fastest_finalist_compiled(monkeypatch):
     """zdp is the eager pick (80 ms a step against dp's 85 ms, one batch) but dp runs
     faster compiled (50 ms against 90): dp is kept, with its eager measurement and its
     own predictions; the record lists both finalists."""
-    from dataclasses import replace
-
     from osdp.compiled_choice import compiled_choice
     from osdp.planner.calibration import format_report
 
@@ -178,8 +175,6 @@ def test_a_measurement_says_whether_it_was_compiled():
 
 
 def _with_measured(plan, m):
-    from dataclasses import replace
-
     return replace(plan, measured=m.to_dict())
 
 
@@ -199,3 +194,42 @@ def test_a_compiled_run_plans_only_the_splits_the_compiled_path_runs():
     runs = {op.name for op in auto.splits_the_compiled_path_runs(desc).ops if op.splittable}
     assert runs == {name for name, op in split.items() if op != "embedding_rows"}
     assert auto.splits_the_compiled_path_runs(desc).fingerprint() == desc.fingerprint()
+
+
+class _CompiledSteps:
+    """A measure whose ``compiled`` hands out the next made-up step time per plan, in
+    the order they are asked for; the order of the calls it got."""
+
+    def __init__(self, steps: dict):
+        self.steps = {k: list(v) for k, v in steps.items()}
+        self.compile = CompileConfig()
+        self.first_compiled_step_s, self.calls = {}, []
+
+    def compiled(self, pairs):
+        self.calls.append([p.plan_hash() for p, _ in pairs])
+        out = []
+        for plan, eager in pairs:
+            self.first_compiled_step_s.setdefault(plan.plan_hash(), 12.5)
+            out.append(replace(eager, step_s=self.steps[plan.plan_hash()].pop(0), compiled=True))
+        return out
+
+
+def test_two_finalists_measured_close_compiled_are_measured_again_in_the_other_order():
+    """dp measured 2% faster compiled in the first round (within CLOSE_MARGIN), zdp 20%
+    faster in the second: on their mean steps zdp is kept; the repeat ran dp first."""
+    from osdp.compiled_choice import compiled_choice
+
+    desc, device, zdp, dp = _plans()
+    dp = replace(dp, batch_size=zdp.batch_size)
+    e_zdp, e_dp = _eager(zdp, 0.080), _eager(dp, 0.085)
+    picked = replace(zdp, measured=e_zdp.to_dict())
+    measure = _CompiledSteps({zdp.plan_hash(): [0.051, 0.040], dp.plan_hash(): [0.050, 0.050]})
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    assert measure.calls == [[zdp.plan_hash(), dp.plan_hash()], [dp.plan_hash(), zdp.plan_hash()]]
+    assert chosen.plan_hash() == zdp.plan_hash()
+    record = chosen.calibration.compiled
+    assert record["step_s"] == pytest.approx(0.0455) and all(f["repeats"] == 2 for f in record["finalists"])
+    # far apart: measured once
+    measure = _CompiledSteps({zdp.plan_hash(): [0.080], dp.plan_hash(): [0.050]})
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    assert len(measure.calls) == 1 and chosen.plan_hash() == dp.plan_hash()
