@@ -18,7 +18,8 @@ Per model, in ONE spawned run (so that the ratios come from one interleaved run)
   the compiled peers ran the eager plan.
 - FSDP2 (ZeRO-3): the largest batch whose eager peak fits the budget (live-tensor
   tracker, as bench/throughput.py); the compiled FSDP2 model runs at that same batch.
-- Compiled batches are the eager ones, not measured: on CPU the only peak we measure is
+- Compiled peaks are not measured (FSDP2 compiled runs at its eager batch; compiled
+  auto mode's plan fits by its eager step's peak): on CPU the only peak we measure is
   a live-tensor tracker that is a dispatch mode, and compiled code runs beneath it
   (inductor's generated code allocates its buffers with ``empty_strided_cpu``, outside
   the dispatcher), so a compiled step's peak cannot be measured with the same tool
@@ -361,8 +362,9 @@ def main(argv=None):
           f"backend {args.backend})")
     for name, budget_name, budget, rows, summary in lines:
         _print_model(name, budget_name, budget, rows, summary)
-    print("compiled batches: the eager peer's batch, not measured (on CPU the live-tensor tracker is a dispatch mode "
-          "that compiled code runs beneath); compile_s = first step - median steady step")
+    print("compiled peaks are not measured (on CPU the live-tensor tracker is a dispatch mode that compiled code runs "
+          "beneath): FSDP2 compiled runs at its eager batch, OSDP compiled at its compiled auto plan's (fitting by its "
+          "eager peak); compile_s = first step - median steady step")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
         f"compile_{device.replace(' ', '_')}{'_dry_run' if args.dry_run else '_quick' if args.quick else ''}.csv")
     write_csv(out, [{k: r.get(k, "") for k in FIELDS} for r in table])
