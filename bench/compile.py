@@ -135,10 +135,11 @@ def _plan_label(plan) -> str:
 
 def _finalists_label(plan) -> str:
     """What compiled auto mode measured ([Note: compiled plans]): each finalist's batch,
-    eager samples/s, compile gain and their product, the kept one marked."""
+    compiled and eager samples/s, the kept one marked."""
     record = (plan.calibration.compiled or {}) if plan is not None else {}
     return "; ".join(f"{'kept ' if f['plan'] == record.get('kept') else ''}b{f['batch_size']} "
-                     f"{f['eager_samples_per_s']:.2f} eager x {f['gain']:.2f} = {f['estimated_samples_per_s']:.2f}"
+                     f"{f['samples_per_s']:.2f} compiled / {f['eager_samples_per_s']:.2f} eager"
+                     + (f" (x{f['repeats']})" if f.get("repeats", 1) > 1 else "")
                      for f in record.get("finalists", []))
 
 

@@ -276,20 +276,19 @@ class RuntimeMeasure:
         plans] in osdp/compiled_choice.py)."""
         return self._measured(plans, None)
 
-    def compiled(self, plans) -> list[tuple[Measurement, Measurement]]:
-        """Each plan measured compiled and then eager, one trial right after the other
-        (the compile gain of [Note: compiled plans]), with all of ``self.steps`` timed:
-        the compiled choice is outside the planning budget. Where a compiled step's peak
-        is not read (CPU), the eager trial's peak stands for it, said so."""
+    def compiled(self, pairs) -> list[Measurement]:
+        """Each ``(plan, its eager measurement)`` measured compiled, one trial at a time
+        (each trial's first step compiles), with all of ``self.steps`` timed: the
+        compiled choice is outside the planning budget. Where a compiled step's peak is
+        not read (CPU), the eager measurement's peak stands for it, said so."""
         out = []
-        for plan in plans:
-            (compiled,) = self._measured([plan], self.compile, budgeted=False)
-            self.first_compiled_step_s[plan.plan_hash()] = self.pool.current.first_step_s
-            (eager,) = self._measured([plan], None, budgeted=False)
+        for plan, eager in pairs:
+            (m,) = self._measured([plan], self.compile, budgeted=False)
+            # the first compile of a plan (a rebuild's compiles from inductor's cache)
+            self.first_compiled_step_s.setdefault(plan.plan_hash(), self.pool.current.first_step_s)
             if not step_peak_readable(default_device(), compiled=True):  # the trials' device
-                compiled = replace(compiled, peak_bytes=eager.peak_bytes,
-                                   peak_source=f"the eager step's: {eager.peak_source}")
-            out.append((replace(compiled, compiled=True), eager))
+                m = replace(m, peak_bytes=eager.peak_bytes, peak_source=f"the eager step's: {eager.peak_source}")
+            out.append(replace(m, compiled=True))
         return out
 
     def _measured(self, plans, config, budgeted: bool = True):

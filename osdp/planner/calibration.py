@@ -586,12 +586,10 @@ def _compiled_lines(compiled: dict, measured: dict) -> list[str]:
     lines = [line]
     finalists = compiled.get("finalists") or []
     if len(finalists) > 1:
-        def said(f):
-            return (f"batch {f['batch_size']}: {f['eager_samples_per_s']:.2f} samples/s eager x {f['gain']:.2f} "
-                    f"compile gain = {f['estimated_samples_per_s']:.2f}")
-
         kept = next((f for f in finalists if f["plan"] == compiled.get("kept")), finalists[0])
         which = "the eager pick" if kept is finalists[0] else "a plan other than the eager pick"
-        others = "; ".join(said(f) for f in finalists if f is not kept)
-        lines.append(f"  compiled choice: kept {which} ({said(kept)}) over {others}")
+        others = ", ".join(f"batch {f['batch_size']}: {f['samples_per_s']:.2f} compiled, "
+                           f"{f['eager_samples_per_s']:.2f} eager" for f in finalists if f is not kept)
+        lines.append(f"  compiled choice: kept {which} (batch {kept['batch_size']}: {kept['samples_per_s']:.2f} "
+                     f"samples/s compiled, {kept['eager_samples_per_s']:.2f} eager) over {others}")
     return lines

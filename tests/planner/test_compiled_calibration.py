@@ -67,28 +67,27 @@ def _measure(monkeypatch, plans, cuda: bool):
     return measure, fake
 
 
-def test_a_compiled_run_measures_eager_and_its_finalists_compiled_then_eager(monkeypatch):
+def test_a_compiled_run_measures_eager_and_its_finalists_compiled(monkeypatch):
     _, _, zdp, dp = _plans()
     measure, fake = _measure(monkeypatch, [zdp, dp], cuda=False)
     (m,) = measure([zdp])  # calibration and the measured choice: eager
     assert fake.calls == [([zdp.plan_hash()], False)] and m.step_s == 0.10 and not m.compiled
-    (c_zdp, e_zdp), (c_dp, e_dp) = measure.compiled([zdp, dp])
-    # each compiled on its own trial, then eager right after it
-    assert fake.calls[1:] == [([zdp.plan_hash()], True), ([zdp.plan_hash()], False), ([dp.plan_hash()], True),
-                              ([dp.plan_hash()], False)]
-    assert (c_zdp.step_s, e_zdp.step_s, c_dp.step_s, e_dp.step_s) == (0.06, 0.10, 0.05, 0.08)
-    assert c_zdp.compiled and c_dp.compiled and not e_dp.compiled
-    # on CPU the compiled step's peak is the eager trial's, said so
-    assert c_dp.peak_bytes == e_dp.peak_bytes == 9e6 and c_dp.peak_source == "the eager step's: measured"
+    eager_dp = _eager(dp)
+    m_zdp, m_dp = measure.compiled([(zdp, m), (dp, eager_dp)])
+    # each on its own trial, compiled times, the eager measurement's peak (said so)
+    assert fake.calls[1:] == [([zdp.plan_hash()], True), ([dp.plan_hash()], True)]
+    assert (m_zdp.step_s, m_dp.step_s) == (0.06, 0.05) and m_zdp.compiled and m_dp.compiled
+    assert (m_zdp.peak_bytes, m_dp.peak_bytes) == (9e6, 8e6)
+    assert m_dp.peak_source == "the eager step's: eager, made up"
     assert measure.first_compiled_step_s == {zdp.plan_hash(): 12.5, dp.plan_hash(): 12.5}
 
 
 def test_on_cuda_the_compiled_steps_peak_is_its_own(monkeypatch):
     _, _, zdp, dp = _plans()
     measure, fake = _measure(monkeypatch, [zdp, dp], cuda=True)
-    ((c, e),) = measure.compiled([dp])
-    assert (c.step_s, c.peak_bytes, c.peak_source, c.compiled) == (0.05, 7e6, "measured", True)
-    assert e.peak_bytes == 9e6
+    (m,) = measure.compiled([(dp, _eager(dp))])
+    assert (m.step_s, m.peak_bytes, m.peak_source, m.compiled) == (0.05, 7e6, "measured", True)
+    assert fake.calls == [([dp.plan_hash()], True)]  # no eager measurement again
 
 
 def test_the_compiled_trials_time_all_their_steps_whatever_the_budget(monkeypatch):
@@ -96,8 +95,8 @@ def test_the_compiled_trials_time_all_their_steps_whatever_the_budget(monkeypatc
     measure, fake = _measure(monkeypatch, [zdp, zdp], cuda=False)
     measure.budget.steps = lambda plans, steps, warmup: 1  # a spent budget: one timed step
     measure([zdp])
-    measure.compiled([zdp])
-    assert fake.steps == [1, measure.steps, measure.steps]
+    measure.compiled([(zdp, _eager(zdp))])
+    assert fake.steps == [1, measure.steps]
 
 
 def test_an_eager_run_measures_eager_only(monkeypatch):
@@ -127,53 +126,34 @@ def test_the_finalists_are_the_eager_pick_and_the_fastest_other_schedule_near_it
     assert finalists(*pick, [near], most=1) == [pick]
 
 
-class _SideBySide:
-    """A measure whose ``compiled`` hands out made-up (compiled, eager) step times per
-    plan, side by side; the plans it was asked for."""
-
-    def __init__(self, steps: dict):
-        self.steps, self.compile, self.first_compiled_step_s, self.calls = steps, CompileConfig(), {}, []
-
-    def compiled(self, plans):
-        self.calls.append([p.plan_hash() for p in plans])
-        out = []
-        for plan in plans:
-            self.first_compiled_step_s[plan.plan_hash()] = 12.5
-            compiled_s, eager_s = self.steps[plan.plan_hash()]
-            out.append((replace(_eager(plan, compiled_s), compiled=True), _eager(plan, eager_s)))
-        return out
-
-
-def test_the_compiled_choice_keeps_the_fastest_finalist_by_its_compile_gain():
-    """zdp is the eager pick (80 ms a step against dp's 85 ms at one batch). Their own
-    trials ran at different times: zdp 60 ms compiled beside 120 ms eager (a slow spell:
-    2x gain), dp 50 ms compiled beside 60 ms eager (1.2x). Estimated compiled: zdp 40 ms,
-    dp 70.8 ms: zdp is kept, though its trial's compiled step was the slower."""
+def test_the_compiled_choice_keeps_the_fastest_finalist_compiled(monkeypatch):
+    """zdp is the eager pick (80 ms a step against dp's 85 ms, one batch) but dp runs
+    faster compiled (50 ms against 90): dp is kept, with its eager measurement and its
+    own predictions; the record lists both finalists."""
     from osdp.compiled_choice import compiled_choice
     from osdp.planner.calibration import format_report
 
     desc, device, zdp, dp = _plans()
     dp = replace(dp, batch_size=zdp.batch_size)
+    measure, fake = _measure(monkeypatch, [zdp, dp], cuda=False)
+    fake.step = {zdp.plan_hash(): (0.09, 0.08), dp.plan_hash(): (0.05, 0.085)}
     e_zdp, e_dp = _eager(zdp, 0.080), _eager(dp, 0.085)
     picked = replace(zdp, measured=e_zdp.to_dict())
-    measure = _SideBySide({zdp.plan_hash(): (0.060, 0.120), dp.plan_hash(): (0.050, 0.060)})
-    kept = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
-    assert measure.calls == [[zdp.plan_hash(), dp.plan_hash()]]
-    assert kept.plan_hash() == zdp.plan_hash()
-    record = kept.calibration.compiled
-    assert record["kept"] == zdp.plan_hash() and (record["step_s"], record["eager_step_s"]) == (0.060, 0.120)
-    rows = {f["plan"]: f for f in record["finalists"]}
-    assert rows[zdp.plan_hash()]["gain"] == pytest.approx(2.0) and rows[dp.plan_hash()]["gain"] == pytest.approx(1.2)
-    assert rows[zdp.plan_hash()]["estimated_samples_per_s"] == pytest.approx(2 * zdp.batch_size * 2 / 0.080)
-    assert "compiled choice: kept the eager pick" in format_report(kept)
-    # dp gains more from compiling: dp is kept, with its eager measurement and its own predictions
-    measure = _SideBySide({zdp.plan_hash(): (0.060, 0.060), dp.plan_hash(): (0.050, 0.100)})
     chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
     assert chosen.plan_hash() == dp.plan_hash()
-    assert Measurement.from_dict(chosen.measured) == e_dp
+    assert Measurement.from_dict(chosen.measured) == e_dp  # its eager measurement
+    record = chosen.calibration.compiled
+    assert record["kept"] == dp.plan_hash() and record["step_s"] == 0.05 and record["eager_step_s"] == 0.085
+    assert record["first_step_s"] == 12.5 and [f["plan"] for f in record["finalists"]] == [zdp.plan_hash(),
+                                                                                           dp.plan_hash()]
     assert chosen.calibration.predicted_step_s is not None
     report = format_report(chosen)
     assert "compiled choice: kept a plan other than the eager pick" in report and "the rows below are eager" in report
+    # compiled slower than the pick: the pick stays, its record says so
+    fake.step = {zdp.plan_hash(): (0.05, 0.08), dp.plan_hash(): (0.09, 0.085)}
+    kept = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    assert kept.plan_hash() == zdp.plan_hash() and kept.calibration.compiled["kept"] == zdp.plan_hash()
+    assert "compiled choice: kept the eager pick" in format_report(kept)
 
 
 def test_measured_plans_of_a_compiled_run_have_keys_of_their_own(tmp_path):
@@ -194,6 +174,10 @@ def test_a_measurement_says_whether_it_was_compiled():
     assert not Measurement.from_dict({k: v for k, v in m.to_dict().items() if k != "compiled"}).compiled  # older plans
 
 
+def _with_measured(plan, m):
+    return replace(plan, measured=m.to_dict())
+
+
 @pytest.fixture(autouse=True)
 def _no_process_group(monkeypatch):
     """RuntimeMeasure's budget and the rank agreement without a process group."""
@@ -210,3 +194,42 @@ def test_a_compiled_run_plans_only_the_splits_the_compiled_path_runs():
     runs = {op.name for op in auto.splits_the_compiled_path_runs(desc).ops if op.splittable}
     assert runs == {name for name, op in split.items() if op != "embedding_rows"}
     assert auto.splits_the_compiled_path_runs(desc).fingerprint() == desc.fingerprint()
+
+
+class _CompiledSteps:
+    """A measure whose ``compiled`` hands out the next made-up step time per plan, in
+    the order they are asked for; the order of the calls it got."""
+
+    def __init__(self, steps: dict):
+        self.steps = {k: list(v) for k, v in steps.items()}
+        self.compile = CompileConfig()
+        self.first_compiled_step_s, self.calls = {}, []
+
+    def compiled(self, pairs):
+        self.calls.append([p.plan_hash() for p, _ in pairs])
+        out = []
+        for plan, eager in pairs:
+            self.first_compiled_step_s.setdefault(plan.plan_hash(), 12.5)
+            out.append(replace(eager, step_s=self.steps[plan.plan_hash()].pop(0), compiled=True))
+        return out
+
+
+def test_two_finalists_measured_close_compiled_are_measured_again_in_the_other_order():
+    """dp measured 2% faster compiled in the first round (within CLOSE_MARGIN), zdp 20%
+    faster in the second: on their mean steps zdp is kept; the repeat ran dp first."""
+    from osdp.compiled_choice import compiled_choice
+
+    desc, device, zdp, dp = _plans()
+    dp = replace(dp, batch_size=zdp.batch_size)
+    e_zdp, e_dp = _eager(zdp, 0.080), _eager(dp, 0.085)
+    picked = replace(zdp, measured=e_zdp.to_dict())
+    measure = _CompiledSteps({zdp.plan_hash(): [0.051, 0.040], dp.plan_hash(): [0.050, 0.050]})
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    assert measure.calls == [[zdp.plan_hash(), dp.plan_hash()], [dp.plan_hash(), zdp.plan_hash()]]
+    assert chosen.plan_hash() == zdp.plan_hash()
+    record = chosen.calibration.compiled
+    assert record["step_s"] == pytest.approx(0.0455) and all(f["repeats"] == 2 for f in record["finalists"])
+    # far apart: measured once
+    measure = _CompiledSteps({zdp.plan_hash(): [0.080], dp.plan_hash(): [0.050]})
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    assert len(measure.calls) == 1 and chosen.plan_hash() == dp.plan_hash()

@@ -453,8 +453,8 @@ def test_compile_argument_errors(value, match):
 @pytest.mark.slow
 def test_auto_mode_measures_its_plan_compiled():
     """[Note: compiled plans] in osdp/compiled_choice.py: auto mode with compile=
-    calibrates on eager steps, measures its finalists compiled and eager side by side (on
-    CPU the compiled step takes the eager step's peak) and records both; the model it
+    calibrates on eager steps, measures its finalists compiled (on CPU each takes its
+    eager step's peak) and records the compiled step beside the eager one; the model it
     hands out runs compiled."""
     r = spawn(run_auto, 2)[0]
     compiled = r["compiled"]
@@ -462,8 +462,7 @@ def test_auto_mode_measures_its_plan_compiled():
     assert compiled["first_step_s"] > compiled["step_s"]  # it compiled in its first step
     assert compiled["kept"] == r["plan_hash"] and r["plan_hash"] in [f["plan"] for f in compiled["finalists"]]
     assert all(f["peak_bytes"] > 0 for f in compiled["finalists"])  # the eager step's, on CPU
-    assert all(f["gain"] > 0 and f["estimated_samples_per_s"] > 0 for f in compiled["finalists"])
-    assert not r["measured"]["compiled"] and r["measured"]["step_s"] > 0  # the measured choice's eager step
+    assert not r["measured"]["compiled"] and r["measured"]["step_s"] == compiled["eager_step_s"]
     assert r["observations"] and not any(m["compiled"] for m in r["observations"])
     assert "compiled (model): step" in r["report"] and "the rows below are eager" in r["report"]
     assert r["regions"] == [""]  # the default scope: the whole model, one region
