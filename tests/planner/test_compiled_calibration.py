@@ -215,7 +215,7 @@ class _CompiledSteps:
 
 
 def test_two_finalists_measured_close_compiled_are_measured_again_in_the_other_order():
-    """dp measured 2% faster compiled in the first round (within CLOSE_MARGIN), zdp 20%
+    """dp measured 2% faster compiled in the first round (within REPEAT_MARGIN), zdp 20%
     faster in the second: on their mean steps zdp is kept; the repeat ran dp first."""
     from osdp.compiled_choice import compiled_choice
 
