@@ -15,7 +15,8 @@ Per model, in ONE spawned run (so that the ratios come from one interleaved run)
   each scope of ``--osdp-scopes`` auto mode with that ``compile=`` (what a user who
   compiles gets: its finalists measured compiled, [Note: compiled plans] in
   osdp/compiled_choice.py), wrapped compiled at its own plan's batch. Until 2026-11-28
-  the compiled peers ran the eager plan.
+  the compiled peers ran the eager plan, as ``--compiled-plan eager`` still does (no
+  compiled auto mode: shorter, as bench/gpu_check.sh needs it).
 - FSDP2 (ZeRO-3): the largest batch whose eager peak fits the budget (live-tensor
   tracker, as bench/throughput.py); the compiled FSDP2 model runs at that same batch.
 - Compiled peaks are not measured (FSDP2 compiled runs at its eager batch; compiled
@@ -148,7 +149,8 @@ def _log(rank, start, what):
         print(f"  [{time.perf_counter() - start:6.1f} s] {what}", flush=True)
 
 
-def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backend, auto_kwargs, osdp_scopes):
+def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backend, auto_kwargs, osdp_scopes,
+         compiled_plan):
     t0 = time.perf_counter()
     import osdp
     from osdp.models import GPT, example_batch
@@ -168,6 +170,9 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
     plans = {}  # scope (None: eager) -> (plan or None, error, seconds in auto mode)
     for label, peer, scope in PEERS:
         if peer != "osdp" or (scope and scope not in osdp_scopes):
+            continue
+        if scope and compiled_plan == "eager":  # --compiled-plan eager: the eager plan, compiled
+            plans[scope] = plans[None]
             continue
         torch.manual_seed(0)
         start = time.perf_counter()
@@ -310,6 +315,9 @@ def main(argv=None):
                         "(CompileConfig.outside_backend, e.g. aot_eager; default and 'same': --backend)")
     parser.add_argument("--osdp-scopes", default="blocks,model",
                         help="OSDP's compile scopes to run (CompileConfig.scope), comma-separated: blocks, model")
+    parser.add_argument("--compiled-plan", choices=("auto", "eager"), default="auto",
+                        help="the plan OSDP's compiled peers run: compiled auto mode's (default) or the eager auto "
+                        "plan (no compiled auto mode: shorter)")
     parser.add_argument("--cache-dir", default=str(ROOT / "bench" / "results" / ".profile-cache"))
     parser.add_argument("--out", help="CSV path (default bench/results/compile_<device>.csv)")
     args = parser.parse_args(argv)
@@ -344,7 +352,7 @@ def main(argv=None):
         param_bytes = sum(p.numel() for p in GPT_params(config)) * 4
         budget = int(BUDGETS[args.budget] * param_bytes)
         rows, late = spawn(_run, args.world_size, name, config, budget, steps, args.cache_dir, args.backend,
-                           auto_kwargs, osdp_scopes)[0]
+                           auto_kwargs, osdp_scopes, args.compiled_plan)[0]
         by_peer = {r["peer"]: r for r in rows}
         summary = _summarize(by_peer, name)
         if any(late):
@@ -362,9 +370,11 @@ def main(argv=None):
           f"backend {args.backend})")
     for name, budget_name, budget, rows, summary in lines:
         _print_model(name, budget_name, budget, rows, summary)
+    osdp_batch = ("its compiled auto plan's (fitting by its eager peak)" if args.compiled_plan == "auto"
+                  else "the eager plan's (--compiled-plan eager)")
     print("compiled peaks are not measured (on CPU the live-tensor tracker is a dispatch mode that compiled code runs "
-          "beneath): FSDP2 compiled runs at its eager batch, OSDP compiled at its compiled auto plan's (fitting by its "
-          "eager peak); compile_s = first step - median steady step")
+          f"beneath): FSDP2 compiled runs at its eager batch, OSDP compiled at {osdp_batch}; "
+          "compile_s = first step - median steady step")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
         f"compile_{device.replace(' ', '_')}{'_dry_run' if args.dry_run else '_quick' if args.quick else ''}.csv")
     write_csv(out, [{k: r.get(k, "") for k in FIELDS} for r in table])

@@ -19,7 +19,9 @@
 #   aot 21-23 s) and is stopped (SIGINT, then SIGKILL) when it reaches it; the benchmarks
 #   get budgets of their own so they stop starting new shapes in time. Compile's cap is
 #   105 s: the compile bench compiles FSDP2 cold too (fresh_cache per peer), and OSDP at
-#   its default scope ("model": all 12 layers traced; "blocks" as well would not fit);
+#   its default scope ("model": all 12 layers traced; "blocks" as well would not fit),
+#   running the eager plan compiled (--compiled-plan eager: compiled auto mode's two
+#   finalist compiles would not fit either);
 #   kernels' is 45 s (its own budget 40 s), build's 85 s.
 # Fails fast, before building anything, when no NVIDIA GPU is visible (nvidia-smi, or
 #   the program named by $NVIDIA_SMI, missing or listing no GPU).
@@ -34,7 +36,7 @@ OUT_ARG=""
 for arg in "$@"; do
   case "$arg" in
     --dry-run) DRY_RUN=1 ;;
-    -h|--help) sed -n '2,22p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "gpu_check.sh: unknown option $arg (use --dry-run or an output folder)" >&2; exit 2 ;;
     *) OUT_ARG="$arg" ;;
   esac
@@ -56,7 +58,7 @@ define_steps() {
     "gpu_tests|200|$PYTHON -m pytest -m gpu -n 0 -q -rs -p no:cacheprovider --junitxml='$OUT_DIR/gpu_tests.xml'"
     "kernels|45|$PYTHON bench/kernels.py --quick --budget-s 40 --repeats 10 --out-dir '$OUT_DIR'"
     "fidelity|50|$PYTHON bench/fidelity.py --quick --world-size $world --budget-s 20 --out-dir '$OUT_DIR'"
-    "compile|105|cd bench && TORCH_LOGS=graph_breaks TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --osdp-scopes model --out '$OUT_DIR/compile_gpu_quick.csv'"
+    "compile|105|cd bench && TORCH_LOGS=graph_breaks TORCHINDUCTOR_COMPILE_THREADS=$JOBS $PYTHON compile.py --quick --world-size 1 --budget loose --steps 5 --osdp-scopes model --compiled-plan eager --out '$OUT_DIR/compile_gpu_quick.csv'"
     "aot|30|env -u TRITON_INTERPRET $PYTHON -m osdp_kernels.aot --arch sm_80,sm_90 --quick --jobs $JOBS --cache-dir '$AOT_CACHE' --json '$OUT_DIR/aot.json'"
   )
 }
