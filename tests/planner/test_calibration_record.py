@@ -80,6 +80,8 @@ def test_empty_and_unknown_keys():
     ("observations", [1], "'calibration.observations' must be a list of objects"),
     ("compiled", {"step_s": "fast"}, "'calibration.compiled.step_s' must be a number"),
     ("compiled", {"scope": 1, "step_s": 0.1}, "'calibration.compiled.scope' must be a string"),
+    ("compiled", {"step_s": 0.1, "finalists": "two"}, "'calibration.compiled.finalists' must be a list of objects"),
+    ("compiled", {"step_s": 0.1, "kept": 3}, "'calibration.compiled.kept' must be a string"),
     ("decision", None, "'calibration.decision' must be set"),
 ])
 def test_a_wrong_type_names_the_field(key, value, expect):
