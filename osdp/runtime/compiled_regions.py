@@ -48,6 +48,15 @@ A third run on a faster machine (15 rounds, compile_cpu_scopes_run3.log): N&D 1.
 0.96x, 1.04x (compile 10, 31, 37 s); W&S 1.01x, 0.94x, 0.91x, its auto plan there every
 unit ``rep`` (compiled, their gradients are all-reduced once backward hands them out,
 at the end at model scope: [Note: rep gradients bucketed] in compiled_rep_grads.py).
+Runs 4 and 6 (2026-11-28, a slower machine, 15 rounds; from run 4 on, each compiled
+peer runs the plan compiled auto mode makes for its scope, [Note: compiled plans] in
+osdp/compiled_choice.py, and gain = compiled samples/s / eager samples/s): N&D 1.03x,
+1.00x, 1.13x (run 4) and 1.02x, 0.99x, 1.07x (run 6), compile 14-16, 31-35, 58-65 s;
+W&S in run 6, both scopes' auto mode keeping every unit ``zdp`` at batch 20 (its
+finalist, every unit ``rep`` at batch 9, measured slower compiled): 0.89x, 0.99x,
+0.96x (FSDP2's compiled step slower than its eager one that run); in run 4 the model
+scope's auto mode had kept the ``rep`` plan on a noisy measurement (0.90x), which the
+compiled choice now measures again.
 
 N&D (12 small blocks: collectives and per-op overhead weigh) gains from one graph in
 both runs; W&S (2 wide blocks, matmul-bound on CPU) shows no difference beyond this
