@@ -2,13 +2,17 @@
 plans by their compiled steps."""
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 
+from .errors import OSDPError
 from .measured_choice import calibrated_device, faster_within_limit, same_schedule
 from .planner import calibration as cal
 from .planner.calibration import Measurement
 from .planner.plan import Plan
 from .rank_agreement import decide_on_rank0
+
+log = logging.getLogger("osdp.auto")
 
 COMPILED_FINALISTS = 2  # plans measured compiled: the eager pick and the best other schedule
 FINALIST_MARGIN = 0.15  # of the eager pick's samples/s: how far behind a finalist may be
@@ -46,6 +50,26 @@ def _close(pairs, compiled, margin: float = REPEAT_MARGIN) -> bool:
     return min(a, b) >= (1 - margin) * max(a, b)
 
 
+def compiled_fit(desc, device, chosen: Plan, observations) -> dict:
+    """The factors refitted to the finalists' compiled steps (``observations``: (plan,
+    compiled measurement) pairs; ``calibration.refit``, pulled toward ``device``'s eager
+    calibration) and what they predict for ``chosen``'s compiled step: the compiled
+    compute scales over the eager ones say what the compiler gave the compute; the
+    prediction beside the measured compiled step says how well those scales carry the
+    compiled step ([Note: compiled plans]). {} when the fit fails."""
+    try:
+        fitted = cal.refit(desc, device, observations)
+        predicted = cal.simulate(cal.assignment_of(desc, fitted, chosen), fitted).step_s
+    except OSDPError as exc:
+        log.warning("could not fit the factors to the compiled steps (%s)", exc)
+        return {}
+    return {"compute_scale": fitted.calibration.compute_scale,
+            "backward_compute_scale": fitted.calibration.backward_compute_scale,
+            "eager_compute_scale": device.calibration.compute_scale,
+            "eager_backward_compute_scale": device.calibration.backward_compute_scale,
+            "predicted_step_s": predicted}
+
+
 def compiled_choice(desc, device, plan: Plan, measured, measure, *, process_group=None) -> Plan:
     """[Note: compiled plans]
     Auto mode with ``compile=`` calibrates and chooses on eager steps, as without it
@@ -81,8 +105,10 @@ def compiled_choice(desc, device, plan: Plan, measured, measure, *, process_grou
     says so): a compiled step's activations may differ, unmeasured there. The plan
     handed out keeps its eager measurement (``plan.measured``, beside the eager
     predictions); ``plan.calibration.compiled`` records the compiled step, the eager step,
-    the first (compiling) step and every finalist, for ``model.report()``. Rank 0
-    decides; every rank measures."""
+    the first (compiling) step, every finalist, and the factors refitted to the
+    finalists' compiled steps with the compiled step they predict (``compiled_fit``: the
+    compute scales the compiler's fusion comes to, one fit of the finalists' two plans),
+    for ``model.report()``. Rank 0 decides; every rank measures."""
     group = process_group
     eager = Measurement.from_dict(plan.measured)
     picked = decide_on_rank0(lambda: [(p.to_dict(), m.to_dict()) for p, m in finalists(plan, eager, measured)[1:]],
@@ -107,6 +133,8 @@ def compiled_choice(desc, device, plan: Plan, measured, measure, *, process_grou
     record = {"scope": measure.compile.scope, "step_s": compiled[best].step_s, "eager_step_s": chosen_eager.step_s,
               "first_step_s": measure.first_compiled_step_s[chosen.plan_hash()], "finalists": rows,
               "kept": chosen.plan_hash()}
+    record.update(decide_on_rank0(lambda: compiled_fit(desc, calibrated_device(device, plan), chosen,
+                                                       [(p, c) for (p, _), c in zip(pairs, compiled)]), group))
     if best == 0:
         return replace(plan, calibration=plan.calibration.with_(compiled=record))
     predictions = cal.predictions(desc, calibrated_device(device, plan), chosen)

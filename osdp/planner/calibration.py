@@ -584,6 +584,12 @@ def _compiled_lines(compiled: dict, measured: dict) -> list[str]:
         line += f"; first step (compiling) {compiled['first_step_s']:.1f} s"
     line += "; the rows below are compiled steps" if measured.get("compiled") else "; the rows below are eager"
     lines = [line]
+    if "predicted_step_s" in compiled:
+        lines.append(f"  fitted to the compiled steps: compute scale {compiled['compute_scale']:.3f} forward, "
+                     f"{compiled['backward_compute_scale']:.3f} backward (eager: "
+                     f"{compiled['eager_compute_scale']:.3f}, {compiled['eager_backward_compute_scale']:.3f}); "
+                     f"compiled step predicted {compiled['predicted_step_s'] * 1e3:.2f} ms "
+                     f"({compiled['predicted_step_s'] / compiled['step_s'] - 1:+.1%})")
     finalists = compiled.get("finalists") or []
     if len(finalists) > 1:
         kept = next((f for f in finalists if f["plan"] == compiled.get("kept")), finalists[0])

@@ -117,7 +117,8 @@ def _budget(name, value):
 
 def _compiled(name, value):
     _object(name, value)
-    for key in ("step_s", "eager_step_s", "first_step_s"):
+    for key in ("step_s", "eager_step_s", "first_step_s", "predicted_step_s", "compute_scale",
+                "backward_compute_scale", "eager_compute_scale", "eager_backward_compute_scale"):
         if key in value:
             _number(f"{name}.{key}", value[key])
     for key in ("scope", "kept"):
@@ -177,8 +178,10 @@ class CalibrationRecord:
     budget: dict | None = None
     # the plans measured compiled (auto mode with compile=): {"scope", "step_s",
     # "eager_step_s", "first_step_s" (the kept plan's), "finalists": [{"plan",
-    # "batch_size", "eager_samples_per_s", "samples_per_s", "peak_bytes"}], "kept"}: see
-    # [Note: compiled plans] in osdp/compiled_choice.py
+    # "batch_size", "eager_samples_per_s", "samples_per_s", "peak_bytes", "repeats"}],
+    # "kept", and from the fit to the finalists' compiled steps: "compute_scale",
+    # "backward_compute_scale" (and the eager fit's, "eager_"-prefixed),
+    # "predicted_step_s"}: see [Note: compiled plans] in osdp/compiled_choice.py
     compiled: dict | None = None
     # keys this OSDP does not know, as read
     extra: dict = field(default_factory=dict)

@@ -149,6 +149,9 @@ def test_the_compiled_choice_keeps_the_fastest_finalist_compiled(monkeypatch):
     assert chosen.calibration.predicted_step_s is not None
     report = format_report(chosen)
     assert "compiled choice: kept a plan other than the eager pick" in report and "the rows below are eager" in report
+    # the factors refitted to the two compiled steps, and the kept plan's step they predict
+    assert record["compute_scale"] > 0 and record["backward_compute_scale"] > 0 and record["predicted_step_s"] > 0
+    assert "fitted to the compiled steps: compute scale" in report
     # compiled slower than the pick: the pick stays, its record says so
     fake.step = {zdp.plan_hash(): (0.05, 0.08), dp.plan_hash(): (0.09, 0.085)}
     kept = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
