@@ -19,14 +19,15 @@ Per model, in ONE spawned run (so that the ratios come from one interleaved run)
   compiled auto mode: shorter, as bench/gpu_check.sh needs it).
 - FSDP2 (ZeRO-3): the largest batch whose eager peak fits the budget (live-tensor
   tracker, as bench/throughput.py); the compiled FSDP2 model runs at that same batch.
-- Compiled peaks are not measured (FSDP2 compiled runs at its eager batch; compiled
-  auto mode's plan fits by its eager step's peak): on CPU the only peak we measure is
-  a live-tensor tracker that is a dispatch mode, and compiled code runs beneath it
-  (inductor's generated code allocates its buffers with ``empty_strided_cpu``, outside
-  the dispatcher), so a compiled step's peak cannot be measured with the same tool
-  (OSDP's own per-step check is off under compile on CPU for the same reason); process
-  RSS counts compile-time memory and the allocator's caching instead. That the compiled
-  step fits where the eager one does is assumed, not checked.
+- FSDP2 compiled runs at its eager batch; OSDP compiled at its compiled auto plan's
+  (chosen on compiled peaks: [Note: compiled plans]). Every peer's peak is measured in
+  its third step, a steady one before the timed rounds, and checked against the budget
+  (``fits``; FSDP2 eager's is the one its batch was found by):
+  eager ones by the live-tensor trackers, compiled ones, whose code allocates beneath
+  the dispatcher where no tracker sees, by the CPU allocator's own reports ([Note: CPU
+  allocator peak] in osdp/memtrack.py; on CUDA, the allocator's peak for all). Until
+  2026-11-28 compiled peaks were not measured, and that a compiled step fits where the
+  eager one does was assumed.
 - Each model's first step is timed on its own (the compile, for compiled peers); then
   every peer's steps are interleaved (common.interleaved_step_s: one warm-up step each,
   then ``--steps`` rounds) and the medians taken. Compile time = first step - median
@@ -202,7 +203,7 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
             row["error"] = plan_error
         else:
             batch, source = fsdp_batch, "largest fitting (eager tracker)"
-            row["peak_bytes"] = "" if compiled else fsdp_peak
+            row["peak_bytes"] = fsdp_peak
         if compiled and batch and peer != "osdp":
             source = "the eager peer's (not measured: see the docstring)"
         row.update(batch=batch, batch_source=source)
@@ -231,8 +232,8 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
             continue
         row["first_step_s"] = max_over_ranks(first)
         row["second_step_s"] = _timed_step(model, optim, config, batch, seed=2)
-        if peer == "osdp" and not compiled:
-            row["peak_bytes"] = measured_peak_bytes(model, optim, config, batch, warm_up=False)
+        if peer == "osdp" or compiled:  # FSDP2 eager's was read finding its batch
+            row["peak_bytes"] = measured_peak_bytes(model, optim, config, batch, warm_up=False, compiled=compiled)
         after = _dynamo_counts()
         row.update(graphs=after[0] - graphs, graph_breaks=after[1] - breaks,
                    break_reasons=_new_reasons(reasons, _break_reasons()))
@@ -361,7 +362,7 @@ def main(argv=None):
         for r in rows:
             peak = r.get("peak_bytes")
             r.update(model=name, budget=args.budget, budget_bytes=budget, device=device,
-                     fits="" if r["compiled"] or peak in (None, "") else bool(r["batch"]) and peak <= budget)
+                     fits="" if peak in (None, "") else bool(r["batch"]) and peak <= budget)
             table.append(r)
         lines.append((name, args.budget, budget, rows, summary))
         _print_model(name, args.budget, budget, rows, summary)
@@ -370,11 +371,9 @@ def main(argv=None):
           f"backend {args.backend})")
     for name, budget_name, budget, rows, summary in lines:
         _print_model(name, budget_name, budget, rows, summary)
-    osdp_batch = ("its compiled auto plan's (fitting by its eager peak)" if args.compiled_plan == "auto"
-                  else "the eager plan's (--compiled-plan eager)")
-    print("compiled peaks are not measured (on CPU the live-tensor tracker is a dispatch mode that compiled code runs "
-          f"beneath): FSDP2 compiled runs at its eager batch, OSDP compiled at {osdp_batch}; "
-          "compile_s = first step - median steady step")
+    osdp_batch = "its compiled auto plan's" if args.compiled_plan == "auto" else "the eager plan's (--compiled-plan eager)"
+    print(f"FSDP2 compiled runs at its eager batch, OSDP compiled at {osdp_batch}; compiled peaks: the CPU allocator's "
+          "reports (osdp.memtrack.cpu_own_peak); compile_s = first step - median steady step")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
         f"compile_{device.replace(' ', '_')}{'_dry_run' if args.dry_run else '_quick' if args.quick else ''}.csv")
     write_csv(out, [{k: r.get(k, "") for k in FIELDS} for r in table])

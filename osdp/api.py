@@ -15,6 +15,7 @@ import torch.nn as nn
 from .contract import RuntimeConfig, default_prefetch_bytes
 from .checkpoint import full_state_dict as gathered_state_dict
 from .errors import ConfigError, OSDPError, PlanMismatchError
+from .memtrack import cpu_allocator_window
 from .planner.calibration import format_report
 from .planner.plan import plan_from_arg
 from .runtime.build import build_units, register_params
@@ -322,10 +323,7 @@ class ShardedModel(nn.Module):
         """The per-step peak check (osdp/runtime/peak.py): against ``memory_limit``, else
         the plan's; nothing is measured without a limit or with ``memory_check=False``
         (or ``OSDP_MEMORY_CHECK=0``)."""
-        limit = getattr(self.plan, "memory_limit_bytes", None)
-        if options.memory_limit_bytes is not None:
-            limit = options.memory_limit_bytes
-        predicted = getattr(getattr(self.plan, "predicted", None), "peak_bytes", None)
+        limit, predicted = self._limit_and_prediction()
         self._memory_check = None
         if limit is None or not options.memory_check_on:
             return
@@ -334,6 +332,14 @@ class ShardedModel(nn.Module):
                      self.device)
             return
         self._memory_check = self._step_memory_check(limit, predicted)
+
+    def _limit_and_prediction(self) -> tuple:
+        """(the limit a step is checked against: ``memory_limit``, else the plan's; the
+        plan's predicted peak), each None where there is none."""
+        limit = getattr(self.plan, "memory_limit_bytes", None)
+        if self.options.memory_limit_bytes is not None:
+            limit = self.options.memory_limit_bytes
+        return limit, getattr(getattr(self.plan, "predicted", None), "peak_bytes", None)
 
     def _step_memory_check(self, limit, predicted) -> StepMemoryCheck:
         units = self._built.units
@@ -624,8 +630,24 @@ class ShardedModel(nn.Module):
         ``optimizer``: its state made before the block (an earlier step) is counted.
         For tools that measure a plan's memory without paying the check's cost on every
         step (bench/regret.py); where the check is on, its own measurement is returned (and
-        checked against the limit)."""
+        checked against the limit). A model compiled on CPU is measured by the allocator
+        (the runtime's tracker cannot see inside compiled code; [Note: CPU allocator
+        peak] in osdp/memtrack.py): no unit at the peak, and nothing while another
+        profiler records (the list stays empty)."""
         measured: list[StepMemory] = []
+        if self.compile_config is not None and not step_peak_readable(self.device, compiled=True):
+            resident = [*self.module.parameters(), *self.module.buffers()]
+            resident += [p.grad for p in self.module.parameters() if p.grad is not None]
+            if optimizer is not None:
+                resident += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+            with cpu_allocator_window(resident) as peak:
+                yield measured
+            if peak[0] is not None:
+                limit, predicted = self._limit_and_prediction()
+                measured.append(StepMemory(step=0, peak_bytes=int(peak[0]), unit_at_peak="", phase_at_peak="",
+                                           limit_bytes=limit, predicted_peak_bytes=predicted,
+                                           source="cpu allocator (profiler memory reports; compiled)"))
+            return
         own = self._memory_check is None
         check = self._step_memory_check(None, None) if own else self._memory_check
         if own and optimizer is not None:

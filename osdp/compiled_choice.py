@@ -100,9 +100,10 @@ def compiled_choice(desc, device, plan: Plan, measured, measure, *, process_grou
     it picked 6 dp + 10 rep units at batch 10, 17.2 samples/s compiled, where eager auto
     mode picked every unit zdp at batch 20 (19.2 samples/s eager).
 
-    Where a compiled step's peak is not measured (CPU: the live-tensor tracker cannot see
-    inside compiled code), each finalist's eager peak stands for it (``peak_source``
-    says so): a compiled step's activations may differ, unmeasured there. The plan
+    A compiled trial's peak is the allocator's (on CPU from its reports to the
+    profiler, [Note: CPU allocator peak] in osdp/memtrack.py); where it could not be read
+    (another profiler recording), the finalist's eager peak stands for it
+    (``peak_source`` says so). The plan
     handed out keeps its eager measurement (``plan.measured``, beside the eager
     predictions); ``plan.calibration.compiled`` records the compiled step, the eager step,
     the first (compiling) step, every finalist, and the factors refitted to the

@@ -8,8 +8,8 @@ the weights do not move) on the example inputs repeated or cut to the plan's bat
 (the first records the use order and creates the optimizer state), then ``steps`` timed
 steps. The peak memory is read in the last warm-up step, a steady one (the runtime's own
 tracker of live tensors on CPU, which slows it by about 5%, so it is not timed; the
-allocator's peak on CUDA); with fewer than 2 warm-up steps, in one more step after the
-timed ones. Every rank measures; the step reported is the median timed step with its own
+allocator's peak on CUDA, and on CPU for a compiled step, from the profiler's memory
+reports); with fewer than 2 warm-up steps, in one more step after the timed ones. Every rank measures; the step reported is the median timed step with its own
 phases (so forward + backward + optimizer = step), taken from the slowest rank (it
 decides when a step is done for everyone); peak and group times are maxima over ranks.
 Every rank holds the same ``Measurement``.
@@ -41,7 +41,7 @@ from ..planner.calibration import Measurement, group_of
 from ..planner.inputs import as_example_inputs, batch_loss
 from ..api import ShardedModel
 from ..errors import OSDPError
-from ..memtrack import cuda_own_peak
+from ..memtrack import cpu_own_peak, cuda_own_peak
 from ..rank_agreement import collective_device
 from ..runtime.options import RuntimeOptions
 from ..runtime.peak import step_peak_readable
@@ -152,8 +152,8 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
     is closed at the end. ``compile``: the trials run compiled (``OSDP(compile=...)``,
     [Note: compiled units]); their first warm-up step compiles (the trial's ``first_step_s``),
     no group times (a clock-reading hook inside a compiled block is a graph break), and
-    on CPU no peak (the live-tensor tracker is a dispatch mode, which compiled code runs
-    beneath: ``peak_source`` says so)."""
+    on CPU their peak is the allocator's (the live-tensor tracker is a dispatch mode,
+    which compiled code runs beneath: [Note: CPU allocator peak] in osdp/memtrack.py)."""
     if compile is not None:
         group_times = False
     if has_meta(module) and (pool is None or pool.values() is None):
@@ -279,10 +279,12 @@ class _Trial:
 
     def _measured_step(self) -> tuple:
         """A step whose peak bytes (this copy's states and what the step adds) are kept."""
-        if not step_peak_readable(self.dev, self.compile is not None):  # see measure_plans
-            self.peak = (0.0, "not measured: compiled on CPU (the live-tensor tracker is a dispatch mode, which "
-                              "compiled code runs beneath)")
-            return self.step()
+        if not step_peak_readable(self.dev, self.compile is not None):  # compiled on CPU: see measure_plans
+            row, peak = cpu_own_peak(self._resident(), self.step)
+            self.peak = ((peak, "the CPU allocator's bytes (profiler memory reports, osdp.memtrack.cpu_own_peak)")
+                         if peak is not None else (0.0, "not measured: compiled on CPU, and another profiler is "
+                                                         "recording (osdp.memtrack.cpu_own_peak)"))
+            return row
         if self.dev.type == "cuda":
             row, peak = cuda_own_peak(self.dev, self._resident(), self.step)
             self.peak = (peak, "torch.cuda.max_memory_allocated (less what other tensors held before the step)")

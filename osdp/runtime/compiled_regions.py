@@ -66,7 +66,7 @@ eager 30.5 ms, "blocks" 30.4 ms, "model" 24.8 ms. Memory: what the partitioner s
 backward is about the same at both scopes (N&D all ``zdp``, batch 3: 25.6 MiB across
 the per-block graphs, 26.3 MiB in the one graph; 0.7 MiB is about the loss's logits,
 0.75 MiB, which eager autograd saves outside the per-block graphs: not checked tensor
-by tensor); peaks inside a graph are not measured on CPU. ``"blocks"`` stays for deep
+by tensor). ``"blocks"`` stays for deep
 models whose compile time matters more than a few percent of each step, and for runs
 that recompile often.
 """

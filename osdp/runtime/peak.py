@@ -77,9 +77,12 @@ from .ledger import MemoryLedger
 
 
 def step_peak_readable(device: torch.device, compiled: bool) -> bool:
-    """Whether a step's peak can be measured on ``device``: eager steps always; compiled
-    ones on CUDA only (the allocator's statistics): the CPU tracker is a dispatch mode,
-    which compiled code runs beneath (inductor allocates outside the dispatcher)."""
+    """Whether every step's peak can be measured on ``device`` (the per-step check):
+    eager steps always; compiled ones on CUDA only (the allocator's statistics): the CPU
+    tracker is a dispatch mode, which compiled code runs beneath (inductor allocates
+    outside the dispatcher). One compiled CPU step at a time can be measured from the
+    allocator's reports to the profiler, at about twice its time (``model.measuring_memory``,
+    the plan trials: [Note: CPU allocator peak] in osdp/memtrack.py)."""
     return not compiled or device.type == "cuda"
 
 

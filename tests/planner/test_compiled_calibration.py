@@ -37,12 +37,13 @@ def _plans():
 
 
 class _FakeMeasurePlans:
-    """Compiled steps 60 ms and eager 100 ms (plan zdp) or 50/80 ms (plan dp); peaks
-    measured only eager (CPU) or both (``cuda``); the calls it got."""
+    """Compiled steps 60 ms and eager 100 ms (plan zdp) or 50/80 ms (plan dp); a
+    compiled trial's peak measured (``compiled_peak``: the CUDA allocator's, or on CPU
+    the allocator's reports) or not (another profiler recording); the calls it got."""
 
-    def __init__(self, plans, cuda: bool):
+    def __init__(self, plans, compiled_peak: bool):
         self.step = {plans[0].plan_hash(): (0.06, 0.10), plans[1].plan_hash(): (0.05, 0.08)}
-        self.cuda, self.calls, self.steps = cuda, [], []
+        self.peaked, self.calls, self.steps = compiled_peak, [], []
 
     def __call__(self, model, plans, example_inputs, *, steps, pool, compile, **options):
         self.calls.append(([p.plan_hash() for p in plans], compile is not None))
@@ -51,17 +52,16 @@ class _FakeMeasurePlans:
         for plan in plans:
             compiled_s, eager_s = self.step[plan.plan_hash()]
             s = compiled_s if compile is not None else eager_s
-            peak = 0.0 if compile is not None and not self.cuda else (7e6 if compile is not None else 9e6)
-            source = "not measured: compiled on CPU" if compile is not None and not self.cuda else "measured"
+            peak = 0.0 if compile is not None and not self.peaked else (7e6 if compile is not None else 9e6)
+            source = "not measured: a profiler was recording" if compile is not None and not self.peaked else "measured"
             out.append(Measurement(s, s / 3, s / 2, s / 6, peak, plan.batch_size, steps=3, peak_source=source))
             pool.current = SimpleNamespace(first_step_s=12.5 if compile is not None else 0.2)
         return out
 
 
-def _measure(monkeypatch, plans, cuda: bool):
-    fake = _FakeMeasurePlans(plans, cuda)
+def _measure(monkeypatch, plans, compiled_peak: bool):
+    fake = _FakeMeasurePlans(plans, compiled_peak)
     monkeypatch.setattr(auto, "measure_plans", fake)
-    monkeypatch.setattr(auto, "step_peak_readable", lambda device, compiled: cuda or not compiled)
     measure = auto.RuntimeMeasure(None, None, compile=CompileConfig(scope="blocks", backend="aot_eager"))
     measure.pool.current = SimpleNamespace(first_step_s=0.0)
     return measure, fake
@@ -69,12 +69,13 @@ def _measure(monkeypatch, plans, cuda: bool):
 
 def test_a_compiled_run_measures_eager_and_its_finalists_compiled(monkeypatch):
     _, _, zdp, dp = _plans()
-    measure, fake = _measure(monkeypatch, [zdp, dp], cuda=False)
+    measure, fake = _measure(monkeypatch, [zdp, dp], compiled_peak=False)
     (m,) = measure([zdp])  # calibration and the measured choice: eager
     assert fake.calls == [([zdp.plan_hash()], False)] and m.step_s == 0.10 and not m.compiled
     eager_dp = _eager(dp)
     m_zdp, m_dp = measure.compiled([(zdp, m), (dp, eager_dp)])
-    # each on its own trial, compiled times, the eager measurement's peak (said so)
+    # each on its own trial, compiled times; no compiled peak read (a profiler was
+    # recording): the eager measurement's peak, said so
     assert fake.calls[1:] == [([zdp.plan_hash()], True), ([dp.plan_hash()], True)]
     assert (m_zdp.step_s, m_dp.step_s) == (0.06, 0.05) and m_zdp.compiled and m_dp.compiled
     assert (m_zdp.peak_bytes, m_dp.peak_bytes) == (9e6, 8e6)
@@ -82,9 +83,9 @@ def test_a_compiled_run_measures_eager_and_its_finalists_compiled(monkeypatch):
     assert measure.first_compiled_step_s == {zdp.plan_hash(): 12.5, dp.plan_hash(): 12.5}
 
 
-def test_on_cuda_the_compiled_steps_peak_is_its_own(monkeypatch):
+def test_a_compiled_trial_that_read_its_peak_keeps_it(monkeypatch):
     _, _, zdp, dp = _plans()
-    measure, fake = _measure(monkeypatch, [zdp, dp], cuda=True)
+    measure, fake = _measure(monkeypatch, [zdp, dp], compiled_peak=True)
     (m,) = measure.compiled([(dp, _eager(dp))])
     assert (m.step_s, m.peak_bytes, m.peak_source, m.compiled) == (0.05, 7e6, "measured", True)
     assert fake.calls == [([dp.plan_hash()], True)]  # no eager measurement again
@@ -92,7 +93,7 @@ def test_on_cuda_the_compiled_steps_peak_is_its_own(monkeypatch):
 
 def test_the_compiled_trials_time_all_their_steps_whatever_the_budget(monkeypatch):
     _, _, zdp, _ = _plans()
-    measure, fake = _measure(monkeypatch, [zdp, zdp], cuda=False)
+    measure, fake = _measure(monkeypatch, [zdp, zdp], compiled_peak=False)
     measure.budget.steps = lambda plans, steps, warmup: 1  # a spent budget: one timed step
     measure([zdp])
     measure.compiled([(zdp, _eager(zdp))])
@@ -101,7 +102,7 @@ def test_the_compiled_trials_time_all_their_steps_whatever_the_budget(monkeypatc
 
 def test_an_eager_run_measures_eager_only(monkeypatch):
     _, _, zdp, dp = _plans()
-    fake = _FakeMeasurePlans([zdp, dp], cuda=False)
+    fake = _FakeMeasurePlans([zdp, dp], compiled_peak=False)
     monkeypatch.setattr(auto, "measure_plans", fake)
     (m,) = auto.RuntimeMeasure(None, None)([zdp])
     assert fake.calls == [([zdp.plan_hash()], False)] and m.step_s == 0.10 and not m.compiled
@@ -135,7 +136,7 @@ def test_the_compiled_choice_keeps_the_fastest_finalist_compiled(monkeypatch):
 
     desc, device, zdp, dp = _plans()
     dp = replace(dp, batch_size=zdp.batch_size)
-    measure, fake = _measure(monkeypatch, [zdp, dp], cuda=False)
+    measure, fake = _measure(monkeypatch, [zdp, dp], compiled_peak=False)
     fake.step = {zdp.plan_hash(): (0.09, 0.08), dp.plan_hash(): (0.05, 0.085)}
     e_zdp, e_dp = _eager(zdp, 0.080), _eager(dp, 0.085)
     picked = replace(zdp, measured=e_zdp.to_dict())

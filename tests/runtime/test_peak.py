@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatc
 
 import osdp
 from osdp.errors import MemoryFragmentationWarning, MemoryLimitExceeded, OSDPError
-from osdp.memtrack import LiveBytesTracker, StepPeakTracker, storage_bytes
+from osdp.memtrack import LiveBytesTracker, StepPeakTracker, cpu_own_peak, storage_bytes
 from osdp.models import GPT, GPTConfig, example_batch, get_preset
 from osdp.planner import make_plan
 from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
@@ -700,8 +700,71 @@ def test_storage_bytes_counts_a_buffer_once_however_many_views_it_has():
     assert storage_bytes([]) == 0
 
 
-def test_a_compiled_steps_peak_is_readable_on_cuda_only():
-    """One rule for the runtime's memory check, the plan measurer and auto mode."""
+def test_a_compiled_steps_peak_is_readable_every_step_on_cuda_only():
+    """One rule for the runtime's per-step check, the plan measurer and measuring_memory
+    (which read one compiled CPU step from the allocator instead)."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert step_peak_readable(cpu, compiled=False) and step_peak_readable(cuda, compiled=False)
     assert step_peak_readable(cuda, compiled=True) and not step_peak_readable(cpu, compiled=True)
+
+
+# ---- the CPU allocator's peak ([Note: CPU allocator peak] in osdp/memtrack.py) --------------
+
+def test_the_cpu_allocator_peak_sees_what_compiled_code_allocates_beneath_the_dispatcher():
+    """Inductor's CPU code allocates with ``empty_strided_cpu``, outside the dispatcher:
+    the allocator's reports count such a buffer, the live-tensor tracker does not."""
+    from torch._C._dynamo.guards import _empty_strided_cpu
+
+    resident = torch.zeros(1000)
+
+    def compiled_like():
+        scratch = _empty_strided_cpu((1024, 1024), (1024, 1), torch.float32)  # 4 MiB, as inductor's buffers
+        del scratch
+        return torch.ones(256) * 2  # then 2 KiB made by operators (the ones and their double)
+
+    out, peak = cpu_own_peak([resident], compiled_like)
+    assert peak == 4000 + 4 * MiB and out.sum() == 512
+    with LiveBytesTracker([resident]) as tracker:
+        compiled_like()
+    assert tracker.peak_bytes == 4000 + 2048
+
+
+def test_the_cpu_allocator_peak_matches_the_tracker_on_operators():
+    x = torch.randn(256, 256)
+
+    def step():
+        y = torch.relu(x @ x)
+        return (y * 2 @ x).sum()
+
+    _, peak = cpu_own_peak([x], step)
+    with LiveBytesTracker([x]) as tracker:
+        step()
+    assert abs(peak - tracker.peak_bytes) <= 64 and peak >= 3 * 256 * 256 * 4
+
+
+def test_the_cpu_allocator_peak_leaves_a_users_profiler_recording():
+    x = torch.randn(64, 64)
+    with torch.profiler.profile(profile_memory=True) as users:
+        _, peak = cpu_own_peak([x], lambda: x @ x)
+        (x @ x).sum()  # recorded by the user's profiler still
+    assert peak is None
+    assert any(e.name == "aten::sum" for e in users.events())
+
+
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_a_compiled_models_measured_step_is_the_allocators_peak_near_the_eager_one(fake_world):
+    """aot_eager runs the compiled graph's operators as eager does: the allocator's peak
+    of the compiled step is within 2% of the eager step's tracker peak."""
+    config = GPTConfig(vocab_size=256, seq_len=32, num_layers=2, hidden=64, heads=4)
+    measured = {}
+    for compile in (None, {"backend": "aot_eager"}):
+        torch.manual_seed(0)
+        wrapped = osdp.OSDP(GPT(config), default_mode="zdp", memory_check=False, compile=compile)
+        optim = torch.optim.AdamW(wrapped.parameters(), lr=1e-3)
+        _train_step(wrapped, optim, config, 4, seed=0)
+        with wrapped.measuring_memory(optim) as step:
+            _train_step(wrapped, optim, config, 4, seed=1)
+        measured[compile is not None] = step[0]
+    eager, compiled = measured[False], measured[True]
+    assert compiled.source.startswith("cpu allocator") and eager.source.startswith("live tensors")
+    assert abs(compiled.peak_bytes - eager.peak_bytes) <= 0.02 * eager.peak_bytes
