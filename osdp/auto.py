@@ -224,7 +224,9 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
                                    global_batch=global_batch, backend=backend, process_group=process_group,
                                    measured_out=measured)
             if compile_config is not None:
-                plan = compiled_choice(desc, device, plan, measured, measure, process_group=process_group)
+                plan = compiled_choice(desc, device, plan, measured, measure, settings=settings or PlannerSettings(),
+                                       process_group=process_group, batch=batch, global_batch=global_batch,
+                                       backend=backend)
             plan = replace(plan, calibration=plan.calibration.with_(budget=budget.record()),
                            assumed_loss=getattr(loss_fn, "assumed", ""))
             cache.put(key, plan)

@@ -140,7 +140,7 @@ def test_the_compiled_choice_keeps_the_fastest_finalist_compiled(monkeypatch):
     fake.step = {zdp.plan_hash(): (0.09, 0.08), dp.plan_hash(): (0.05, 0.085)}
     e_zdp, e_dp = _eager(zdp, 0.080), _eager(dp, 0.085)
     picked = replace(zdp, measured=e_zdp.to_dict())
-    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure, **_CHOICE)
     assert chosen.plan_hash() == dp.plan_hash()
     assert Measurement.from_dict(chosen.measured) == e_dp  # its eager measurement
     record = chosen.calibration.compiled
@@ -155,7 +155,7 @@ def test_the_compiled_choice_keeps_the_fastest_finalist_compiled(monkeypatch):
     assert "fitted to the compiled steps: compute scale" in report
     # compiled slower than the pick: the pick stays, its record says so
     fake.step = {zdp.plan_hash(): (0.05, 0.08), dp.plan_hash(): (0.09, 0.085)}
-    kept = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    kept = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure, **_CHOICE)
     assert kept.plan_hash() == zdp.plan_hash() and kept.calibration.compiled["kept"] == zdp.plan_hash()
     assert "compiled choice: kept the eager pick" in format_report(kept)
 
@@ -200,21 +200,33 @@ def test_a_compiled_run_plans_only_the_splits_the_compiled_path_runs():
     assert auto.splits_the_compiled_path_runs(desc).fingerprint() == desc.fingerprint()
 
 
+_CHOICE = dict(settings=PlannerSettings(checkpointing="none"), backend="python")
+
+
 class _CompiledSteps:
     """A measure whose ``compiled`` hands out the next made-up step time per plan, in
-    the order they are asked for; the order of the calls it got."""
+    the order they are asked for (``other``: for plans not named), with a compiled peak
+    of ``peak(plan)`` (None: the eager one); eager steps 80 ms at 8 MB; the order of the
+    calls it got."""
 
-    def __init__(self, steps: dict):
-        self.steps = {k: list(v) for k, v in steps.items()}
-        self.compile = CompileConfig()
+    def __init__(self, steps: dict, other=(0.05,), peak=lambda plan: None):
+        self.steps, self.other = {k: list(v) for k, v in steps.items()}, list(other)
+        self.compile, self.peak = CompileConfig(), peak
         self.first_compiled_step_s, self.calls = {}, []
+
+    def __call__(self, plans):
+        self.calls.append(("eager", [p.plan_hash() for p in plans]))
+        return [_eager(p) for p in plans]
 
     def compiled(self, pairs):
         self.calls.append([p.plan_hash() for p, _ in pairs])
         out = []
         for plan, eager in pairs:
             self.first_compiled_step_s.setdefault(plan.plan_hash(), 12.5)
-            out.append(replace(eager, step_s=self.steps[plan.plan_hash()].pop(0), compiled=True))
+            step_s = self.steps.get(plan.plan_hash(), self.other).pop(0)
+            peak = self.peak(plan)
+            out.append(replace(eager, step_s=step_s, compiled=True,
+                               peak_bytes=eager.peak_bytes if peak is None else peak))
         return out
 
 
@@ -228,12 +240,74 @@ def test_two_finalists_measured_close_compiled_are_measured_again_in_the_other_o
     e_zdp, e_dp = _eager(zdp, 0.080), _eager(dp, 0.085)
     picked = replace(zdp, measured=e_zdp.to_dict())
     measure = _CompiledSteps({zdp.plan_hash(): [0.051, 0.040], dp.plan_hash(): [0.050, 0.050]})
-    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure, **_CHOICE)
     assert measure.calls == [[zdp.plan_hash(), dp.plan_hash()], [dp.plan_hash(), zdp.plan_hash()]]
     assert chosen.plan_hash() == zdp.plan_hash()
     record = chosen.calibration.compiled
     assert record["step_s"] == pytest.approx(0.0455) and all(f["repeats"] == 2 for f in record["finalists"])
     # far apart: measured once
     measure = _CompiledSteps({zdp.plan_hash(): [0.080], dp.plan_hash(): [0.050]})
-    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure)
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure, **_CHOICE)
     assert len(measure.calls) == 1 and chosen.plan_hash() == dp.plan_hash()
+
+
+def test_a_kept_finalist_over_its_limit_compiled_is_planned_again_for_that_memory():
+    """[Note: compiled memory]: both finalists measured 3 MiB over the 64 MiB limit
+    compiled (where eager they fitted): the faster (dp) is planned again at the limit
+    less the model's error on it, that plan measured eager and compiled, and kept (it
+    fits); were nothing to fit, the fastest is kept all the same, with a warning."""
+    from osdp.compiled_choice import compiled_choice
+
+    desc, device, zdp, dp = _plans()
+    dp = replace(dp, batch_size=zdp.batch_size)
+    e_zdp, e_dp = _eager(zdp, 0.080), _eager(dp, 0.085)
+    picked = replace(zdp, measured=e_zdp.to_dict())
+    over = zdp.memory_limit_bytes + 3 * 2**20
+    finalists = {zdp.plan_hash(), dp.plan_hash()}
+    measure = _CompiledSteps({zdp.plan_hash(): [0.080], dp.plan_hash(): [0.050]}, other=[0.060],
+                             peak=lambda plan: over if plan.plan_hash() in finalists else 8e6)
+    chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure, **_CHOICE)
+    corrected = chosen.plan_hash()
+    assert corrected not in finalists and "planned for" in chosen.notes[-1]
+    assert chosen.predicted.peak_bytes < dp.predicted.peak_bytes  # planned for less memory than dp
+    assert measure.calls[1:] == [("eager", [corrected]), [corrected]]  # dp (faster) was the one corrected
+    record = chosen.calibration.compiled
+    assert record["kept"] == corrected and [f["plan"] for f in record["finalists"]][-1] == corrected
+    assert Measurement.from_dict(chosen.measured) == _eager(chosen)
+    # the corrected plan over its limit too: the fastest is kept, said so
+    measure = _CompiledSteps({zdp.plan_hash(): [0.080], dp.plan_hash(): [0.050]}, other=[0.060],
+                             peak=lambda plan: over)
+    with _logged("no plan measured within the memory limit") as said:
+        chosen = compiled_choice(desc, device, picked, [(picked, e_zdp), (dp, e_dp)], measure, **_CHOICE)
+    rows = chosen.calibration.compiled["finalists"]
+    assert len(rows) == 3 and said
+    assert chosen.plan_hash() == max(rows, key=lambda f: f["samples_per_s"])["plan"]
+
+
+class _logged:
+    """A context collecting osdp.auto's warnings that contain ``text``: truthy once one was."""
+
+    def __init__(self, text):
+        import logging
+
+        self.text, self.seen, self.logger = text, [], logging.getLogger("osdp.auto")
+
+    def __enter__(self):
+        import logging
+
+        outer = self
+
+        class Catch(logging.Handler):
+            def emit(self, record):
+                if outer.text in record.getMessage():
+                    outer.seen.append(record)
+
+        self.handler = Catch(level=logging.WARNING)
+        self.logger.addHandler(self.handler)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self.handler)
+
+    def __bool__(self):
+        return bool(self.seen)
