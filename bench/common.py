@@ -104,6 +104,20 @@ def _state_tensors(model, optim):
     return tensors
 
 
+def allocator_peak_bytes(model, optim, config, batch: int) -> int:
+    """Peak bytes of one training step by the allocator (its own reports to the profiler
+    on CPU, [Note: CPU allocator peak] in osdp/memtrack.py; ``max_memory_allocated`` on
+    CUDA), eager or compiled alike, max over ranks: the one measure that compares a
+    compiled step's memory with an eager one's."""
+    resident = _state_tensors(model, optim) + [p.grad for p in model.parameters() if p.grad is not None]
+    if torch.cuda.is_available():
+        _, peak = cuda_own_peak(torch.cuda.current_device(), resident,
+                                lambda: train_step(model, optim, config, batch, seed=2))
+    else:
+        _, peak = cpu_own_peak(resident, lambda: train_step(model, optim, config, batch, seed=2))
+    return int(max_over_ranks(float(peak)))
+
+
 def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True, compiled: bool = False) -> int:
     """Peak bytes of one steady-state training step (after a warm-up step that creates
     the optimizer state; ``warm_up=False`` when an earlier step of this model and

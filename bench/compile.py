@@ -19,15 +19,15 @@ Per model, in ONE spawned run (so that the ratios come from one interleaved run)
   compiled auto mode: shorter, as bench/gpu_check.sh needs it).
 - FSDP2 (ZeRO-3): the largest batch whose eager peak fits the budget (live-tensor
   tracker, as bench/throughput.py); the compiled FSDP2 model runs at that same batch.
-- FSDP2 compiled runs at its eager batch; OSDP compiled at its compiled auto plan's
-  (chosen on compiled peaks: [Note: compiled plans]). Every peer's peak is measured in
-  its third step, a steady one before the timed rounds, and checked against the budget
-  (``fits``; FSDP2 eager's is the one its batch was found by):
-  eager ones by the live-tensor trackers, compiled ones, whose code allocates beneath
-  the dispatcher where no tracker sees, by the CPU allocator's own reports ([Note: CPU
-  allocator peak] in osdp/memtrack.py; on CUDA, the allocator's peak for all). Until
-  2026-11-28 compiled peaks were not measured, and that a compiled step fits where the
-  eager one does was assumed.
+- FSDP2 compiled runs at its eager batch; OSDP compiled at its compiled auto plan's.
+  Memory, two measures: ``peak`` (eager peers: live tensors, the planner's and the
+  runtime's measure on CPU, against which ``fits`` is judged; FSDP2's is the one its
+  batch was found by) and ``alloc`` (every peer, in its third step, a steady one before
+  the timed rounds: the allocator's bytes, from its reports to the profiler on CPU,
+  [Note: CPU allocator peak] in osdp/memtrack.py, which also see compiled code's
+  buffers and the backends' own, e.g. gloo's). ``alloc`` compiled / eager says what
+  compiling did to a peer's memory; until 2026-11-28 a compiled step's memory was not
+  measured at all.
 - Each model's first step is timed on its own (the compile, for compiled peers); then
   every peer's steps are interleaved (common.interleaved_step_s: one warm-up step each,
   then ``--steps`` rounds) and the medians taken. Compile time = first step - median
@@ -63,8 +63,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from common import (ROOT, interleaved_step_s, largest_fitting_batch, measured_peak_bytes, spawn, train_step,
-                    wrap_peer, write_csv)
+from common import (ROOT, allocator_peak_bytes, interleaved_step_s, largest_fitting_batch, measured_peak_bytes,
+                    spawn, train_step, wrap_peer, write_csv)
 from throughput import BUDGETS, GPT_params, MODELS
 
 from osdp.models import GPTConfig
@@ -77,7 +77,7 @@ PEERS = (("osdp", "osdp", None), ("osdp_compiled", "osdp", "blocks"), ("osdp_com
          ("fsdp2", "fsdp_zero3", None), ("fsdp2_compiled", "fsdp_zero3", "blocks"))
 OSDP_COMPILED = tuple(label for label, peer, scope in PEERS if peer == "osdp" and scope)
 FIELDS = ["model", "budget", "budget_bytes", "peer", "compiled", "scope", "backend", "batch", "batch_source",
-          "peak_bytes", "fits", "first_step_s", "second_step_s", "step_s", "samples_per_s", "compile_s", "regions",
+          "peak_bytes", "fits", "alloc_peak_bytes", "first_step_s", "second_step_s", "step_s", "samples_per_s", "compile_s", "regions",
           "graphs", "graph_breaks", "break_reasons", "auto_s", "finalists",
           "compile_speedup", "vs_fsdp2_compiled", "target", "target_met", "plan", "error", "device"]
 # a tiny GPT for --dry-run (the smoke test): seconds, not minutes
@@ -203,7 +203,7 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
             row["error"] = plan_error
         else:
             batch, source = fsdp_batch, "largest fitting (eager tracker)"
-            row["peak_bytes"] = fsdp_peak
+            row["peak_bytes"] = "" if compiled else fsdp_peak
         if compiled and batch and peer != "osdp":
             source = "the eager peer's (not measured: see the docstring)"
         row.update(batch=batch, batch_source=source)
@@ -232,8 +232,9 @@ def _run(rank, world, model_name, config, budget_bytes, steps, cache_dir, backen
             continue
         row["first_step_s"] = max_over_ranks(first)
         row["second_step_s"] = _timed_step(model, optim, config, batch, seed=2)
-        if peer == "osdp" or compiled:  # FSDP2 eager's was read finding its batch
-            row["peak_bytes"] = measured_peak_bytes(model, optim, config, batch, warm_up=False, compiled=compiled)
+        if peer == "osdp" and not compiled:  # FSDP2 eager's was read finding its batch
+            row["peak_bytes"] = measured_peak_bytes(model, optim, config, batch, warm_up=False)
+        row["alloc_peak_bytes"] = allocator_peak_bytes(model, optim, config, batch)
         after = _dynamo_counts()
         row.update(graphs=after[0] - graphs, graph_breaks=after[1] - breaks,
                    break_reasons=_new_reasons(reasons, _break_reasons()))
@@ -287,6 +288,11 @@ def _summarize(rows: dict, name: str) -> list[str]:
                          f"b={fc['batch']})  -> target >= 1.0x: {'MET' if met else 'NOT MET'}")
         else:
             lines.append(f"OSDP compiled ({scope}) / FSDP2 compiled: not comparable (a peer has no timing: see error)")
+    memory = [(label, rows[label]["alloc_peak_bytes"] / rows[eager]["alloc_peak_bytes"])
+              for eager, label in [("osdp", p) for p in OSDP_COMPILED] + [("fsdp2", "fsdp2_compiled")]
+              if rows.get(label, {}).get("alloc_peak_bytes") and rows.get(eager, {}).get("alloc_peak_bytes")]
+    if memory:
+        lines.append("allocator peak, compiled / eager: " + ", ".join(f"{label} {r:.3f}x" for label, r in memory))
     if "osdp" in timed and "fsdp2" in timed:
         lines.append(f"(for reference, eager: OSDP / FSDP2 "
                      f"{timed['osdp']['samples_per_s'] / timed['fsdp2']['samples_per_s']:.2f}x samples/s)")
@@ -362,7 +368,7 @@ def main(argv=None):
         for r in rows:
             peak = r.get("peak_bytes")
             r.update(model=name, budget=args.budget, budget_bytes=budget, device=device,
-                     fits="" if peak in (None, "") else bool(r["batch"]) and peak <= budget)
+                     fits="" if r["compiled"] or peak in (None, "") else bool(r["batch"]) and peak <= budget)
             table.append(r)
         lines.append((name, args.budget, budget, rows, summary))
         _print_model(name, args.budget, budget, rows, summary)
@@ -372,8 +378,8 @@ def main(argv=None):
     for name, budget_name, budget, rows, summary in lines:
         _print_model(name, budget_name, budget, rows, summary)
     osdp_batch = "its compiled auto plan's" if args.compiled_plan == "auto" else "the eager plan's (--compiled-plan eager)"
-    print(f"FSDP2 compiled runs at its eager batch, OSDP compiled at {osdp_batch}; compiled peaks: the CPU allocator's "
-          "reports (osdp.memtrack.cpu_own_peak); compile_s = first step - median steady step")
+    print(f"FSDP2 compiled runs at its eager batch, OSDP compiled at {osdp_batch}; peak: live tensors (eager peers), "
+          "alloc: the allocator's bytes (every peer); compile_s = first step - median steady step")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / (
         f"compile_{device.replace(' ', '_')}{'_dry_run' if args.dry_run else '_quick' if args.quick else ''}.csv")
     write_csv(out, [{k: r.get(k, "") for k in FIELDS} for r in table])
@@ -381,10 +387,11 @@ def main(argv=None):
 
 def _print_model(name, budget_name, budget, rows, summary):
     print(f"\n{name}  {budget_name} budget {budget / 2**20:.1f} MiB")
-    print(f"  {'peer':<19} {'batch':>5} {'peak MiB':>9} {'step ms':>8} {'samples/s':>9} {'1st step s':>10} "
+    print(f"  {'peer':<19} {'batch':>5} {'peak MiB':>9} {'alloc MiB':>9} {'step ms':>8} {'samples/s':>9} {'1st step s':>10} "
           f"{'compile s':>9} {'regions':>7} {'graphs':>6} {'breaks':>6}  error")
     for r in rows:
         print(f"  {r['peer']:<19} {r['batch']:>5} {_fmt(r, 'peak_bytes', '9.1f', 2**-20):>9} "
+              f"{_fmt(r, 'alloc_peak_bytes', '9.1f', 2**-20):>9} "
               f"{_fmt(r, 'step_s', '8.1f', 1e3):>8} {_fmt(r, 'samples_per_s', '9.2f'):>9} "
               f"{_fmt(r, 'first_step_s', '10.2f'):>10} "
               f"{_fmt(r, 'compile_s', '9.2f'):>9} {_fmt(r, 'regions', '7d'):>7} {_fmt(r, 'graphs', '6d'):>6} {_fmt(r, 'graph_breaks', '6d'):>6}  "

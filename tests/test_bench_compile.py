@@ -76,6 +76,14 @@ def test_the_compile_gain_is_in_samples_per_second_when_the_compiled_plan_has_an
     assert rows["osdp_compiled"]["compile_speedup"] == pytest.approx(1.25)
 
 
+def test_compiled_memory_is_compared_by_the_allocators_bytes():
+    rows = _rows(1.0, 0.5, 1.0, 0.8)
+    for peer, mib in (("osdp", 100), ("osdp_compiled", 98), ("fsdp2", 120), ("fsdp2_compiled", 132)):
+        rows[peer]["alloc_peak_bytes"] = mib * 2**20
+    lines = bench._summarize(rows, "m")
+    assert "allocator peak, compiled / eager: osdp_compiled 0.980x, fsdp2_compiled 1.100x" in lines[-2]
+
+
 def test_targets_not_met_are_said_so():
     # OSDP gains less from compiling than FSDP2 and ends slower: both targets missed
     rows = _rows(1.0, 0.9, 2.0, 0.5, batches=(3, 3, 3, 3))

@@ -59,9 +59,10 @@ class _FakeMeasurePlans:
         return out
 
 
-def _measure(monkeypatch, plans, compiled_peak: bool):
+def _measure(monkeypatch, plans, compiled_peak: bool, cuda: bool = False):
     fake = _FakeMeasurePlans(plans, compiled_peak)
     monkeypatch.setattr(auto, "measure_plans", fake)
+    monkeypatch.setattr(auto, "step_peak_readable", lambda device, compiled: cuda or not compiled)
     measure = auto.RuntimeMeasure(None, None, compile=CompileConfig(scope="blocks", backend="aot_eager"))
     measure.pool.current = SimpleNamespace(first_step_s=0.0)
     return measure, fake
@@ -74,21 +75,33 @@ def test_a_compiled_run_measures_eager_and_its_finalists_compiled(monkeypatch):
     assert fake.calls == [([zdp.plan_hash()], False)] and m.step_s == 0.10 and not m.compiled
     eager_dp = _eager(dp)
     m_zdp, m_dp = measure.compiled([(zdp, m), (dp, eager_dp)])
-    # each on its own trial, compiled times; no compiled peak read (a profiler was
-    # recording): the eager measurement's peak, said so
+    # each on its own trial, compiled times; on CPU the eager measurement's peak, said
+    # so (no compiled allocator bytes to keep beside it: a profiler was recording)
     assert fake.calls[1:] == [([zdp.plan_hash()], True), ([dp.plan_hash()], True)]
     assert (m_zdp.step_s, m_dp.step_s) == (0.06, 0.05) and m_zdp.compiled and m_dp.compiled
     assert (m_zdp.peak_bytes, m_dp.peak_bytes) == (9e6, 8e6)
-    assert m_dp.peak_source == "the eager step's: eager, made up"
+    assert m_dp.peak_source == "the eager step's: eager, made up" and measure.compiled_cpu_peaks == {}
     assert measure.first_compiled_step_s == {zdp.plan_hash(): 12.5, dp.plan_hash(): 12.5}
 
 
-def test_a_compiled_trial_that_read_its_peak_keeps_it(monkeypatch):
+def test_on_cuda_a_compiled_trial_is_held_to_its_own_peak(monkeypatch):
     _, _, zdp, dp = _plans()
-    measure, fake = _measure(monkeypatch, [zdp, dp], compiled_peak=True)
+    measure, fake = _measure(monkeypatch, [zdp, dp], compiled_peak=True, cuda=True)
     (m,) = measure.compiled([(dp, _eager(dp))])
     assert (m.step_s, m.peak_bytes, m.peak_source, m.compiled) == (0.05, 7e6, "measured", True)
     assert fake.calls == [([dp.plan_hash()], True)]  # no eager measurement again
+    assert measure.compiled_cpu_peaks == {}
+
+
+def test_on_cpu_a_compiled_trial_is_held_to_the_eager_live_tensors_its_allocator_bytes_kept(monkeypatch):
+    """[Note: compiled memory]: on CPU the limit is in live tensors, which compiled code
+    allocates beneath; the compiled step's allocator bytes are another measure."""
+    _, _, zdp, dp = _plans()
+    measure, fake = _measure(monkeypatch, [zdp, dp], compiled_peak=True, cuda=False)
+    (m,) = measure.compiled([(dp, _eager(dp))])
+    assert (m.step_s, m.peak_bytes, m.compiled) == (0.05, 8e6, True)
+    assert m.peak_source == "the eager step's: eager, made up"
+    assert measure.compiled_cpu_peaks == {dp.plan_hash(): 7e6}
 
 
 def test_the_compiled_trials_time_all_their_steps_whatever_the_budget(monkeypatch):
@@ -255,7 +268,8 @@ def test_a_kept_finalist_over_its_limit_compiled_is_planned_again_for_that_memor
     """[Note: compiled memory]: both finalists measured 3 MiB over the 64 MiB limit
     compiled (where eager they fitted): the faster (dp) is planned again at the limit
     less the model's error on it, that plan measured eager and compiled, and kept (it
-    fits); were nothing to fit, the fastest is kept all the same, with a warning."""
+    fits); were nothing to fit, the fastest is kept all the same, with a warning. (A
+    measure whose compiled peaks are the limit's measure, as the allocator's on CUDA.)"""
     from osdp.compiled_choice import compiled_choice
 
     desc, device, zdp, dp = _plans()
