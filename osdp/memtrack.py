@@ -51,10 +51,13 @@ def cpu_own_peak(resident, fn):
     was alive before it; its maximum plus the resident bytes is the step's peak, the
     CPU counterpart of :func:`cuda_own_peak` (bytes as allocated: storage sizes, no
     malloc overhead). A tensor alive before ``fn`` that is not ``resident`` and freed
-    inside it lowers the sum (the input batch: a few bytes). Measured on an eager
-    OSDP step (N&D 12x128 all zdp, batch 3, 2 gloo ranks): 38.22 MiB against the
-    live-tensor trackers' 37.94 MiB (the allocator also holds what the step makes
-    outside operators, such as the collectives' staging); the same step compiled
+    inside it lowers the sum (the input batch: a few bytes). It is another measure
+    than the live tensors the runtime's check and the memory model count: it also holds
+    what is made outside this thread's operators, such as a backend's staging (gloo's
+    threads). Measured, eager steps on 2 gloo ranks: OSDP N&D 12x128 all zdp at batch
+    3, 38.22 MiB against the live-tensor trackers' 37.94; OSDP W&S 2x768 all zdp at
+    batch 20, 272.0 against 263.0; FSDP2 N&D at batch 3, 54.89 against 39.73. The same
+    OSDP N&D step compiled
     (model scope) 38.15-38.89 MiB over three reads, where the live-tensor tracker read
     47.5 MiB (it sees inductor's buffers where an ``out=`` operator writes them, not
     their reuse). Cost: the profiler records every operator of the step (measured
