@@ -176,7 +176,7 @@ class ShardedModel(nn.Module):
             self._init_compiled(config)
         self._init_memory_check(options)
         self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built, self.prefetch_bytes,
-                                                 self._region_classes)
+                                                 self._region_classes, self.coalesce_bytes)
                                  if self.compile_config is not None else [])
 
     # the runtime options it was built with (self.options), by their keyword names

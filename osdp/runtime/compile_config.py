@@ -6,11 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from .compiled_coalesce import SmallGatherCoalescing
 from .compiled_prefetch import WindowPrefetch
 
 SCOPES = ("blocks", "model")
 # inductor settings that choose the comm/compute reordering: given by the user, they win
 _OVERLAP_KEYS = ("reorder_for_compute_comm_overlap", "reorder_for_compute_comm_overlap_passes")
+_COALESCE_KEY = "post_grad_custom_post_pass"  # inductor's: given by the user, it wins
 
 
 @dataclass(frozen=True)
@@ -94,26 +96,33 @@ class CompileConfig:
                 f"{' and '.join(f'torch._inductor.config_comms.{u} = False' for u in unsafe)} on every rank before "
                 "wrapping, or leave these passes out")
 
-    def torch_compile_kwargs(self, window_bytes: int | None = None) -> dict:
+    def torch_compile_kwargs(self, window_bytes: int | None = None, coalesce_bytes: int = 0) -> dict:
         """``torch.compile``'s keyword arguments; ``window_bytes``: the prefetch window
-        of the overlap pass (None: no pass)."""
+        of the overlap pass (None: no pass); ``coalesce_bytes``: small units' gathers
+        are merged up to this size ([Note: compiled small units coalesced] in
+        compiled_coalesce.py; 0: not), unless ``options`` set inductor's
+        ``post_grad_custom_post_pass`` themselves."""
         kwargs = {"mode": self.mode, "fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.backend}
         options = dict(self.options) if self.options is not None else None
-        if self.overlap and window_bytes is not None and self.backend == "inductor" and not any(
-                key in (options or {}) for key in _OVERLAP_KEYS):
+        ours = {}
+        if self.overlap and window_bytes is not None and not any(key in (options or {}) for key in _OVERLAP_KEYS):
+            ours.update(reorder_for_compute_comm_overlap=True,
+                        reorder_for_compute_comm_overlap_passes=[WindowPrefetch(window_bytes)])
+        if coalesce_bytes > 0 and _COALESCE_KEY not in (options or {}):
+            ours[_COALESCE_KEY] = SmallGatherCoalescing(coalesce_bytes)
+        if ours and self.backend == "inductor":
             if options is None and self.mode not in (None, "default"):
                 from torch._inductor import list_mode_options
 
                 options = list_mode_options(self.mode, self.dynamic)  # torch.compile takes mode or options
                 kwargs["mode"] = None
-            options = {**(options or {}), "reorder_for_compute_comm_overlap": True,
-                       "reorder_for_compute_comm_overlap_passes": [WindowPrefetch(window_bytes)]}
+            options = {**(options or {}), **ours}
         if options is not None:
             kwargs["options"] = options
         return kwargs
 
-    def outside_compile_kwargs(self, window_bytes: int | None = None) -> dict:
+    def outside_compile_kwargs(self, window_bytes: int | None = None, coalesce_bytes: int = 0) -> dict:
         """``torch.compile``'s keyword arguments for a unit outside the blocks."""
         if self.outside_backend is None or self.outside_backend == self.backend:
-            return self.torch_compile_kwargs(window_bytes)
+            return self.torch_compile_kwargs(window_bytes, coalesce_bytes)
         return {"fullgraph": self.fullgraph, "dynamic": self.dynamic, "backend": self.outside_backend}

@@ -389,13 +389,14 @@ def _base_forward(module: nn.Module):
 
 
 def compile_regions(model: nn.Module, config: CompileConfig, built, window_bytes: int,
-                    regions: RegionClasses) -> list[str]:
+                    regions: RegionClasses, coalesce_bytes: int = 0) -> list[str]:
     """Compile ``model`` per ``config.scope``, each region with its class from
     ``regions``; the paths compiled, in order. ``window_bytes``: the prefetch window
-    ([Note: compiled prefetch])."""
+    ([Note: compiled prefetch]); ``coalesce_bytes``: small units' gathers merged up to
+    it ([Note: compiled small units coalesced] in compiled_coalesce.py)."""
     config.refuse_unsafe_comm_reordering()
     unit_paths = [p for _, p, _ in built.bindings] + list(built.splits)
     blocks, outside = region_paths(model, unit_paths, config.scope)
-    compile_each(model, blocks, regions, config.torch_compile_kwargs(window_bytes))
-    compile_each(model, outside, regions, config.outside_compile_kwargs(window_bytes))
+    compile_each(model, blocks, regions, config.torch_compile_kwargs(window_bytes, coalesce_bytes))
+    compile_each(model, outside, regions, config.outside_compile_kwargs(window_bytes, coalesce_bytes))
     return blocks + outside

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch._dynamo.utils import counters
 
 import osdp
+from osdp.contract import DEFAULT_COALESCE_BYTES
 from osdp.models.gpt import GPT, GPTConfig, example_batch
 
 STEPS = 3
@@ -28,17 +29,26 @@ class Case:
     tie: bool = False
     scope: str = "model"  # CompileConfig's default
     extra: dict = field(default_factory=dict)
+    # run inductor's small-gather coalescing on the aot_eager graphs too (inductor runs
+    # it itself: [Note: compiled small units coalesced]), with kwargs' coalesce_bytes
+    coalesce: bool = False
 
 
-def counting_backend(seen: dict):
+def counting_backend(seen: dict, coalesce_bytes: int = 0):
     """aot_eager, counting the all-gathers that the forward and backward graphs run
-    (each call of a graph adds its all-gathers)."""
+    (each call of a graph adds its all-gathers); ``coalesce_bytes``: the graphs are
+    first given the pass inductor runs after AOT autograd, which merges small units'
+    gathers (osdp/runtime/compiled_coalesce.py)."""
+    from osdp.runtime.compiled_coalesce import SmallGatherCoalescing
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     def compiler(kind):
         def compile_graph(gm, example_inputs):
+            if coalesce_bytes:
+                SmallGatherCoalescing(coalesce_bytes)(gm.graph)
+                gm.recompile()
             gathers = sum(1 for n in gm.graph.nodes if n.target == _C10D.all_gather_into_tensor.default)
             run = make_boxed_func(gm.forward)
 
@@ -97,7 +107,8 @@ def run_case(rank: int, world: int, case: Case) -> dict:
     eager_losses = _train(eager, rank, world, cfg)
     eager_state = eager.full_state_dict(rank0_only=False)
     seen = {"fw": 0, "bw": 0}
-    compiled = osdp.OSDP(_gpt(case), compile={"scope": case.scope, "backend": counting_backend(seen)},
+    coalesce_bytes = case.kwargs.get("coalesce_bytes", DEFAULT_COALESCE_BYTES) if case.coalesce else 0
+    compiled = osdp.OSDP(_gpt(case), compile={"scope": case.scope, "backend": counting_backend(seen, coalesce_bytes)},
                          **case.kwargs)
     graphs, gathers = [], {}
 

@@ -48,6 +48,21 @@ CASES = [
     # not the dp ones
     (Case("checkpointed_dp_in_block", {"modes": {"blocks.0.attn.c_attn": "dp", "blocks.0.mlp.c_fc": "dp"},
                                        "checkpoint_blocks": ("blocks.0",)}), (16, 12)),
+    # small units' gathers merged as eagerly ([Note: compiled small units coalesced]):
+    # gathered bytes (2 ranks) wte 12288, wpe 1024, per block ln 256 + 256, c_attn
+    # 12672, c_proj 4224, c_fc 16896, mlp.c_proj 16512. coalesce_bytes 4096: small is
+    # <= 1024 (wpe, the lns); tied head, ln_f rep, blocks.0.ln_2 dp, block 1
+    # checkpointed with its c_attn dp. Forward: 15 gathers (wte twice), wpe leads and
+    # the 4 block lns ride: 11. Backward: wte for the head, block 0's zdp units but
+    # ln_2, block 1's recompute but c_attn: 11; block 1's lns and block 0's ln_1 in one: 9
+    (Case("coalesced_mix", {"modes": {"blocks.0.ln_2": "dp", "ln_f": "rep", "blocks.1.attn.c_attn": "dp"},
+                            "checkpoint_blocks": ("blocks.1",), "coalesce_bytes": 4096}, tie=True, coalesce=True),
+     (11, 9)),
+    # coalesce_bytes 64 KiB: small is <= 16384, all but c_fc and mlp.c_proj. Forward:
+    # wte leads and every small gather rides (59648 bytes of 65536), the head's wte too
+    # (a second gather of the lead's shard in one collective): 1 + 4 big. Backward (14
+    # gathers: the head's wte, ln_f, the blocks' 12) -> 1 + 4 big
+    (Case("coalesced_tied_zdp", {"default_mode": "zdp", "coalesce_bytes": 65536}, tie=True, coalesce=True), (5, 5)),
 ]
 
 
@@ -414,6 +429,24 @@ def test_compile_kwargs_add_the_overlap_pass_to_inductor_only():
     assert passes(osdp.CompileConfig(backend="aot_eager")) is None
     assert passes(osdp.CompileConfig(overlap=False)) is None
     assert osdp.CompileConfig(overlap=False).torch_compile_kwargs(1024).get("options") is None
+
+
+def test_compile_kwargs_add_the_coalescing_pass_to_inductor_only():
+    """[Note: compiled small units coalesced]: with coalesce_bytes > 0 inductor gets the
+    pass in its post-grad slot; a pass of the user's there wins; other backends get none."""
+    from osdp.runtime.compiled_coalesce import SmallGatherCoalescing
+
+    def post_pass(config, coalesce_bytes=4096):
+        options = config.torch_compile_kwargs(1024, coalesce_bytes).get("options") or {}
+        return options.get("post_grad_custom_post_pass", "absent")
+
+    assert post_pass(osdp.CompileConfig()) == SmallGatherCoalescing(4096)
+    assert post_pass(osdp.CompileConfig(overlap=False)) == SmallGatherCoalescing(4096)
+    assert post_pass(osdp.CompileConfig(), coalesce_bytes=0) == "absent"
+    assert post_pass(osdp.CompileConfig(options={"post_grad_custom_post_pass": None})) is None
+    assert post_pass(osdp.CompileConfig(backend="aot_eager")) == "absent"
+    # inductor's cache keys on the pass's uuid: the size is part of it
+    assert SmallGatherCoalescing(4096).uuid() != SmallGatherCoalescing(8192).uuid()
 
 
 _ITERATIVE = {"reorder_for_compute_comm_overlap": True,
