@@ -65,6 +65,7 @@ _C10D = torch.ops._c10d_functional
 _ALL_GATHER = _C10D.all_gather_into_tensor.default
 _WAIT = _C10D.wait_tensor.default
 _ATEN = torch.ops.aten
+_COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")  # what a rider's rebuild may not read
 VERSION = 2  # of the rules above: part of inductor's cache key (uuid)
 
 
@@ -143,7 +144,8 @@ def _movable_before(gather: torch.fx.Node, lead: torch.fx.Node, position: dict) 
         node = stack.pop()
         if not isinstance(node, torch.fx.Node) or node in seen or position[node] < start:
             continue
-        if node.op != "call_function" or node.is_impure() or node.target._namespace == "_c10d_functional":
+        if (node.op != "call_function" or node.is_impure()
+                or getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES):
             return None
         seen.add(node)
         stack.extend(node.all_input_nodes)
