@@ -31,8 +31,9 @@ from .planner.profile_cache import cache_dir, default_max_age_s, reprofile_reque
 from .rank_agreement import decide_on_rank0, is_rank0
 
 log = logging.getLogger("osdp.auto")
-# how a compiled run chooses its plan ([Note: compiled plans] in osdp/compiled_choice.py):
-# part of its key, so that a plan chosen another way is measured again
+# how a compiled run chooses its plan ([Note: compiled plans] in osdp/compiled_choice.py)
+# and the versions of OSDP's inductor passes its finalists ran with: part of its key, so
+# that a plan chosen another way, or measured on an older compiled path, is measured again
 COMPILED_CHOICE = "eager-calibrated, finalists compiled"
 
 
@@ -81,7 +82,9 @@ class MeasuredPlans:
             "mixed_precision": repr(mixed_precision),
         }
         if compile is not None:
-            parts["compile"] = [repr(compile), COMPILED_CHOICE]
+            from .runtime import compiled_coalesce, compiled_prefetch
+
+            parts["compile"] = [repr(compile), COMPILED_CHOICE, compiled_prefetch.VERSION, compiled_coalesce.VERSION]
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def _file(self, key: str):

@@ -173,7 +173,7 @@ def test_the_compiled_choice_keeps_the_fastest_finalist_compiled(monkeypatch):
     assert "compiled choice: kept the eager pick" in format_report(kept)
 
 
-def test_measured_plans_of_a_compiled_run_have_keys_of_their_own(tmp_path):
+def test_measured_plans_of_a_compiled_run_have_keys_of_their_own(tmp_path, monkeypatch):
     desc, device, _, _ = _plans()
     cache = MeasuredPlans(tmp_path, enabled=True)
     args = (desc, device, PlannerSettings(), None, None, (torch.zeros(2, 8, dtype=torch.long),), None, None)
@@ -183,6 +183,11 @@ def test_measured_plans_of_a_compiled_run_have_keys_of_their_own(tmp_path):
     assert blocks != eager and blocks != cache.key(*args, CompileConfig(scope="model"))
     assert blocks == cache.key(*args, CompileConfig(scope="blocks"))
     assert cache.key(*args, CompileConfig()) == cache.key(*args, CompileConfig(scope="model"))  # the default
+    # a change to OSDP's inductor passes (their VERSION) measures compiled plans again
+    from osdp.runtime import compiled_coalesce
+
+    monkeypatch.setattr(compiled_coalesce, "VERSION", compiled_coalesce.VERSION + 1)
+    assert cache.key(*args, CompileConfig(scope="blocks")) != blocks
 
 
 def test_a_measurement_says_whether_it_was_compiled():
