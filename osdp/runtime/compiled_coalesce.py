@@ -1,4 +1,5 @@
-"""The compiled path's coalescing: small units' gathers go out together, as eagerly.
+"""The compiled path's coalescing: small units' gathers, and their gradients' reductions,
+go out together, as eagerly.
 
 [Note: compiled small units coalesced]
 Eager OSDP gathers a small unit (a LayerNorm, a bias-only module: gathered bytes <=
@@ -9,13 +10,16 @@ a collective's fixed cost (on gloo about 0.3-0.6 ms of latency a call) for each 
 in every forward and, for ``zdp`` units, again in backward. Measured (N&D 12x128 GPT,
 every unit ``zdp``, batch 3, 2 gloo ranks, one profiled step): eager issued 104 gathers
 for 152 unit uses, compiled 150, and the compiled forward took 90 ms against eager's 71.
-Measured with this pass (``python bench/compile_phases.py``: that model and plan, 2
-gloo ranks on a 2-core CPU, 11 interleaved rounds, medians, the slowest rank; eager
-keeps its coalescing in both): eager step / compiled step at ``scope="model"`` 0.92x
-without the pass (``--no-compiled-coalescing``), 1.02x with it (forward 79.8 -> 71.7 ms,
-backward 160.7 -> 148.2 ms; eager 71.8 and 153.2); an earlier scratch run of the same
-setup, 0.90x -> 1.11x. At ``scope="blocks"`` a block's graph holds two small units (its
-norms), and the step stayed at 0.94x eager's.
+Measured (``python bench/compile_phases.py``: that model and plan, 2 gloo ranks on a
+2-core CPU, 11 interleaved rounds, medians, the slowest rank; eager keeps its own
+coalescing throughout), eager step / compiled step at ``scope="model"``:
+
+  gathers only (two runs)        0.92x -> 1.02x    0.90x -> 1.11x
+  gathers and reductions         0.85x -> 1.06x    (forward 93.3 -> 67.6 ms, backward
+                                                    183.4 -> 135.9; eager 68.4, 151.9)
+
+(left: ``--no-compiled-coalescing``, right: with the pass). At ``scope="blocks"`` a
+block's graph holds two small units (its norms): 0.94x -> 0.94x, 0.83x -> 0.88x.
 
 This pass, run on each graph after AOT autograd (inductor's
 ``post_grad_custom_post_pass``), applies eager's rule (``schedule_rules.riders``) to the
@@ -35,12 +39,22 @@ so a small slice rides too, and so does a small unit's second gather, early; the
 riders' bytes are not tested against the prefetch window. All of it stays within
 ``coalesce_bytes`` per bucket, which the memory model prices as the coalesced
 collective's staging (twice ``coalesce_bytes``: the merged buffer and the copies).
-Reductions are not coalesced here: a small sharded unit's gradient goes out alone.
 
-Every decision reads only the gathers' order, sizes, dtypes and groups, and whether a
-rider's rebuild reads a collective: the same on every rank (the rebuild itself is not:
-[Note: compiled prefetch] in compiled_prefetch.py), so every rank merges the same
-gathers and issues the same collectives in the same order. A first version told a
+Reductions, the same way ([Note: coalesced reductions] in reduce.py): in graph order
+(the backward's), a small gradient reduction (its input <= ``coalesce_bytes // 4``)
+leads and the next small ones of its kind (all-reduce or reduce-scatter), reduce op,
+group and dtype ride, up to ``coalesce_bytes``; one collective stands where the
+bucket's last member was (every member's gradient exists there), and the readers of the
+earlier members' results move after it. So a small gradient waits, unreduced, for the
+bucket's last (at most ``coalesce_bytes`` of them, eager's bound). A reduce-scatter's
+inputs are laid out rank by rank, so that each rank's part holds its shard of every
+member. A gradient that reads a reduced one of the bucket ends it.
+
+Every decision reads only the collectives' order, kinds, sizes, dtypes and groups, and
+whether a rider's input reads a collective (a gather's rebuild) or a member's result (a
+gradient): the same on every rank (a shard's rebuild is not: [Note: compiled prefetch]
+in compiled_prefetch.py), so every rank merges the same collectives and issues them in
+the same order. A first version told a
 unit's second use by the parameters its shard reads, which differ per rank: on stock
 HF GPT-2 with split ops the ranks merged different gathers and gloo aborted ("Received
 data size doesn't match expected size"); tests/runtime/test_compiled_coalesce.py
@@ -64,14 +78,17 @@ from ..schedule_rules import riders
 _C10D = torch.ops._c10d_functional
 _ALL_GATHER = _C10D.all_gather_into_tensor.default
 _WAIT = _C10D.wait_tensor.default
+_ALL_REDUCE = _C10D.all_reduce.default
+_REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default
+_REDUCTIONS = (_ALL_REDUCE, _REDUCE_SCATTER)
 _ATEN = torch.ops.aten
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")  # what a rider's rebuild may not read
-VERSION = 2  # of the rules above: part of inductor's cache key (uuid)
+VERSION = 3  # of the rules above: part of inductor's cache key (uuid)
 
 
 class SmallGatherCoalescing(CustomGraphPass):
-    """Inductor's ``post_grad_custom_post_pass``: merges small units' gathers
-    ([Note: compiled small units coalesced])."""
+    """Inductor's ``post_grad_custom_post_pass``: merges small units' gathers and
+    gradient reductions ([Note: compiled small units coalesced])."""
 
     def __init__(self, coalesce_bytes: int):
         self.coalesce_bytes = int(coalesce_bytes)
@@ -92,6 +109,46 @@ class SmallGatherCoalescing(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         for bucket in self.buckets(graph):
             _merge(graph, bucket)
+        reductions = self.reduction_buckets(graph)
+        for bucket in reductions:
+            _merge_reductions(graph, bucket)
+        if reductions:
+            # an earlier member's reduced gradient is read after the merged collective,
+            # which stands where the bucket's last member was: its readers move after it
+            from torch._inductor.pattern_matcher import stable_topological_sort
+
+            stable_topological_sort(graph)
+
+    def reduction_buckets(self, graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+        """The gradient reductions to merge, each bucket in graph order: eager's rule for
+        small units' reductions ([Note: coalesced reductions] in reduce.py)."""
+        reductions = [n for n in graph.nodes if n.op == "call_function" and n.target in _REDUCTIONS
+                      and len(n.users) == 1 and next(iter(n.users)).target is _WAIT]
+        if self.coalesce_bytes <= 0 or len(reductions) < 2:
+            return []
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        small = {r for r in reductions if _bytes(r.args[0]) <= self.coalesce_bytes // SMALL_UNIT_FRACTION}
+        taken: set[torch.fx.Node] = set()
+        out = []
+        for k, lead in enumerate(reductions):
+            if lead not in small or lead in taken:
+                continue
+            # the walk stops at a small reduction whose gradient reads a reduced one of
+            # the bucket: it could not wait for the merged collective
+            following, bucket_waits = [], {next(iter(lead.users))}
+            for other in reductions[k + 1:]:
+                if other in small and other not in taken:
+                    if _reads_any(other.args[0], bucket_waits, position[lead], position):
+                        break
+                    bucket_waits.add(next(iter(other.users)))
+                following.append(other)
+            bucket = [lead] + riders(lead, following, self.coalesce_bytes, room=float("inf"),
+                                     size=lambda r: _bytes(r.args[0]), key=_reduction_key,
+                                     eligible=lambda r: r in small and r not in taken)
+            if len(bucket) > 1:
+                taken.update(bucket)
+                out.append(bucket)
+        return out
 
     def buckets(self, graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
         """The gathers to merge, each bucket in graph order, its lead first."""
@@ -120,9 +177,32 @@ class SmallGatherCoalescing(CustomGraphPass):
         return out
 
 
-def _bytes(gather: torch.fx.Node) -> int:
-    val = gather.meta["val"]
+def _bytes(node: torch.fx.Node) -> int:
+    val = node.meta["val"]
     return val.numel() * val.element_size()
+
+
+def _reduction_key(reduction: torch.fx.Node) -> tuple:
+    """Reductions that may share a collective: one kind (all-reduce or reduce-scatter),
+    reduce op and process group (by its own name), of one dtype and device."""
+    val = reduction.args[0].meta["val"]
+    group = c10d._resolve_process_group(reduction.args[-1])
+    return (reduction.target, *reduction.args[1:-1], group.group_name, val.dtype, val.device)
+
+
+def _reads_any(node: torch.fx.Node, targets: set, start: int, position: dict) -> bool:
+    """Whether ``node`` is one of ``targets`` or reads one, through nodes from graph
+    position ``start`` on."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, torch.fx.Node) or current in seen or position[current] < start:
+            continue
+        if current in targets:
+            return True
+        seen.add(current)
+        stack.extend(current.all_input_nodes)
+    return False
 
 
 def _key(gather: torch.fx.Node) -> tuple:
@@ -185,6 +265,44 @@ def _merge(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> None:
     for gather, wait in zip(bucket, waits):
         graph.erase_node(wait)
         graph.erase_node(gather)
+
+
+def _merge_reductions(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> None:
+    """One reduction for ``bucket`` where its last member was; each old wait's users
+    read that unit's part of the result. A reduce-scatter's inputs are laid out rank by
+    rank (each input's rows for rank r, then the next input's), so that every rank's
+    part of the result holds its shard of each."""
+    last = bucket[-1]
+    inputs = [r.args[0] for r in bucket]
+    waits = [next(iter(r.users)) for r in bucket]
+    sizes = [i.meta["val"].numel() for i in inputs]
+    args = last.args[1:]  # (reduce op, [group size,] group name)
+    with graph.inserting_before(last):
+        if last.target is _REDUCE_SCATTER:
+            world = args[1]
+            pieces = [_call(graph, _ATEN.view.default, i, [world, n // world],
+                            val=lambda i=i, n=n: i.meta["val"].view(world, n // world)) for i, n in zip(inputs, sizes)]
+            cat = _call(graph, _ATEN.cat.default, pieces, 1, val=lambda: torch.cat([p.meta["val"] for p in pieces], 1))
+            flat = _call(graph, _ATEN.view.default, cat, [-1], val=lambda: cat.meta["val"].view(-1))
+            reduced = _call(graph, _REDUCE_SCATTER, flat, *args, val=lambda: flat.meta["val"].new_empty(
+                flat.meta["val"].numel() // world))
+            part_sizes = [n // world for n in sizes]
+        else:
+            flats = [_call(graph, _ATEN.view.default, i, [-1], val=lambda i=i: i.meta["val"].view(-1)) for i in inputs]
+            flat = _call(graph, _ATEN.cat.default, flats, val=lambda: torch.cat([f.meta["val"] for f in flats]))
+            reduced = _call(graph, _ALL_REDUCE, flat, *args, val=lambda: torch.empty_like(flat.meta["val"]))
+            part_sizes = sizes
+        waited = _call(graph, _WAIT, reduced, val=lambda: reduced.meta["val"])
+        parts = _call(graph, _ATEN.split_with_sizes.default, waited, part_sizes,
+                      val=lambda: list(waited.meta["val"].split(part_sizes)))
+        for i, wait in enumerate(waits):
+            part = _call(graph, operator.getitem, parts, i, val=lambda: parts.meta["val"][i])
+            shape = list(wait.meta["val"].shape)
+            wait.replace_all_uses_with(_call(graph, _ATEN.view.default, part, shape,
+                                             val=lambda: part.meta["val"].view(shape)))
+    for reduction, wait in zip(bucket, waits):
+        graph.erase_node(wait)
+        graph.erase_node(reduction)
 
 
 def _call(graph: torch.fx.Graph, target, *args, val, **kwargs) -> torch.fx.Node:

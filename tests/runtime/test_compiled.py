@@ -63,6 +63,13 @@ CASES = [
     # (a second gather of the lead's shard in one collective): 1 + 4 big. Backward (14
     # gathers: the head's wte, ln_f, the blocks' 12) -> 1 + 4 big
     (Case("coalesced_tied_zdp", {"default_mode": "zdp", "coalesce_bytes": 65536}, tie=True, coalesce=True), (5, 5)),
+    # bf16 gathers (halved: lns 128 bytes, wpe 512), per block: coalesce_bytes 4096, small
+    # <= 1024; wpe is a graph of its own, each block's ln_2 rides with its ln_1. Forward
+    # 16 - 2; backward 14 (16 - wte - wpe) - 2
+    (Case("coalesced_bf16_blocks", {"default_mode": "zdp", "coalesce_bytes": 4096,
+                                    "mixed_precision": MixedPrecision(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.float32)},
+          scope="blocks", coalesce=True), (14, 12)),
 ]
 
 

@@ -88,3 +88,72 @@ def test_a_merged_graph_gathers_once_and_hands_each_user_its_own_rows(fake_world
     assert _gathered(graph) == [2 * 48, 2 * 1024]
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
     assert [tuple(o.meta["val"].shape) for o in outputs] == [(64,), (2048,), (32,)]
+
+
+def _all_reduce(grad):
+    return _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", dist.group.WORLD.group_name))
+
+
+def _reduce_scatter(grad):
+    return _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", 2, dist.group.WORLD.group_name))
+
+
+def _reduction_buckets(graph, coalesce_bytes) -> list[list[int]]:
+    kinds = (_C10D.all_reduce.default, _C10D.reduce_scatter_tensor.default)
+    index = {n: i for i, n in enumerate(n for n in graph.nodes if n.target in kinds)}
+    return [[index[r] for r in bucket] for bucket in SmallGatherCoalescing(coalesce_bytes).reduction_buckets(graph)]
+
+
+def test_small_reductions_of_one_kind_are_reduced_together_past_the_big_ones(fake_world):
+    # reduced bytes: 256 each but big's 8192; small is <= 1024 of 4096
+    def body(a, big, b, c, d):
+        return [_all_reduce(a * 2), _all_reduce(big), _all_reduce(b), _reduce_scatter(c), _all_reduce(d)]
+
+    graph = _graph(body, 64, 2048, 64, 64, 64)
+    assert _reduction_buckets(graph, 4096) == [[0, 2]]  # the reduce-scatter ends the walk
+    assert _reduction_buckets(graph, 0) == []
+
+
+def test_a_gradient_that_reads_a_reduced_one_ends_the_bucket(fake_world):
+    def body(a, b, c):
+        first = _all_reduce(a)
+        return [first, _all_reduce(b * first), _all_reduce(c)]
+
+    # a's bucket ends at b (no rider: no bucket); b leads the next, and c rides
+    assert _reduction_buckets(_graph(body, 64, 64, 64), 4096) == [[1, 2]]
+
+
+def test_merged_reductions_stand_where_the_last_one_was_and_keep_their_readers_after_it(fake_world):
+    def body(a, b, c, d):
+        early = _reduce_scatter(a) + 1  # read before the last member's gradient exists
+        late = c * 3
+        return [early, _reduce_scatter(b), _reduce_scatter(late), _all_reduce(d)]
+
+    graph = _graph(body, 64, 64, 64, 2048)
+    before = _as_rank0(_graph(body, 64, 64, 64, 2048))
+    SmallGatherCoalescing(4096)(graph)
+    graph.lint()  # every node after what it reads
+    kinds = [n.target for n in graph.nodes if n.target in (_C10D.all_reduce.default,
+                                                           _C10D.reduce_scatter_tensor.default)]
+    assert kinds == [_C10D.reduce_scatter_tensor.default, _C10D.all_reduce.default]
+    outputs = next(n for n in graph.nodes if n.op == "output").args[0]
+    assert [tuple(o.meta["val"].shape) for o in outputs] == [(32,), (32,), (32,), (2048,)]
+    # rank 0's part, with the other rank contributing zeros: its own rows of each input
+    inputs = [torch.randn(64), torch.randn(64), torch.randn(64), torch.randn(2048)]
+    for merged, alone in zip(_as_rank0(graph)(*inputs), before(*inputs)):
+        torch.testing.assert_close(merged, alone, rtol=0, atol=0)
+
+
+def _as_rank0(graph) -> torch.fx.GraphModule:
+    """``graph`` runnable on one process: each reduction as rank 0 of 2 sees it when the
+    other rank sends zeros (a reduce-scatter keeps rank 0's rows, an all-reduce all)."""
+    def reduce_scatter(x, op, world, group):
+        return x.view(world, -1)[0].clone()
+
+    swap = {_C10D.reduce_scatter_tensor.default: reduce_scatter, _C10D.wait_tensor.default: lambda x: x,
+            _C10D.all_reduce.default: lambda x, op, group: x.clone()}
+    for node in graph.nodes:
+        node.target = swap.get(node.target, node.target)
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    module.recompile()
+    return module
