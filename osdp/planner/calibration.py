@@ -579,7 +579,10 @@ def _compiled_lines(compiled: dict, measured: dict) -> list[str]:
     eager = compiled.get("eager_step_s")
     line = f"  compiled ({compiled.get('scope', '?')}): step {compiled['step_s'] * 1e3:.2f} ms measured"
     if eager:
-        line += f" (eager: {eager * 1e3:.2f} ms, so {eager / compiled['step_s']:.2f}x eager's speed)"
+        # the eager step is the measured choice's trial, taken minutes before the compiled
+        # ones on another load: no ratio of the two (one run printed 1.61x from an eager
+        # outlier); bench/compile_phases.py times them side by side
+        line += f" (eager, in the measured choice, earlier: {eager * 1e3:.2f} ms)"
     if "first_step_s" in compiled:
         line += f"; first step (compiling) {compiled['first_step_s']:.1f} s"
     line += "; the rows below are compiled steps" if measured.get("compiled") else "; the rows below are eager"

@@ -56,7 +56,10 @@ W&S in run 6, both scopes' auto mode keeping every unit ``zdp`` at batch 20 (its
 finalist, every unit ``rep`` at batch 9, measured slower compiled): 0.89x, 0.99x,
 0.96x (FSDP2's compiled step slower than its eager one that run); in run 4 the model
 scope's auto mode had kept the ``rep`` plan on a noisy measurement (0.90x), which the
-compiled choice now measures again.
+compiled choice now measures again. Run 8 (2026-11-28, small units' collectives
+coalesced: [Note: compiled small units coalesced] in compiled_coalesce.py; the N&D plans
+keep their norms ``rep``, so it moves them little): N&D 1.01x, 0.96x, 1.02x; W&S 0.99x,
+0.98x, 0.99x (bench/results/compile_cpu_scopes_run8.log).
 
 N&D (12 small blocks: collectives and per-op overhead weigh) gains from one graph in
 both runs; W&S (2 wide blocks, matmul-bound on CPU) shows no difference beyond this

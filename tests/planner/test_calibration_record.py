@@ -133,5 +133,5 @@ def test_a_compiled_measurement_is_kept_and_reported(tmp_path):
     assert list(plan.calibration.to_dict())[-1] == "compiled"
     again = Plan.from_dict(json.loads(_text(plan)))
     assert again.calibration.compiled == record and _text(again) == _text(plan)
-    assert "compiled (blocks): step 250.00 ms measured (eager: 500.00 ms, so 2.00x eager's speed); first step " \
-           "(compiling) 12.0 s" in format_report(again)
+    assert "compiled (blocks): step 250.00 ms measured (eager, in the measured choice, earlier: 500.00 ms); " \
+           "first step (compiling) 12.0 s" in format_report(again)
