@@ -29,6 +29,7 @@ from .planner.inputs import as_example_inputs
 from .planner.plan import Plan
 from .planner.profile_cache import cache_dir, default_max_age_s, reprofile_requested
 from .rank_agreement import decide_on_rank0, is_rank0
+from .runtime import compiled_coalesce, compiled_prefetch
 
 log = logging.getLogger("osdp.auto")
 # how a compiled run chooses its plan ([Note: compiled plans] in osdp/compiled_choice.py)
@@ -82,8 +83,6 @@ class MeasuredPlans:
             "mixed_precision": repr(mixed_precision),
         }
         if compile is not None:
-            from .runtime import compiled_coalesce, compiled_prefetch
-
             parts["compile"] = [repr(compile), COMPILED_CHOICE, compiled_prefetch.VERSION, compiled_coalesce.VERSION]
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
