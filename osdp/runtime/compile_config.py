@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
-from .compiled_coalesce import SmallGatherCoalescing
+from .compiled_coalesce import SmallUnitCoalescing
 from .compiled_prefetch import WindowPrefetch
 
 SCOPES = ("blocks", "model")
@@ -109,7 +109,7 @@ class CompileConfig:
             ours.update(reorder_for_compute_comm_overlap=True,
                         reorder_for_compute_comm_overlap_passes=[WindowPrefetch(window_bytes)])
         if coalesce_bytes > 0 and _COALESCE_KEY not in (options or {}):
-            ours[_COALESCE_KEY] = SmallGatherCoalescing(coalesce_bytes)
+            ours[_COALESCE_KEY] = SmallUnitCoalescing(coalesce_bytes)
         if ours and self.backend == "inductor":
             if options is None and self.mode not in (None, "default"):
                 from torch._inductor import list_mode_options

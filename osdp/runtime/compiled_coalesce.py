@@ -66,6 +66,7 @@ place (inductor has one such slot).
 """
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -86,7 +87,7 @@ _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")  # what a rider
 VERSION = 3  # of the rules above: part of inductor's cache key (uuid)
 
 
-class SmallGatherCoalescing(CustomGraphPass):
+class SmallUnitCoalescing(CustomGraphPass):
     """Inductor's ``post_grad_custom_post_pass``: merges small units' gathers and
     gradient reductions ([Note: compiled small units coalesced])."""
 
@@ -95,19 +96,19 @@ class SmallGatherCoalescing(CustomGraphPass):
 
     def uuid(self) -> str:
         # inductor's graph cache keys on it: a change of the rules must change VERSION
-        return f"osdp.SmallGatherCoalescing(v{VERSION}, coalesce_bytes={self.coalesce_bytes})"
+        return f"osdp.SmallUnitCoalescing(v{VERSION}, coalesce_bytes={self.coalesce_bytes})"
 
     def __repr__(self) -> str:
         return self.uuid()
 
     def __eq__(self, other) -> bool:
-        return isinstance(other, SmallGatherCoalescing) and other.coalesce_bytes == self.coalesce_bytes
+        return isinstance(other, SmallUnitCoalescing) and other.coalesce_bytes == self.coalesce_bytes
 
     def __hash__(self) -> int:
-        return hash((SmallGatherCoalescing, self.coalesce_bytes))
+        return hash((SmallUnitCoalescing, self.coalesce_bytes))
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        for bucket in self.buckets(graph):
+        for bucket in self.gather_buckets(graph):
             _merge(graph, bucket)
         reductions = self.reduction_buckets(graph)
         for bucket in reductions:
@@ -119,62 +120,69 @@ class SmallGatherCoalescing(CustomGraphPass):
 
             stable_topological_sort(graph)
 
+    def gather_buckets(self, graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
+        """The gathers to merge, each bucket in graph order, its lead first; a small
+        gather whose rebuild cannot move ahead of the lead ends the walk."""
+        position = {n: i for i, n in enumerate(graph.nodes)}
+
+        def blocks(lead):
+            return lambda other: _movable_before(other, lead, position) is None
+
+        return self._buckets(_waited(graph, (_ALL_GATHER,)), _bytes, _key, blocks)
+
     def reduction_buckets(self, graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
         """The gradient reductions to merge, each bucket in graph order: eager's rule for
-        small units' reductions ([Note: coalesced reductions] in reduce.py)."""
-        reductions = [n for n in graph.nodes if n.op == "call_function" and n.target in _REDUCTIONS
-                      and len(n.users) == 1 and next(iter(n.users)).target is _WAIT]
-        if self.coalesce_bytes <= 0 or len(reductions) < 2:
-            return []
+        small units' reductions ([Note: coalesced reductions] in reduce.py); a small
+        reduction whose gradient reads a reduced one of the walk ends it (it could not
+        wait for the merged collective)."""
         position = {n: i for i, n in enumerate(graph.nodes)}
-        small = {r for r in reductions if _bytes(r.args[0]) <= self.coalesce_bytes // SMALL_UNIT_FRACTION}
+
+        def blocks(lead):
+            waits = {_wait_of(lead)}
+
+            def blocked(other) -> bool:
+                if any(n in waits for n in _upstream(other.args[0], position[lead], position)):
+                    return True
+                waits.add(_wait_of(other))
+                return False
+            return blocked
+
+        return self._buckets(_waited(graph, _REDUCTIONS), lambda r: _bytes(r.args[0]), _reduction_key, blocks)
+
+    def _buckets(self, collectives: list, size, key, blocks) -> list[list[torch.fx.Node]]:
+        """Eager's rider rule over ``collectives`` (graph order): each small one not yet
+        in a bucket leads, and ``schedule_rules.riders`` picks from the ones after it up
+        to the first small one that ``blocks(lead)`` refuses."""
+        if self.coalesce_bytes <= 0 or len(collectives) < 2:
+            return []
+        small = {c for c in collectives if size(c) <= self.coalesce_bytes // SMALL_UNIT_FRACTION}
         taken: set[torch.fx.Node] = set()
         out = []
-        for k, lead in enumerate(reductions):
-            if lead not in small or lead in taken:
+
+        def candidate(c) -> bool:
+            return c in small and c not in taken
+
+        for k, lead in enumerate(collectives):
+            if not candidate(lead):
                 continue
-            # the walk stops at a small reduction whose gradient reads a reduced one of
-            # the bucket: it could not wait for the merged collective
-            following, bucket_waits = [], {next(iter(lead.users))}
-            for other in reductions[k + 1:]:
-                if other in small and other not in taken:
-                    if _reads_any(other.args[0], bucket_waits, position[lead], position):
-                        break
-                    bucket_waits.add(next(iter(other.users)))
-                following.append(other)
-            bucket = [lead] + riders(lead, following, self.coalesce_bytes, room=float("inf"),
-                                     size=lambda r: _bytes(r.args[0]), key=_reduction_key,
-                                     eligible=lambda r: r in small and r not in taken)
+            blocked = blocks(lead)
+            following = list(itertools.takewhile(lambda c: not (candidate(c) and blocked(c)), collectives[k + 1:]))
+            bucket = [lead] + riders(lead, following, self.coalesce_bytes, room=float("inf"), size=size, key=key,
+                                     eligible=candidate)
             if len(bucket) > 1:
                 taken.update(bucket)
                 out.append(bucket)
         return out
 
-    def buckets(self, graph: torch.fx.Graph) -> list[list[torch.fx.Node]]:
-        """The gathers to merge, each bucket in graph order, its lead first."""
-        gathers = [n for n in graph.nodes if n.op == "call_function" and n.target is _ALL_GATHER
-                   and len(n.users) == 1 and next(iter(n.users)).target is _WAIT]
-        if self.coalesce_bytes <= 0 or len(gathers) < 2:
-            return []
-        position = {n: i for i, n in enumerate(graph.nodes)}
-        small = {g for g in gathers if _bytes(g) <= self.coalesce_bytes // SMALL_UNIT_FRACTION}
-        taken: set[torch.fx.Node] = set()
-        out = []
-        for k, lead in enumerate(gathers):
-            if lead not in small or lead in taken:
-                continue
-            # the walk stops at a small gather whose rebuild cannot move ahead of the lead
-            following = []
-            for other in gathers[k + 1:]:
-                if other in small and other not in taken and _movable_before(other, lead, position) is None:
-                    break
-                following.append(other)
-            bucket = [lead] + riders(lead, following, self.coalesce_bytes, room=float("inf"), size=_bytes,
-                                     key=_key, eligible=lambda g: g in small and g not in taken)
-            if len(bucket) > 1:
-                taken.update(bucket)
-                out.append(bucket)
-        return out
+
+def _waited(graph: torch.fx.Graph, targets: tuple) -> list[torch.fx.Node]:
+    """The graph's collectives of ``targets`` whose one reader is their wait, in order."""
+    return [n for n in graph.nodes if n.op == "call_function" and n.target in targets
+            and len(n.users) == 1 and _wait_of(n).target is _WAIT]
+
+
+def _wait_of(collective: torch.fx.Node) -> torch.fx.Node:
+    return next(iter(collective.users))
 
 
 def _bytes(node: torch.fx.Node) -> int:
@@ -190,21 +198,6 @@ def _reduction_key(reduction: torch.fx.Node) -> tuple:
     return (reduction.target, *reduction.args[1:-1], group.group_name, val.dtype, val.device)
 
 
-def _reads_any(node: torch.fx.Node, targets: set, start: int, position: dict) -> bool:
-    """Whether ``node`` is one of ``targets`` or reads one, through nodes from graph
-    position ``start`` on."""
-    seen, stack = set(), [node]
-    while stack:
-        current = stack.pop()
-        if not isinstance(current, torch.fx.Node) or current in seen or position[current] < start:
-            continue
-        if current in targets:
-            return True
-        seen.add(current)
-        stack.extend(current.all_input_nodes)
-    return False
-
-
 def _key(gather: torch.fx.Node) -> tuple:
     """Gathers that may share a collective: over one process group (by its own name:
     a gather may name it by an alias, [Note: a unit used twice in one graph] in
@@ -214,22 +207,28 @@ def _key(gather: torch.fx.Node) -> tuple:
     return (gather.args[1], group.group_name, val.dtype, val.device)
 
 
+def _upstream(node, start: int, position: dict):
+    """``node`` and what it reads, transitively, among the nodes from graph position
+    ``start`` on (each once)."""
+    seen, stack = set(), [node]
+    while stack:
+        current = stack.pop()
+        if not isinstance(current, torch.fx.Node) or current in seen or position[current] < start:
+            continue
+        seen.add(current)
+        yield current
+        stack.extend(current.all_input_nodes)
+
+
 def _movable_before(gather: torch.fx.Node, lead: torch.fx.Node, position: dict) -> list | None:
     """The nodes ``gather``'s input needs that come after ``lead``, in graph order (they
     move ahead of it with the gather); None if one of them cannot move: a collective, a
     wait, or anything impure."""
-    start = position[lead]
-    seen, stack = set(), [gather.args[0]]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, torch.fx.Node) or node in seen or position[node] < start:
-            continue
-        if (node.op != "call_function" or node.is_impure()
-                or getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES):
-            return None
-        seen.add(node)
-        stack.extend(node.all_input_nodes)
-    return sorted(seen, key=position.__getitem__)
+    needed = list(_upstream(gather.args[0], position[lead], position))
+    if any(node.op != "call_function" or node.is_impure()
+           or getattr(node.target, "namespace", None) in _COLLECTIVE_NAMESPACES for node in needed):
+        return None
+    return sorted(needed, key=position.__getitem__)
 
 
 def _merge(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> None:
@@ -246,7 +245,7 @@ def _merge(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> None:
     shards = [g.args[0] for g in bucket]
     sizes = [s.meta["val"].numel() for s in shards]
     total = sum(sizes)
-    waits = [next(iter(g.users)) for g in bucket]
+    waits = [_wait_of(g) for g in bucket]
     with graph.inserting_before(lead):
         cat = _call(graph, _ATEN.cat.default, shards, val=lambda: torch.cat([s.meta["val"] for s in shards]))
         gathered = _call(graph, _ALL_GATHER, cat, world, group_name,
@@ -274,7 +273,7 @@ def _merge_reductions(graph: torch.fx.Graph, bucket: list[torch.fx.Node]) -> Non
     part of the result holds its shard of each."""
     last = bucket[-1]
     inputs = [r.args[0] for r in bucket]
-    waits = [next(iter(r.users)) for r in bucket]
+    waits = [_wait_of(r) for r in bucket]
     sizes = [i.meta["val"].numel() for i in inputs]
     args = last.args[1:]  # (reduce op, [group size,] group name)
     with graph.inserting_before(last):

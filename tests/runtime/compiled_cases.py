@@ -39,7 +39,7 @@ def counting_backend(seen: dict, coalesce_bytes: int = 0):
     (each call of a graph adds its all-gathers); ``coalesce_bytes``: the graphs are
     first given the pass inductor runs after AOT autograd, which merges small units'
     gathers (osdp/runtime/compiled_coalesce.py)."""
-    from osdp.runtime.compiled_coalesce import SmallGatherCoalescing
+    from osdp.runtime.compiled_coalesce import SmallUnitCoalescing
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -47,7 +47,7 @@ def counting_backend(seen: dict, coalesce_bytes: int = 0):
     def compiler(kind):
         def compile_graph(gm, example_inputs):
             if coalesce_bytes:
-                SmallGatherCoalescing(coalesce_bytes)(gm.graph)
+                SmallUnitCoalescing(coalesce_bytes)(gm.graph)
                 gm.recompile()
             gathers = sum(1 for n in gm.graph.nodes if n.target == _C10D.all_gather_into_tensor.default)
             run = make_boxed_func(gm.forward)

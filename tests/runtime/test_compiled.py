@@ -441,19 +441,19 @@ def test_compile_kwargs_add_the_overlap_pass_to_inductor_only():
 def test_compile_kwargs_add_the_coalescing_pass_to_inductor_only():
     """[Note: compiled small units coalesced]: with coalesce_bytes > 0 inductor gets the
     pass in its post-grad slot; a pass of the user's there wins; other backends get none."""
-    from osdp.runtime.compiled_coalesce import SmallGatherCoalescing
+    from osdp.runtime.compiled_coalesce import SmallUnitCoalescing
 
     def post_pass(config, coalesce_bytes=4096):
         options = config.torch_compile_kwargs(1024, coalesce_bytes).get("options") or {}
         return options.get("post_grad_custom_post_pass", "absent")
 
-    assert post_pass(osdp.CompileConfig()) == SmallGatherCoalescing(4096)
-    assert post_pass(osdp.CompileConfig(overlap=False)) == SmallGatherCoalescing(4096)
+    assert post_pass(osdp.CompileConfig()) == SmallUnitCoalescing(4096)
+    assert post_pass(osdp.CompileConfig(overlap=False)) == SmallUnitCoalescing(4096)
     assert post_pass(osdp.CompileConfig(), coalesce_bytes=0) == "absent"
     assert post_pass(osdp.CompileConfig(options={"post_grad_custom_post_pass": None})) is None
     assert post_pass(osdp.CompileConfig(backend="aot_eager")) == "absent"
     # inductor's cache keys on the pass's uuid: the size is part of it
-    assert SmallGatherCoalescing(4096).uuid() != SmallGatherCoalescing(8192).uuid()
+    assert SmallUnitCoalescing(4096).uuid() != SmallUnitCoalescing(8192).uuid()
 
 
 _ITERATIVE = {"reorder_for_compute_comm_overlap": True,

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from osdp.runtime.compiled_coalesce import SmallGatherCoalescing
+from osdp.runtime.compiled_coalesce import SmallUnitCoalescing
 
 _C10D = torch.ops._c10d_functional
 pytestmark = pytest.mark.parametrize("fake_world", [2], indirect=True)
@@ -35,7 +35,7 @@ def _gathered(graph) -> list[int]:
 def _buckets(graph, coalesce_bytes) -> list[list[int]]:
     """The gathers merged, by their index among the graph's gathers."""
     index = {n: i for i, n in enumerate(n for n in graph.nodes if n.target is _C10D.all_gather_into_tensor.default)}
-    return [[index[g] for g in bucket] for bucket in SmallGatherCoalescing(coalesce_bytes).buckets(graph)]
+    return [[index[g] for g in bucket] for bucket in SmallUnitCoalescing(coalesce_bytes).gather_buckets(graph)]
 
 
 def test_small_gathers_ride_with_the_first_past_the_big_ones_up_to_coalesce_bytes(fake_world):
@@ -83,7 +83,7 @@ def test_a_merged_graph_gathers_once_and_hands_each_user_its_own_rows(fake_world
         return [_gather(a) * 2, _gather(big), _gather(b) + 1]
 
     graph = _graph(body, 32, 1024, 16)
-    SmallGatherCoalescing(4096)(graph)
+    SmallUnitCoalescing(4096)(graph)
     graph.lint()
     assert _gathered(graph) == [2 * 48, 2 * 1024]
     outputs = next(n for n in graph.nodes if n.op == "output").args[0]
@@ -101,7 +101,7 @@ def _reduce_scatter(grad):
 def _reduction_buckets(graph, coalesce_bytes) -> list[list[int]]:
     kinds = (_C10D.all_reduce.default, _C10D.reduce_scatter_tensor.default)
     index = {n: i for i, n in enumerate(n for n in graph.nodes if n.target in kinds)}
-    return [[index[r] for r in bucket] for bucket in SmallGatherCoalescing(coalesce_bytes).reduction_buckets(graph)]
+    return [[index[r] for r in bucket] for bucket in SmallUnitCoalescing(coalesce_bytes).reduction_buckets(graph)]
 
 
 def test_small_reductions_of_one_kind_are_reduced_together_past_the_big_ones(fake_world):
@@ -131,7 +131,7 @@ def test_merged_reductions_stand_where_the_last_one_was_and_keep_their_readers_a
 
     graph = _graph(body, 64, 64, 64, 2048)
     before = _as_rank0(_graph(body, 64, 64, 64, 2048))
-    SmallGatherCoalescing(4096)(graph)
+    SmallUnitCoalescing(4096)(graph)
     graph.lint()  # every node after what it reads
     kinds = [n.target for n in graph.nodes if n.target in (_C10D.all_reduce.default,
                                                            _C10D.reduce_scatter_tensor.default)]
