@@ -24,7 +24,7 @@ from osdp.launch import spawn  # noqa: E402,F401  (re-exported for the scripts)
 # to none of FSDP2's. Spawned workers inherit this.
 os.environ.setdefault("OSDP_MEMORY_CHECK", "0")
 import osdp  # noqa: E402
-from osdp.memtrack import LiveBytesTracker, cpu_own_peak, cuda_own_peak  # noqa: E402
+from osdp.memtrack import LiveBytesTracker, cpu_own_peak, cuda_own_peak, resident_tensors  # noqa: E402
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
 from osdp.rank_agreement import max_over_ranks  # noqa: E402
 
@@ -98,18 +98,12 @@ def train_step(model, optim, config, batch: int, seed: int) -> float:
     return float(loss.detach())
 
 
-def _state_tensors(model, optim):
-    tensors = list(model.parameters()) + list(model.buffers())
-    tensors += [t for st in optim.state.values() for t in st.values() if torch.is_tensor(t)]
-    return tensors
-
-
 def allocator_peak_bytes(model, optim, config, batch: int) -> int:
     """Peak bytes of one training step by the allocator (its own reports to the profiler
     on CPU, [Note: CPU allocator peak] in osdp/memtrack.py; ``max_memory_allocated`` on
     CUDA), eager or compiled alike, max over ranks: the one measure that compares a
     compiled step's memory with an eager one's."""
-    resident = _state_tensors(model, optim) + [p.grad for p in model.parameters() if p.grad is not None]
+    resident = resident_tensors(model, optim, grads=True)
     if torch.cuda.is_available():
         _, peak = cuda_own_peak(torch.cuda.current_device(), resident,
                                 lambda: train_step(model, optim, config, batch, seed=2))
@@ -134,14 +128,14 @@ def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True, 
     if warm_up:
         train_step(model, optim, config, batch, seed=1)
     if torch.cuda.is_available():
-        _, peak = cuda_own_peak(torch.cuda.current_device(), _state_tensors(model, optim),
+        _, peak = cuda_own_peak(torch.cuda.current_device(), resident_tensors(model, optim),
                                 lambda: train_step(model, optim, config, batch, seed=2))
     elif compiled and not isinstance(model, osdp.OSDP):
         # compiled code allocates beneath the dispatcher, where the live-tensor tracker
         # cannot see: the allocator's reports ([Note: CPU allocator peak] in osdp/memtrack.py;
         # a compiled OSDP model's measuring_memory reads them too)
-        resident = _state_tensors(model, optim) + [p.grad for p in model.parameters() if p.grad is not None]
-        _, peak = cpu_own_peak(resident, lambda: train_step(model, optim, config, batch, seed=2))
+        _, peak = cpu_own_peak(resident_tensors(model, optim, grads=True),
+                               lambda: train_step(model, optim, config, batch, seed=2))
     elif isinstance(model, osdp.OSDP):
         # the runtime's incremental tracker: the same bytes as LiveBytesTracker (tests/
         # runtime/test_peak.py), at about 1.2x a step instead of about 4x
@@ -149,7 +143,7 @@ def measured_peak_bytes(model, optim, config, batch: int, warm_up: bool = True, 
             train_step(model, optim, config, batch, seed=2)
         peak = measured[0].peak_bytes
     else:
-        with LiveBytesTracker(_state_tensors(model, optim)) as tracker:
+        with LiveBytesTracker(resident_tensors(model, optim)) as tracker:
             train_step(model, optim, config, batch, seed=2)
         peak = tracker.peak_bytes
     return int(max_over_ranks(float(peak)))

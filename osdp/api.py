@@ -15,7 +15,7 @@ import torch.nn as nn
 from .contract import RuntimeConfig, default_prefetch_bytes
 from .checkpoint import full_state_dict as gathered_state_dict
 from .errors import ConfigError, OSDPError, PlanMismatchError
-from .memtrack import cpu_allocator_window
+from .memtrack import cpu_allocator_window, resident_tensors
 from .planner.calibration import format_report
 from .planner.plan import plan_from_arg
 from .runtime.build import build_units, register_params
@@ -636,11 +636,7 @@ class ShardedModel(nn.Module):
         profiler records (the list stays empty)."""
         measured: list[StepMemory] = []
         if self.compile_config is not None and not step_peak_readable(self.device, compiled=True):
-            resident = [*self.module.parameters(), *self.module.buffers()]
-            resident += [p.grad for p in self.module.parameters() if p.grad is not None]
-            if optimizer is not None:
-                resident += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
-            with cpu_allocator_window(resident) as peak:
+            with cpu_allocator_window(resident_tensors(self.module, optimizer, grads=True)) as peak:
                 yield measured
             if peak[0] is not None:
                 limit, predicted = self._limit_and_prediction()

@@ -36,6 +36,18 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
+def resident_tensors(module, optimizer=None, *, grads: bool = False) -> list[torch.Tensor]:
+    """What a training step of ``module`` starts with: its parameters and buffers, their
+    gradients where ``grads`` (those that exist), and ``optimizer``'s state tensors (the
+    ``resident`` of :func:`cpu_own_peak` and :func:`cuda_own_peak`)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    if grads:
+        tensors += [p.grad for p in module.parameters() if p.grad is not None]
+    if optimizer is not None:
+        tensors += [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return tensors
+
+
 def cpu_own_peak(resident, fn):
     """``(fn(), peak bytes)``: the most bytes the CPU allocator held while ``fn`` ran over
     what it held at its start, plus the bytes of ``resident`` (the measured model's

@@ -41,7 +41,7 @@ from ..planner.calibration import Measurement, group_of
 from ..planner.inputs import as_example_inputs, batch_loss
 from ..api import ShardedModel
 from ..errors import OSDPError
-from ..memtrack import cpu_own_peak, cuda_own_peak
+from ..memtrack import cpu_own_peak, cuda_own_peak, resident_tensors
 from ..rank_agreement import collective_device
 from ..runtime.options import RuntimeOptions
 from ..runtime.peak import step_peak_readable
@@ -274,8 +274,7 @@ class _Trial:
             self.per_group.append(groups)
 
     def _resident(self) -> list[torch.Tensor]:
-        state = [t for st in self.optim.state.values() for t in st.values() if torch.is_tensor(t)]
-        return list(self.model.parameters()) + list(self.model.buffers()) + state
+        return resident_tensors(self.model, self.optim)
 
     def _measured_step(self) -> tuple:
         """A step whose peak bytes (this copy's states and what the step adds) are kept."""
