@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from runtime.dist_harness import spawn
+from torch_transformer import TiedTransformer
 
 from osdp.profiler.hardware import _fit_line
 
@@ -84,55 +85,6 @@ def test_auto_resolves_the_optimizer_temporaries_from_the_model_device():
         PlannerSettings(optimizer_temporaries="fused")
 
 
-class _TiedTransformer(torch.nn.Module):
-    """torch.testing._internal.distributed._tensor.common_dtensor's Transformer (tied
-    embedding and head, LayerNorms, causal SDPA, a 4x MLP, dropout 0.1; the same module
-    names), written out: that module needs ``expecttest``, which this project does not
-    install. Returns fp32 logits: a training loop brings its own loss."""
-
-    def __init__(self, vocab=101, seq=32, dim=64, layers=3, heads=4, p=0.1):
-        super().__init__()
-        nn = torch.nn
-        self.tok_embeddings, self.pos_embeddings = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        self.dropout = nn.Dropout(p)
-        self.layers = nn.ModuleList(_Block(dim, heads, p) for _ in range(layers))
-        self.norm = nn.LayerNorm(dim)
-        self.output = nn.Linear(dim, vocab, bias=False)
-        self.output.weight = self.tok_embeddings.weight
-
-    def forward(self, tokens):
-        h = self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(tokens.shape[1], device=tokens.device))
-        h = self.dropout(h)
-        for layer in self.layers:
-            h = layer(h)
-        return self.output(self.norm(h)).float()
-
-
-class _Block(torch.nn.Module):
-    def __init__(self, dim, heads, p):
-        super().__init__()
-        nn = torch.nn
-        self.heads, self.p = heads, p
-        self.attention_norm, self.ffn_norm = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attention = nn.Module()
-        for name in ("wq", "wk", "wv", "wo"):
-            setattr(self.attention, name, nn.Linear(dim, dim, bias=False))
-        self.feed_forward = nn.Module()
-        self.feed_forward.w1, self.feed_forward.w2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.drop = nn.Dropout(p)
-
-    def forward(self, x):
-        import torch.nn.functional as F
-
-        a, (b, s, d) = self.attention, x.shape
-        y = self.attention_norm(x)
-        q, k, v = (w(y).view(b, s, self.heads, d // self.heads).transpose(1, 2) for w in (a.wq, a.wk, a.wv))
-        y = F.scaled_dot_product_attention(q, k, v, None, self.p if self.training else 0.0, True)
-        h = x + self.drop(a.wo(y.transpose(1, 2).reshape(b, s, d)))
-        f = self.feed_forward
-        return h + self.drop(f.w2(F.gelu(f.w1(self.ffn_norm(h)))))
-
-
 @pytest.mark.usefixtures("one_rank_group")
 def test_auto_mode_without_loss_fn_plans_for_the_loops_cross_entropy(tmp_path, caplog):
     """Issue 35.2: a model returning logits, auto mode without loss_fn, a loop computing
@@ -158,7 +110,7 @@ def test_auto_mode_without_loss_fn_plans_for_the_loops_cross_entropy(tmp_path, c
     batch, seq, vocab, limit = 16, 32, 101, int(11.9 * 2**20)
     tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
     with caplog.at_level(logging.INFO, logger="osdp.auto"):
-        model = osdp.OSDP(_TiedTransformer(vocab, seq), memory_limit=limit, example_inputs=(tokens,),
+        model = osdp.OSDP(TiedTransformer(vocab, seq), memory_limit=limit, example_inputs=(tokens,),
                           settings=PlannerSettings(checkpointing="auto", policy="zdp"),
                           # the batch fixed: the memory, not timings, decides between plans
                           auto_kwargs=dict(batch=batch, calibrate=False, batches=(batch,), repeats=1,

@@ -17,6 +17,7 @@ from osdp.errors import ConfigError
 from osdp.models.gpt import GPT, GPTConfig, example_batch
 from osdp.runtime.mixed_precision import MixedPrecision
 from runtime.compiled_cases import Case, counting_backend, run_all, run_auto, run_hf_cases
+from runtime.compiled_transformer_cases import run_transformer_cases
 from runtime.dist_harness import free_port, spawn
 
 # per case: (all-gathers in the forward graphs, in the backward graphs), derived from
@@ -186,11 +187,58 @@ def test_compiled_hugging_face_models_other_scopes():
 
 @pytest.mark.slow
 def test_compiled_with_inductor_matches_eager():
-    """Inductor (C++ codegen on CPU) instead of aot_eager: fused kernels, same losses."""
-    results = spawn(run_hf_cases, 2, [("gpt2_inductor", "gpt2", False, _hf_kwargs("split"), "blocks", "inductor")])
-    r = results[0]["gpt2_inductor"]
-    assert r["compiled"]["breaks"] == 0, r["compiled"]["break_reasons"]
-    assert r["compiled"]["losses"] == pytest.approx(r["eager"]["losses"], rel=1e-4), r
+    """Inductor (C++ codegen on CPU) instead of aot_eager: fused kernels, same losses.
+    Llama with every unit zdp: its RMSNorms (and GQA's small k/v projections) are small
+    units, so the coalescing pass merges their gathers and reductions on a stock model."""
+    cases = [("gpt2_inductor", "gpt2", False, _hf_kwargs("split"), "blocks", "inductor"),
+             ("llama_inductor", "llama", False, _hf_kwargs("zdp"), "model", "inductor")]
+    results = spawn(run_hf_cases, 2, cases)
+    for name, *_ in cases:
+        r = results[0][name]
+        assert r["compiled"]["breaks"] == 0, (name, r["compiled"]["break_reasons"])
+        assert r["compiled"]["losses"] == pytest.approx(r["eager"]["losses"], rel=1e-4), (name, r)
+
+
+# torch's test Transformer with inductor. Every unit zdp, coalesce_bytes 64 KiB: small is
+# <= 16 KiB gathered (fp32, 2 ranks): pos_embeddings 4096 bytes, each LayerNorm 512, each
+# of wq/wk/wv/wo 16384; big: tok_embeddings 25856 (also the tied head), w1 66560, w2
+# 65792. By the rider rule, in forward order: pos+attention_norm+wq+wk+wv | wo+ffn_norm+
+# (next block) attention_norm+wq+wk | wv+wo+ffn_norm+norm, and 6 big: 9 gathers. Backward
+# re-gathers (the embeddings' backward needs no weight): norm+ffn_norm+wo+wv+wk |
+# wq+attention_norm+ffn_norm+wo+wv | wk+wq+attention_norm, and the head, 2 w2, 2 w1: 8.
+# Reductions (all-reduces on gloo; the tied weight reduced per use, 20 in all): 3 small
+# buckets (the last with pos_embeddings) and 6 big: 9. Unit by unit: 20 + 18 gathers.
+TRANSFORMER_CASES = [
+    ("zdp_model", "model", {"default_mode": "zdp", "coalesce_bytes": 65536}),
+    ("mixed_blocks", "blocks", {"default_mode": "zdp", "coalesce_bytes": 65536,
+                                "splits": {"layers.0.feed_forward.w1": 2}, "checkpoint_blocks": ("layers.1",),
+                                "modes": {"layers.0.feed_forward.w1": ["dp", "zdp"], "layers.1.attention.wq": "dp",
+                                          "norm": "rep"}}),
+]
+
+
+@pytest.mark.slow
+def test_compiled_torch_test_transformer_with_inductor():
+    """Inductor with OSDP's passes (prefetch order, small units coalesced) on a model we
+    did not write, trained by a user's loop (own loss, decay groups by name, clipping):
+    the losses of single-process training and eager OSDP, parameters within inductor's
+    rounding of eager OSDP's after 3 AdamW steps, no graph break, no recompile, and the
+    collectives the rider rule gives (above)."""
+    results = spawn(run_transformer_cases, 2, TRANSFORMER_CASES)
+    for rank_result in results:
+        for name, _, _ in TRANSFORMER_CASES:
+            r = rank_result[name]
+            assert r["breaks"] == 0, (name, r["break_reasons"])
+            assert len(set(r["graphs"])) == 1, (name, r["graphs"])  # all compiled in step 0
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6), name
+            assert r["losses"] == pytest.approx(r["eager_losses"], rel=1e-6), name
+            # fused kernels round differently: a few ulps of weights up to ~4 after 3 steps
+            assert r["vs_eager"] <= 1e-5, (name, r["vs_eager"])
+            assert r["vs_ref"] <= r["eager_vs_ref"] + 1e-5, (name, r["vs_ref"], r["eager_vs_ref"])
+        assert rank_result["mixed_blocks"]["regions"][:2] == ["layers.0", "layers.1"]
+        counts = rank_result["zdp_model"]["collectives"]
+        assert counts.get("_c10d_functional::all_gather_into_tensor") == 17, counts
+        assert counts.get("_c10d_functional::all_reduce_") == 9, counts
 
 
 # ---- refusals: clear errors, nothing half-built ----------------------------------------------

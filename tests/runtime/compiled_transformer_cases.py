@@ -1,0 +1,90 @@
+"""The compiled path with inductor (so OSDP's own inductor passes run: the prefetch
+order and the small units' coalescing) on a model OSDP's authors did not write, torch's
+test Transformer (tests/torch_transformer.py), in a loop written as users write theirs:
+their own loss outside the model, weight-decay groups by parameter name, gradient
+clipping. References: single-process training on the whole batch and eager OSDP on the
+same ranks. Run inside one spawn (tests/runtime/test_compiled.py)."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+from torch.profiler import profile
+from torch_transformer import TiedTransformer
+
+import osdp
+
+from .compiled_cases import EPS, LOCAL_BATCH, LR, STEPS, mean_over_ranks
+
+VOCAB, SEQ = 101, 16
+
+
+def _transformer() -> TiedTransformer:
+    torch.manual_seed(0)
+    return TiedTransformer(vocab=VOCAB, seq=SEQ, dim=64, layers=2, heads=4, p=0.0)  # no dropout: no RNG to match
+
+
+def _decay_groups(model) -> list[dict]:
+    """The loop's own groups: matrices decay; norms, biases and the (tied) embedding do not."""
+    decay, rest = [], []
+    for name, param in model.named_parameters():
+        (decay if param.ndim >= 2 and "embeddings" not in name else rest).append(param)
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def _train(model, rank, world, after_step=lambda step: None, profiled_step=None, profiled=None) -> list[float]:
+    """STEPS AdamW steps on this rank's slice of the global batch (``rank`` None: all of
+    it); the per-step losses (mean over ranks). ``profiled_step``'s forward and backward
+    run under the profiler: ``profiled`` gets the calls of each functional collective."""
+    opt = torch.optim.AdamW(_decay_groups(model), lr=LR, eps=EPS)
+    losses = []
+    for step in range(STEPS):
+        tokens = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ + 1), generator=torch.Generator().manual_seed(step))
+        if rank is not None:
+            tokens = tokens[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+        with profile() if step == profiled_step else contextlib.nullcontext() as prof:
+            logits = model(tokens[:, :-1])
+            loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+            loss.backward()
+        if prof is not None:
+            profiled.update({e.key: e.count for e in prof.key_averages() if e.key.startswith("_c10d_functional::")})
+        if rank is None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        else:
+            model.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item() if rank is None else mean_over_ranks(loss, world))
+        after_step(step)
+    return losses
+
+
+def run_transformer_case(rank: int, world: int, scope: str, kwargs: dict) -> dict:
+    torch._dynamo.reset()
+    counters.clear()
+    ref = _transformer()
+    ref_losses = _train(ref, None, world)
+    eager = osdp.OSDP(_transformer(), **kwargs)
+    eager_losses = _train(eager, rank, world)
+    eager_state = eager.full_state_dict(rank0_only=False)
+    compiled = osdp.OSDP(_transformer(), compile={"scope": scope}, **kwargs)  # inductor
+    graphs, collectives = [], {}
+    losses = _train(compiled, rank, world, after_step=lambda step: graphs.append(counters["stats"]["unique_graphs"]),
+                    profiled_step=STEPS - 1, profiled=collectives)
+    state = compiled.full_state_dict(rank0_only=False)
+    reference = ref.state_dict()
+    return {
+        "losses": losses, "eager_losses": eager_losses, "ref_losses": ref_losses,
+        "vs_eager": max((state[k] - eager_state[k]).abs().max().item() for k in reference),
+        "vs_ref": max((state[k] - v).abs().max().item() for k, v in reference.items()),
+        "eager_vs_ref": max((eager_state[k] - v).abs().max().item() for k, v in reference.items()),
+        "graphs": graphs, "breaks": sum(counters["graph_break"].values()),
+        "break_reasons": [str(k)[:300] for k in counters["graph_break"]],
+        "regions": compiled.compiled_regions, "units": compiled.unit_modes(), "collectives": collectives,
+    }
+
+
+def run_transformer_cases(rank: int, world: int, cases: list[tuple]) -> dict:
+    return {name: run_transformer_case(rank, world, scope, kwargs) for name, scope, kwargs in cases}
