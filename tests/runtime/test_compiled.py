@@ -16,7 +16,7 @@ import osdp
 from osdp.errors import ConfigError
 from osdp.models.gpt import GPT, GPTConfig, example_batch
 from osdp.runtime.mixed_precision import MixedPrecision
-from runtime.compiled_cases import Case, counting_backend, run_all, run_auto, run_hf_cases
+from runtime.compiled_cases import Case, counting_backend, run_all, run_auto, run_hf_cases, run_varying_shapes
 from runtime.compiled_transformer_cases import run_transformer_cases
 from runtime.dist_harness import free_port, spawn
 
@@ -239,6 +239,21 @@ def test_compiled_torch_test_transformer_with_inductor():
         counts = rank_result["zdp_model"]["collectives"]
         assert counts.get("_c10d_functional::all_gather_into_tensor") == 17, counts
         assert counts.get("_c10d_functional::all_reduce_") == 9, counts
+
+
+@pytest.mark.slow
+def test_compiled_loop_with_changing_batch_shapes():
+    """A last partial batch, a larger one, shorter sequences (inductor, so OSDP's passes
+    order graphs with symbolic sizes; blocks scope, where each block plan's region class
+    recompiles on its own code object): eager OSDP's losses step by step, and dynamo's
+    usual recompiles only: per region at most 4 graphs (the first shapes, a batch of
+    one, which dynamo always specializes, a dynamic batch, a dynamic sequence), none
+    new when a shape comes back."""
+    for rank_result in spawn(run_varying_shapes, 2, ("blocks",)):
+        eager, r = rank_result["eager"]["losses"], rank_result["blocks"]
+        assert r["losses"] == pytest.approx(eager, rel=1e-5), (r["losses"], eager)
+        assert r["graphs"][-1] <= 4 * len(r["regions"]), (r["graphs"], r["regions"])
+        assert r["graphs"][-1] == r["graphs"][-2] and r["graphs"][1] == r["graphs"][0], r["graphs"]
 
 
 # ---- refusals: clear errors, nothing half-built ----------------------------------------------
