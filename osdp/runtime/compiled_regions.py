@@ -72,6 +72,22 @@ the per-block graphs, 26.3 MiB in the one graph; 0.7 MiB is about the loss's log
 by tensor). ``"blocks"`` stays for deep
 models whose compile time matters more than a few percent of each step, and for runs
 that recompile often.
+
+Where the per-block graphs' time goes (``python bench/compile_phases.py``, N&D 12x128,
+batch 3, 2 gloo ranks, 9 rounds, medians, 2026-11-28): with every unit ``zdp`` the
+block graphs' forward took 99.7 ms and backward 180.7 against 78.4 and 148.5 in one
+graph; with every unit ``rep`` (no gathers, gradients bucketed outside the graphs) 37.1
+and 82.8 against 29.7 and 76.1. So about a quarter of the gap is the graphs themselves (16
+graphs' guards and autograd wrappers, about 0.2 ms each per step on one rank, and the
+loss outside them) and the rest the exposed collectives. Tried and not kept: each
+graph's first gather issued by the graph before it, while that graph's last unit
+computes (a post-grad rewrite of the first gather into an opaque op that takes a
+buffer gathered ahead, and an op after the last gather's wait that gathers the next
+graph's first units, learnt from the pass before). It kept parity, but gained nothing
+here (same model, 21 rounds: blocks 259.7 ms with it, 260.0 without; model scope, where
+it prefetched the backward graph's first gather, 223.5 and 217.5): its two Python ops
+per graph cost about what a hidden gloo gather saves on two shared cores. Untried on a
+GPU, where a gather takes longer than the ops that hide it.
 """
 from __future__ import annotations
 
