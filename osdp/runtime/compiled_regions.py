@@ -85,9 +85,9 @@ computes (a post-grad rewrite of the first gather into an opaque op that takes a
 buffer gathered ahead, and an op after the last gather's wait that gathers the next
 graph's first units, learnt from the pass before). It kept parity, but gained nothing
 here (same model, 21 rounds: blocks 259.7 ms with it, 260.0 without; model scope, where
-it prefetched the backward graph's first gather, 223.5 and 217.5): its two Python ops
-per graph cost about what a hidden gloo gather saves on two shared cores. Untried on a
-GPU, where a gather takes longer than the ops that hide it.
+it prefetched the backward graph's first gather, 223.5 and 217.5). Likely (not
+measured apart): its two Python ops per graph cost what hiding a gloo gather saves when
+both ranks' compute fills the two cores. Untried on a GPU, where gathers take longer.
 """
 from __future__ import annotations
 
