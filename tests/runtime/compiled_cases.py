@@ -97,6 +97,19 @@ def _train(model, rank, world, cfg, clip=True, after_step=lambda step: None):
     return losses
 
 
+def trained(compiled, eager_state: dict, ref) -> dict:
+    """After training: the largest elementwise distances of the full state dicts (compiled
+    to eager OSDP, compiled and eager OSDP to the single process ``ref``), and what the
+    compiler made of ``compiled`` (graph breaks, regions, units' modes)."""
+    state, reference = compiled.full_state_dict(rank0_only=False), ref.state_dict()
+    return {"vs_eager": max((state[k] - eager_state[k]).abs().max().item() for k in reference),
+            "vs_ref": max((state[k] - v).abs().max().item() for k, v in reference.items()),
+            "eager_vs_ref": max((eager_state[k] - v).abs().max().item() for k, v in reference.items()),
+            "breaks": sum(counters["graph_break"].values()),
+            "break_reasons": [str(k)[:300] for k in counters["graph_break"]],
+            "regions": compiled.compiled_regions, "units": compiled.unit_modes()}
+
+
 def run_case(rank: int, world: int, case: Case) -> dict:
     torch._dynamo.reset()
     counters.clear()
@@ -118,18 +131,8 @@ def run_case(rank: int, world: int, case: Case) -> dict:
             gathers.update(seen)
 
     opt_losses = _train(compiled, rank, world, cfg, after_step=record)
-    state = compiled.full_state_dict(rank0_only=False)
-    reference = ref.state_dict()
-    return {
-        "losses": opt_losses, "eager_losses": eager_losses, "ref_losses": ref_losses,
-        "vs_eager": max((state[k] - eager_state[k]).abs().max().item() for k in reference),
-        "vs_ref": max((state[k] - v).abs().max().item() for k, v in reference.items()),
-        "eager_vs_ref": max((eager_state[k] - v).abs().max().item() for k, v in reference.items()),
-        "graphs": graphs, "breaks": sum(counters["graph_break"].values()),
-        "break_reasons": [str(k)[:300] for k in counters["graph_break"]],
-        "gathers": gathers, "regions": compiled.compiled_regions,
-        "units": compiled.unit_modes(),
-    }
+    return {"losses": opt_losses, "eager_losses": eager_losses, "ref_losses": ref_losses, "graphs": graphs,
+            "gathers": gathers, **trained(compiled, eager_state, ref)}
 
 
 def run_cases(rank: int, world: int, cases: list[Case]) -> dict:

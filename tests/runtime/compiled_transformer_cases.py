@@ -16,7 +16,7 @@ from torch_transformer import TiedTransformer
 
 import osdp
 
-from .compiled_cases import EPS, LOCAL_BATCH, LR, STEPS, mean_over_ranks
+from .compiled_cases import EPS, LOCAL_BATCH, LR, STEPS, mean_over_ranks, trained
 
 VOCAB, SEQ = 101, 16
 
@@ -73,17 +73,8 @@ def run_transformer_case(rank: int, world: int, scope: str, kwargs: dict) -> dic
     graphs, collectives = [], {}
     losses = _train(compiled, rank, world, after_step=lambda step: graphs.append(counters["stats"]["unique_graphs"]),
                     profiled_step=STEPS - 1, profiled=collectives)
-    state = compiled.full_state_dict(rank0_only=False)
-    reference = ref.state_dict()
-    return {
-        "losses": losses, "eager_losses": eager_losses, "ref_losses": ref_losses,
-        "vs_eager": max((state[k] - eager_state[k]).abs().max().item() for k in reference),
-        "vs_ref": max((state[k] - v).abs().max().item() for k, v in reference.items()),
-        "eager_vs_ref": max((eager_state[k] - v).abs().max().item() for k, v in reference.items()),
-        "graphs": graphs, "breaks": sum(counters["graph_break"].values()),
-        "break_reasons": [str(k)[:300] for k in counters["graph_break"]],
-        "regions": compiled.compiled_regions, "units": compiled.unit_modes(), "collectives": collectives,
-    }
+    return {"losses": losses, "eager_losses": eager_losses, "ref_losses": ref_losses, "graphs": graphs,
+            "collectives": collectives, **trained(compiled, eager_state, ref)}
 
 
 def run_transformer_cases(rank: int, world: int, cases: list[tuple]) -> dict:
