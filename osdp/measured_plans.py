@@ -33,8 +33,9 @@ from .runtime import compiled_coalesce, compiled_prefetch
 
 log = logging.getLogger("osdp.auto")
 # how a compiled run chooses its plan ([Note: compiled plans] in osdp/compiled_choice.py)
-# and the versions of OSDP's inductor passes its finalists ran with: part of its key, so
-# that a plan chosen another way, or measured on an older compiled path, is measured again
+# and the hashes of the code of OSDP's inductor passes its finalists ran with: part of its
+# key, so that a plan chosen another way, or measured on an older compiled path, is
+# measured again
 COMPILED_CHOICE = "eager-calibrated, finalists compiled"
 
 
@@ -83,7 +84,8 @@ class MeasuredPlans:
             "mixed_precision": repr(mixed_precision),
         }
         if compile is not None:
-            parts["compile"] = [repr(compile), COMPILED_CHOICE, compiled_prefetch.VERSION, compiled_coalesce.VERSION]
+            parts["compile"] = [repr(compile), COMPILED_CHOICE, compiled_prefetch.RULES_HASH,
+                                compiled_coalesce.RULES_HASH]
         return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
     def _file(self, key: str):

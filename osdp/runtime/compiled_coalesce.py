@@ -66,13 +66,16 @@ place (inductor has one such slot).
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import operator
+from pathlib import Path
 
 import torch
 import torch.distributed.distributed_c10d as c10d
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from .. import contract, schedule_rules
 from ..contract import SMALL_UNIT_FRACTION
 from ..schedule_rules import riders
 
@@ -84,7 +87,11 @@ _REDUCE_SCATTER = _C10D.reduce_scatter_tensor.default
 _REDUCTIONS = (_ALL_REDUCE, _REDUCE_SCATTER)
 _ATEN = torch.ops.aten
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")  # what a rider's rebuild may not read
-VERSION = 3  # of the rules above: part of inductor's cache key (uuid)
+# inductor's graph cache keys on uuid(): a hash of the code that decides the buckets (this
+# file, the eager rule and the small-unit threshold), so that no edit can leave graphs
+# coalesced by older rules in use (a version number bumped by hand was the key before)
+RULES_HASH = hashlib.sha256(b"".join(Path(f).read_bytes() for f in (__file__, schedule_rules.__file__,
+                                                                     contract.__file__))).hexdigest()[:16]
 
 
 class SmallUnitCoalescing(CustomGraphPass):
@@ -95,8 +102,7 @@ class SmallUnitCoalescing(CustomGraphPass):
         self.coalesce_bytes = int(coalesce_bytes)
 
     def uuid(self) -> str:
-        # inductor's graph cache keys on it: a change of the rules must change VERSION
-        return f"osdp.SmallUnitCoalescing(v{VERSION}, coalesce_bytes={self.coalesce_bytes})"
+        return f"osdp.SmallUnitCoalescing({RULES_HASH}, coalesce_bytes={self.coalesce_bytes})"
 
     def __repr__(self) -> str:
         return self.uuid()

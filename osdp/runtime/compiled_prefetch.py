@@ -44,16 +44,23 @@ unmeasured.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
+from pathlib import Path
 
 import torch
 
+from .. import schedule_rules
 from ..schedule_rules import prefetch_walk
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default  # also compiled.py's
 log = logging.getLogger(__name__)
-VERSION = 4  # of the ordering rules: part of the inductor cache key (__repr__)
+# inductor's graph cache keys on the passes' reprs: a hash of the code that decides the
+# order (this file and the eager rules it applies), so that no edit can leave graphs
+# ordered by older rules in use (a version number bumped by hand was the key before)
+RULES_HASH = hashlib.sha256(b"".join(Path(f).read_bytes()
+                                     for f in (__file__, schedule_rules.__file__))).hexdigest()[:16]
 
 
 class WindowPrefetch:
@@ -64,9 +71,7 @@ class WindowPrefetch:
         self.window_bytes = int(window_bytes)
 
     def __repr__(self) -> str:
-        # inductor's graph cache keys on the passes' reprs: a change of the rules above
-        # must change VERSION, or graphs ordered by the old rules are reused
-        return f"osdp.WindowPrefetch(v{VERSION}, window_bytes={self.window_bytes})"
+        return f"osdp.WindowPrefetch({RULES_HASH}, window_bytes={self.window_bytes})"
 
     def __eq__(self, other) -> bool:
         return isinstance(other, WindowPrefetch) and other.window_bytes == self.window_bytes

@@ -515,8 +515,15 @@ def test_compile_kwargs_add_the_coalescing_pass_to_inductor_only():
     assert post_pass(osdp.CompileConfig(), coalesce_bytes=0) == "absent"
     assert post_pass(osdp.CompileConfig(options={"post_grad_custom_post_pass": None})) is None
     assert post_pass(osdp.CompileConfig(backend="aot_eager")) == "absent"
-    # inductor's cache keys on the pass's uuid: the size is part of it
+    # inductor's cache keys on the pass's uuid: the size is part of it, and the hash of
+    # the code deciding the buckets (an edit there must not reuse graphs built before it)
     assert SmallUnitCoalescing(4096).uuid() != SmallUnitCoalescing(8192).uuid()
+    from osdp.runtime import compiled_coalesce, compiled_prefetch
+    from osdp.runtime.compiled_prefetch import WindowPrefetch
+
+    assert compiled_coalesce.RULES_HASH in SmallUnitCoalescing(4096).uuid()
+    assert compiled_prefetch.RULES_HASH in repr(WindowPrefetch(1024))
+    assert compiled_coalesce.RULES_HASH != compiled_prefetch.RULES_HASH
 
 
 _ITERATIVE = {"reorder_for_compute_comm_overlap": True,
