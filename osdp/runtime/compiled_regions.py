@@ -84,10 +84,11 @@ graph's first gather issued by the graph before it, while that graph's last unit
 computes (a post-grad rewrite of the first gather into an opaque op that takes a
 buffer gathered ahead, and an op after the last gather's wait that gathers the next
 graph's first units, learnt from the pass before). It kept parity, but gained nothing
-here (same model, 21 rounds: blocks 259.7 ms with it, 260.0 without; model scope, where
-it prefetched the backward graph's first gather, 223.5 and 217.5). Likely (not
-measured apart): its two Python ops per graph cost what hiding a gloo gather saves when
-both ranks' compute fills the two cores. Untried on a GPU, where gathers take longer.
+here (same model, 21 rounds, the slower rank: blocks 266.1 ms with it, 260.6 without;
+model scope, where it prefetched the backward graph's first gather, 223.5 and 220.0).
+Likely (not measured apart): its two Python ops per graph cost what hiding a gloo
+gather saves when both ranks' compute fills the two cores. Untried on a GPU, where
+gathers take longer.
 """
 from __future__ import annotations
 
