@@ -232,7 +232,7 @@ def test_compiled_torch_test_transformer_with_inductor():
             assert len(set(r["graphs"])) == 1, (name, r["graphs"])  # all compiled in step 0
             assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6), name
             assert r["losses"] == pytest.approx(r["eager_losses"], rel=1e-6), name
-            # fused kernels round differently: a few ulps of weights up to ~4 after 3 steps
+            # fused kernels round differently: measured 1.5e-6 (weights reach ~4; fp32 ulp there 4.8e-7)
             assert r["vs_eager"] <= 1e-5, (name, r["vs_eager"])
             assert r["vs_ref"] <= r["eager_vs_ref"] + 1e-5, (name, r["vs_ref"], r["eager_vs_ref"])
         assert rank_result["mixed_blocks"]["regions"][:2] == ["layers.0", "layers.1"]
