@@ -254,35 +254,3 @@ def run_all(rank: int, world: int, cases: list[Case]) -> dict:
     return {"cases": run_cases(rank, world, cases), "idioms": run_idioms(rank, world),
             "side_by_side": run_models_side_by_side(rank, world)}
 
-
-# (local batch, sequence length) per step: a last partial batch of one, a larger one,
-# shorter sequences, then the first shape again
-VARYING_SHAPES = ((2, 8), (2, 8), (1, 8), (3, 8), (2, 5), (2, 8))
-
-
-def run_varying_shapes(rank: int, world: int, scopes: tuple[str, ...]) -> dict:
-    """A loop whose batches change shape (inductor, dynamo's default automatic dynamic
-    shapes): per scope, eager OSDP's and compiled OSDP's per-rank losses, and the graphs
-    dynamo had compiled after each step."""
-    cfg = GPTConfig(vocab_size=96, seq_len=8, num_layers=2, hidden=32, heads=4)
-    out = {}
-    for scope in scopes:
-        for name, compile_arg in (("eager", None), (scope, {"scope": scope})):
-            torch._dynamo.reset()
-            counters.clear()
-            torch.manual_seed(0)
-            model = osdp.OSDP(GPT(cfg), default_mode="zdp", modes={"blocks.0.mlp.c_fc": "dp", "ln_f": "rep"},
-                              compile=compile_arg)
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-            losses, graphs = [], []
-            for step, (batch, seq) in enumerate(VARYING_SHAPES):
-                idx, tgt = example_batch(cfg, batch * world, seed=step)
-                local = slice(rank * batch, (rank + 1) * batch)
-                loss = model(idx[local, :seq], tgt[local, :seq])
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.item())
-                graphs.append(counters["stats"]["unique_graphs"])
-            out[name] = {"losses": losses, "graphs": graphs, "regions": getattr(model, "compiled_regions", None)}
-    return out

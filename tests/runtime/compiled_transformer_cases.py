@@ -2,8 +2,9 @@
 order and the small units' coalescing) on a model OSDP's authors did not write, torch's
 test Transformer (tests/torch_transformer.py), in a loop written as users write theirs:
 their own loss outside the model, weight-decay groups by parameter name, gradient
-clipping. References: single-process training on the whole batch and eager OSDP on the
-same ranks. Run inside one spawn (tests/runtime/test_compiled.py)."""
+clipping, batches whose shapes change. References: single-process training on the whole
+batch and eager OSDP on the same ranks. Run inside one spawn
+(tests/runtime/test_compiled.py)."""
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +17,7 @@ from torch_transformer import TiedTransformer
 
 import osdp
 
-from .compiled_cases import EPS, LOCAL_BATCH, LR, STEPS, mean_over_ranks, trained
+from .compiled_cases import EPS, LR, mean_over_ranks, trained
 
 VOCAB, SEQ = 101, 16
 
@@ -34,17 +35,18 @@ def _decay_groups(model) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
-def _train(model, rank, world, after_step=lambda step: None, profiled_step=None, profiled=None) -> list[float]:
-    """STEPS AdamW steps on this rank's slice of the global batch (``rank`` None: all of
-    it); the per-step losses (mean over ranks). ``profiled_step``'s forward and backward
-    run under the profiler: ``profiled`` gets the calls of each functional collective."""
+def _train(model, rank, world, shapes, after_step=lambda step: None, profiled=None) -> list[float]:
+    """An AdamW step per (local batch, sequence length) in ``shapes``, on this rank's slice
+    of the global batch (``rank`` None: all of it); the per-step losses (mean over
+    ranks). The last step runs under the profiler: ``profiled`` gets the calls of each
+    functional collective."""
     opt = torch.optim.AdamW(_decay_groups(model), lr=LR, eps=EPS)
     losses = []
-    for step in range(STEPS):
-        tokens = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ + 1), generator=torch.Generator().manual_seed(step))
+    for step, (batch, seq) in enumerate(shapes):
+        tokens = torch.randint(0, VOCAB, (batch * world, seq + 1), generator=torch.Generator().manual_seed(step))
         if rank is not None:
-            tokens = tokens[rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
-        with profile() if step == profiled_step else contextlib.nullcontext() as prof:
+            tokens = tokens[rank * batch:(rank + 1) * batch]
+        with profile() if profiled is not None and step == len(shapes) - 1 else contextlib.nullcontext() as prof:
             logits = model(tokens[:, :-1])
             loss = F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
             loss.backward()
@@ -61,21 +63,21 @@ def _train(model, rank, world, after_step=lambda step: None, profiled_step=None,
     return losses
 
 
-def run_transformer_case(rank: int, world: int, scope: str, kwargs: dict) -> dict:
+def run_transformer_case(rank: int, world: int, scope: str, kwargs: dict, shapes: tuple) -> dict:
     torch._dynamo.reset()
     counters.clear()
     ref = _transformer()
-    ref_losses = _train(ref, None, world)
+    ref_losses = _train(ref, None, world, shapes)
     eager = osdp.OSDP(_transformer(), **kwargs)
-    eager_losses = _train(eager, rank, world)
+    eager_losses = _train(eager, rank, world, shapes)
     eager_state = eager.full_state_dict(rank0_only=False)
     compiled = osdp.OSDP(_transformer(), compile={"scope": scope}, **kwargs)  # inductor
     graphs, collectives = [], {}
-    losses = _train(compiled, rank, world, after_step=lambda step: graphs.append(counters["stats"]["unique_graphs"]),
-                    profiled_step=STEPS - 1, profiled=collectives)
+    losses = _train(compiled, rank, world, shapes, profiled=collectives,
+                    after_step=lambda step: graphs.append(counters["stats"]["unique_graphs"]))
     return {"losses": losses, "eager_losses": eager_losses, "ref_losses": ref_losses, "graphs": graphs,
             "collectives": collectives, **trained(compiled, eager_state, ref)}
 
 
 def run_transformer_cases(rank: int, world: int, cases: list[tuple]) -> dict:
-    return {name: run_transformer_case(rank, world, scope, kwargs) for name, scope, kwargs in cases}
+    return {name: run_transformer_case(rank, world, *case) for name, *case in cases}
