@@ -66,14 +66,12 @@ place (inductor has one such slot).
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import operator
-from pathlib import Path
 
 import torch
 import torch.distributed.distributed_c10d as c10d
-from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from .. import contract, schedule_rules
 from ..contract import SMALL_UNIT_FRACTION
@@ -90,8 +88,7 @@ _COLLECTIVE_NAMESPACES = ("_c10d_functional", "c10d_functional")  # what a rider
 # inductor's graph cache keys on uuid(): a hash of the code that decides the buckets (this
 # file, the eager rule and the small-unit threshold), so that no edit can leave graphs
 # coalesced by older rules in use (a version number bumped by hand was the key before)
-RULES_HASH = hashlib.sha256(b"".join(Path(f).read_bytes() for f in (__file__, schedule_rules.__file__,
-                                                                     contract.__file__))).hexdigest()[:16]
+RULES_HASH = get_hash_for_files((__file__, schedule_rules.__file__, contract.__file__)).hex()[:16]
 
 
 class SmallUnitCoalescing(CustomGraphPass):

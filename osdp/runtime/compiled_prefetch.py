@@ -44,12 +44,11 @@ unmeasured.
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
 import logging
-from pathlib import Path
 
 import torch
+from torch._inductor.custom_graph_pass import get_hash_for_files
 
 from .. import schedule_rules
 from ..schedule_rules import prefetch_walk
@@ -59,8 +58,7 @@ log = logging.getLogger(__name__)
 # inductor's graph cache keys on the passes' reprs: a hash of the code that decides the
 # order (this file and the eager rules it applies), so that no edit can leave graphs
 # ordered by older rules in use (a version number bumped by hand was the key before)
-RULES_HASH = hashlib.sha256(b"".join(Path(f).read_bytes()
-                                     for f in (__file__, schedule_rules.__file__))).hexdigest()[:16]
+RULES_HASH = get_hash_for_files((__file__, schedule_rules.__file__)).hex()[:16]
 
 
 class WindowPrefetch:

@@ -253,4 +253,3 @@ def run_models_side_by_side(rank: int, world: int) -> dict:
 def run_all(rank: int, world: int, cases: list[Case]) -> dict:
     return {"cases": run_cases(rank, world, cases), "idioms": run_idioms(rank, world),
             "side_by_side": run_models_side_by_side(rank, world)}
-

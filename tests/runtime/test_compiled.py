@@ -194,6 +194,11 @@ def test_compiled_with_inductor_matches_eager():
     assert r["compiled"]["losses"] == pytest.approx(r["eager"]["losses"], rel=1e-4), r
 
 
+# (local batch, sequence length) per step: the model-scope case's batches change shape
+# (a larger batch, shorter sequences, the first shape again), so that OSDP's passes order
+# graphs with symbolic sizes; the profiled last step has the first shape
+CHANGING_SHAPES = ((2, 16), (2, 16), (3, 16), (2, 12), (2, 16))
+
 # torch's test Transformer with inductor. Every unit zdp, coalesce_bytes 64 KiB: small is
 # <= 16 KiB gathered (fp32, 2 ranks): pos_embeddings 4096 bytes, each LayerNorm 512, each
 # of wq/wk/wv/wo 16384; big: tok_embeddings 25856 (also the tied head), w1 66560, w2
@@ -203,10 +208,6 @@ def test_compiled_with_inductor_matches_eager():
 # wq+attention_norm+ffn_norm+wo+wv | wk+wq+attention_norm, and the head, 2 w2, 2 w1: 8.
 # Reductions (all-reduces on gloo; the tied weight reduced per use, 20 in all): 3 small
 # buckets (the last with pos_embeddings) and 6 big: 9. Unit by unit: 20 + 18 gathers.
-# (local batch, sequence length) per step: the model-scope case's batches change shape
-# (a larger batch, shorter sequences, the first shape again), so that OSDP's passes order
-# graphs with symbolic sizes; the profiled last step has the first shape
-CHANGING_SHAPES = ((2, 16), (2, 16), (3, 16), (2, 12), (2, 16))
 TRANSFORMER_CASES = [
     ("zdp_model", "model", {"default_mode": "zdp", "coalesce_bytes": 65536}, CHANGING_SHAPES),
     ("mixed_blocks", "blocks", {"default_mode": "zdp", "coalesce_bytes": 65536,
