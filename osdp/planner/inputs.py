@@ -29,7 +29,8 @@ The loss whose backward describe and the profiler run (and measure) is, in order
 3. a tensor output: itself when it is a scalar, else ``output.float().sum()`` (a
    stand-in loss with the same backward cost).
 
-A tuple, or a dict / ``ModelOutput`` without a loss, needs ``loss_fn``: the error says so.
+A tuple, or a dict / ``ModelOutput`` without a loss, needs ``loss_fn`` (auto mode
+excepted, below, for one with class-dimension ``logits``): the error says so.
 
 Whatever the rule, the output is held as long as the loss (``hold_output``: its values
 other than the loss, kept on the loss's autograd node), because a training loop holds it:
@@ -58,11 +59,14 @@ predicted at 23.89 MiB and its loop's ``cross_entropy`` measured 24.75 MiB. So w
 with a class dimension (a floating tensor of 2 or more dimensions whose last one is at
 least 2): a cross-entropy over the last dimension against example targets (class 0
 everywhere: the bytes and the work of a cross-entropy do not depend on the targets), in
-fp32 as Hugging Face's losses compute it. Rules 1 and 2 and the other outputs are
-unchanged. Rank 0 logs the assumption once (a warning of logger ``osdp.auto``), the plan
-keeps it (``Plan.assumed_loss``) and a step over the memory limit names ``loss_fn=`` as
-the fix (``osdp/runtime/peak.py``). ``osdp.planner.describe`` and
-``osdp.profiler.profile`` called directly keep rule 3.
+fp32 as Hugging Face's losses compute it; likewise over the ``logits`` of a dict or
+``ModelOutput`` without a loss (a Hugging Face model called without ``labels=``, whose
+loop computes its own loss from ``out.logits``: a meta-built model has no real targets for
+a ``loss_fn`` to close over). Rules 1 and 2 and the other outputs are unchanged. Rank 0
+logs the assumption once (a warning of logger ``osdp.auto``), the plan keeps it
+(``Plan.assumed_loss``) and a step over the memory limit names ``loss_fn=`` as the fix
+(``osdp/runtime/peak.py``). ``osdp.planner.describe`` and ``osdp.profiler.profile``
+called directly keep rule 3.
 """
 from __future__ import annotations
 
@@ -72,6 +76,7 @@ from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..errors import OSDPError
 
@@ -182,13 +187,7 @@ def hold_output(loss: torch.Tensor, output) -> None:
     node = loss.grad_fn
     if node is None or output is loss:
         return
-    if isinstance(output, Mapping):
-        values = list(output.values())
-    elif isinstance(output, (tuple, list)):
-        values = list(output)
-    else:
-        values = [output]
-    held = [v for v in values if v is not loss and v is not None]
+    held = [v for v in _output_values(output) if v is not loss and v is not None]
     if held:
         node.metadata[_HELD] = held
 
@@ -219,20 +218,48 @@ def _loss_of(output, loss_fn: LossFn | None = None) -> torch.Tensor:
 
 def batch_loss(output, loss_fn: LossFn | None, batch: int, example_batch: int) -> torch.Tensor:
     """``loss_of`` for a forward of ``batch`` samples; a ``loss_fn`` that fails on a batch
-    other than the example's is told why (it closed over the example's targets)."""
-    if loss_fn is None or batch == example_batch:
-        return loss_of(output, loss_fn)
+    other than the example's, or on a model described on fake tensors (one built on the
+    meta device), is told why: it closed over the example's targets."""
+    if loss_fn is None:
+        return loss_of(output)
     try:
         return loss_of(output, loss_fn)
     except OSDPError:
         raise
     except Exception as exc:
+        failure = f"{type(exc).__name__}: {exc}"
+        if _holds_fake_tensor(output):
+            raise OSDPError(
+                f"loss_fn failed on the output of a model described on fake tensors ({failure}); "
+                "a model built on the meta device is described without allocating anything, so "
+                "loss_fn(output) must compute from the output alone, not from tensors it closed over "
+                "(take the targets from the output, e.g. labels= in the inputs and output.loss; or "
+                "leave loss_fn out: a logits output is priced with a cross-entropy over its last "
+                "dimension)"
+            ) from exc
+        if batch == example_batch:
+            raise
         raise OSDPError(
-            f"loss_fn failed on the output of a forward of {batch} samples ({type(exc).__name__}: "
-            f"{exc}); describe and the profiler also run batches other than example_inputs' "
-            f"{example_batch}: loss_fn(output) must work for any batch (take the targets from the "
-            "output, e.g. labels= in the inputs and output.loss)"
+            f"loss_fn failed on the output of a forward of {batch} samples ({failure}); describe "
+            f"and the profiler also run batches other than example_inputs' {example_batch}: "
+            "loss_fn(output) must work for any batch (take the targets from the output, e.g. "
+            "labels= in the inputs and output.loss)"
         ) from exc
+
+
+def _output_values(output) -> list:
+    """The values of a model's output: a mapping's (a ``ModelOutput``'s), a sequence's
+    items, or the output itself."""
+    if isinstance(output, Mapping):
+        return list(output.values())
+    if isinstance(output, (tuple, list)):
+        return list(output)
+    return [output]
+
+
+def _holds_fake_tensor(output) -> bool:
+    """Whether ``output`` holds a fake tensor, as describe's outputs on a meta-built model do."""
+    return any(isinstance(v, FakeTensor) for v in _output_values(output))
 
 
 def has_class_dim(output) -> bool:
@@ -254,21 +281,36 @@ class AssumedLoss:
         self.assumed = ""
 
     def __call__(self, output) -> torch.Tensor:
-        if not has_class_dim(output):
+        scores, what = _class_scores(output)
+        if scores is None:
             return loss_of(output)
-        logits = output.float().flatten(0, -2)
+        logits = scores.float().flatten(0, -2)
         targets = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
         loss = F.cross_entropy(logits, targets)
-        hold_output(loss, output)  # the loop's `logits = model(x)` holds it through backward
+        hold_output(loss, output)  # the loop's `out = model(x)` holds it through backward
         if not self.assumed:
-            classes = output.shape[-1]
-            self.assumed = (f"cross_entropy over the last dimension of the output ({classes} classes; the output "
-                            f"{tuple(output.shape)} {str(output.dtype).replace('torch.', '')} held through "
+            classes = scores.shape[-1]
+            self.assumed = (f"cross_entropy over the last dimension of {what} ({classes} classes; {what} "
+                            f"{tuple(scores.shape)} {str(scores.dtype).replace('torch.', '')} held through "
                             "backward)")
             if self.announce:
                 log.warning("auto mode: no loss_fn given; planning memory for %s; pass loss_fn=lambda output: "
                             "<scalar tensor> to plan for your own loss", self.assumed)
         return loss
+
+
+def _class_scores(output) -> tuple[torch.Tensor | None, str]:
+    """What :class:`AssumedLoss` prices a cross-entropy over, and its name: the output
+    when it has a class dimension, or the ``logits`` of a mapping (a Hugging Face
+    ``ModelOutput`` called without ``labels=``, its loss computed by the loop) that has
+    no ``loss``; (None, "") for every other output, which :func:`loss_of` takes."""
+    if has_class_dim(output):
+        return output, "the output"
+    if isinstance(output, Mapping) and not isinstance(output.get("loss"), torch.Tensor):
+        logits = output.get("logits")
+        if has_class_dim(logits):
+            return logits, "the output's logits"
+    return None, ""
 
 
 def auto_mode_loss(loss_fn: LossFn | None, announce: bool = True) -> LossFn:

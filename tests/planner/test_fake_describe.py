@@ -75,6 +75,28 @@ def test_fake_description_equals_real_field_by_field(case):
     assert [n for n, _ in meta_model.named_parameters()] == [n for n, _ in real_model.named_parameters()]
 
 
+
+def test_a_meta_hugging_face_model_without_labels_is_priced_with_its_loops_loss():
+    """A loop that computes its own loss from ``out.logits`` calls the model without
+    ``labels=``; auto mode's assumed cross-entropy over the logits describes the meta
+    model on fake tensors, and equals the real model's description field by field."""
+    transformers = pytest.importorskip("transformers")
+    from osdp.models.hf import LLAMA_DEFAULTS
+    from osdp.planner.inputs import AssumedLoss
+
+    config = transformers.LlamaConfig(**{**LLAMA_DEFAULTS, "attn_implementation": "sdpa"})
+    torch.manual_seed(0)
+    real_model = transformers.LlamaForCausalLM(config)
+    with torch.device("meta"):
+        meta_model = transformers.LlamaForCausalLM(config)
+    inputs = {"input_ids": torch.randint(0, config.vocab_size, (BATCH, 8))}
+    fake = describe(meta_model, inputs, loss_fn=AssumedLoss(announce=False))
+    assert_same(fake, describe(real_model, inputs, loss_fn=AssumedLoss(announce=False)))
+    summed = describe(real_model, inputs, loss_fn=lambda out: out.logits.float().sum())
+    logits_per_sample = inputs["input_ids"].shape[1] * real_model.config.vocab_size * 4
+    extra = fake.ops[-1].act_grad_bytes_per_sample - summed.ops[-1].act_grad_bytes_per_sample
+    assert extra >= 2.5 * logits_per_sample, "the cross-entropy's log-probabilities and gradients"
+
 def test_fake_true_on_a_real_model_reads_metadata_only():
     torch.manual_seed(0)
     config = get_preset("tiny")

@@ -107,6 +107,19 @@ def test_a_loss_fn_bound_to_the_example_batch_is_told_why_it_fails():
         describe(_TupleNet(), {"x": torch.randn(4, 8)}, loss_fn=lambda out: (out[0] - targets).square().mean())
 
 
+
+def test_a_loss_fn_bound_to_real_targets_on_a_meta_model_is_told_why_it_fails():
+    """A meta-built model is described on fake tensors: real targets in a closure fail at
+    once, even at the example batch, and the error says so rather than fake tensor mode's."""
+    targets = torch.randn(4, 8)
+    with torch.device("meta"):
+        model = _TupleNet()
+    with pytest.raises(OSDPError, match="described on fake tensors.*compute from the output alone"):
+        describe(model, {"x": torch.randn(4, 8)}, loss_fn=lambda out: (out[0] - targets).square().mean())
+    # computed from the output alone, the same loss_fn shape describes
+    desc = describe(model, {"x": torch.randn(4, 8)}, loss_fn=lambda out: out[0].square().mean())
+    assert [op.name for op in desc.ops] == ["fc1", "fc2"]
+
 def test_describe_a_stock_hugging_face_model_with_keyword_inputs():
     transformers = pytest.importorskip("transformers")
     from osdp.models.hf import GPT2_DEFAULTS
@@ -165,6 +178,26 @@ def test_auto_mode_assumes_a_cross_entropy_over_logits_says_so_once_and_keeps_th
         quiet(torch.randn(3, 7, requires_grad=True))
     assert quiet.assumed and not caplog.records
 
+
+
+def test_auto_mode_assumes_a_cross_entropy_over_the_logits_of_an_output_without_a_loss():
+    """A Hugging Face model called without ``labels=`` (the loop computes its own loss from
+    ``out.logits``): auto mode prices a cross-entropy over the logits, holding the whole
+    output; an output with a loss keeps it, one without logits with classes is refused."""
+    assumed = AssumedLoss(announce=False)
+    logits = torch.randn(2, 5, 7, requires_grad=True)
+    cache = torch.randn(2, 5, 3)
+    out = _Output(logits=logits * 1.0, past=cache)
+    loss = assumed(out)
+    want = F.cross_entropy(logits.detach().reshape(10, 7), torch.zeros(10, dtype=torch.long))
+    torch.testing.assert_close(loss, want)
+    assert "the output's logits (7 classes" in assumed.assumed
+    held = loss.grad_fn.metadata["osdp_held_output"]
+    assert any(v is cache for v in held) and any(v is out["logits"] for v in held), "the whole output is held"
+    scalar = torch.tensor(2.0)
+    assert AssumedLoss(announce=False)(_Output(loss=scalar, logits=logits)) is scalar
+    with pytest.raises(OSDPError, match=r"_Output\) has no loss"):
+        AssumedLoss(announce=False)(_Output(logits=torch.randn(4, 1)))
 
 class _Logits(nn.Module):
     def __init__(self):
