@@ -17,6 +17,7 @@ from osdp.errors import ConfigError
 from osdp.models.gpt import GPT, GPTConfig, example_batch
 from osdp.runtime.mixed_precision import MixedPrecision
 from runtime.compiled_cases import Case, counting_backend, run_all, run_auto, run_hf_cases
+from runtime.compiled_checkpoint_cases import SAVED_AT, STEPS, run_checkpoint_resume
 from runtime.compiled_transformer_cases import run_transformer_cases
 from runtime.dist_harness import free_port, spawn
 
@@ -112,6 +113,18 @@ def test_compiled_models_side_by_side_stay_compiled(gpt_all):
     for rank in gpt_all:
         assert rank["side_by_side"]["error"] == ""
 
+
+
+def test_checkpoints_move_between_eager_and_compiled_models(tmp_path):
+    """Saved eager, loaded into a compiled model with another plan after it compiled
+    (its graphs read the loaded shards and optimizer state, not what they last saw):
+    the resumed losses are the uninterrupted run's; saved compiled, loaded eager with a
+    third plan: the uninterrupted run's final state."""
+    for r in spawn(run_checkpoint_resume, 2, str(tmp_path)):
+        assert r["step"] == SAVED_AT
+        assert r["resumed"] == pytest.approx(r["losses"][SAVED_AT:], rel=1e-6, abs=1e-6)
+        assert r["compiled_vs_final"] <= 1e-6 and r["loaded_vs_final"] <= 1e-6, r
+        assert set(r["optim_step"]) == {STEPS}
 
 @pytest.mark.parametrize("case,gathers", CASES, ids=[c.name for c, _ in CASES])
 def test_compiled_matches_eager_and_single_process(gpt_results, case, gathers):
