@@ -41,6 +41,10 @@ from .runtime.view import ShardedView
 log = logging.getLogger("osdp")
 
 
+# the wrapped model's methods that would save its parameters as this rank holds them
+_SAVING_METHODS = ("save_pretrained", "push_to_hub")
+
+
 class ShardedModel(nn.Module):
     """The runtime of a plan: ``osdp.OSDP`` without auto mode (``osdp/entry.py`` adds
     it, one layer above: this module never imports the planner's measuring side).
@@ -560,6 +564,30 @@ class ShardedModel(nn.Module):
     def unwrapped(self) -> nn.Module:
         """The wrapped module (with split ops swapped in and parameters sharded)."""
         return self.module
+
+    def __getattr__(self, name: str):
+        """Only a missing attribute comes here (nn.Module's lookup of parameters, buffers
+        and submodules first): one the wrapped model has is named with where it is, so
+        that ``model.generate(...)`` says ``model.unwrapped.generate(...)``. Not passed
+        through silently: a wrapped model's own methods see this rank's pieces of the
+        parameters, which is right for a forward (generate) and wrong for one that saves
+        or counts them."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            wrapped = self.__dict__.get("module")  # outside the tree: [Note: one module tree]
+            if wrapped is None or name.startswith("__") or not hasattr(wrapped, name):
+                raise
+        kind = type(wrapped).__name__
+        if name in _SAVING_METHODS:
+            raise AttributeError(
+                f"{type(self).__name__} has no attribute {name!r}: the wrapped {kind}'s {name} would write this "
+                "rank's pieces of the parameters; save with osdp.checkpoint.save_hf(model, directory) (every "
+                "rank calls it; from_pretrained loads the directory)") from None
+        raise AttributeError(
+            f"{type(self).__name__} has no attribute {name!r}; the wrapped {kind} has: use "
+            f"model.unwrapped.{name} (its forwards run on the shards, as model(...) does; its parameters are "
+            "this rank's pieces)") from None
 
     def unit_names(self) -> list[str]:
         """Shard units in module order; a split unit ``name`` appears as ``name[i]``."""

@@ -399,3 +399,29 @@ def test_auto_mode_refuses_a_bad_option_before_profiling(monkeypatch):
     monkeypatch.setattr(osdp.entry, "plan_with_values", lambda *a, **k: pytest.fail("profiled first"))
     with pytest.raises(OSDPError, match="timeout_s must be a number of seconds > 0"):
         osdp.OSDP(gpt(), memory_limit="1 GiB", example_inputs=example_batch(CFG, 2), timeout_s=-1)
+
+
+def test_the_wrapped_models_methods_are_named_with_where_they_are():
+    """``model.generate`` of a wrapped Hugging Face model says ``model.unwrapped.generate``
+    (which runs on the shards: the plain model's tokens), ``save_pretrained`` points to
+    ``save_hf``; what neither has stays a plain AttributeError, defaults still apply."""
+    transformers = pytest.importorskip("transformers")
+    from osdp.models.hf import GPT2_DEFAULTS
+
+    config = transformers.GPT2Config(**GPT2_DEFAULTS)
+    torch.manual_seed(0)
+    plain = transformers.GPT2LMHeadModel(config).eval()
+    torch.manual_seed(0)
+    model = osdp.OSDP(transformers.GPT2LMHeadModel(config), default_mode="zdp").eval()
+    prompt = torch.arange(1, 7).view(1, 6)
+    with pytest.raises(AttributeError, match=r"no attribute 'generate'.*model\.unwrapped\.generate"):
+        model.generate(prompt)
+    with pytest.raises(AttributeError, match=r"save_pretrained would write this rank's pieces.*save_hf"):
+        model.save_pretrained("unused")
+    with pytest.raises(AttributeError, match=r"no attribute 'no_such_method'$"):
+        model.no_such_method()
+    assert getattr(model, "generation_config", None) is None and not hasattr(model, "config")
+    with torch.no_grad():
+        want = plain.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+        got = model.unwrapped.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, want)
