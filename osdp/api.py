@@ -17,6 +17,7 @@ from .checkpoint import full_state_dict as gathered_state_dict
 from .errors import ConfigError, OSDPError, PlanMismatchError
 from .memtrack import cpu_allocator_window, resident_tensors
 from .planner.calibration import format_report
+from .planner.inputs import argument_tensors
 from .planner.plan import plan_from_arg
 from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
@@ -416,7 +417,7 @@ class ShardedModel(nn.Module):
         limit = self.batch_size
         if not limit:
             return
-        first = next((t for t in list(args) + list(kwargs.values()) if isinstance(t, torch.Tensor)), None)
+        first = next(iter(argument_tensors(args, kwargs)), None)
         if first is None or first.dim() == 0:
             return
         if first.shape[0] > limit:

@@ -104,7 +104,8 @@ def auto_plan(
       ``past_key_values``, not the labels);
     - ``osdp.ExampleInputs(args, kwargs)`` for both.
 
-    The batch is dim 0 of the first tensor. The profiler runs backward on, in order:
+    The batch is dim 0 of the first tensor (in a dict, list or tuple argument too).
+    The profiler runs backward on, in order:
     ``loss_fn(output)`` (a scalar tensor; it must work for any batch: the profiler also
     runs halved and repeated batches), ``output.loss`` (a Hugging Face ``ModelOutput``
     given ``labels``, or a dict's ``"loss"``), the output tensor itself when a scalar, else

@@ -31,12 +31,13 @@ class OSDP(ShardedModel):
     ``model.plan`` is the plan and ``model.batch_size`` the per-device batch the training
     loop must use. ``example_inputs`` is one forward's arguments: a tuple (positional), a
     dict (keyword: a stock Hugging Face model takes ``{"input_ids": x, "labels": y}``) or
-    ``osdp.ExampleInputs(args, kwargs)``; the batch is dim 0 of the first tensor. The
-    profiler runs backward on ``loss_fn(output)`` when given (a scalar tensor, for any
-    batch), else on ``output.loss`` (a ``ModelOutput`` given labels) or on the output
-    tensor: a scalar itself, logits a cross-entropy over their last dimension (assumed:
-    logged once, kept as ``plan.assumed_loss``, named by the memory check), else the sum;
-    tuple outputs need ``loss_fn``. See [Note: example inputs and the loss] in
+    ``osdp.ExampleInputs(args, kwargs)``; the batch is dim 0 of the first tensor (in a
+    dict, list or tuple argument too). The profiler runs backward on ``loss_fn(output)``
+    when given (a scalar tensor, for any batch), else on ``output.loss`` (a
+    ``ModelOutput`` given labels) or on the output tensor: a scalar itself, logits (also
+    a ``ModelOutput``'s without a loss) a cross-entropy over their last dimension
+    (assumed: logged once, kept as ``plan.assumed_loss``, named by the memory check), else
+    the sum; tuple outputs need ``loss_fn``. See [Note: example inputs and the loss] in
     ``osdp/planner/inputs.py``. A model built on the meta device
     is initialized first (``param_init_fn``, as without auto mode: the same values for the
     same seed), measured one trial at a time ([Note: one trial at a time] in

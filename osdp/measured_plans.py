@@ -24,6 +24,7 @@ import time
 from dataclasses import asdict
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from .planner.inputs import as_example_inputs
 from .planner.plan import Plan
@@ -41,10 +42,19 @@ COMPILED_CHOICE = "eager-calibrated, finalists compiled"
 
 def _inputs_signature(example_inputs) -> list:
     inputs = as_example_inputs(example_inputs)
-    out = []
-    for name, value in [(str(i), a) for i, a in enumerate(inputs.args)] + sorted(inputs.kwargs.items()):
-        out.append([name, list(value.shape), str(value.dtype)] if isinstance(value, torch.Tensor) else [name, repr(value)])
-    return out
+    return [[name, *_value_signature(value)]
+            for name, value in [(str(i), a) for i, a in enumerate(inputs.args)] + sorted(inputs.kwargs.items())]
+
+
+def _value_signature(value) -> list:
+    """A tensor's shape and dtype; a container holding tensors (a batch dict), its
+    structure and its leaves' signatures (never their values); anything else, its repr."""
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype)]
+    leaves, structure = tree_flatten(value)
+    if any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return [str(structure), [_value_signature(leaf) for leaf in leaves]]
+    return [repr(value)]
 
 
 def _loss_key(loss_fn) -> str | None:

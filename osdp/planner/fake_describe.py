@@ -118,13 +118,11 @@ def _fake_inputs(fake_mode, inputs: ExampleInputs, device: torch.device) -> Exam
     fakes: dict[int, torch.Tensor] = {}
 
     def one(v):
-        if not isinstance(v, torch.Tensor):
-            return v
         if id(v) not in fakes:
             fakes[id(v)] = _fake_like(fake_mode, v, device)
         return fakes[id(v)]
 
-    return ExampleInputs(tuple(one(v) for v in inputs.args), {k: one(v) for k, v in inputs.kwargs.items()})
+    return inputs.map_tensors(one)
 
 
 @contextlib.contextmanager

@@ -13,10 +13,12 @@ and auto mode run (``osdp.planner.describe``, ``osdp.profiler.profile``, ``osdp.
 - a single tensor: ``model(tensor)``.
 
 The batch is dim 0 of the first tensor (positional arguments first, then keyword
-arguments in their order). describe halves the batch and the profiler repeats or cuts
-it: every tensor whose dim 0 equals the batch is cut or repeated along dim 0; other
-values (flags such as ``use_cache=False``, tensors of another leading size) are passed
-as they are.
+arguments in their order; inside an argument that is a dict, list or tuple, its tensors
+in order: ``model(batch)`` with ``batch = {"image": x, "label": y}`` is
+``example_inputs=(batch,)``). describe halves the batch and the profiler repeats or cuts
+it: every tensor whose dim 0 equals the batch, in containers too, is cut or repeated
+along dim 0; other values (flags such as ``use_cache=False``, tensors of another leading
+size) are passed as they are.
 
 The loss whose backward describe and the profiler run (and measure) is, in order:
 
@@ -77,6 +79,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import OSDPError
 
@@ -95,9 +98,9 @@ class ExampleInputs(NamedTuple):
         return model(*self.args, **self.kwargs)
 
     def tensors(self) -> list[torch.Tensor]:
-        """Tensor arguments, positional first, then keyword ones in their order."""
-        values = list(self.args) + list(self.kwargs.values())
-        return [v for v in values if isinstance(v, torch.Tensor)]
+        """Tensor arguments, positional first, then keyword ones in their order; the
+        tensors in a dict, list or tuple argument in theirs."""
+        return argument_tensors(self.args, self.kwargs)
 
     def batch_size(self) -> int:
         """Dim 0 of the first tensor argument."""
@@ -105,20 +108,23 @@ class ExampleInputs(NamedTuple):
         if first is None or first.dim() == 0:
             raise OSDPError(
                 "example inputs need a tensor with a batch dimension (dim 0 of the first tensor "
-                f"argument is the batch); got {describe_inputs(self)}"
+                f"argument, or of the first tensor in a dict, list or tuple argument, is the batch); "
+                f"got {describe_inputs(self)}"
             )
         return int(first.shape[0])
+
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExampleInputs":
+        """The same call with ``fn`` applied to every tensor, in containers too."""
+        def one(v):
+            return fn(v) if isinstance(v, torch.Tensor) else v
+
+        args, kwargs = tree_map(one, (tuple(self.args), dict(self.kwargs)))
+        return ExampleInputs(args, kwargs)
 
     def map_batched(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExampleInputs":
         """The same call with ``fn`` applied to every tensor whose dim 0 is the batch."""
         batch = self.batch_size()
-
-        def one(v):
-            if isinstance(v, torch.Tensor) and v.dim() > 0 and v.shape[0] == batch:
-                return fn(v)
-            return v
-
-        return ExampleInputs(tuple(one(v) for v in self.args), {k: one(v) for k, v in self.kwargs.items()})
+        return self.map_tensors(lambda t: fn(t) if t.dim() > 0 and t.shape[0] == batch else t)
 
     def with_batch(self, batch: int) -> "ExampleInputs":
         """The inputs cut to (or repeated up to) ``batch`` samples; fresh storage, so a
@@ -131,6 +137,12 @@ class ExampleInputs(NamedTuple):
             return t[:batch].clone()
 
         return self.map_batched(resize)
+
+
+def argument_tensors(args, kwargs) -> list[torch.Tensor]:
+    """The tensors of a call's arguments in order (positional, then keyword), those in a
+    dict, list or tuple argument in theirs: whose first is the batch."""
+    return [v for v in tree_leaves((tuple(args), dict(kwargs))) if isinstance(v, torch.Tensor)]
 
 
 def as_example_inputs(example_inputs) -> ExampleInputs:
@@ -159,7 +171,13 @@ def as_example_inputs(example_inputs) -> ExampleInputs:
 
 def describe_inputs(inputs: ExampleInputs) -> str:
     def one(v):
-        return f"tensor{tuple(v.shape)}" if isinstance(v, torch.Tensor) else type(v).__name__
+        if isinstance(v, torch.Tensor):
+            return f"tensor{tuple(v.shape)}"
+        if isinstance(v, Mapping):
+            return "{" + ", ".join(f"{k!r}: {one(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, (tuple, list)):
+            return type(v).__name__ + "(" + ", ".join(one(x) for x in v) + ")"
+        return type(v).__name__
 
     parts = [one(v) for v in inputs.args] + [f"{k}={one(v)}" for k, v in inputs.kwargs.items()]
     return f"({', '.join(parts)})"

@@ -47,6 +47,40 @@ def test_batch_is_dim0_of_the_first_tensor_and_resizing_keeps_flags():
         as_example_inputs({"use_cache": False}).batch_size()
 
 
+
+class _BatchDictNet(nn.Module):
+    """``model(batch)`` with the batch a dict (a vision loop's idiom), returning its loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.head = nn.Conv2d(3, 8, 3, padding=1), nn.Linear(8, 10)
+
+    def forward(self, batch):
+        h = torch.relu(self.conv(batch["image"])).mean((2, 3))
+        return F.cross_entropy(self.head(h), batch["pair"][1])
+
+
+def test_the_batch_inside_a_dict_or_tuple_argument_is_found_and_resized():
+    """A positional dict (or list, tuple) of tensors: its first tensor is the batch, and
+    every tensor in it with that dim 0 is cut or repeated, as top-level ones are."""
+    image, labels, table = torch.randn(4, 3, 6, 6), torch.arange(4), torch.ones(5, 2)
+    batch = {"image": image, "pair": (table, labels), "flag": True}
+    inputs = as_example_inputs((batch,))
+    assert inputs.batch_size() == 4
+    assert [t.shape for t in inputs.tensors()] == [image.shape, table.shape, labels.shape]
+    small = inputs.with_batch(2).args[0]
+    assert small["image"].shape == (2, 3, 6, 6) and small["pair"][1].tolist() == [0, 1]
+    assert small["pair"][0] is table and small["flag"] is True, "not the batch: as it is"
+    assert inputs.with_batch(6).args[0]["pair"][1].tolist() == [0, 1, 2, 3, 0, 1]
+    with pytest.raises(OSDPError, match=r"batch dimension.*got \(\{'flag': bool\}\)"):
+        as_example_inputs(({"flag": True},)).batch_size()
+    torch.manual_seed(0)
+    desc = describe(_BatchDictNet(), (batch,))  # its backward at 4 and at the halved 2
+    assert [op.name for op in desc.ops] == ["conv", "head"] and desc.ops[0].act_bytes_per_sample > 0
+    with torch.device("meta"):
+        meta = _BatchDictNet()
+    assert describe(meta, (batch,)) == desc, "described on fake tensors: the same"
+
 class _Output(OrderedDict):
     """A dict with attribute access, like transformers' ModelOutput."""
 
@@ -250,3 +284,18 @@ def test_every_loss_holds_the_output_as_long_as_it_lives_and_frees_it_without_a_
         assert loss_of(scalar) is scalar and "osdp_held_output" not in scalar.grad_fn.metadata
     finally:
         gc.enable()
+
+
+def test_the_measured_plan_cache_keys_a_batch_dict_by_shapes_not_values():
+    """[Note: measured plan cache]: inputs in a container key by their structure, shapes
+    and dtypes; flat inputs keep the keys they had."""
+    from osdp.measured_plans import _inputs_signature
+
+    def key(image, labels):
+        return _inputs_signature(({"image": image, "labels": labels},))
+
+    assert key(torch.zeros(4, 3), torch.arange(4)) == key(torch.ones(4, 3), torch.arange(4) + 1)
+    assert key(torch.zeros(4, 3), torch.arange(4)) != key(torch.zeros(2, 3), torch.arange(2))
+    assert _inputs_signature((torch.zeros(4, 3),)) == [["0", [4, 3], "torch.float32"]]
+    assert _inputs_signature({"use_cache": False}) == [["use_cache", "False"]]
+

@@ -328,6 +328,24 @@ def test_batch_above_the_plan_raises_smaller_runs():
         model(*example_batch(CFG, 3))
 
 
+class _BatchDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, batch):
+        return self.fc(batch["x"]).sum()
+
+
+def test_a_batch_in_a_dict_is_checked_against_the_plan():
+    """``model(batch)`` with the batch a dict: its first tensor is the batch, as auto mode
+    planned it ([Note: example inputs and the loss])."""
+    model = osdp.OSDP(_BatchDict(), plan=_plan_for(_BatchDict(), batch_size=2))
+    model({"x": torch.randn(2, 4)}).backward()
+    with pytest.raises(OSDPError, match=r"batch of 3 samples per device exceeds the plan's batch_size=2"):
+        model({"x": torch.randn(3, 4)})
+
+
 @pytest.mark.parametrize(
     "settings,mp,match",
     [
