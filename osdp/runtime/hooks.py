@@ -31,9 +31,9 @@ class _GatherFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        # a recompute's node is never run by autograd; guard anyway
-        if ctx.use.state is not UseState.RECOMPUTE:
-            ctx.scheduler.post_backward(ctx.use, grads)
+        # also a recompute's: a reentrant checkpoint runs its backward ([Note: activation
+        # checkpointing] in scheduler.py)
+        ctx.scheduler.post_backward(ctx.use, grads)
         return None, None, None
 
 
@@ -110,7 +110,7 @@ class ModuleBinding:
                 tensors = [v.view_as(v) for v in unit.views]
             for attr, i in attrs:
                 module.__dict__[attr] = tensors[i]  # see set_views
-        frozen = [u for u in uses if not u.unit.requires_grad and u.state is not UseState.RECOMPUTE]
+        frozen = [u for u in uses if not u.unit.requires_grad]
         if frozen and grad_enabled:
             args, kwargs = _hook_inputs(sched, frozen, args, kwargs)
         self._stack.append(uses)
@@ -119,11 +119,11 @@ class ModuleBinding:
     def _post_forward(self, module, args, kwargs, output):
         uses = self._stack.pop()
         needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        recompute = uses[0].state is UseState.RECOMPUTE
-        expects_backward = torch.is_grad_enabled() and bool(needs_grad) and not recompute
+        grad_flows = torch.is_grad_enabled() and bool(needs_grad)
+        expects_backward = grad_flows and uses[0].state is not UseState.RECOMPUTE
         for use in uses:
             self.scheduler.post_forward(use, expects_backward)
-        if expects_backward:
+        if grad_flows:  # a recompute's hooks fire only under a reentrant checkpoint
             hook = _PreBackward(self.scheduler, uses)
             for tensor in needs_grad:
                 tensor.register_hook(hook)

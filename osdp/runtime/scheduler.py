@@ -53,8 +53,15 @@ fail with ``CollectiveTimeoutError`` after ``timeout_s``; that step cannot be sa
 
 [Note: activation checkpointing]
 A forward that runs inside backward is a checkpoint recompute. It gathers what it needs
-(a ``zdp`` unit is gathered again), frees only what it gathered itself, and registers
-no backward uses: the backward of the original forward's uses does that.
+(a ``zdp`` unit is gathered again) and frees only what it gathered itself. A
+non-reentrant checkpoint (OSDP's ``checkpoint_blocks``, Hugging Face's default) only
+unpacks tensors from the recomputed graph and runs the original forward's backward: the
+original uses gather again, reduce and free. A reentrant one (``use_reentrant=True``,
+``torch.utils.checkpoint``'s default while it warns) ran the original forward without
+grad, so those uses expect no backward, and it runs the backward of the recomputed graph
+itself: the recompute's uses carry the same backward hooks as any use, which then gather
+again (gathered three times a step, against twice non-reentrant), reduce and free. In a
+non-reentrant recompute those hooks never fire.
 """
 from __future__ import annotations
 
@@ -210,7 +217,9 @@ class Scheduler:
 
     # ---- backward --------------------------------------------------------------------
     def pre_backward(self, use: Use) -> None:
-        if use.state in (UseState.RECOMPUTE, UseState.BACKWARD, UseState.DONE):
+        # a RECOMPUTE use comes here only from a reentrant checkpoint, the one kind that
+        # runs the recomputed graph's backward: see [Note: activation checkpointing]
+        if use.state in (UseState.BACKWARD, UseState.DONE):
             return
         self._enter_backward()
         unit = use.unit
@@ -230,8 +239,6 @@ class Scheduler:
     def post_backward(self, use: Use, grads) -> None:
         """``grads``: one gradient (or None) per slot, or None when the caller wrote them
         through :meth:`grad_buffer` (or the unit is frozen)."""
-        if use.state is UseState.RECOMPUTE:
-            return
         unit = use.unit
         self._enter_backward()
         was_active = use.state is UseState.BACKWARD
