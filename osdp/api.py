@@ -37,6 +37,7 @@ from .runtime.modes import Mode
 from .runtime.peak import StepMemory, StepMemoryCheck, make_monitor, step_peak_readable
 from .runtime.scheduler import Scheduler
 from .runtime.state_dict import build_layout
+from .runtime.trainable import follow_requires_grad
 from .runtime.view import ShardedView
 
 log = logging.getLogger("osdp")
@@ -398,6 +399,8 @@ class ShardedModel(nn.Module):
         if self.compile_config is not None:  # nothing to schedule: see [Note: compiled units]
             output = self.module(*args, **kwargs)
         else:
+            for unit in follow_requires_grad(self._built.units):  # [Note: trainability follows the parameters]
+                self._direct_grad_hooks.hook(unit)
             output = self._scheduled_forward(args, kwargs)
         return output if policy is None else policy.cast_output(output)
 

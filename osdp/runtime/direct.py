@@ -90,18 +90,29 @@ class DirectBinding:
 
 class DirectGradHooks:
     """Per direct trainable unit, a post-accumulate-grad hook on each of its parameters;
-    the scheduler hears of each accumulation (``direct_grad_accumulated``)."""
+    the scheduler hears of each accumulation (``direct_grad_accumulated``). A unit
+    frozen when wrapped gets its hooks once it is unfrozen (:meth:`hook`; [Note:
+    trainability follows the parameters] in trainable.py)."""
 
     def __init__(self, units, scheduler):
+        self.scheduler = scheduler
+        self.units = set(units)
+        self.hooked: set[ShardUnit] = set()
         self.handles = []
         for unit in units:
-            if not unit.requires_grad:
-                continue
-            unit.direct = True
-            unit.direct_awaited = len(unit.params)
-            for param in unit.params:
-                self.handles.append(param.register_post_accumulate_grad_hook(
-                    lambda _param, unit=unit: scheduler.direct_grad_accumulated(unit)))
+            if unit.requires_grad:
+                self.hook(unit)
+
+    def hook(self, unit: ShardUnit) -> None:
+        """Hook ``unit``'s parameters (trainable now), unless it is not direct or is hooked."""
+        if unit not in self.units or unit in self.hooked:
+            return
+        self.hooked.add(unit)
+        unit.direct = True
+        unit.direct_awaited = len(unit.params)
+        for param in unit.params:
+            self.handles.append(param.register_post_accumulate_grad_hook(
+                lambda _param, unit=unit: self.scheduler.direct_grad_accumulated(unit)))
 
 
 def reset_awaited(units) -> None:

@@ -119,7 +119,6 @@ class ShardUnit:
         self.name = name
         self.slots = tuple(slots)
         self.mode = mode
-        self.requires_grad = requires_grad
         # who holds which part of the flat buffer: see [Note: holder rank]
         self.replicated = mode is Mode.REP
         self.shard_rank, self.shard_world = (0, 1) if self.replicated else (rank, world_size)
@@ -191,6 +190,12 @@ class ShardUnit:
         # small whole-module unit whose collectives may be coalesced with other small
         # units' (set by the scheduler, see [Note: coalesced small units])
         self.coalescible = False
+
+    @property
+    def requires_grad(self) -> bool:
+        """Trainable or frozen: the flat shard's flag, which follows the parameters'
+        ([Note: trainability follows the parameters] in trainable.py)."""
+        return self.shard.requires_grad
 
     @property
     def dtype(self) -> torch.dtype:

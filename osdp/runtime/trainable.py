@@ -1,0 +1,44 @@
+"""Which units train: their original parameters' ``requires_grad``, read at each forward.
+
+[Note: trainability follows the parameters]
+A unit trains or is frozen as one (one flat shard, one gradient). Users say which
+through the original parameters (``model.named_parameters()``, or the wrapped modules'
+own), before wrapping or after: a backbone frozen for the first epoch and trained after
+it, a layer unfrozen late. Eager OSDP computes through each unit's flat shard, the input
+of its gather, so before each forward the shard takes its parameters' flag; a split op's
+slices take that of the parameter cut across them. The compiled path rebuilds the shard
+from the parameters inside its graph (compiled.py), so autograd follows them there
+already. Before this, a unit frozen after wrapping kept training: its gradient was
+reduced into the parameters' ``.grad`` and the optimizer stepped them (SGD, 2 gloo
+ranks: the second step's loss 4.190704 against single-process training's 4.191924). A
+unit whose parameters disagree is refused, naming them, as at wrapping (build.py). A
+``rep`` unit that computes with its parameters directly ([Note: direct replicated
+units] in direct.py) follows them by construction; one frozen when wrapped gets its
+all-reduce hooks when it is unfrozen, so that its gradient is averaged too.
+"""
+from __future__ import annotations
+
+from ..errors import OSDPError
+from .shard_unit import ShardUnit
+
+
+def follow_requires_grad(units: list[ShardUnit]) -> list[ShardUnit]:
+    """Set each unit's flat shard trainable or frozen as its parameters are; the units
+    unfrozen by it."""
+    unfrozen = []
+    for unit in units:
+        flags = {p.requires_grad for p in unit.params}
+        if len(flags) > 1:
+            frozen = [n for n, p in zip(unit.param_names, unit.params) if not p.requires_grad]
+            trainable = [n for n, p in zip(unit.param_names, unit.params) if p.requires_grad]
+            raise OSDPError(
+                f"unit {unit.name!r} mixes frozen parameters ({', '.join(frozen)}) and trainable ones "
+                f"({', '.join(trainable)}): a unit trains or is frozen as one; set requires_grad alike on "
+                "all of its parameters"
+            )
+        if flags and flags != {unit.shard.requires_grad}:
+            trainable = flags.pop()
+            unit.shard.requires_grad_(trainable)
+            if trainable:
+                unfrozen.append(unit)
+    return unfrozen
