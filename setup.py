@@ -71,7 +71,7 @@ setup(
     python_requires=">=3.10",
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest", "pytest-xdist", "numpy<2.4", "triton==3.6.0", "transformers==5.23.0"],
+        "test": ["pytest", "pytest-xdist", "numpy<2.4", "triton==3.6.0", "transformers==5.23.0", "peft==0.21.2"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["osdp=osdp.cli:main"]},

@@ -1,0 +1,75 @@
+"""Per-rank body of ``test_lora.py``: LoRA adapters (``peft``) on a stock Llama, the base
+frozen, wrapped by OSDP, against single-process training of the same adapters."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import osdp
+import osdp.checkpoint as ckpt
+
+VOCAB, SEQ, LOCAL_BATCH, STEPS = 128, 12, 2, 3
+LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa")
+PREFIX = "base_model.model.model.layers."
+# the frozen base sharded (q_proj's base layer split in a dp and a zdp slice), an adapter
+# dp, the rest zdp
+PLAN = {"default_mode": "zdp",
+        "modes": {f"{PREFIX}0.self_attn.q_proj.base_layer": ["dp", "zdp"],
+                  f"{PREFIX}1.self_attn.v_proj.lora_B.default": "dp"},
+        "splits": {f"{PREFIX}0.self_attn.q_proj.base_layer": 2}}
+
+
+def lora_llama():
+    import peft
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    # init_lora_weights=False: B is random too, so that the adapters change the logits
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                             init_lora_weights=False)
+    return peft.get_peft_model(model, config)
+
+
+def _batch(step: int, world: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(40 + step)
+    return torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
+
+
+def train(model, world: int, rank: int | None) -> list[float]:
+    """STEPS AdamW steps on the trainable parameters (the adapters); ``rank`` None:
+    single process, the mean of the ranks' losses."""
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-5)
+    losses = []
+    for step in range(STEPS):
+        tokens = _batch(step, world)
+        parts = [tokens[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH] for r in range(world)]
+        if rank is None:
+            loss = sum(model(input_ids=x, labels=x).loss for x in parts) / world
+        else:
+            loss = model(input_ids=parts[rank], labels=parts[rank]).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if rank is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses
+
+
+def run_lora(rank: int, world: int, compile_arg) -> dict:
+    """Train the adapters wrapped (eager, or compiled with ``compile_arg``); their state
+    as peft saves it, from the gathered full state dict (rank 0)."""
+    import peft
+
+    torch._dynamo.reset()
+    model = osdp.OSDP(lora_llama(), compile=compile_arg, **PLAN)
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    losses = train(model, world, rank)
+    full = ckpt.full_state_dict(model)  # rank 0's, None elsewhere
+    adapters = None if full is None else peft.get_peft_model_state_dict(model.unwrapped, state_dict=full)
+    return {"losses": losses, "trainable": trainable, "adapters": adapters, "full": full}
