@@ -587,7 +587,9 @@ class ShardedModel(nn.Module):
             raise AttributeError(
                 f"{type(self).__name__} has no attribute {name!r}: the wrapped {kind}'s {name} would write this "
                 "rank's pieces of the parameters; save with osdp.checkpoint.save_hf(model, directory) (every "
-                "rank calls it; from_pretrained loads the directory)") from None
+                "rank calls it; from_pretrained loads the directory), or a peft model's adapters from the "
+                "gathered state dict: peft.get_peft_model_state_dict(model.unwrapped, "
+                "state_dict=osdp.checkpoint.full_state_dict(model)) on rank 0") from None
         raise AttributeError(
             f"{type(self).__name__} has no attribute {name!r}; the wrapped {kind} has: use "
             f"model.unwrapped.{name} (its forwards run on the shards, as model(...) does; its parameters are "
