@@ -29,7 +29,9 @@ calls ``sched.direct_grad_accumulated(unit)``; the last one joins the replicated
 
 [Note: end of the backward pass]
 At the end of a backward pass (autograd final callback) uses that never got a
-backward (outputs not in the loss) are abandoned, partial gradients are
+backward (outputs not in the loss) are abandoned, uses whose backward began but got no
+gradient (a module owning a parameter that only a tied submodule computes with) end,
+partial gradients are
 reduce-scattered (a rep unit's join the replicated bucket, which is all-reduced then),
 all reductions are waited on and every gathered buffer is freed, on every rank alike
 (the graph is the same on every rank).
@@ -115,6 +117,7 @@ class Scheduler:
         self._in_backward = False
         self._backward_label: tuple[str, str] | None = None  # the ledger's label of the backward in progress
         self._awaiting: dict[Use, None] = {}
+        self._computing_backward: dict[Use, None] = {}  # pre_backward ran, post_backward not yet
         self.recover_listeners: list = []  # called by recover() (module hooks drop their stacks)
 
     # ---- settings the API reads and writes ---------------------------------------------
@@ -226,6 +229,7 @@ class Scheduler:
         self._awaiting.pop(use, None)
         self.lifecycle.begin_backward_use(unit, use.state is UseState.AWAIT_BACKWARD, use.needs_weights)
         use.state = UseState.BACKWARD
+        self._computing_backward[use] = None
         self.prefetch.record_backward_use(unit)
         self.prefetch.gather_for_backward(unit)
         self.lifecycle.wait_for_unshard(unit)
@@ -245,6 +249,7 @@ class Scheduler:
         # backward without pre_backward: a split op that needs no weights
         was_awaiting = use.state is UseState.AWAIT_BACKWARD
         self._awaiting.pop(use, None)
+        self._computing_backward.pop(use, None)
         self.lifecycle.end_backward_use(unit, was_active, was_awaiting, use.needs_weights)
         use.state = UseState.DONE
         if grads is not None and unit.requires_grad:
@@ -276,6 +281,13 @@ class Scheduler:
             self.lifecycle.drop_await(use.unit, use.needs_weights)
             use.state = UseState.ABANDONED
         self._awaiting.clear()
+        for use in list(self._computing_backward):
+            # its module's output got a gradient but its own views none: a module that
+            # owns a parameter only a tied submodule computes with (BERT's prediction
+            # head owns the bias its decoder adds); the submodule's use carried it
+            self.lifecycle.end_backward_use(use.unit, True, False, use.needs_weights)
+            use.state = UseState.DONE
+        self._computing_backward.clear()
         if self.sync_gradients:
             for unit in self.units:
                 if self.reducer.has_grad(unit) and unit.n_active == 0:
@@ -291,9 +303,10 @@ class Scheduler:
     # ---- outside a step ----------------------------------------------------------------
     def recover(self) -> None:
         """Back to the state of a fresh step; see [Note: recovery after an exception]."""
-        for use in self._awaiting:
+        for use in (*self._awaiting, *self._computing_backward):
             use.state = UseState.ABANDONED
         self._awaiting.clear()
+        self._computing_backward.clear()
         self.lifecycle.reset(self.units)
         self.reducer.drop(self.units)
         reset_awaited(self.units)

@@ -1,0 +1,75 @@
+"""Per-rank body of ``test_other_models.py``: stock Hugging Face models of other shapes
+than the decoder-only LMs of hf_cases.py: BERT masked LM (a prediction head that owns
+the bias its tied decoder adds), T5 (one shared embedding used by the encoder, the
+decoder and the head), ViT (image patches, a classification head)."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import osdp
+
+LOCAL_BATCH, STEPS = 2, 3
+
+
+def build(kind: str):
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    if kind == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(
+            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    if kind == "t5":
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    return transformers.ViTForImageClassification(transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5))
+
+
+def _batch(kind: str, step: int, world: int) -> dict:
+    gen = torch.Generator().manual_seed(50 + step)
+    n = LOCAL_BATCH * world
+    if kind == "vit":
+        return {"pixel_values": torch.randn(n, 3, 16, 16, generator=gen),
+                "labels": torch.randint(0, 5, (n,), generator=gen)}
+    tokens = torch.randint(1, 100, (n, 10), generator=gen)
+    labels = torch.randint(1, 100, (n, 6), generator=gen) if kind == "t5" else tokens
+    return {"input_ids": tokens, "labels": labels}
+
+
+def train(model, kind: str, world: int, rank: int | None) -> list[float]:
+    """STEPS AdamW steps; ``rank`` None: single process, the mean of the ranks' losses."""
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    losses = []
+    for step in range(STEPS):
+        batch = _batch(kind, step, world)
+        parts = [{k: v[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH] for k, v in batch.items()} for r in range(world)]
+        if rank is None:
+            loss = sum(model(**part).loss for part in parts) / world
+        else:
+            loss = model(**parts[rank]).loss
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if rank is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses
+
+
+def run_models(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
+    """Per (model, path): the losses and the full state after training."""
+    out = {}
+    for kind, path in cases:
+        torch._dynamo.reset()
+        compile_arg = {"backend": "aot_eager"} if path == "compiled" else None
+        model = osdp.OSDP(build(kind), default_mode="zdp", compile=compile_arg)
+        out[f"{kind}-{path}"] = {"losses": train(model, kind, world, rank),
+                                 "state": model.full_state_dict(rank0_only=False)}
+    return out
