@@ -3,10 +3,11 @@ frozen, wrapped by OSDP, against single-process training of the same adapters.""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import osdp
 import osdp.checkpoint as ckpt
+
+from . import split_batch_loop
 
 VOCAB, SEQ, LOCAL_BATCH, STEPS = 128, 12, 2, 3
 LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -33,32 +34,16 @@ def lora_llama():
     return peft.get_peft_model(model, config)
 
 
-def _batch(step: int, world: int) -> torch.Tensor:
+def _batch(step: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(40 + step)
-    return torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
+    tokens = torch.randint(0, VOCAB, (LOCAL_BATCH * world, SEQ), generator=gen)
+    return {"input_ids": tokens, "labels": tokens}
 
 
 def train(model, world: int, rank: int | None) -> list[float]:
     """STEPS AdamW steps on the trainable parameters (the adapters); ``rank`` None:
     single process, the mean of the ranks' losses."""
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, eps=1e-5)
-    losses = []
-    for step in range(STEPS):
-        tokens = _batch(step, world)
-        parts = [tokens[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH] for r in range(world)]
-        if rank is None:
-            loss = sum(model(input_ids=x, labels=x).loss for x in parts) / world
-        else:
-            loss = model(input_ids=parts[rank], labels=parts[rank]).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        if rank is not None:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
-    return losses
+    return split_batch_loop.train(model, lambda step: _batch(step, world), STEPS, world, rank)
 
 
 def run_lora(rank: int, world: int, compile_arg) -> dict:

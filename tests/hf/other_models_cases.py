@@ -5,9 +5,10 @@ decoder and the head), ViT (image patches, a classification head)."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import osdp
+
+from . import split_batch_loop
 
 LOCAL_BATCH, STEPS = 2, 3
 
@@ -43,24 +44,7 @@ def _batch(kind: str, step: int, world: int) -> dict:
 
 def train(model, kind: str, world: int, rank: int | None) -> list[float]:
     """STEPS AdamW steps; ``rank`` None: single process, the mean of the ranks' losses."""
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
-    losses = []
-    for step in range(STEPS):
-        batch = _batch(kind, step, world)
-        parts = [{k: v[r * LOCAL_BATCH:(r + 1) * LOCAL_BATCH] for k, v in batch.items()} for r in range(world)]
-        if rank is None:
-            loss = sum(model(**part).loss for part in parts) / world
-        else:
-            loss = model(**parts[rank]).loss
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        if rank is not None:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
-    return losses
+    return split_batch_loop.train(model, lambda step: _batch(kind, step, world), STEPS, world, rank)
 
 
 def run_models(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
