@@ -48,15 +48,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, out_dir, backend, fn, args):
+def _worker(rank, world, out_dir, backend, fn, args):
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
     code = 1
     try:
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        # a file rendezvous in the run's own directory: a free port chosen by the parent
+        # and bound later by rank 0 can be taken in between by another process
+        # (EADDRINUSE, seen with tests running side by side)
+        init = f"file://{os.path.join(out_dir, 'rendezvous')}"
+        dist.init_process_group(backend, init_method=init, rank=rank, world_size=world)
         result = fn(rank, world, *args)
         torch.save({"ok": True, "result": result}, os.path.join(out_dir, f"{rank}.pt"))
         code = 0
@@ -71,7 +74,7 @@ def spawn(fn, world: int, *args, backend: str | None = None) -> list:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            mp.spawn(_worker, args=(world, free_port(), out_dir, backend, fn, args), nprocs=world)
+            mp.spawn(_worker, args=(world, out_dir, backend, fn, args), nprocs=world)
         except Exception as exc:
             errors = []
             for rank in range(world):

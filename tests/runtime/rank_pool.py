@@ -11,7 +11,7 @@ next is handled per task instead:
 
 - every task runs with the test process's environment variables and working directory of
   the moment it is sent (what a process spawned then would inherit), and a fresh default
-  process group (``init_process_group`` on a new port
+  process group (``init_process_group`` on a new rendezvous file
   before ``fn``, a barrier and ``destroy_process_group`` after it: subgroups, device
   meshes' groups and group counters go with it), as a fresh spawn would;
 - after a task that succeeded on every rank, the process-wide state a test can change
@@ -62,7 +62,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from osdp.launch import free_port
 
 __all__ = ["RankPool", "run", "shutdown"]
 
@@ -160,17 +159,19 @@ def _worker(rank: int, world: int, conn) -> None:
             break
         if task is None:
             break
-        port, environ, cwd, payload, out_path, log_path = task
+        store_path, environ, cwd, payload, out_path, log_path = task
         ok = False
         with _Redirect(log_path):
             try:
                 _reseed()
                 os.environ.clear()
                 os.environ.update(environ)  # the test process's, as a spawned process inherits it
-                os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                os.environ["MASTER_ADDR"] = "127.0.0.1"
                 os.chdir(cwd)
                 fn, args = pickle.loads(payload)
-                dist.init_process_group("gloo", rank=rank, world_size=world)
+                # a file rendezvous: a port chosen here and bound later by rank 0 could be
+                # taken in between by another test's process (EADDRINUSE, seen under xdist)
+                dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
                 result = fn(rank, world, *args)
                 torch.save({"ok": True, "result": result}, out_path)
                 del result
@@ -268,17 +269,17 @@ class RankPool:
         os.makedirs(task_dir)
         out = [os.path.join(task_dir, f"{r}.pt") for r in range(self.world)]
         logs = [os.path.join(task_dir, f"{r}.log") for r in range(self.world)]
-        port = free_port()
+        store = os.path.join(task_dir, "rendezvous")
         try:
-            return self._run(fn, out, logs, port, payload, timeout_s)
+            return self._run(fn, out, logs, store, payload, timeout_s)
         except BaseException:  # an error of its ranks closed it already; an interrupt here: kill it
             if self.alive:
                 self.close(kill=True)
             raise
 
-    def _run(self, fn, out, logs, port, payload, timeout_s) -> list:
+    def _run(self, fn, out, logs, store, payload, timeout_s) -> list:
         for rank, conn in enumerate(self.conns):
-            conn.send((port, dict(os.environ), os.getcwd(), payload, out[rank], logs[rank]))
+            conn.send((store, dict(os.environ), os.getcwd(), payload, out[rank], logs[rank]))
 
         done: dict[int, bool] = {}  # rank -> ok
         dead: dict[int, int | None] = {}  # rank -> exit code

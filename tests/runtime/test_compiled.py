@@ -19,7 +19,7 @@ from osdp.runtime.mixed_precision import MixedPrecision
 from runtime.compiled_cases import Case, counting_backend, run_all, run_auto, run_hf_cases
 from runtime.compiled_checkpoint_cases import SAVED_AT, STEPS, run_checkpoint_resume
 from runtime.compiled_transformer_cases import run_transformer_cases
-from runtime.dist_harness import free_port, spawn
+from runtime.dist_harness import spawn
 
 # per case: (all-gathers in the forward graphs, in the backward graphs), derived from
 # the plan. The GPT has 16 units: wte, wpe, 6 per block (ln_1, c_attn, c_proj, ln_2,
@@ -465,7 +465,7 @@ def test_compiled_on_one_rank_trains_as_plain_pytorch():
     """On one rank a ``rep`` unit's local gradient is the average: the compiled path
     registers no gradient hooks for the bucket (no copies, no all-reduce) and trains as
     plain PyTorch does (``aot_eager``: the same operators)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         cfg = GPTConfig(vocab_size=96, seq_len=8, num_layers=2, hidden=32, heads=4)
         plain, wrapped = _gpt(), osdp.OSDP(_gpt(), default_mode="rep", compile={"backend": "aot_eager"})
