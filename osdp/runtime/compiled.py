@@ -222,6 +222,17 @@ class _ModuleWithViews:
             return value.__func__.__get__(self)  # a method: bound to the views
         return value
 
+    # a container's forward indexes itself: torch.nn.utils.parametrize's
+    # ParametrizationList calls ``self[0](self.original)`` (Python finds these on the type)
+    def __getitem__(self, index):
+        return self._osdp_module[index]
+
+    def __len__(self) -> int:
+        return len(self._osdp_module)
+
+    def __iter__(self):
+        return iter(self._osdp_module)
+
 
 class ModuleUnits:
     """A module's units and which of their slots its attributes read."""

@@ -1,7 +1,8 @@
 """Per-rank body of ``test_other_models.py``: stock Hugging Face models of other shapes
 than the decoder-only LMs of hf_cases.py: BERT masked LM (a prediction head that owns
 the bias its tied decoder adds), T5 (one shared embedding used by the encoder, the
-decoder and the head), ViT (image patches, a classification head)."""
+decoder and the head), ViT (image patches, a classification head), Wav2Vec2 (CTC over
+audio; its positional convolution's weight under ``weight_norm``, a parametrization)."""
 from __future__ import annotations
 
 import torch
@@ -26,6 +27,13 @@ def build(kind: str):
         return transformers.T5ForConditionalGeneration(transformers.T5Config(
             vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
             dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
+    if kind == "wav2vec2":
+        return transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
+            vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+            feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
+            ctc_loss_reduction="mean"))
     return transformers.ViTForImageClassification(transformers.ViTConfig(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5))
@@ -34,6 +42,9 @@ def build(kind: str):
 def _batch(kind: str, step: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(50 + step)
     n = LOCAL_BATCH * world
+    if kind == "wav2vec2":  # 800 samples of audio, 5 CTC labels
+        return {"input_values": torch.randn(n, 800, generator=gen),
+                "labels": torch.randint(1, 20, (n, 5), generator=gen)}
     if kind == "vit":
         return {"pixel_values": torch.randn(n, 3, 16, 16, generator=gen),
                 "labels": torch.randint(0, 5, (n,), generator=gen)}
