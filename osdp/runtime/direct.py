@@ -97,17 +97,16 @@ class DirectGradHooks:
     def __init__(self, units, scheduler):
         self.scheduler = scheduler
         self.units = set(units)
-        self.hooked: set[ShardUnit] = set()
         self.handles = []
         for unit in units:
             if unit.requires_grad:
                 self.hook(unit)
 
     def hook(self, unit: ShardUnit) -> None:
-        """Hook ``unit``'s parameters (trainable now), unless it is not direct or is hooked."""
-        if unit not in self.units or unit in self.hooked:
+        """Hook ``unit``'s parameters (trainable now), unless it is not direct or is hooked
+        (``unit.direct``)."""
+        if unit not in self.units or unit.direct:
             return
-        self.hooked.add(unit)
         unit.direct = True
         unit.direct_awaited = len(unit.params)
         for param in unit.params:

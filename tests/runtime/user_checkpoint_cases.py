@@ -24,9 +24,10 @@ FROZEN = "blocks.1.ln_2"
 
 class UserCheckpointed(nn.Module):
     """A tied GPT whose forward checkpoints what ``regions`` says: ``"blocks"`` each
-    block on its own, ``"cover"`` two regions that hold every unit (embeddings and block
-    0; block 1, the final norm and the tied head), so that no unit is used outside a
-    recompute."""
+    block on its own, ``"cover"`` two regions that hold every unit (the embeddings and
+    block 0; block 1, the final norm and the tied head), the token lookup left outside
+    the first region when it is reentrant (such a checkpoint runs backward through its
+    region only from an input that requires grad, which token ids cannot)."""
 
     def __init__(self, regions: str, reentrant: bool):
         super().__init__()
@@ -40,28 +41,26 @@ class UserCheckpointed(nn.Module):
     def _checkpoint(self, fn, *args):
         return checkpoint(fn, *args, use_reentrant=self.reentrant)
 
-    def _first(self, idx):
-        return self.blocks[0](self.wte(idx) + self.wpe(torch.arange(idx.shape[1])))
+    def _with_positions(self, tokens):
+        return tokens + self.wpe(torch.arange(tokens.shape[1]))
+
+    def _first(self, tokens):
+        return self.blocks[0](self._with_positions(tokens))
 
     def _last(self, h):
         return self.head(self.ln_f(self.blocks[1](h)))
 
     def forward(self, idx):
         if self.regions == "cover":
-            # a reentrant checkpoint needs an input that requires grad to run backward
-            # through its region: the token ids cannot, so the first region starts there
             if self.reentrant:
-                h = self._checkpoint(self._first_from_embeddings, self.wte(idx))
+                h = self._checkpoint(self._first, self.wte(idx))
             else:
-                h = self._checkpoint(self._first, idx)
+                h = self._checkpoint(lambda ids: self._first(self.wte(ids)), idx)
             return self._checkpoint(self._last, h)
-        h = self.wte(idx) + self.wpe(torch.arange(idx.shape[1]))
+        h = self._with_positions(self.wte(idx))
         for block in self.blocks:
             h = self._checkpoint(block, h)
         return self.head(self.ln_f(h))
-
-    def _first_from_embeddings(self, tokens):
-        return self.blocks[0](tokens + self.wpe(torch.arange(tokens.shape[1])))
 
 
 def _model(regions: str, reentrant: bool) -> UserCheckpointed:
