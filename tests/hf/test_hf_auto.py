@@ -54,6 +54,13 @@ def test_auto_mode_matches_single_process(results, name):
     assert max((state[k] - init[k]).abs().max().item() for k in ref_state) > 1e-2
 
 
+def test_plans_are_made_for_the_seeded_link(results):
+    """Every case planned on hc.SLOW_LINK: the profiler found it in the cache and timed
+    no collective of its own (which would have added a second entry)."""
+    assert len(results[0]["links"]) == 1
+    assert results[0]["links"][0]["all_gather"] == hc.SLOW_LINK
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_plan_is_run_as_planned_on_every_rank(results, name):
     probes = [r["osdp"][name][2] for r in results]
@@ -65,8 +72,9 @@ def test_plan_is_run_as_planned_on_every_rank(results, name):
         else:
             expected.update({f"{unit}[{i}]": m for i, m in enumerate(modes)})
     assert probes[0]["unit_modes"] == expected
-    # the memory limit lies between the all-zdp and all-dp peaks: the plan had to mix
-    # (if the cost model changes, re-derive Case.memory_limit in hf_auto_cases.py)
+    # the memory limit lies between the all-zdp and all-dp peaks and the link is slow
+    # (hc.SLOW_LINK): the plan had to mix (if the cost model changes, re-derive
+    # Case.memory_limit in hf_auto_cases.py)
     assert {"dp", "zdp"} <= set(expected.values()), expected
 
 
