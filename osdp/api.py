@@ -28,6 +28,7 @@ from .runtime.config import check_plan_layout, check_plan_matches_model, own_par
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
+from .runtime.lockstep import mark_lockstep
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
@@ -184,6 +185,7 @@ class ShardedModel(nn.Module):
         self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built, self.prefetch_bytes,
                                                  self._region_classes, self.coalesce_bytes)
                                  if self.compile_config is not None else [])
+        mark_lockstep(self.module, self.compiled_regions)  # [Note: ranks in lockstep]
 
     # the runtime options it was built with (self.options), by their keyword names
     @property

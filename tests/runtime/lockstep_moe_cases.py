@@ -1,0 +1,106 @@
+"""Per-rank body of ``test_lockstep_moe.py``: a mixture of experts written the way users
+write one, one ``nn.Linear`` per expert, top-1 routing. Every expert is called on every
+rank, an expert routed no tokens on its empty slice of them ([Note: ranks in lockstep] in
+osdp/runtime/lockstep.py): the ranks gather the same units in the same order whatever
+the routing, and an expert without tokens on one rank reduces a zero gradient there."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import osdp
+
+DIM, EXPERTS, LOCAL_BATCH, STEPS = 16, 4, 4, 4
+LR, EPS = 1e-2, 1e-5
+
+
+class MoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(DIM, EXPERTS)
+        self.experts = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(EXPERTS))
+
+    def forward(self, x):
+        gates = torch.softmax(self.router(x), -1)
+        route = gates.argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (route == i).nonzero().flatten()  # may be empty: the expert still runs
+            out = out.index_add(0, rows, expert(x[rows]) * gates[rows, i:i + 1])
+        return x + out
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, DIM)
+        self.moe = nn.ModuleList([MoE(), MoE()])
+        self.head = nn.Linear(DIM, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.moe:
+            x = block(x)
+        return self.head(x)
+
+
+def build() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step: int, world: int):
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(LOCAL_BATCH * world, 8, generator=gen)
+    x[:LOCAL_BATCH] += 3.0  # rank 0's rows apart: the ranks route differently
+    return x, torch.randint(0, 3, (LOCAL_BATCH * world,), generator=gen)
+
+
+def experts_used(model: Net, x) -> list[set[int]]:
+    """Per MoE block, the experts ``x``'s rows are routed to (plain model, no grad)."""
+    used = []
+    with torch.no_grad():
+        h = model.inp(x)
+        for block in model.moe:
+            used.append(set(block.router(h).argmax(-1).tolist()))
+            h = block(h)
+    return used
+
+
+def train(model, world: int, rank: int | None) -> list[float]:
+    """The user's own loss outside the model; ``rank`` None: one process, the mean of
+    the ranks' losses."""
+    optim = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
+    losses = []
+    for step in range(STEPS):
+        x, y = batch(step, world)
+        parts = [slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH) for r in range(world)]
+        if rank is None:
+            loss = sum(nn.functional.cross_entropy(model(x[p]), y[p]) for p in parts) / world
+        else:
+            loss = nn.functional.cross_entropy(model(x[parts[rank]]), y[parts[rank]])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        if rank is not None:
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(loss.item())
+    return losses
+
+
+MODES = {
+    "zdp": {},
+    "dp": {"default_mode": "dp"},
+    "rep_experts": {"modes": {f"moe.{b}.experts.{i}": "rep" for b in range(2) for i in range(EXPERTS)}},
+}
+
+
+def run(rank: int, world: int) -> dict:
+    out = {}
+    for name, kwargs in MODES.items():
+        model = osdp.OSDP(build(), **kwargs)
+        out[name] = {"losses": train(model, world, rank), "state": model.full_state_dict(rank0_only=False)}
+    return out

@@ -1,0 +1,39 @@
+"""A user-written mixture of experts (one module per expert) under OSDP on 2 gloo ranks
+that route their tokens differently, against single-process training; see
+lockstep_moe_cases.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from . import lockstep_moe_cases as mc
+from .dist_harness import spawn
+
+WORLD = 2
+_RESULTS: list = []
+
+
+@pytest.fixture(scope="module")
+def results():
+    if not _RESULTS:
+        _RESULTS.append(spawn(mc.run, WORLD))
+    return _RESULTS[0]
+
+
+def test_ranks_route_to_different_experts():
+    """The premise: some expert gets tokens on one rank and none on the other."""
+    model = mc.build()
+    x, _ = mc.batch(0, WORLD)
+    per_rank = [mc.experts_used(model, x[r * mc.LOCAL_BATCH:(r + 1) * mc.LOCAL_BATCH]) for r in range(WORLD)]
+    assert any(a != b for a, b in zip(*per_rank)), per_rank
+
+
+@pytest.mark.parametrize("name", list(mc.MODES))
+def test_moe_trains_as_single_process(results, name):
+    reference = mc.build()
+    ref_losses = mc.train(reference, WORLD, None)
+    for r in results:
+        assert r[name]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(r[name]["state"][key], value, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{key}: {m}")
