@@ -34,6 +34,7 @@ _EXPORTS = {
     "ConfigError": "osdp.errors",
     "CheckpointCorruptedError": "osdp.errors",
     "MemoryLimitExceeded": "osdp.errors",
+    "RanksOutOfStepError": "osdp.errors",
     "UnverifiedCheckpointWarning": "osdp.errors",
 }
 # planner names live in osdp.planner; the old spelling osdp.<name> still resolves

@@ -28,7 +28,7 @@ from .runtime.config import check_plan_layout, check_plan_matches_model, own_par
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
-from .runtime.lockstep import mark_lockstep
+from .runtime.lockstep import IssueLog, LockstepCheck, mark_lockstep
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
@@ -117,6 +117,14 @@ class ShardedModel(nn.Module):
     step's measurement, ``memory_check=False`` (or ``OSDP_MEMORY_CHECK=0``) turns it off.
     See [Note: measured peak] in ``osdp/runtime/peak.py``.
 
+    Lockstep: every rank must call the same modules in the same order (each gather is a
+    collective); Hugging Face models are told they are sharded, so that LayerDrop and
+    ``generate`` keep their ranks in step, and at the end of each backward the ranks
+    compare the collectives they issued: ranks out of step raise
+    ``RanksOutOfStepError`` from ``backward()`` (``lockstep_check=False`` or
+    ``OSDP_LOCKSTEP_CHECK=0``: off). See [Note: ranks in lockstep] and [Note: lockstep
+    check] in ``osdp/runtime/lockstep.py``.
+
     A model built on the meta device (``with torch.device("meta"): model = ...``) is made
     real one module at a time, each initialized and cut to this rank's shard before the
     next: by ``param_init_fn(module)`` when given, else the module's own
@@ -152,13 +160,14 @@ class ShardedModel(nn.Module):
         memory_check: bool = True,
         param_init_fn=None,
         compile=None,
+        lockstep_check: bool = True,
     ):
         super().__init__()
         check_wrappable(module)
         options = RuntimeOptions.from_args(
             device=device, mixed_precision=mixed_precision, coalesce_bytes=coalesce_bytes, timeout_s=timeout_s,
             sync_module_states=sync_module_states, memory_limit=memory_limit, memory_check=memory_check,
-            compile=compile)
+            compile=compile, lockstep_check=lockstep_check)
         self.options = options
         self.layout = ShardLayout.from_arg(process_group, mesh, node_size)
         group = self.layout.world.group
@@ -176,7 +185,7 @@ class ShardedModel(nn.Module):
         )
         self._init_comm(module, group, config, options)
         self._init_units(module, config, options.mixed_precision, param_init_fn)
-        self._init_scheduler(config, options.coalesce_bytes)
+        self._init_scheduler(config, options)
         if self.compile_config is None:
             self._init_hooks(config)
         else:
@@ -289,12 +298,18 @@ class ShardedModel(nn.Module):
                     module._buffers[key] = fn(buf)
         return self
 
-    def _init_scheduler(self, config, coalesce_bytes) -> None:
+    def _init_scheduler(self, config, options: RuntimeOptions) -> None:
         window = config.prefetch_bytes
         if window is None:
             window = default_prefetch_bytes(max(u.gathered_bytes for u in self._built.units))
         self._ledger = MemoryLedger(self.device)
-        self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, coalesce_bytes)
+        lockstep = None
+        if (options.lockstep_check_on and self.layout.world.size > 1
+                and LockstepCheck.applies_to(self.layout.world.group)):
+            self._comm.issued = IssueLog()  # [Note: lockstep check]
+            lockstep = LockstepCheck(self._comm.issued, self.layout.world.group, options.timeout_s)
+        self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, options.coalesce_bytes,
+                                    lockstep=lockstep)
         split_units = {id(u) for _, units in self._built.splits.values() for u in units}
         self._scheduler.mark_coalescible([u for u in self._built.units if id(u) not in split_units])
         self.coalesce_bytes = self._scheduler.coalesce_bytes

@@ -26,6 +26,15 @@ class PlanMismatchError(OSDPError):
     """A plan (or checkpoint) made for another model, world size or version."""
 
 
+class CollectiveTimeoutError(OSDPError):
+    """A collective did not finish within the timeout, or failed because a peer is gone."""
+
+
+class RanksOutOfStepError(OSDPError):
+    """The ranks issued different collectives in a step (their models ran different
+    modules): see [Note: lockstep check] in osdp/runtime/lockstep.py."""
+
+
 class MemoryLimitExceeded(OSDPError):
     """A training step's measured peak memory went over the memory limit the model was
     wrapped with (the plan's ``memory_limit_bytes`` or ``OSDP(memory_limit=...)``).

@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 
 from ..contract import gradient_collective
-from ..errors import OSDPError
+from ..errors import CollectiveTimeoutError
 from ..torch_names import all_gather_flat, reduce_scatter_flat  # the current torch names
+from .lockstep import IssueLog
 from .mesh import ShardLayout
 from .streams import streams_for
 
@@ -60,9 +61,6 @@ def all_reduce_flat(tensor: torch.Tensor, group, async_op: bool):
     """Sum ``tensor`` in place over ``group`` (an entry point: see [Note: collectives per level])."""
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
-
-class CollectiveTimeoutError(OSDPError):
-    """A collective did not finish within the timeout, or failed because a peer is gone."""
 
 
 class Pending(NamedTuple):
@@ -117,6 +115,13 @@ class CommContext:
             self.reduce_scatter_stream = self.streams.new_stream("reduce-scatter")
         # see [Note: gloo reduce-scatter]
         self.reduce_with_all_reduce = reduces_with_all_reduce(device)
+        # what this rank issued since the last lockstep check (None: no check)
+        self.issued: IssueLog | None = None
+
+    def _note(self, what: str, numel: int, members: tuple[str, ...] = ()) -> None:
+        """Log a collective for the lockstep check ([Note: lockstep check] in lockstep.py)."""
+        if self.issued is not None:
+            self.issued.note(what, numel, members)
 
     # ---- waiting ------------------------------------------------------------------
     def wait_work(self, work, what: str) -> None:
@@ -187,6 +192,7 @@ class CommContext:
         ("shard", or "node" for an hpz unit's backward), in rank order. ``shard`` may
         have another dtype than ``output`` (mixed precision): it is cast first, so the
         collective moves ``output``'s dtype."""
+        self._note(what, output.numel())
         shard = shard.detach()
         group, size = self._group(level)
         if output.numel() == 0:
@@ -208,11 +214,13 @@ class CommContext:
         return lv.group, lv.size
 
     def all_gather_coalesced(self, outputs: list[torch.Tensor], shards: list[torch.Tensor], what: str,
-                             level: str = "shard") -> Pending:
+                             level: str = "shard", members: tuple[str, ...] = ()) -> Pending:
         """One collective for several units: ``outputs[i]`` (level size * ``shards[i]``
         numel, one dtype for all) <- the shards of all ranks of ``level``. The shards are
         copied into one input, gathered into one rank-major buffer and copied out on
-        ``wait()``; see [Note: coalesced small units] in prefetch.py."""
+        ``wait()``; see [Note: coalesced small units] in prefetch.py. ``members``: the
+        units' names (``what`` may name only the first few)."""
+        self._note(what, sum(o.numel() for o in outputs), members)
         group, size = self._group(level)
         if size == 1 and not self.use_streams:
             for out, shard in zip(outputs, shards):
@@ -240,6 +248,7 @@ class CommContext:
         """``output`` (shard numel) <- this rank's chunk of the sum of ``full`` over ranks
         (``output`` may have another dtype: the chunk is cast into it). ``full`` is
         clobbered."""
+        self._note(what, full.numel())
         return self._reduce(output, full, what)
 
     def _reduce(self, output: torch.Tensor, full: torch.Tensor, what: str) -> Pending:
@@ -292,9 +301,12 @@ class CommContext:
         after = None if target is output else (lambda: output.copy_(target))
         return self._issue(self.reduce_scatter_stream if self.use_streams else None, fn, target, what, after=after)
 
-    def reduce_scatter_coalesced(self, outputs: list[torch.Tensor], fulls: list[torch.Tensor], what: str) -> Pending:
+    def reduce_scatter_coalesced(self, outputs: list[torch.Tensor], fulls: list[torch.Tensor], what: str,
+                                 members: tuple[str, ...] = ()) -> Pending:
         """One collective for several units' unsharded gradients (one dtype):
-        ``outputs[i]`` <- this rank's chunk of the sum of ``fulls[i]``."""
+        ``outputs[i]`` <- this rank's chunk of the sum of ``fulls[i]``; ``members``: as
+        in :meth:`all_gather_coalesced`."""
+        self._note(what, sum(f.numel() for f in fulls), members)
         if self.world_size == 1 and not self.use_streams:
             for out, full in zip(outputs, fulls):
                 out.copy_(full)
@@ -345,10 +357,12 @@ class CommContext:
 
         return Pending(work, (full,), wait)
 
-    def all_reduce_replicated(self, tensor: torch.Tensor, what: str) -> Pending:
+    def all_reduce_replicated(self, tensor: torch.Tensor, what: str, members: tuple[str, ...] = ()) -> Pending:
         """Sum ``tensor`` in place over EVERY rank of the layout (replicas included): the
         staging copy of a bucket of ``rep`` units' gradients (contract.py [Note:
-        replicated units]), on the reduction stream."""
+        replicated units]), on the reduction stream; ``members``: as in
+        :meth:`all_gather_coalesced`."""
+        self._note(what, tensor.numel(), members)
         world = self.layout.world
         if tensor.numel() == 0 or (world.size == 1 and not self.use_streams):
             return DONE

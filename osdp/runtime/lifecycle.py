@@ -128,6 +128,7 @@ class UnitLifecycle:
         pending = self.comm.all_gather_coalesced(
             [u.gathered for u in units], [source(u) for u in units],
             f"coalesced all-gather{where} of {len(units)} units ({names})", level=level,
+            members=tuple(u.name for u in units),
         )
         shared = _Once(pending.wait)
         for unit in units:

@@ -187,7 +187,8 @@ class GradReducer:
         else:
             names = ", ".join(repr(u.name) for u in units[:4]) + (", ..." if len(units) > 4 else "")
             pending = self.comm.reduce_scatter_coalesced(
-                outs, flats, f"coalesced reduce-scatter of {len(units)} units ({names})"
+                outs, flats, f"coalesced reduce-scatter of {len(units)} units ({names})",
+                members=tuple(u.name for u in units),
             )
         self._inflight.append(InflightReduce(tuple(units), tuple(outs), tuple(flats), pending))
         for _ in range(waits_after_issue(len(self._inflight), self.max_inflight)):
@@ -263,7 +264,7 @@ class GradReducer:
                 offset += piece.numel()
         names = ", ".join(repr(u.name) for u in units[:4]) + (", ..." if len(units) > 4 else "")
         pending = self.comm.all_reduce_replicated(staging, f"all-reduce of the replicated bucket of {len(units)} "
-                                                           f"unit(s) ({names})")
+                                                           f"unit(s) ({names})", members=tuple(u.name for u in units))
         self._inflight_buckets.append(InflightBucket(tuple(units), staging, tuple(buffers), pending))
 
     def _finish_oldest_bucket(self, keep: bool = True) -> None:

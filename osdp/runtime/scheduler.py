@@ -33,8 +33,9 @@ backward (outputs not in the loss) are abandoned, uses whose backward began but 
 gradient (a module owning a parameter that only a tied submodule computes with) end,
 partial gradients are
 reduce-scattered (a rep unit's join the replicated bucket, which is all-reduced then),
-all reductions are waited on and every gathered buffer is freed, on every rank alike
-(the graph is the same on every rank).
+the ranks start comparing the collectives they issued, all reductions are waited on
+and every gathered buffer is freed, on every rank alike (the graph is the same on every
+rank); ranks out of step then raise ([Note: lockstep check] in lockstep.py).
 
 [Note: recovery after an exception]
 An exception inside forward or backward (an out-of-range token id, an OOM, a user
@@ -76,6 +77,7 @@ from .collectives import CommContext
 from .direct import reset_awaited
 from .ledger import MemoryLedger
 from .lifecycle import UnitLifecycle
+from .lockstep import LockstepCheck
 from .modes import GatherState, UseState
 from .prefetch import PrefetchPolicy
 from .reduce import GradReducer
@@ -107,8 +109,10 @@ class Scheduler:
         ledger: MemoryLedger,
         prefetch_bytes: int,
         coalesce_bytes: int = 0,
+        lockstep: LockstepCheck | None = None,
     ):
         self.units = units
+        self.lockstep = lockstep  # [Note: lockstep check]; None: off, or one rank
         coalesce_bytes = int(coalesce_bytes) if comm.world_size > 1 else 0
         self.lifecycle = UnitLifecycle(comm, ledger)
         self.prefetch = PrefetchPolicy(self.lifecycle, prefetch_bytes, coalesce_bytes)
@@ -292,6 +296,11 @@ class Scheduler:
             for unit in self.units:
                 if self.reducer.has_grad(unit) and unit.n_active == 0:
                     self.reducer.reduce(unit)
+        check = None
+        if self.lockstep is not None:  # [Note: lockstep check]
+            self.reducer.flush()  # every collective of the step issued
+            self.reducer.flush_buckets()
+            check = self.lockstep.start()
         self.reducer.finish()
         reset_awaited(self.units)
         self.lifecycle.reshard_where(lambda unit: unit.n_active == 0)
@@ -299,6 +308,8 @@ class Scheduler:
         self._in_backward = False
         self._backward_label = None
         self.lifecycle.ledger.note_use("", "after backward")
+        if check is not None:
+            self.lockstep.finish(check)  # ranks out of step raise, the step finished
 
     # ---- outside a step ----------------------------------------------------------------
     def recover(self) -> None:
@@ -311,6 +322,8 @@ class Scheduler:
         self.reducer.drop(self.units)
         reset_awaited(self.units)
         self.prefetch.forget_partial()
+        if self.lockstep is not None:
+            self.lockstep.log.reset()
         self._in_forward = self._in_backward = False
         self._backward_label = None
         for listener in self.recover_listeners:

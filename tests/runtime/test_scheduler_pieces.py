@@ -51,13 +51,13 @@ class FakeComm:
     def all_gather(self, output, shard, what, level="shard"):
         return self._pending(what)
 
-    def all_gather_coalesced(self, outputs, shards, what, level="shard"):
+    def all_gather_coalesced(self, outputs, shards, what, level="shard", members=()):
         return self._pending(what)
 
     def reduce_scatter(self, out, full, what):
         return self._pending(what, lambda: out.copy_(full[: out.numel()] * WORLD))
 
-    def reduce_scatter_coalesced(self, outs, fulls, what):
+    def reduce_scatter_coalesced(self, outs, fulls, what, members=()):
         def finish():
             for out, full in zip(outs, fulls):
                 out.copy_(full[: out.numel()] * WORLD)
