@@ -13,7 +13,7 @@ import torch
 
 import osdp
 
-from . import split_batch_loop
+from runtime import split_batch_loop
 
 LAYERS, LAYERDROP, STEPS, LOCAL_BATCH = 4, 0.5, 3, 2
 

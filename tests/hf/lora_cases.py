@@ -7,7 +7,7 @@ import torch
 import osdp
 import osdp.checkpoint as ckpt
 
-from . import split_batch_loop
+from runtime import split_batch_loop
 
 VOCAB, SEQ, LOCAL_BATCH, STEPS = 128, 12, 2, 3
 LLAMA = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,7 @@ import torch
 
 import osdp
 
-from . import split_batch_loop
+from runtime import split_batch_loop
 
 LOCAL_BATCH, STEPS = 2, 3
 

@@ -6,13 +6,13 @@ the routing, and an expert without tokens on one rank reduces a zero gradient th
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import osdp
 
+from . import split_batch_loop
+
 DIM, EXPERTS, LOCAL_BATCH, STEPS = 16, 4, 4, 4
-LR, EPS = 1e-2, 1e-5
 
 
 class MoE(nn.Module):
@@ -68,27 +68,18 @@ def experts_used(model: Net, x) -> list[set[int]]:
     return used
 
 
+def _user_loss(model, part: dict):
+    return nn.functional.cross_entropy(model(part["x"]), part["y"])
+
+
 def train(model, world: int, rank: int | None) -> list[float]:
     """The user's own loss outside the model; ``rank`` None: one process, the mean of
     the ranks' losses."""
-    optim = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS)
-    losses = []
-    for step in range(STEPS):
+    def global_batch(step):
         x, y = batch(step, world)
-        parts = [slice(r * LOCAL_BATCH, (r + 1) * LOCAL_BATCH) for r in range(world)]
-        if rank is None:
-            loss = sum(nn.functional.cross_entropy(model(x[p]), y[p]) for p in parts) / world
-        else:
-            loss = nn.functional.cross_entropy(model(x[parts[rank]]), y[parts[rank]])
-        loss.backward()
-        optim.step()
-        optim.zero_grad()
-        if rank is not None:
-            loss = loss.detach().clone()
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
-    return losses
+        return {"x": x, "y": y}
+
+    return split_batch_loop.train(model, global_batch, STEPS, world, rank, loss_of=_user_loss)
 
 
 MODES = {

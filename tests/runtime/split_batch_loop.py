@@ -1,6 +1,6 @@
-"""The training loop the Hugging Face tests of other models and of LoRA share: AdamW
-steps on a global batch split evenly between the ranks, against one process that takes
-the mean of the parts' losses (the same gradient)."""
+"""The training loop several parity tests share (Hugging Face models, LoRA, a user's
+mixture of experts): AdamW steps on a global batch split evenly between the ranks,
+against one process that takes the mean of the parts' losses (the same gradient)."""
 from __future__ import annotations
 
 import torch
@@ -9,18 +9,24 @@ import torch.distributed as dist
 LR, EPS = 1e-2, 1e-5  # eps: keeps rounding from being amplified (tests/runtime/parity_cases.py)
 
 
-def train(model, global_batch, steps: int, world: int, rank: int | None) -> list[float]:
-    """``steps`` AdamW steps on the trainable parameters; ``global_batch(step)``: the
-    keyword inputs (``labels`` among them) of all ranks, split along dim 0 (values that
-    are not tensors passed to every part); ``rank`` None: single process."""
+def hf_loss(model, part: dict):
+    """A Hugging Face model's own loss: ``part`` holds its keyword inputs, labels too."""
+    return model(**part).loss
+
+
+def train(model, global_batch, steps: int, world: int, rank: int | None, loss_of=hf_loss) -> list[float]:
+    """``steps`` AdamW steps on the trainable parameters; ``global_batch(step)``: a dict
+    of all ranks' inputs, split along dim 0 (values that are not tensors passed to every
+    part); ``loss_of(model, part)``: the loss of one part; ``rank`` None: single
+    process."""
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
     losses = []
     for step in range(steps):
         parts = [_part(global_batch(step), r, world) for r in range(world)]
         if rank is None:
-            loss = sum(model(**part).loss for part in parts) / world
+            loss = sum(loss_of(model, part) for part in parts) / world
         else:
-            loss = model(**parts[rank]).loss
+            loss = loss_of(model, parts[rank])
         loss.backward()
         optim.step()
         optim.zero_grad()
