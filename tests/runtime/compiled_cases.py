@@ -250,6 +250,21 @@ def run_models_side_by_side(rank: int, world: int) -> dict:
     return {"error": ""}
 
 
+def run_outer_compile(rank: int, world: int) -> dict:
+    """``torch.compile(model)`` of a model wrapped without ``compile=`` (README: it runs,
+    breaking the graph at every unit): its losses and state beside the eager model's.
+    OSDP marks its modules as FSDP's ([Note: ranks in lockstep]), which Dynamo reads."""
+    torch._dynamo.reset()
+    case = Case("outer", {"default_mode": "zdp"})
+    cfg = _gpt(case).config
+    eager = osdp.OSDP(_gpt(case), **case.kwargs)
+    wrapped = osdp.OSDP(_gpt(case), **case.kwargs)
+    outer = torch.compile(wrapped, backend="aot_eager")
+    losses = (_train(outer, rank, world, cfg), _train(eager, rank, world, cfg))
+    states = (wrapped.full_state_dict(rank0_only=False), eager.full_state_dict(rank0_only=False))
+    return {"losses": losses, "state_diff": max((states[0][k] - v).abs().max().item() for k, v in states[1].items())}
+
+
 def run_all(rank: int, world: int, cases: list[Case]) -> dict:
     return {"cases": run_cases(rank, world, cases), "idioms": run_idioms(rank, world),
-            "side_by_side": run_models_side_by_side(rank, world)}
+            "side_by_side": run_models_side_by_side(rank, world), "outer": run_outer_compile(rank, world)}

@@ -115,6 +115,13 @@ def test_compiled_models_side_by_side_stay_compiled(gpt_all):
 
 
 
+def test_torch_compile_of_an_eager_wrapped_model_matches_eager(gpt_all):
+    for rank in gpt_all:
+        compiled, eager = rank["outer"]["losses"]
+        assert compiled == pytest.approx(eager, rel=1e-6)
+        assert rank["outer"]["state_diff"] <= 1e-6
+
+
 def test_checkpoints_move_between_eager_and_compiled_models(tmp_path):
     """Saved eager, loaded into a compiled model with another plan after it compiled
     (its graphs read the loaded shards and optimizer state, not what they last saw):
