@@ -1,4 +1,4 @@
-"""What the lockstep check costs a step (osdp/runtime/lockstep.py, [Note: lockstep check]).
+"""What the lockstep check costs a step (osdp/runtime/lockstep_check.py, [Note: lockstep check]).
 
 Two ranks on gloo (real collectives), two copies of a GPT preset wrapped alike, one with
 ``lockstep_check=True`` and one with ``False``; their steps alternate, so machine noise

@@ -72,7 +72,7 @@ def _patched(**replacements):
 def local_collectives():
     """Within: the runtime communicates with no one (compute-only steps), the lockstep
     check at the end of backward (a collective too) included."""
-    from osdp.runtime.lockstep import LockstepCheck
+    from osdp.runtime.lockstep_check import LockstepCheck
 
     start = LockstepCheck.start
     LockstepCheck.start = lambda self: self.log.reset()  # no comparison to finish

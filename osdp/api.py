@@ -28,7 +28,8 @@ from .runtime.config import check_plan_layout, check_plan_matches_model, own_par
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
-from .runtime.lockstep import IssueLog, LockstepCheck, mark_lockstep
+from .runtime.lockstep import mark_lockstep
+from .runtime.lockstep_check import IssueLog, LockstepCheck
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
@@ -122,8 +123,8 @@ class ShardedModel(nn.Module):
     ``generate`` keep their ranks in step, and at the end of each backward the ranks
     compare the collectives they issued: ranks out of step raise
     ``RanksOutOfStepError`` from ``backward()`` (``lockstep_check=False`` or
-    ``OSDP_LOCKSTEP_CHECK=0``: off). See [Note: ranks in lockstep] and [Note: lockstep
-    check] in ``osdp/runtime/lockstep.py``.
+    ``OSDP_LOCKSTEP_CHECK=0``: off). See [Note: ranks in lockstep] in
+    ``osdp/runtime/lockstep.py`` and [Note: lockstep check] in ``lockstep_check.py``.
 
     A model built on the meta device (``with torch.device("meta"): model = ...``) is made
     real one module at a time, each initialized and cut to this rank's shard before the

@@ -32,7 +32,7 @@ class CollectiveTimeoutError(OSDPError):
 
 class RanksOutOfStepError(OSDPError):
     """The ranks issued different collectives in a step (their models ran different
-    modules): see [Note: lockstep check] in osdp/runtime/lockstep.py."""
+    modules): see [Note: lockstep check] in osdp/runtime/lockstep_check.py."""
 
 
 class MemoryLimitExceeded(OSDPError):

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from ..contract import gradient_collective
 from ..errors import CollectiveTimeoutError
 from ..torch_names import all_gather_flat, reduce_scatter_flat  # the current torch names
-from .lockstep import IssueLog
+from .lockstep_check import IssueLog
 from .mesh import ShardLayout
 from .streams import streams_for
 
@@ -119,7 +119,7 @@ class CommContext:
         self.issued: IssueLog | None = None
 
     def _note(self, what: str, numel: int, members: tuple[str, ...] = ()) -> None:
-        """Log a collective for the lockstep check ([Note: lockstep check] in lockstep.py)."""
+        """Log a collective for the lockstep check ([Note: lockstep check] in lockstep_check.py)."""
         if self.issued is not None:
             self.issued.note(what, numel, members)
 

@@ -42,7 +42,7 @@ class RuntimeOptions:
     time. ``memory_limit_bytes``/``memory_check``: the per-step peak check (None: the
     plan's limit). ``compile``: the compiled path's settings, None for eager.
     ``lockstep_check``: the ranks compare the collectives they issued at the end of each
-    backward ([Note: lockstep check] in lockstep.py)."""
+    backward ([Note: lockstep check] in lockstep_check.py)."""
 
     device: torch.device
     mixed_precision: MixedPrecision | None = None

@@ -35,7 +35,7 @@ partial gradients are
 reduce-scattered (a rep unit's join the replicated bucket, which is all-reduced then),
 the ranks start comparing the collectives they issued, all reductions are waited on
 and every gathered buffer is freed, on every rank alike (the graph is the same on every
-rank); ranks out of step then raise ([Note: lockstep check] in lockstep.py).
+rank); ranks out of step then raise ([Note: lockstep check] in lockstep_check.py).
 
 [Note: recovery after an exception]
 An exception inside forward or backward (an out-of-range token id, an OOM, a user
@@ -77,7 +77,7 @@ from .collectives import CommContext
 from .direct import reset_awaited
 from .ledger import MemoryLedger
 from .lifecycle import UnitLifecycle
-from .lockstep import LockstepCheck
+from .lockstep_check import LockstepCheck
 from .modes import GatherState, UseState
 from .prefetch import PrefetchPolicy
 from .reduce import GradReducer

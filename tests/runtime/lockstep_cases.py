@@ -1,6 +1,6 @@
 """Per-rank body of ``test_lockstep.py``: ranks that skip different layers of the same
 shape (a user's own LayerDrop), so that their collectives match in size and differ only
-in which unit they carry ([Note: lockstep check] in osdp/runtime/lockstep.py)."""
+in which unit they carry ([Note: lockstep check] in osdp/runtime/lockstep_check.py)."""
 from __future__ import annotations
 
 import torch

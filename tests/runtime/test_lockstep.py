@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from osdp.errors import RanksOutOfStepError
-from osdp.runtime.lockstep import IssueLog, out_of_step_message
+from osdp.runtime.lockstep_check import IssueLog, out_of_step_message
 
 from . import lockstep_cases as lc
 from .dist_harness import spawn
