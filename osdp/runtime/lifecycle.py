@@ -136,8 +136,9 @@ class UnitLifecycle:
 
     def wait_for_unshard(self, unit: ShardUnit) -> None:
         if unit.state is GatherState.GATHERING:
-            unit.pending.wait()
-            unit.pending = None
+            pending, unit.pending = unit.pending, None
+            if pending is not None:  # None: issuing it raised; recover() frees the buffer
+                pending.wait()
             unit.state = GatherState.GATHERED
 
     def is_stale(self, unit: ShardUnit) -> bool:

@@ -68,6 +68,7 @@ non-reentrant recompute those hooks never fire.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -99,6 +100,24 @@ class Use:
 
 def _in_autograd_engine() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _outside_inference_mode(method):
+    """[Note: inference mode]
+    A forward under ``torch.inference_mode()`` (an evaluation loop) drives the scheduler
+    too. Tensors created there are inference tensors: they have no version counter (the
+    collectives restore it: [Note: freeing gathered storage] in shard_unit.py) and can
+    never be saved for backward, so a gather buffer or staging copy made there would
+    fail at once or poison the next training step. The scheduler's forward entry points
+    run with inference mode off; the module's own compute stays inside it (its outputs
+    are inference tensors, as the user asked)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+    return run
 
 
 class Scheduler:
@@ -149,12 +168,14 @@ class Scheduler:
         self.prefetch.mark_coalescible(units)
 
     # ---- forward ---------------------------------------------------------------------
+    @_outside_inference_mode
     def begin_forward(self) -> None:
         if not _in_autograd_engine() and (self._in_backward or any(u.n_active for u in self.units)):
             self.recover()  # the previous step died inside backward; see [Note: recovery after an exception]
         self._in_forward = True
         self.prefetch.begin_forward(torch.is_grad_enabled())
 
+    @_outside_inference_mode
     def end_forward(self) -> None:
         self._in_forward = False
         # prefetched (or coalesced) units this forward did not use: nothing waits for them
@@ -166,6 +187,7 @@ class Scheduler:
         order = self.prefetch.forward_order
         return None if order is None else [u.name for u in order]
 
+    @_outside_inference_mode
     def pre_forward(self, unit: ShardUnit) -> Use:
         life = self.lifecycle
         if self._in_backward or _in_autograd_engine():
@@ -191,6 +213,7 @@ class Scheduler:
             use.entry = self.prefetch.record_forward_use(unit)
         return use
 
+    @_outside_inference_mode
     def post_forward(self, use: Use, expects_backward: bool, needs_weights: bool = True) -> None:
         """``needs_weights``: this use's backward reads the gathered weights (it calls
         :meth:`pre_backward`); False: it only writes a gradient (no gather for it)."""

@@ -28,7 +28,7 @@ def results():
 
 
 def test_global_grad_norm_is_the_single_process_norm_on_every_rank():
-    (_, ref_norms, _), runs = results()
+    (_, ref_norms, _, _), runs = results()
     for run in runs:
         # 2-norm (clipping), 1-norm and inf-norm, every step
         torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
@@ -43,9 +43,10 @@ def test_torch_clip_grad_norm_is_refused_with_a_pointer():
 
 
 def test_param_groups_by_name_clipping_and_exceptions_train_like_single_process():
-    (ref_losses, _, ref_state), runs = results()
+    (ref_losses, _, ref_state, ref_evals), runs = results()
     run = runs[0]
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(run["evals"]), torch.tensor(ref_evals), rtol=1e-5, atol=0)
     assert list(run["state"]) == list(ref_state)
     for key in ref_state:
         torch.testing.assert_close(run["state"][key], ref_state[key], rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")

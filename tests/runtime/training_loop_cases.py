@@ -69,12 +69,16 @@ def _bad_batch(batch):
     return idx, tgt
 
 
-def _train(model, blocks, step_batch, clip, norms_out, opt):
+def _train(model, blocks, step_batch, clip, norms_out, opt, evals_out):
     """The shared training loop: a failing forward before step FAIL_FORWARD_STEP, a
     backward failing in ``blocks[0]`` at step FAIL_BACKWARD_STEP (then zero_grad and the
-    step again), clipping every step. Returns the losses."""
+    step again), clipping every step, an evaluation under ``torch.inference_mode()``
+    before each step ([Note: inference mode] in osdp/runtime/scheduler.py: its gathers
+    made inference tensors and raised). Returns the losses."""
     losses = []
     for step in range(STEPS):
+        with torch.inference_mode():
+            evals_out.append(model(*step_batch(step)))
         if step == FAIL_FORWARD_STEP:
             try:
                 model(*_bad_batch(step_batch(step)))
@@ -102,8 +106,10 @@ def reference(world_size: int):
         extra = [torch.nn.utils.get_total_norm(grads, norm).item() for norm in (1.0, math.inf)]
         return [torch_clip_grad_norm_(model.parameters(), MAX_NORM).item()] + extra
 
-    losses = _train(model, model.blocks, lambda s: pc.global_batch("uneven", s, world_size), clip, norms, opt)
-    return [x.item() for x in losses], norms, {k: v.clone() for k, v in model.state_dict().items()}
+    evals: list = []
+    losses = _train(model, model.blocks, lambda s: pc.global_batch("uneven", s, world_size), clip, norms, opt, evals)
+    return [x.item() for x in losses], norms, {k: v.clone() for k, v in model.state_dict().items()}, \
+        [x.item() for x in evals]
 
 
 def osdp_run(rank: int, world_size: int):
@@ -130,11 +136,17 @@ def osdp_run(rank: int, world_size: int):
         return [wrapped.clip_grad_norm_(MAX_NORM).item()] + extra
 
     local = lambda s: pc._local(pc.global_batch("uneven", s, world_size), rank)  # noqa: E731
-    losses = _train(wrapped, wrapped.module.blocks, local, clip, norms, opt)
+    evals: list = []
+    losses = _train(wrapped, wrapped.module.blocks, local, clip, norms, opt, evals)
     mean = []
     for loss in losses:
         dist.all_reduce(loss)
         mean.append(loss.item() / world_size)
+    out["evals"] = []
+    for loss in evals:
+        loss = loss.clone()  # an inference tensor: no in-place all_reduce into it
+        dist.all_reduce(loss)
+        out["evals"].append(loss.item() / world_size)
     out["stats_after"] = wrapped.memory_stats()["gathered_units"]
     out.update(losses=mean, norms=norms, state=wrapped.full_state_dict())
     return out
