@@ -288,13 +288,11 @@ def loop_run(rank: int, world_size: int, kwargs: dict):
         return [wrapped.clip_grad_norm_(tc.MAX_NORM).item()] + extra
 
     local = lambda s: pc._local(pc.global_batch("uneven", s, world_size), rank)  # noqa: E731
-    losses = tc._train(wrapped, wrapped.module.blocks, local, clip, norms, opt)
-    mean = []
-    for loss in losses:
-        dist.all_reduce(loss)
-        mean.append(loss.item() / world_size)
+    evals: list = []
+    losses = tc._train(wrapped, wrapped.module.blocks, local, clip, norms, opt, evals)
     stats = wrapped.memory_stats()
-    out.update(losses=mean, norms=norms, state=wrapped.full_state_dict(), gathered_after=stats["gathered_units"],
+    out.update(losses=tc.mean_over_ranks(losses, world_size), evals=tc.mean_over_ranks(evals, world_size),
+               norms=norms, state=wrapped.full_state_dict(), gathered_after=stats["gathered_units"],
                grad_bytes_after=stats["current_grad_bytes"])
     return out
 

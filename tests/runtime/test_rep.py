@@ -261,8 +261,9 @@ def test_bucketed_training_with_a_failed_backward_matches_single_process(results
 def test_clipping_counts_rep_gradients_once(results, name):
     """2-, 1- and inf-norms every step equal single-process ones (a rep gradient summed
     over the 2 ranks would be counted twice); training with clipping, param groups by
-    name and two failed steps matches too."""
-    ref_losses, ref_norms, ref_state = results[0]["loop_ref"]
+    name, two failed steps and an evaluation under inference_mode before every step
+    matches too."""
+    ref_losses, ref_norms, ref_state, ref_evals = results[0]["loop_ref"]
     for rank in range(WORLD):
         run = results[rank]["loop"][name]
         torch.testing.assert_close(torch.tensor(run["norms"]), torch.tensor(ref_norms), rtol=1e-5, atol=0)
@@ -271,6 +272,7 @@ def test_clipping_counts_rep_gradients_once(results, name):
     assert all(n[0] > tc.MAX_NORM for n in ref_norms), "the test must clip every step"
     run = results[0]["loop"][name]
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    torch.testing.assert_close(torch.tensor(run["evals"]), torch.tensor(ref_evals), rtol=1e-5, atol=0)
     _assert_states_close(run["state"], ref_state, name)
 
 

@@ -96,6 +96,16 @@ def _train(model, blocks, step_batch, clip, norms_out, opt, evals_out):
     return losses
 
 
+def mean_over_ranks(values, world_size: int) -> list[float]:
+    """Each loss's mean over the ranks: the single process's loss on the whole batch."""
+    out = []
+    for value in values:
+        value = value.clone()  # an inference tensor allows no in-place all_reduce
+        dist.all_reduce(value)
+        out.append(value.item() / world_size)
+    return out
+
+
 def reference(world_size: int):
     model = pc.make_model("uneven")
     opt = _optimizer(model.named_parameters())
@@ -138,17 +148,9 @@ def osdp_run(rank: int, world_size: int):
     local = lambda s: pc._local(pc.global_batch("uneven", s, world_size), rank)  # noqa: E731
     evals: list = []
     losses = _train(wrapped, wrapped.module.blocks, local, clip, norms, opt, evals)
-    mean = []
-    for loss in losses:
-        dist.all_reduce(loss)
-        mean.append(loss.item() / world_size)
-    out["evals"] = []
-    for loss in evals:
-        loss = loss.clone()  # an inference tensor: no in-place all_reduce into it
-        dist.all_reduce(loss)
-        out["evals"].append(loss.item() / world_size)
     out["stats_after"] = wrapped.memory_stats()["gathered_units"]
-    out.update(losses=mean, norms=norms, state=wrapped.full_state_dict())
+    out.update(losses=mean_over_ranks(losses, world_size), evals=mean_over_ranks(evals, world_size), norms=norms,
+               state=wrapped.full_state_dict())
     return out
 
 
