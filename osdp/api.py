@@ -29,7 +29,7 @@ from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
 from .runtime.hooks import ModuleBinding
 from .runtime.lockstep import mark_lockstep
-from .runtime.lockstep_check import IssueLog, LockstepCheck
+from .runtime.lockstep_check import LockstepCheck
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
@@ -307,8 +307,8 @@ class ShardedModel(nn.Module):
         lockstep = None
         if (options.lockstep_check_on and self.layout.world.size > 1
                 and LockstepCheck.applies_to(self.layout.world.group)):
-            self._comm.issued = IssueLog()  # [Note: lockstep check]
-            lockstep = LockstepCheck(self._comm.issued, self.layout.world.group, options.timeout_s)
+            lockstep = LockstepCheck(self.layout.world.group, options.timeout_s)
+            self._comm.issued = lockstep.log  # [Note: lockstep check]
         self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, options.coalesce_bytes,
                                     lockstep=lockstep)
         split_units = {id(u) for _, units in self._built.splits.values() for u in units}

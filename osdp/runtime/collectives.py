@@ -62,6 +62,15 @@ def all_reduce_flat(tensor: torch.Tensor, group, async_op: bool):
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+NAMED_UNITS = 4  # a coalesced collective's description names this many of its units
+
+
+def named_units(units) -> str:
+    """``'a', 'b', 'c', 'd', ...``: the first ``NAMED_UNITS`` units' names, for a
+    coalesced collective's description."""
+    names = [repr(u.name) for u in units]
+    return ", ".join(names[:NAMED_UNITS]) + (", ..." if len(names) > NAMED_UNITS else "")
+
 
 class Pending(NamedTuple):
     """A collective in flight; ``wait()`` orders the caller's compute after it: blocks
@@ -119,9 +128,10 @@ class CommContext:
         self.issued: IssueLog | None = None
 
     def _note(self, what: str, numel: int, members: tuple[str, ...] = ()) -> None:
-        """Log a collective for the lockstep check ([Note: lockstep check] in lockstep_check.py)."""
+        """Log a collective for the lockstep check ([Note: lockstep check] in
+        lockstep_check.py), with its units' names where ``what`` names only some."""
         if self.issued is not None:
-            self.issued.note(what, numel, members)
+            self.issued.note(what, numel, members if len(members) > NAMED_UNITS else ())
 
     # ---- waiting ------------------------------------------------------------------
     def wait_work(self, work, what: str) -> None:
@@ -219,7 +229,7 @@ class CommContext:
         numel, one dtype for all) <- the shards of all ranks of ``level``. The shards are
         copied into one input, gathered into one rank-major buffer and copied out on
         ``wait()``; see [Note: coalesced small units] in prefetch.py. ``members``: the
-        units' names (``what`` may name only the first few)."""
+        units' names (``what`` names the first ``NAMED_UNITS``: :func:`named_units`)."""
         self._note(what, sum(o.numel() for o in outputs), members)
         group, size = self._group(level)
         if size == 1 and not self.use_streams:

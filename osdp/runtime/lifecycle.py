@@ -54,7 +54,7 @@ from typing import NamedTuple
 import torch
 
 from ..contract import MODE_DP, MODE_HPZ
-from .collectives import CommContext
+from .collectives import CommContext, named_units
 from .ledger import MemoryLedger
 from .modes import GatherState
 from .shard_unit import ShardUnit
@@ -124,10 +124,9 @@ class UnitLifecycle:
             unit.pending = self.comm.all_gather(unit.gathered, source(unit), f"all-gather{where} of unit {unit.name!r}",
                                                 level=level)
             return
-        names = ", ".join(repr(u.name) for u in units[:4]) + (", ..." if len(units) > 4 else "")
         pending = self.comm.all_gather_coalesced(
             [u.gathered for u in units], [source(u) for u in units],
-            f"coalesced all-gather{where} of {len(units)} units ({names})", level=level,
+            f"coalesced all-gather{where} of {len(units)} units ({named_units(units)})", level=level,
             members=tuple(u.name for u in units),
         )
         shared = _Once(pending.wait)

@@ -37,21 +37,16 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from .compiled_regions import inside_any
 
-def mark_lockstep(model: nn.Module, compiled_regions=()) -> list[str]:
+
+def mark_lockstep(model: nn.Module, compiled_regions=()) -> None:
     """Set the sharded-module attributes on the modules of ``model`` outside
-    ``compiled_regions`` (paths; ``""`` is the whole model); the paths marked."""
-    regions = tuple(compiled_regions)
-    if "" in regions:
-        return []
-
-    def compiled(path: str) -> bool:
-        return any(path == r or path.startswith(r + ".") for r in regions)
-
-    marked = []
+    ``compiled_regions`` (paths; ``""`` is the whole model)."""
+    if "" in compiled_regions:
+        return
+    compiled = inside_any(compiled_regions)
     for path, module in model.named_modules():
         if not compiled(path):
             module._is_fsdp_managed_module = True
             module._fsdp_use_orig_params = True
-            marked.append(path)
-    return marked

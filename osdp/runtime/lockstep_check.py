@@ -53,14 +53,14 @@ class IssueLog:
         self._notes: list[tuple] = []
 
     def note(self, what: str, numel: int, members: tuple[str, ...] = ()) -> None:
-        """One collective: its description, its size, and the names of the units it
-        carries (listed when the description names only the first four)."""
+        """One collective: its description, its size, and ``members``, the names of the
+        units it carries that its description does not list."""
         self._notes.append((what, numel, members))
         if len(self._notes) >= FOLD_ENTRIES:
             self._fold()
 
     def _fold(self) -> None:
-        texts = [f"{what} ({numel} elements)" + (f" [units {', '.join(members)}]" if len(members) > 4 else "")
+        texts = [f"{what} ({numel} elements)" + (f" [units {', '.join(members)}]" if members else "")
                  for what, numel, members in self._notes]
         self._notes = []
         self.digest = hashlib.blake2b(self.digest + "\n".join(texts).encode() + b"\n", digest_size=8).digest()
@@ -91,8 +91,8 @@ class LockstepCheck:
     [Note: lockstep check]. Built on every rank of ``group`` alike (it may create the
     gloo group it compares on)."""
 
-    def __init__(self, log: IssueLog, group, timeout_s: float):
-        self.log = log
+    def __init__(self, group, timeout_s: float):
+        self.log = IssueLog()  # CommContext.issued: what this rank issues until the next check
         self.timeout_s = float(timeout_s)
         self.group = self._check_group(group)
 

@@ -63,7 +63,7 @@ import torch
 
 from ..contract import MAX_INFLIGHT_REDUCE_SCATTERS, MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES
 from ..schedule_rules import by_key, group_full, waits_after_issue, waits_before_issue
-from .collectives import CommContext, Pending
+from .collectives import CommContext, Pending, named_units
 from .direct import drop_local_grads, local_grad_pieces
 from .ledger import MemoryLedger
 from .shard_unit import ShardUnit
@@ -185,9 +185,8 @@ class GradReducer:
         if len(units) == 1:
             pending = self.comm.reduce_scatter(outs[0], flats[0], f"reduce-scatter of unit {units[0].name!r}")
         else:
-            names = ", ".join(repr(u.name) for u in units[:4]) + (", ..." if len(units) > 4 else "")
             pending = self.comm.reduce_scatter_coalesced(
-                outs, flats, f"coalesced reduce-scatter of {len(units)} units ({names})",
+                outs, flats, f"coalesced reduce-scatter of {len(units)} units ({named_units(units)})",
                 members=tuple(u.name for u in units),
             )
         self._inflight.append(InflightReduce(tuple(units), tuple(outs), tuple(flats), pending))
@@ -262,9 +261,9 @@ class GradReducer:
             for piece in pieces:
                 torch.div(piece, world, out=staging.narrow(0, offset, piece.numel()))
                 offset += piece.numel()
-        names = ", ".join(repr(u.name) for u in units[:4]) + (", ..." if len(units) > 4 else "")
-        pending = self.comm.all_reduce_replicated(staging, f"all-reduce of the replicated bucket of {len(units)} "
-                                                           f"unit(s) ({names})", members=tuple(u.name for u in units))
+        pending = self.comm.all_reduce_replicated(
+            staging, f"all-reduce of the replicated bucket of {len(units)} unit(s) ({named_units(units)})",
+            members=tuple(u.name for u in units))
         self._inflight_buckets.append(InflightBucket(tuple(units), staging, tuple(buffers), pending))
 
     def _finish_oldest_bucket(self, keep: bool = True) -> None:

@@ -13,9 +13,9 @@ import torch
 
 import osdp
 
-from runtime import split_batch_loop
+from . import other_models_cases as oc
 
-LAYERS, LAYERDROP, STEPS, LOCAL_BATCH = 4, 0.5, 3, 2
+LAYERS, LAYERDROP = 4, 0.5
 
 
 def rank_seed(rank: int) -> int:
@@ -23,26 +23,11 @@ def rank_seed(rank: int) -> int:
 
 
 def build_wav2vec2(layerdrop: float):
-    import transformers
-
-    transformers.logging.set_verbosity_error()
-    torch.manual_seed(0)
-    return transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
-        vocab_size=20, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=64,
-        conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
-        num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=layerdrop, mask_time_prob=0.0, pad_token_id=0,
-        ctc_loss_reduction="mean"))
-
-
-def audio_batch(step: int, world: int) -> dict:
-    gen = torch.Generator().manual_seed(50 + step)
-    n = LOCAL_BATCH * world
-    return {"input_values": torch.randn(n, 800, generator=gen), "labels": torch.randint(1, 20, (n, 5), generator=gen)}
+    return oc.build("wav2vec2", num_hidden_layers=LAYERS, layerdrop=layerdrop)
 
 
 def train_wav2vec2(model, world: int, rank: int | None) -> list[float]:
-    return split_batch_loop.train(model, lambda step: audio_batch(step, world), STEPS, world, rank)
+    return oc.train(model, "wav2vec2", world, rank)
 
 
 def build_llama():

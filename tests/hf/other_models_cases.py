@@ -14,29 +14,34 @@ from runtime import split_batch_loop
 LOCAL_BATCH, STEPS = 2, 3
 
 
-def build(kind: str):
+# kind -> (model class, config class, config) in transformers: tiny, no dropout
+MODELS = {
+    "bert": ("BertForMaskedLM", "BertConfig", dict(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    "t5": ("T5ForConditionalGeneration", "T5Config", dict(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)),
+    "wav2vec2": ("Wav2Vec2ForCTC", "Wav2Vec2Config", dict(
+        vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
+        num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+        feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
+        ctc_loss_reduction="mean")),
+    "vit": ("ViTForImageClassification", "ViTConfig", dict(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)),
+}
+
+
+def build(kind: str, **config):
+    """The stock model of ``kind`` from a fixed seed; ``config`` overrides its config."""
     import transformers
 
     transformers.logging.set_verbosity_error()
     torch.manual_seed(0)
-    if kind == "bert":
-        return transformers.BertForMaskedLM(transformers.BertConfig(
-            vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
-    if kind == "t5":
-        return transformers.T5ForConditionalGeneration(transformers.T5Config(
-            vocab_size=100, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-            dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0))
-    if kind == "wav2vec2":
-        return transformers.Wav2Vec2ForCTC(transformers.Wav2Vec2Config(
-            vocab_size=20, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-            conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8,
-            num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
-            feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
-            ctc_loss_reduction="mean"))
-    return transformers.ViTForImageClassification(transformers.ViTConfig(
-        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5))
+    model_class, config_class, defaults = MODELS[kind]
+    return getattr(transformers, model_class)(getattr(transformers, config_class)(**{**defaults, **config}))
 
 
 def _batch(kind: str, step: int, world: int) -> dict:

@@ -50,11 +50,12 @@ def build() -> Net:
     return Net()
 
 
-def batch(step: int, world: int):
+def batch(step: int, world: int) -> dict:
+    """All ranks' inputs ``x`` and classes ``y``, split between the ranks along dim 0."""
     gen = torch.Generator().manual_seed(step)
     x = torch.randn(LOCAL_BATCH * world, 8, generator=gen)
     x[:LOCAL_BATCH] += 3.0  # rank 0's rows apart: the ranks route differently
-    return x, torch.randint(0, 3, (LOCAL_BATCH * world,), generator=gen)
+    return {"x": x, "y": torch.randint(0, 3, (LOCAL_BATCH * world,), generator=gen)}
 
 
 def experts_used(model: Net, x) -> list[set[int]]:
@@ -75,11 +76,7 @@ def _user_loss(model, part: dict):
 def train(model, world: int, rank: int | None) -> list[float]:
     """The user's own loss outside the model; ``rank`` None: one process, the mean of
     the ranks' losses."""
-    def global_batch(step):
-        x, y = batch(step, world)
-        return {"x": x, "y": y}
-
-    return split_batch_loop.train(model, global_batch, STEPS, world, rank, loss_of=_user_loss)
+    return split_batch_loop.train(model, lambda step: batch(step, world), STEPS, world, rank, loss_of=_user_loss)
 
 
 MODES = {
