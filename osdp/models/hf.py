@@ -1,4 +1,4 @@
-"""Small Hugging Face causal LMs (GPT-2, Llama) built from configs, for tests and demos.
+"""Small Hugging Face causal LMs (GPT-2, Llama, Mixtral) built from configs, for tests and demos.
 
 No downloads: models are built from a config with random weights (seed with
 ``torch.manual_seed`` first). The returned model *is* the Hugging Face model (a
@@ -54,6 +54,24 @@ LLAMA_DEFAULTS = dict(
     tie_word_embeddings=False,
     attn_implementation="eager",
 )
+# a mixture of experts: Llama's attention, 4 experts in one module of 3-D weights (run
+# by a grouped matmul: [Note: grouped matmul] in osdp/planner/grouped_mm.py), 2 a token
+MIXTRAL_DEFAULTS = dict(
+    vocab_size=97,
+    hidden_size=16,
+    intermediate_size=24,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    max_position_embeddings=32,
+    attention_dropout=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+    tie_word_embeddings=False,
+    attn_implementation="eager",
+)
 
 
 def _transformers():
@@ -97,8 +115,15 @@ def loss_class(hf_class: type) -> type:
     """``hf_class`` (a Hugging Face causal LM class) with ``forward(idx, targets=None)``;
     the class attribute ``hf_class`` names the original."""
     if hf_class not in _LOSS_CLASSES:
+        # transformers picks the kernels a class may switch to (SDPA attention, grouped
+        # matmul experts) by reading its module's source for their decorators: this
+        # module has none, so the subclass says what its original can do (else a
+        # Mixtral here ran its experts one by one in a loop)
+        can = {f"_can_set_{kind}_implementation_cached_value": getattr(hf_class, f"_can_set_{kind}_implementation")()
+               for kind in ("attn", "experts") if hasattr(hf_class, f"_can_set_{kind}_implementation")}
         _LOSS_CLASSES[hf_class] = type(
-            f"{hf_class.__name__}WithLoss", (_LossForward, hf_class), {"__module__": __name__, "hf_class": hf_class}
+            f"{hf_class.__name__}WithLoss", (_LossForward, hf_class),
+            {"__module__": __name__, "hf_class": hf_class, **can},
         )
     return _LOSS_CLASSES[hf_class]
 
@@ -121,6 +146,14 @@ def llama_model(**config_overrides) -> nn.Module:
     bias) with random weights. ``config_overrides`` are ``LlamaConfig`` fields."""
     tf = _transformers()
     return _build(tf.LlamaConfig, tf.LlamaForCausalLM, LLAMA_DEFAULTS, config_overrides)
+
+
+def mixtral_model(**config_overrides) -> nn.Module:
+    """A tiny ``MixtralForCausalLM`` (Llama's attention, a top-2 router over 4 experts
+    held as 3-D weights by one module) with random weights. ``config_overrides`` are
+    ``MixtralConfig`` fields."""
+    tf = _transformers()
+    return _build(tf.MixtralConfig, tf.MixtralForCausalLM, MIXTRAL_DEFAULTS, config_overrides)
 
 
 def hf_loss(model: nn.Module, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

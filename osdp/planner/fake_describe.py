@@ -14,7 +14,9 @@ parameters and buffers are put back afterwards (still on meta, never materialize
 describe reads only shapes, dtypes, storage identity (``storage_key``), storage sizes,
 FLOPs (from shapes) and the order in which modules run and tensors die; fake tensors
 keep all of these, so a fake description equals a real one field by field (tested on
-osdp's GPT and on Hugging Face GPT-2 and Llama). What it cannot see: anything whose
+osdp's GPT and on Hugging Face GPT-2, Llama and Mixtral; a grouped matmul in another
+dtype than bf16, which its meta kernel refuses, gets its output from
+``grouped_mm.any_dtype_on_fake``: [Note: grouped matmul]). What it cannot see: anything whose
 shape depends on tensor values (``nonzero``, boolean masks, ``.item()``-driven control
 flow) raises under fake mode (``DataDependentOutputException``); describe then says so.
 Code that checks for fake tensors takes its tracing path: Hugging Face models cannot
@@ -63,6 +65,7 @@ import torch.nn as nn
 
 from ..errors import OSDPError
 from ..module_tree import transformer_blocks
+from . import grouped_mm
 from .inputs import ExampleInputs, LossFn, as_example_inputs
 from .model_desc import ModelDesc, _block_descs, describe_tensors
 
@@ -195,7 +198,7 @@ def _describe_all(model: nn.Module, inputs: ExampleInputs, device: torch.device,
     with fake_parameters(model, fake_mode, device):
         fake_in = _fake_inputs(fake_mode, inputs, device)
         try:
-            with fake_mode, _unpacked_sequences():
+            with fake_mode, grouped_mm.any_dtype_on_fake(), _unpacked_sequences():
                 return describe_tensors(model, fake_in, **settings)
         except (DataDependentOutputException, torch._subclasses.fake_tensor.DynamicOutputShapeException) as exc:
             raise OSDPError(

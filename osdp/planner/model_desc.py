@@ -3,7 +3,8 @@ them on the tensors given (``describe_tensors``; ``osdp.planner.description.desc
 the public entry, which picks fake tensors for a meta model).
 
 ``describe_tensors(model, example_inputs)`` measures a forward on this process (saved
-activations through saved-tensor hooks, FLOPs through ``FlopCounterMode``).
+activations through saved-tensor hooks, FLOPs through ``FlopCounterMode``, with the
+grouped matmul of MoE experts counted: [Note: grouped matmul] in grouped_mm.py).
 ``describe_gpt(config)`` builds the same description analytically, so models far larger
 than this machine can be planned. Both return a ``ModelDesc``.
 
@@ -47,6 +48,7 @@ from ..errors import OSDPError
 from ..memtrack import IntervalPeakTracker, storage_key
 from ..module_tree import transformer_blocks
 from ..ops import registered_split_ops, split_op_of
+from . import grouped_mm
 from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
 
 
@@ -265,7 +267,7 @@ def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
         handles.append(modules[block].register_forward_pre_hook(block_hook))
     try:
         with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False, custom_mapping=grouped_mm.flop_formulas()) as counter:
                 inputs.call(model)
     finally:
         for h in handles:

@@ -28,6 +28,12 @@ MODELS = {
         num_conv_pos_embedding_groups=4, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
         feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, pad_token_id=0,
         ctc_loss_reduction="mean")),
+    # a mixture of experts: 4 experts as 3-D weights of one module, run by a grouped
+    # matmul, top-2 routing and its load-balancing loss in the loss
+    "mixtral": ("MixtralForCausalLM", "MixtralConfig", dict(
+        vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        output_router_logits=True, router_aux_loss_coef=0.02)),
     "vit": ("ViTForImageClassification", "ViTConfig", dict(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)),

@@ -55,6 +55,7 @@ CASES = {
     "hf-llama-eager": lambda: _hf("llama_model"),
     "hf-llama-sdpa-gqa": lambda: _hf("llama_model", attn_implementation="sdpa"),
     "hf-llama-tied": lambda: _hf("llama_model", tie_word_embeddings=True),
+    "hf-mixtral": lambda: _hf("mixtral_model"),  # fp32 grouped matmul: [Note: grouped matmul]
 }
 
 
