@@ -195,8 +195,9 @@ def _add_model_flags(p):
     g.add_argument("--dtype-bytes", type=int, default=4, choices=(2, 4), help="bytes per weight element (default 4: fp32)")
     g.add_argument("--hf-config", metavar="CONFIG",
                    help="a Hugging Face config.json, or a shipped one by name (gpt2, llama-2-7b, llama-2-13b, "
-                        "llama-2-70b, llama-3-8b, llama-3-70b, mistral-7b; see osdp/configs/hf/): the model is built "
-                        "on the meta device and described on fake tensors, nothing downloaded or allocated; "
+                        "llama-2-70b, llama-3-8b, llama-3-70b, mistral-7b, mixtral-8x7b; see osdp/configs/hf/): the "
+                        "model is built on the meta device and described on fake tensors, nothing downloaded or "
+                        "allocated; "
                         "--seq sets tokens per sample (default: its context length, at most 4096)")
 
 

@@ -77,10 +77,11 @@ def test_cli_plans_a_config_file(tmp_path, capsys):
 
 def test_shipped_configs_resolve_by_short_name():
     names = available_hf_configs()
-    assert names == ["gpt2", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3-70b", "llama-3-8b", "mistral-7b"]
+    assert names == ["gpt2", "llama-2-13b", "llama-2-70b", "llama-2-7b", "llama-3-70b", "llama-3-8b", "mistral-7b",
+                     "mixtral-8x7b"]
     for name in names:
         assert resolve_hf_config(name).name == f"{name}.json"
-        assert load_hf_config(name).model_type in ("gpt2", "llama", "mistral")
+        assert load_hf_config(name).model_type in ("gpt2", "llama", "mistral", "mixtral")
 
 
 @pytest.mark.parametrize(
@@ -110,11 +111,13 @@ def test_hf_config_with_shape_flags_or_too_long_seq_is_refused(tmp_path, capsys)
 
 def llama_param_count(c: dict) -> int:
     """By hand: embedding + layers * (q, k, v, o with GQA + gate, up, down + 2 norms) +
-    final norm + head (none when tied)."""
+    final norm + head (none when tied); a mixture of experts (Mixtral) has
+    ``num_local_experts`` gate, up and down projections and a router in place of one MLP."""
     h, inter, heads, kv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = h // heads
     attention = h * heads * head_dim + 2 * h * kv * head_dim + heads * head_dim * h
-    mlp = 3 * h * inter
+    experts = c.get("num_local_experts")
+    mlp = 3 * h * inter if experts is None else experts * 3 * h * inter + experts * h
     layer = attention + mlp + 2 * h
     embedding = c["vocab_size"] * h
     head = 0 if c.get("tie_word_embeddings") else c["vocab_size"] * h
@@ -162,7 +165,7 @@ def test_70b_alike_layers_written_out_equal_every_layer_measured(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("name,published", [
     ("llama-2-7b", 6.74e9), ("llama-2-13b", 13.02e9), ("llama-2-70b", 68.98e9), ("llama-3-8b", 8.03e9),
-    ("llama-3-70b", 70.55e9), ("mistral-7b", 7.24e9), ("gpt2", 124.44e6),
+    ("llama-3-70b", 70.55e9), ("mistral-7b", 7.24e9), ("mixtral-8x7b", 46.70e9), ("gpt2", 124.44e6),
 ])
 def test_shipped_configs_have_the_published_sizes(name, published):
     desc = describe_hf_config(name)
