@@ -34,6 +34,12 @@ MODELS = {
         vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
         output_router_logits=True, router_aux_loss_coef=0.02)),
+    # another: experts with biases, attention sinks, sliding and full attention layers
+    "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
+        vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
+        output_router_logits=True, router_aux_loss_coef=0.02, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention"])),
     "vit": ("ViTForImageClassification", "ViTConfig", dict(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)),

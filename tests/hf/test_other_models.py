@@ -1,4 +1,4 @@
-"""Stock Hugging Face BERT (masked LM), Mixtral (MoE), T5, ViT and Wav2Vec2 under OSDP, eager and
+"""Stock Hugging Face BERT (masked LM), GPT-OSS and Mixtral (MoE), T5, ViT and Wav2Vec2 under OSDP, eager and
 compiled, on 2 gloo ranks against single-process training: losses and parameters after
 3 AdamW steps.
 BERT's prediction head owns the bias that its decoder (tied to the word embeddings) adds:
@@ -16,7 +16,7 @@ from runtime.dist_harness import spawn  # noqa: E402
 
 from . import other_models_cases as oc  # noqa: E402
 
-KINDS = ("bert", "mixtral", "t5", "vit", "wav2vec2")
+KINDS = ("bert", "gpt_oss", "mixtral", "t5", "vit", "wav2vec2")
 
 
 def _check(cases) -> None:
