@@ -5,7 +5,9 @@
 split, tied and rep units alike) from a checkpoint directory holding
 ``model.safetensors`` or a sharded ``model.safetensors.index.json``, as written by
 ``save_pretrained``. Keys are the wrapped model's state-dict names (a tied parameter by
-any of its names; Hugging Face leaves a tied head out). Everything is checked before
+any of its names; Hugging Face leaves a tied head out), or the checkpoint layout that
+transformers converts from (a mixture of experts' tensors one per expert: [Note:
+checkpoint layout] in hf_layout.py). Everything is checked before
 anything changes: a key missing, one unexpected or a shape that differs is one error
 naming them all. Then every rank reads, through safetensors' own slicing (no
 hand-written parsing), for each piece of each parameter only the rows that hold its
@@ -13,7 +15,8 @@ elements of its shard (its box of a split slice; a rep unit's whole): at most a
 parameter's piece at a time beyond the shards, into fresh buffers that are copied into
 the shards only once every rank has read everything.
 
-``save_hf(model, path)`` writes the same layout back: every rank takes part in gathering
+``save_hf(model, path)`` writes the same layout back (the checkpoint layout, as
+``save_pretrained`` does): every rank takes part in gathering
 one unit at a time; rank 0 assembles each parameter, and writes a file as soon as the
 parameters planned for it are complete (files of at most ``max_shard_size``, the
 index beside them when there are several, the wrapped model's ``config.json`` when it
@@ -37,6 +40,7 @@ from ..sizes import parse_bytes
 from . import _atomic
 from ._atomic import agree, on_rank0
 from ._view import prepare, world
+from .hf_layout import checkpoint_sources, read_box, to_checkpoint_layout
 
 __all__ = ["load_hf", "save_hf"]
 
@@ -94,27 +98,30 @@ def _shapes(files: dict[str, str]) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _match(layout, shapes: dict) -> tuple[dict[str, str], str | None]:
-    """Parameter or buffer name -> its key in the checkpoint; and what does not match
-    (keys missing, unexpected, shapes that differ), or None."""
+def _match(layout, sources: dict) -> tuple[dict[str, str], str | None]:
+    """Parameter or buffer name -> its name among ``sources`` (the checkpoint's tensors
+    as the model names them: [Note: checkpoint layout] in hf_layout.py); and what does
+    not match (keys missing, unexpected, shapes that differ), or None."""
     keys, missing, wrong = {}, [], []
     for fqn, info in layout.params.items():
-        key = next((k for k in (fqn, *info.aliases) if k in shapes), None)
+        key = next((k for k in (fqn, *info.aliases) if k in sources), None)
         if key is None:
             missing.append(fqn)
             continue
         keys[fqn] = key
-        if tuple(shapes[key]) != tuple(info.shape):
-            wrong.append(f"{key!r} is {list(shapes[key])} in the checkpoint, {list(info.shape)} in the model")
+        if tuple(sources[key].shape) != tuple(info.shape):
+            wrong.append(f"{_named(key, sources)} is {list(sources[key].shape)} in the checkpoint, "
+                         f"{list(info.shape)} in the model")
     for name, shape in layout.buffers.items():
-        if name not in shapes:
+        if name not in sources:
             missing.append(name)
             continue
         keys[name] = name
-        if tuple(shapes[name]) != tuple(shape):
-            wrong.append(f"{name!r} is {list(shapes[name])} in the checkpoint, {list(shape)} in the model")
+        if tuple(sources[name].shape) != tuple(shape):
+            wrong.append(f"{_named(name, sources)} is {list(sources[name].shape)} in the checkpoint, "
+                         f"{list(shape)} in the model")
     known = set(keys.values()) | set(layout.aliases)
-    unexpected = [k for k in shapes if k not in known]
+    unexpected = [k for name, source in sources.items() if name not in known for k in source.keys()]
     problems = []
     if missing:
         problems.append(f"keys missing from the checkpoint: {listed(missing)}")
@@ -124,16 +131,10 @@ def _match(layout, shapes: dict) -> tuple[dict[str, str], str | None]:
     return keys, "; ".join(problems) or None
 
 
-def _read_range(handle, key: str, piece, a: int, b: int) -> torch.Tensor:
-    """Elements ``[a, b)`` (row-major) of ``piece``'s box of tensor ``key``: the rows of
-    the box that hold them, read through safetensors' slicing."""
-    sizes, offsets = piece.box_sizes, piece.box_offsets
-    if not sizes:
-        return handle.get_tensor(key).reshape(-1)[a:b]
-    row = math.prod(sizes[1:])
-    r0, r1 = a // row, -(-b // row)
-    index = (slice(offsets[0] + r0, offsets[0] + r1),) + tuple(slice(o, o + s) for o, s in zip(offsets[1:], sizes[1:]))
-    return handle.get_slice(key)[index].reshape(-1)[a - r0 * row:b - r0 * row]
+def _named(name: str, sources: dict) -> str:
+    """``name``, and the checkpoint keys it is read from when they are others."""
+    keys = sources[name].keys()
+    return repr(name) if keys == [name] else f"{name!r} (from {listed(keys)})"
 
 
 def load_hf(model, path) -> None:
@@ -143,10 +144,11 @@ def load_hf(model, path) -> None:
     view = prepare(model)
     layout, units = view.layout, view.built.units
     comm = world(view)
-    keys, error = {}, None
+    keys, sources, error = {}, {}, None
     try:
         files = checkpoint_files(path)
-        keys, problem = _match(layout, _shapes(files))
+        sources = checkpoint_sources(view.module, files, _shapes(files))
+        keys, problem = _match(layout, sources)
         if problem is not None:
             error = PlanMismatchError(f"cannot load checkpoint {os.fspath(path)!r} into this model: {problem}")
     except OSDPError as exc:
@@ -163,7 +165,7 @@ def load_hf(model, path) -> None:
         handles = {name: safe_open(name, framework="pt") for name in sorted(set(files.values()))}
         with torch.no_grad():
             for fqn, info in layout.params.items():
-                handle = handles[files[keys[fqn]]]
+                source = sources[keys[fqn]]
                 for piece in info.pieces:
                     unit = units[piece.unit]
                     part = local_range(piece, unit.shard_rank, unit.shard_numel)
@@ -171,9 +173,10 @@ def load_hf(model, path) -> None:
                         continue
                     a, b = part
                     start = piece.offset + a - unit.shard_rank * unit.shard_numel
-                    new[piece.unit][start:start + (b - a)].copy_(_read_range(handle, keys[fqn], piece, a, b))
+                    new[piece.unit][start:start + (b - a)].copy_(
+                        read_box(source, handles, piece.box_offsets, piece.box_sizes, a, b))
             for name in layout.buffers:
-                value = handles[files[name]].get_tensor(name)
+                value = sources[name].read(handles, (0,) * len(sources[name].shape), sources[name].shape)
                 new_buffers[name] = value.to(buffers[name].device, buffers[name].dtype)
     except Exception as exc:
         error = OSDPError(f"cannot read checkpoint {os.fspath(path)!r}: {type(exc).__name__}: {exc}")
@@ -223,14 +226,14 @@ def save_hf(model, path, *, max_shard_size="5GB", dtype: torch.dtype | None = No
 
     on_rank0(comm, start)
     try:
-        _write_files(view, layout, units, comm, plan, names, tmp, dtype, save_file)
+        file_keys = _write_files(view, layout, units, comm, plan, names, tmp, dtype, save_file)
 
         def finish():
             if len(plan) > 1:
                 total = sum(math.prod(layout.params[f].shape) * (dtype or layout.params[f].dtype).itemsize
                             for f in layout.params)
                 index = {"metadata": {"total_size": total},
-                         "weight_map": {key: name for keys, name in zip(plan, names) for key in keys}}
+                         "weight_map": {key: name for keys, name in zip(file_keys, names) for key in keys}}
                 with open(os.path.join(tmp, INDEX_FILE), "w") as f:
                     json.dump(index, f, indent=2)
             config = getattr(view.module, "config", None)
@@ -244,12 +247,13 @@ def save_hf(model, path, *, max_shard_size="5GB", dtype: torch.dtype | None = No
         raise
 
 
-def _write_files(view, layout, units, comm, plan, names, tmp, dtype, save_file) -> None:
+def _write_files(view, layout, units, comm, plan, names, tmp, dtype, save_file) -> list[list[str]]:
     """Gather unit after unit (every rank); rank 0 fills each parameter's tensor and
-    writes a file once all of its tensors are complete. A write that fails on rank 0
-    stops the writing, not the gathers (the other ranks are in them); every rank raises
-    it after the last."""
-    rank0, error = comm.rank == 0, None
+    writes a file once all of its tensors are complete, in the checkpoint layout
+    ([Note: checkpoint layout] in hf_layout.py). A write that fails on rank 0 stops the
+    writing, not the gathers (the other ranks are in them); every rank raises it after
+    the last. Returns the keys of each file (rank 0)."""
+    rank0, error, file_keys = comm.rank == 0, None, []
     full: dict[str, torch.Tensor] = {}
     todo = {fqn: len(info.pieces) for fqn, info in layout.params.items()}
     file_of = {key: i for i, keys in enumerate(plan) for key in keys}
@@ -260,8 +264,10 @@ def _write_files(view, layout, units, comm, plan, names, tmp, dtype, save_file) 
         nonlocal written, error
         while error is None and written < len(plan) and not waiting[written]:
             try:
-                save_file({key: full.pop(key).contiguous() for key in plan[written]},
-                          os.path.join(tmp, names[written]), metadata={"format": "pt"})
+                tensors = to_checkpoint_layout(view.module, {key: full.pop(key) for key in plan[written]})
+                file_keys.append(list(tensors))
+                save_file({key: t.contiguous() for key, t in tensors.items()}, os.path.join(tmp, names[written]),
+                          metadata={"format": "pt"})
             except Exception as exc:
                 error = OSDPError(f"cannot write {names[written]!r} of the checkpoint: {type(exc).__name__}: {exc}")
             written += 1
@@ -287,3 +293,4 @@ def _write_files(view, layout, units, comm, plan, names, tmp, dtype, save_file) 
     if rank0:
         write_ready()  # a file of buffers only
     agree(comm, error)
+    return file_keys

@@ -1,6 +1,6 @@
 """Hugging Face safetensors checkpoints straight into and out of the shards
 (``osdp.checkpoint.load_hf`` / ``save_hf``, [Note: Hugging Face checkpoints]): stock
-``transformers`` GPT-2 and Llama (tiny configs, ``save_pretrained``) loaded into models
+``transformers`` GPT-2, Llama and Mixtral (tiny configs, ``save_pretrained``) loaded into models
 built on the meta device give the pretrained model's logits, on 1 and 2 ranks, split,
 tied and rep units included; ``save_hf`` -> ``from_pretrained`` is the same model; every
 bad input is one error that changes nothing."""
@@ -35,12 +35,25 @@ def gpt2():
     return transformers.GPT2LMHeadModel, config
 
 
-MODELS = {"llama": llama, "gpt2": gpt2}
+def mixtral():
+    """Its checkpoint holds one tensor per expert and projection (``block_sparse_moe.
+    experts.2.w1.weight``), the model one 3-D tensor per layer (``mlp.experts.
+    gate_up_proj``): [Note: checkpoint layout]. 3 experts: on 2 ranks the experts unit's
+    shard boundary falls inside an expert's w1 (the unit: gate_up_proj then down_proj)."""
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=36, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=3,
+                                        num_experts_per_tok=2, max_position_embeddings=64)
+    return transformers.MixtralForCausalLM, config
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "mixtral": mixtral}
 # split (in features; the tied GPT-2 embedding by rows, its head following), rep, dp, zdp
 PLANS = {
     "llama": dict(splits={"model.layers.0.mlp.down_proj": 2}, modes={"model.norm": "rep", "lm_head": "dp"}),
     "gpt2": dict(modes={"transformer.wte": ("zdp", "dp"), "transformer.ln_f": "rep"},
                  splits={"transformer.h.0.mlp.c_fc": 2}),
+    "mixtral": dict(splits={"model.layers.0.self_attn.o_proj": 2},
+                    modes={"model.layers.0.mlp.experts": "dp", "model.layers.1.mlp.experts": "rep"}),
 }
 
 
@@ -91,6 +104,9 @@ def test_save_hf_then_from_pretrained_is_the_same_model(name, tmp_path):
     model = on_meta(name, **PLANS[name])
     ckpt.load_hf(model, tmp_path / "ckpt")
     ckpt.save_hf(model, tmp_path / "out")
+    # the keys save_pretrained writes (Mixtral's per expert: [Note: checkpoint layout])
+    assert sorted(load_file(tmp_path / "out" / "model.safetensors")) == sorted(
+        load_file(tmp_path / "ckpt" / "model.safetensors"))
     cls, _ = MODELS[name]()
     back = cls.from_pretrained(tmp_path / "out").eval()
     mine, theirs = back.state_dict(), ref.state_dict()
@@ -147,6 +163,27 @@ def test_bad_checkpoints_are_one_clear_error_and_change_nothing(case, tmp_path):
     with pytest.raises(OSDPError) as info:
         ckpt.load_hf(model, target)
     assert text in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(before, _shards(model)))
+
+
+@single
+@pytest.mark.parametrize("case", ["an expert missing", "an expert of another shape"])
+def test_bad_expert_tensors_are_one_clear_error_and_change_nothing(case, tmp_path):
+    pretrained("mixtral", tmp_path / "ckpt")
+    state = load_file(tmp_path / "ckpt" / "model.safetensors")
+    key = "model.layers.1.block_sparse_moe.experts.1.w3.weight"
+    if case == "an expert missing":
+        del state[key]
+        text = (r"the checkpoint tensors of 'model.layers.1.mlp.experts.gate_up_proj' are incomplete: "
+                r"'.experts.\*.w3.weight' for module list indices \[1\] missing")
+    else:
+        state[key] = torch.zeros(35, 32)
+        text = "cannot stack the checkpoint tensors of 'model.layers.1.mlp.experts.gate_up_proj'"
+    save_file(state, tmp_path / "ckpt" / "model.safetensors")
+    model = on_meta("mixtral", **PLANS["mixtral"])
+    before = _shards(model)
+    with pytest.raises(OSDPError, match=text):
+        ckpt.load_hf(model, tmp_path / "ckpt")
     assert all(torch.equal(a, b) for a, b in zip(before, _shards(model)))
 
 
