@@ -33,8 +33,10 @@ def test_stock_models_train_as_single_process():
 
 @pytest.mark.slow
 def test_stock_models_compiled_train_as_single_process():
-    """aot_eager: 25 s more, the compiled path has its own cases in the default run."""
-    _check([(kind, "compiled") for kind in KINDS if kind != "wav2vec2"])
+    """aot_eager: 40 s more, the compiled path has its own cases in the default run.
+    Mixtral's experts run transformers' own grouped matmul op under dynamo (the aten one
+    takes bf16 only there); GPT-OSS is left out for time."""
+    _check([(kind, "compiled") for kind in KINDS if kind not in ("wav2vec2", "gpt_oss")])
 
 
 def _check_one(results, kind: str, path: str) -> None:
