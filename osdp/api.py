@@ -766,11 +766,30 @@ def check_wrappable(module: nn.Module) -> None:
     if not dist.is_available() or not dist.is_initialized():
         raise OSDPError("OSDP needs torch.distributed initialized (dist.init_process_group) before wrapping")
     _refuse_wrapped(module)
+    _refuse_parameter_adapters(module)
     if not any(True for _ in module.parameters()):
         raise OSDPError(
             f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
             "models with parameters; run a parameter-free module as it is)"
         )
+
+
+def _refuse_parameter_adapters(module: nn.Module) -> None:
+    """peft's LoRA on a parameter (``LoraConfig(target_parameters=...)``, a MoE's 3-D
+    expert weights) registers a parametrization on the base module at every forward and
+    reads its adapters' weights without calling their modules: OSDP gathers a unit when
+    its module is called and keeps the gathered weights beside the shards, so the
+    adapters read freed buffers and the parametrization would take the shard for the
+    weight (it raised 'setStorage ... out of bounds for storage of size 0')."""
+    for path, sub in module.named_modules():
+        if type(sub).__name__ == "ParamWrapper" and type(sub).__module__.startswith("peft."):
+            raise OSDPError(
+                f"cannot wrap this {type(module).__name__}: {path!r} is peft's LoRA on the parameter "
+                f"{getattr(sub, 'parameter_name', '?')!r} (LoraConfig(target_parameters=...)), which swaps a "
+                "parametrization in at every forward and reads its adapters' weights without calling their "
+                "modules; OSDP shards a unit as its module is called. Put the adapters on modules instead "
+                "(LoraConfig(target_modules=[...]): nn.Linear layers, trained exactly under OSDP)"
+            )
 
 
 def _refuse_wrapped(module: nn.Module) -> None:

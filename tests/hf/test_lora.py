@@ -39,3 +39,28 @@ def test_lora_adapters_train_as_single_process(reference, compile_arg):
         torch.testing.assert_close(adapters[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
     for key, value in base.items():
         assert torch.equal(full[key], value), f"{key}: the frozen base changed"
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_lora_on_expert_parameters_is_refused_before_anything_changes():
+    """peft's LoRA on a MoE's 3-D expert weights (``target_parameters``) swaps a
+    parametrization in at every forward and reads its adapters' weights without calling
+    their modules: it raised 'setStorage ... storage of size 0' inside the first forward."""
+    import peft
+    import transformers
+
+    import osdp
+
+    transformers.logging.set_verbosity_error()
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2,
+                                        num_experts_per_tok=1, max_position_embeddings=16)
+    model = peft.get_peft_model(transformers.MixtralForCausalLM(config), peft.LoraConfig(
+        r=2, target_modules=["q_proj"], target_parameters=["mlp.experts.gate_up_proj"]))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for auto in ({}, {"memory_limit": "64MiB", "example_inputs": {"input_ids": torch.zeros(2, 4, dtype=torch.long)}}):
+        with pytest.raises(osdp.OSDPError, match=r"'base_model.model.model.layers.0.mlp.experts' is peft's LoRA on "
+                                                 r"the parameter 'gate_up_proj' .*target_modules"):
+            osdp.OSDP(model, **auto)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items())
