@@ -204,7 +204,17 @@ def _describe_all(model: nn.Module, inputs: ExampleInputs, device: torch.device,
             raise OSDPError(
                 f"{type(model).__name__} cannot be described without real data: an operator's output "
                 f"depends on tensor values ({exc}); describe it with real (small) weights instead"
+                + _experts_hint(model)
             ) from None
+
+
+def _experts_hint(model: nn.Module) -> str:
+    """transformers' "eager" experts loop over the experts the tokens were routed to
+    (``nonzero``); its grouped matmul runs on shapes alone."""
+    if getattr(getattr(model, "config", None), "_experts_implementation", None) == "eager":
+        return (", or build it with experts_implementation=\"grouped_mm\" (its experts run one by one over "
+                "the tokens routed to them, a loop whose length depends on values)")
+    return ""
 
 
 # plain attributes that number a layer rather than shape it

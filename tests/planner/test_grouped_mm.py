@@ -101,3 +101,15 @@ def test_mixtral_experts_are_described_with_their_flops(fake):
     c = model.config
     per_sample = 2 * seq * c.num_experts_per_tok * 3 * c.hidden_size * c.intermediate_size
     assert all(op.flops_per_sample == per_sample for op in experts)
+
+
+def test_meta_mixtral_with_its_experts_in_a_loop_is_told_the_kernel_that_describes():
+    hf = pytest.importorskip("osdp.models.hf")
+    pytest.importorskip("transformers")
+    from osdp.errors import OSDPError
+    from osdp.planner.description import describe
+
+    with torch.device("meta"):
+        model = hf.mixtral_model(experts_implementation="eager")  # one expert at a time, over nonzero()
+    with pytest.raises(OSDPError, match='cannot be described without real data.*experts_implementation="grouped_mm"'):
+        describe(model, hf.example_batch(model.config.vocab_size, 2))
