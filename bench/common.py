@@ -2,6 +2,7 @@
 (OSDP, FSDP2 ZeRO-3 and ZeRO-2, DDP), one training step, and measured peak memory."""
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import os
@@ -48,7 +49,58 @@ def device_for(rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False, compile: dict | None = None):
+class HFWorkload:
+    """A stock Hugging Face causal LM as a bench's model (``config`` of the functions
+    below is a ``GPTConfig`` of osdp's GPT, or one of these): tokens of ``seq_len``, the
+    model's own loss (``model(input_ids=x, labels=x).loss``), its decoder layers as the
+    blocks FSDP2 shards and checkpoints."""
+
+    def __init__(self, model_class: str, config_class: str, seq_len: int, **config):
+        self.model_class, self.config_class, self.seq_len, self.config = model_class, config_class, seq_len, config
+
+    def build(self) -> torch.nn.Module:
+        with _without_bench_dir():
+            import transformers
+
+            transformers.logging.set_verbosity_error()
+            config = getattr(transformers, self.config_class)(**self.config)
+            return getattr(transformers, self.model_class)(config)
+
+    @staticmethod
+    def blocks(model) -> torch.nn.ModuleList:
+        return model.model.layers
+
+    def tokens(self, batch: int, seed: int, device=None) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return torch.randint(0, self.config["vocab_size"], (batch, self.seq_len), generator=gen).to(device)
+
+    def loss(self, model, batch: int, seed: int, device=None) -> torch.Tensor:
+        x = self.tokens(batch, seed, device)
+        return model(input_ids=x, labels=x).loss
+
+
+@contextlib.contextmanager
+def _without_bench_dir():
+    """transformers looks for the ``kernels`` package (Hugging Face's kernel hub) as it
+    imports and builds models, and bench/kernels.py, on sys.path while a bench runs,
+    would be found in its place (it parses the command line as it is imported)."""
+    here = Path(__file__).resolve().parent
+    saved = list(sys.path)
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def _build(config):
+    """osdp's GPT of a GPTConfig, or an HFWorkload's model, and its blocks."""
+    model = GPT(config) if isinstance(config, GPTConfig) else config.build()
+    return model, (model.blocks if isinstance(config, GPTConfig) else config.blocks(model))
+
+
+def wrap_peer(peer: str, config: GPTConfig | HFWorkload, plan=None, checkpoint: bool = False,
+              compile: dict | None = None):
     """A fresh model (same seed everywhere) wrapped as ``peer``; returns the module.
     ``compile``: ``torch.compile`` keyword arguments (``backend``, ``mode``, ``dynamic``,
     ``fullgraph``; OSDP's ``scope`` too) for the compiled peers: OSDP's ``compile=`` as
@@ -57,7 +109,7 @@ def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False,
     hooks stay eager around each block's graph)."""
     device = device_for(dist.get_rank())
     torch.manual_seed(0)
-    model = GPT(config)
+    model, blocks = _build(config)
     if peer == "osdp":
         import osdp
 
@@ -67,16 +119,16 @@ def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False,
     if checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
-        apply_activation_checkpointing(model, check_fn=lambda m: type(m).__name__ == "Block")
+        apply_activation_checkpointing(model, check_fn=lambda m: type(m) is type(blocks[0]))
     if peer in ("fsdp_zero3", "fsdp_zero2"):
         from torch.distributed.fsdp import fully_shard
 
         reshard = peer == "fsdp_zero3"
-        for block in model.blocks:
+        for block in blocks:
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
         if compile is not None:
-            for block in model.blocks:
+            for block in blocks:
                 block.compile(**compile)
         return model
     if compile is not None:
@@ -90,8 +142,10 @@ def wrap_peer(peer: str, config: GPTConfig, plan=None, checkpoint: bool = False,
 
 def train_step(model, optim, config, batch: int, seed: int) -> float:
     device = device_for(dist.get_rank())
-    idx, targets = example_batch(config, batch, seed=seed, device=device)
-    loss = model(idx, targets)
+    if isinstance(config, GPTConfig):
+        loss = model(*example_batch(config, batch, seed=seed, device=device))
+    else:
+        loss = config.loss(model, batch, seed, device)
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)

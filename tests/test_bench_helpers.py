@@ -208,3 +208,27 @@ def test_a_cell_short_of_fitting_plans_is_counted_without_the_pick():
             dict(plan="c", is_pick=False, batch=2, peak_bytes=101)]
     assert regret_bench.fitting(rows, 100) == 1
     assert regret_bench.fitting(rows, 101) == 2
+
+
+def _hf_workload_worker(rank, world):
+    """One step of each peer on a stock Mixtral (bench/moe.py's workload), against the
+    plain model's loss on the same tokens."""
+    workload = common.HFWorkload("MixtralForCausalLM", "MixtralConfig", seq_len=8, vocab_size=64, hidden_size=16,
+                                 intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                                 num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
+                                 max_position_embeddings=16)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        want = workload.loss(workload.build(), 2, seed=5).item()
+    losses = {}
+    for peer in ("osdp", "fsdp_zero3", "ddp"):
+        model = common.wrap_peer(peer, workload)
+        optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        losses[peer] = common.train_step(model, optim, workload, 2, seed=5)
+    return want, losses
+
+
+def test_hf_workload_steps_every_peer_on_the_stock_model():
+    pytest.importorskip("transformers")
+    for want, losses in spawn(_hf_workload_worker, 2):
+        assert losses == pytest.approx({peer: want for peer in losses}, rel=1e-5)
