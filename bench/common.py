@@ -52,8 +52,8 @@ def device_for(rank: int) -> torch.device:
 class HFWorkload:
     """A stock Hugging Face causal LM as a bench's model (``config`` of the functions
     below is a ``GPTConfig`` of osdp's GPT, or one of these): tokens of ``seq_len``, the
-    model's own loss (``model(input_ids=x, labels=x).loss``), its decoder layers as the
-    blocks FSDP2 shards and checkpoints."""
+    model's own loss (``model(input_ids=x, labels=x).loss``, the output held through
+    backward), its decoder layers as the blocks FSDP2 shards and checkpoints."""
 
     def __init__(self, model_class: str, config_class: str, seq_len: int, **config):
         self.model_class, self.config_class, self.seq_len, self.config = model_class, config_class, seq_len, config
@@ -74,9 +74,13 @@ class HFWorkload:
         gen = torch.Generator().manual_seed(seed)
         return torch.randint(0, self.config["vocab_size"], (batch, self.seq_len), generator=gen).to(device)
 
-    def loss(self, model, batch: int, seed: int, device=None) -> torch.Tensor:
+    def forward(self, model, batch: int, seed: int, device=None):
+        """The model's output (a ``ModelOutput``); its ``.loss`` is the training loss.
+        A training loop holds the output through backward (``out = model(**batch);
+        out.loss.backward()``), and so does ``train_step``: the logits stay live, as OSDP's
+        planner prices them ([Note: example inputs and the loss] in osdp/planner/inputs.py)."""
         x = self.tokens(batch, seed, device)
-        return model(input_ids=x, labels=x).loss
+        return model(input_ids=x, labels=x)
 
 
 @contextlib.contextmanager
@@ -145,7 +149,8 @@ def train_step(model, optim, config, batch: int, seed: int) -> float:
     if isinstance(config, GPTConfig):
         loss = model(*example_batch(config, batch, seed=seed, device=device))
     else:
-        loss = config.loss(model, batch, seed, device)
+        out = config.forward(model, batch, seed, device)  # held through backward, as loops do
+        loss = out.loss
     loss.backward()
     optim.step()
     optim.zero_grad(set_to_none=True)

@@ -100,9 +100,9 @@ def main(argv=None):
             f"{r['peer']}: b={r['batch']} {r['samples_per_s']:.1f}/s peak {r['peak_bytes'] / 2**20:.1f} MiB"
             for r in rows), flush=True)
         if osdp_row["batch"]:
-            print(f"    OSDP plan: {osdp_row['plan']}; OSDP / peer: " + ", ".join(
-                f"{r['peer']} {osdp_row['samples_per_s'] / r['samples_per_s']:.2f}x" for r in rows[1:] if r["batch"])
-                + (", ".join(f"; {r['peer']} does not fit" for r in rows[1:] if not r["batch"])), flush=True)
+            ratios = [f"{r['peer']} {osdp_row['samples_per_s'] / r['samples_per_s']:.2f}x" if r["batch"]
+                      else f"{r['peer']} does not fit" for r in rows[1:]]
+            print(f"    OSDP plan: {osdp_row['plan']}; OSDP / peer: {', '.join(ratios)}", flush=True)
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"moe_{device.replace(' ', '_')}.csv"
     write_csv(out, [{k: r.get(k, "") for k in ("budget", "budget_bytes", "peer", "batch", "peak_bytes", "fits",
                                                 "step_s", "samples_per_s", "predicted_samples_per_s", "plan",

@@ -219,7 +219,7 @@ def _hf_workload_worker(rank, world):
                                  max_position_embeddings=16)
     torch.manual_seed(0)
     with torch.no_grad():
-        want = workload.loss(workload.build(), 2, seed=5).item()
+        want = workload.forward(workload.build(), 2, seed=5).loss.item()
     losses = {}
     for peer in ("osdp", "fsdp_zero3", "ddp"):
         model = common.wrap_peer(peer, workload)
