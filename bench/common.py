@@ -243,6 +243,30 @@ def timed_rounds(fns, rounds: int) -> list[float]:
     return max_over_ranks([statistics.median(x) for x in times])
 
 
+def peer_at_largest_batch(peer: str, config, budget_bytes: int):
+    """A peer other than OSDP (``_ckpt``: checkpointing every block) at the largest batch
+    whose measured peak fits ``budget_bytes``: its row (``peer``, ``batch``,
+    ``peak_bytes``, ``bench_s``), model and optimizer; no model when no batch fits."""
+    start = time.perf_counter()
+    base, checkpoint = peer.removesuffix("_ckpt"), peer.endswith("_ckpt")
+    batch, peak = largest_fitting_batch(base, config, budget_bytes, checkpoint=checkpoint)
+    if batch == 0:
+        return dict(peer=peer, batch=0, peak_bytes=peak, step_s=0.0, samples_per_s=0.0), None, None
+    model = wrap_peer(base, config, checkpoint=checkpoint)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return dict(peer=peer, batch=batch, peak_bytes=peak, bench_s=time.perf_counter() - start), model, optim
+
+
+def time_interleaved(runs, config, steps: int, world: int) -> None:
+    """``runs``: (row, model, optimizer) of every peer that fits; their steps timed
+    interleaved (``interleaved_step_s``: the ratios are taken in one run, so a load that
+    drifts over the minutes the batch searches took slows them alike), each row given
+    its ``step_s`` and ``samples_per_s``."""
+    step_times = interleaved_step_s([(m, o, r["batch"]) for r, m, o in runs], config, steps)
+    for (row, _, _), step_s in zip(runs, step_times):
+        row.update(step_s=step_s, samples_per_s=row["batch"] * world / step_s)
+
+
 def largest_fitting_batch(peer, config, budget_bytes, max_batch=256, checkpoint=False):
     """The largest batch whose measured peak fits ``budget_bytes`` for a peer (see
     :func:`largest_fitting_batch_of`)."""

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from common import (ROOT, HFWorkload, interleaved_step_s, largest_fitting_batch, measured_peak_bytes, spawn,
-                    wrap_peer, write_csv)
+from common import (ROOT, HFWorkload, measured_peak_bytes, peer_at_largest_batch, spawn, time_interleaved, wrap_peer,
+                    write_csv)
 
 # Mixtral scaled to a 2-core CPU: 4 layers, 8 experts of 128 -> 256 -> 128, top 2
 MIXTRAL = HFWorkload("MixtralForCausalLM", "MixtralConfig", seq_len=64, vocab_size=1024, hidden_size=128,
@@ -55,21 +55,16 @@ def _run(rank, world, budget_bytes, steps, cache_dir):
             batch = plan.batch_size
             peak = measured_peak_bytes(model, optim, MIXTRAL, batch)
             modes = sorted(model.unit_modes().values())
-            extra = dict(predicted_samples_per_s=plan.predicted.samples_per_s,
-                         plan=", ".join(f"{modes.count(m)}x {m}" for m in sorted(set(modes))))
+            rows.append(dict(peer=peer, batch=batch, peak_bytes=peak, bench_s=time.perf_counter() - start,
+                             predicted_samples_per_s=plan.predicted.samples_per_s,
+                             plan=", ".join(f"{modes.count(m)}x {m}" for m in sorted(set(modes)))))
         else:
-            batch, peak = largest_fitting_batch(peer, MIXTRAL, budget_bytes)
-            if batch == 0:
-                rows.append(dict(peer=peer, batch=0, peak_bytes=peak, step_s=0.0, samples_per_s=0.0))
+            row, model, optim = peer_at_largest_batch(peer, MIXTRAL, budget_bytes)
+            rows.append(row)
+            if model is None:
                 continue
-            model = wrap_peer(peer, MIXTRAL)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            extra = {}
-        rows.append(dict(peer=peer, batch=batch, peak_bytes=peak, bench_s=time.perf_counter() - start, **extra))
         runs.append((rows[-1], model, optim))
-    step_times = interleaved_step_s([(m, o, r["batch"]) for r, m, o in runs], MIXTRAL, steps)
-    for (row, _, _), step_s in zip(runs, step_times):
-        row.update(step_s=step_s, samples_per_s=row["batch"] * world / step_s)
+    time_interleaved(runs, MIXTRAL, steps, world)
     return rows
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common import PEERS, ROOT, interleaved_step_s, largest_fitting_batch, measured_peak_bytes, spawn, wrap_peer
+from common import PEERS, ROOT, measured_peak_bytes, peer_at_largest_batch, spawn, time_interleaved, wrap_peer
 
 from osdp.models import GPTConfig
 
@@ -65,23 +65,16 @@ def _run(rank, world, model_name, budget_bytes, steps, cache_dir):
             optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
             batch = plan.batch_size
             peak = measured_peak_bytes(model, optim, config, batch)
+            rows.append(dict(peer=peer, batch=batch, peak_bytes=peak,
+                             predicted_samples_per_s=plans[peer].predicted.samples_per_s,
+                             bench_s=time.perf_counter() - start))
         else:
-            base, checkpoint = peer.removesuffix("_ckpt"), peer.endswith("_ckpt")
-            batch, peak = largest_fitting_batch(base, config, budget_bytes, checkpoint=checkpoint)
-            if batch == 0:
-                rows.append(dict(peer=peer, batch=0, peak_bytes=peak, step_s=0.0, samples_per_s=0.0))
+            row, model, optim = peer_at_largest_batch(peer, config, budget_bytes)
+            rows.append({**row, "predicted_samples_per_s": ""})
+            if model is None:
                 continue
-            model = wrap_peer(base, config, checkpoint=checkpoint)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        rows.append(dict(peer=peer, batch=batch, peak_bytes=peak,
-                         predicted_samples_per_s=plans[peer].predicted.samples_per_s if peer in plans else "",
-                         bench_s=time.perf_counter() - start))
         runs.append((rows[-1], model, optim))
-    # every peer's steps interleaved: the ratios are taken in one run, so a load that
-    # drifts over the minutes the batch searches took slows them alike
-    step_times = interleaved_step_s([(m, o, r["batch"]) for r, m, o in runs], config, steps)
-    for (row, _, _), step_s in zip(runs, step_times):
-        row.update(step_s=step_s, samples_per_s=row["batch"] * world / step_s)
+    time_interleaved(runs, config, steps, world)
     return rows
 
 

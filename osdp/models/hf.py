@@ -56,22 +56,7 @@ LLAMA_DEFAULTS = dict(
 )
 # a mixture of experts: Llama's attention, 4 experts in one module of 3-D weights (run
 # by a grouped matmul: [Note: grouped matmul] in osdp/planner/grouped_mm.py), 2 a token
-MIXTRAL_DEFAULTS = dict(
-    vocab_size=97,
-    hidden_size=16,
-    intermediate_size=24,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_local_experts=4,
-    num_experts_per_tok=2,
-    max_position_embeddings=32,
-    attention_dropout=0.0,
-    bos_token_id=0,
-    eos_token_id=0,
-    tie_word_embeddings=False,
-    attn_implementation="eager",
-)
+MIXTRAL_DEFAULTS = dict(LLAMA_DEFAULTS, num_local_experts=4, num_experts_per_tok=2)
 
 
 def _transformers():
