@@ -116,16 +116,22 @@ def test_save_hf_then_from_pretrained_is_the_same_model(name, tmp_path):
 
 
 @single
-def test_sharded_checkpoint_with_an_index_round_trips(tmp_path):
-    ref = pretrained("llama", tmp_path / "ckpt")
-    model = on_meta("llama", **PLANS["llama"])
+@pytest.mark.parametrize("name", ["llama", "mixtral"])
+def test_sharded_checkpoint_with_an_index_round_trips(name, tmp_path):
+    """Mixtral's index lists the per-expert keys its files hold ([Note: checkpoint layout])."""
+    ref = pretrained(name, tmp_path / "ckpt")
+    model = on_meta(name, **PLANS[name])
     ckpt.load_hf(model, tmp_path / "ckpt")
     ckpt.save_hf(model, tmp_path / "sharded", max_shard_size="40KB")
     files = sorted(os.listdir(tmp_path / "sharded"))
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and all(f in files for f in shards)
-    again = on_meta("llama", **PLANS["llama"])
+    assert sorted(index["weight_map"]) == sorted(load_file(tmp_path / "ckpt" / "model.safetensors"))
+    for file in shards:  # each file holds what the index says it does
+        assert sorted(load_file(tmp_path / "sharded" / file)) == sorted(
+            k for k, f in index["weight_map"].items() if f == file)
+    again = on_meta(name, **PLANS[name])
     ckpt.load_hf(again, tmp_path / "sharded")
     torch.testing.assert_close(logits(again), logits(ref), rtol=1e-6, atol=1e-6)
 
