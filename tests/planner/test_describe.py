@@ -74,6 +74,40 @@ def test_saved_tensor_shared_by_two_ops_counts_once():
     assert sum(op.act_bytes_per_sample for op in desc.ops) == pytest.approx(16 * 4)
 
 
+class _DeadBranch(nn.Module):
+    """A router-like forward: a branch computed with grad whose values no later op reads
+    (only its indices leave), so its graph node, and what the node saved, are freed
+    before the forward ends."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(64, 64)
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        scores = self.router(x)
+        order = torch.exp(scores * 2).topk(4, dim=-1).indices  # exp saves its output: dead with the branch
+        return self.proj(x * scores.sigmoid()).gather(-1, order).sum()
+
+
+@pytest.mark.parametrize("fake", [False, True])
+def test_saved_tensors_freed_in_the_forward_are_not_counted(fake):
+    """[Note: saved and still alive]: against the bytes live at the end of the forward,
+    over the parameters and the output, measured by the live-bytes tracker."""
+    from osdp.memtrack import LiveBytesTracker, resident_tensors
+
+    torch.manual_seed(0)
+    model, x = _DeadBranch(), torch.randn(32, 64)
+    desc = describe(model, (x,), measure_backward=False, fake=fake)
+    with LiveBytesTracker(resident_tensors(model)) as tracker:
+        out = model(x)
+        tracker.track(())  # sampled anew: the sum's input died after the last operator
+        held = tracker.current_bytes - sum(p.numel() * 4 for p in model.parameters()) - out.numel() * 4
+    described = sum(op.act_bytes_per_sample for op in desc.ops) * 32 + desc.act_constant_bytes
+    assert described == held  # counted when saved, the dead exp output (32 x 64 fp32) made it 8 KiB more
+    assert all(describe(model, (x,), measure_backward=False, fake=fake) == desc for _ in range(3))
+
+
 def test_model_without_parameters_is_rejected():
     with pytest.raises(OSDPError, match="no parameters"):
         describe(nn.ReLU(), (torch.randn(2, 3),))

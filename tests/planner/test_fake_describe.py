@@ -47,6 +47,21 @@ def _hf(builder_name, **overrides):
     return build, lambda model: hf.example_batch(model.config.vocab_size, BATCH)
 
 
+def _stock(model_class, config_class, **config):
+    """A stock transformers model, its own loss (``labels``)."""
+    hf = pytest.importorskip("osdp.models.hf")
+    transformers = pytest.importorskip("transformers")
+
+    def build():
+        return getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
+
+    def batch_of(model):
+        idx, _ = hf.example_batch(model.config.vocab_size, BATCH)
+        return {"input_ids": idx, "labels": idx}
+
+    return build, batch_of
+
+
 CASES = {
     "osdp-gpt-tiny": lambda: _gpt(get_preset("tiny")),
     "osdp-gpt-tied-widths": lambda: _gpt(GPTConfig(tie_embeddings=True, block_hidden=(128, 64), heads=4)),
@@ -56,6 +71,13 @@ CASES = {
     "hf-llama-sdpa-gqa": lambda: _hf("llama_model", attn_implementation="sdpa"),
     "hf-llama-tied": lambda: _hf("llama_model", tie_word_embeddings=True),
     "hf-mixtral": lambda: _hf("mixtral_model"),  # fp32 grouped matmul: [Note: grouped matmul]
+    # a router whose group scores die in the forward: [Note: saved and still alive]
+    "hf-deepseek-v3": lambda: _stock(
+        "DeepseekV3ForCausalLM", "DeepseekV3Config", vocab_size=97, hidden_size=32, intermediate_size=48,
+        moe_intermediate_size=16, num_hidden_layers=3, first_k_dense_replace=1, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        max_position_embeddings=32, rope_scaling=None),
 }
 
 
