@@ -34,6 +34,13 @@ MODELS = {
         vocab_size=100, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
         output_router_logits=True, router_aux_loss_coef=0.02)),
+    # MLA attention, a dense first layer, routed experts beside a shared one, a router
+    # limited to the best group of experts
+    "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Config", dict(
+        vocab_size=100, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8, max_position_embeddings=32, rope_scaling=None)),
     # another: experts with biases, attention sinks, sliding and full attention layers
     "gpt_oss": ("GptOssForCausalLM", "GptOssConfig", dict(
         vocab_size=100, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
