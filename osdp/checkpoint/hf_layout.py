@@ -155,8 +155,8 @@ def _converted(name: str, converter, found: dict[str, list[tuple[int, Source]]])
         else:
             raise OSDPError(
                 f"the checkpoint holds {name!r} in another layout, converted by {kind}, which load_hf does not "
-                "read (it reads stacks and concatenations of checkpoint tensors): load it with from_pretrained "
-                "on one rank and save it with osdp.checkpoint.save_hf from the wrapped model"
+                "read (it reads stacks and concatenations of checkpoint tensors): load the model with "
+                "from_pretrained before wrapping it (every rank holds it whole until then)"
             )
     if len(values) != 1 or not isinstance(values[0], Source):
         raise OSDPError(f"the checkpoint tensors of {name!r} ({converter.source_patterns}) do not make one tensor")
