@@ -57,7 +57,17 @@ class KeySource(Source):
         return [self.key]
 
 
-class StackSource(Source):
+class _Combined(Source):
+    """A source made of ``parts`` along ``dim``."""
+
+    parts: list[Source]
+    dim: int
+
+    def keys(self):
+        return [k for p in self.parts for k in p.keys()]
+
+
+class StackSource(_Combined):
     """``torch.stack(parts, dim)`` (transformers' ``MergeModulelist``)."""
 
     def __init__(self, parts: list[Source], dim: int, name: str):
@@ -74,11 +84,8 @@ class StackSource(Source):
         return torch.stack([self.parts[i].read(handles, rest_offsets, rest_sizes)
                             for i in range(offsets[d], offsets[d] + sizes[d])], dim=d)
 
-    def keys(self):
-        return [k for p in self.parts for k in p.keys()]
 
-
-class CatSource(Source):
+class CatSource(_Combined):
     """``torch.cat(parts, dim)`` (transformers' ``Concatenate``)."""
 
     def __init__(self, parts: list[Source], dim: int, name: str):
@@ -99,25 +106,30 @@ class CatSource(Source):
             start += part.shape[d]
         return torch.cat(pieces, dim=d)
 
-    def keys(self):
-        return [k for p in self.parts for k in p.keys()]
+
+def _converts(module) -> bool:
+    """Whether ``module`` is a Hugging Face model of a transformers that converts
+    checkpoint layouts (one with ``transformers.conversion_mapping``)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping  # noqa: F401 - the check
+    except ImportError:
+        return False
+    return isinstance(module, PreTrainedModel)
 
 
 def _mapping(module):
-    """transformers' renamings and converters for ``module``, or None (not a Hugging
-    Face model, or a transformers without conversion mappings)."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
+    """transformers' renaming of a checkpoint key for ``module`` (key -> (model name, the
+    converter source pattern it matched or None)) and its converters, or None."""
+    if not _converts(module):
         return None
-    if not isinstance(module, PreTrainedModel):
-        return None
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
     transforms = get_model_conversion_mapping(module)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
-    return lambda key: rename_source_key(key, renamings, converters), {id(c): c for c in converters}
+    return lambda key: rename_source_key(key, renamings, converters), converters
 
 
 def _list_index(pattern: str, key: str) -> int:
@@ -172,7 +184,7 @@ def checkpoint_sources(module, files: dict[str, str], shapes: dict[str, tuple]) 
     rename, converters = mapping
     sources: dict[str, Source] = {}
     grouped: dict[str, tuple] = {}  # converted name -> (converter, {pattern: [(index, source)]})
-    by_pattern = {p: c for c in converters.values() for p in c.source_patterns}
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
     for key, shape in shapes.items():
         name, pattern = rename(key)
         source = KeySource(files[key], key, shape)
@@ -189,7 +201,7 @@ def checkpoint_sources(module, files: dict[str, str], shapes: dict[str, tuple]) 
 def to_checkpoint_layout(module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``tensors`` (model names, each complete) in the checkpoint layout, as
     ``save_pretrained`` writes them; unchanged for a model without a conversion mapping."""
-    if _mapping(module) is None:
+    if not _converts(module):
         return tensors
     from transformers.core_model_loading import revert_weight_conversion
 

@@ -10,7 +10,7 @@ describe wrong or fail on them:
 
 - ``FlopCounterMode`` has no formula for it, so the experts unit (most of an MoE's
   compute) was described with 0 FLOPs and the cost model took its matmuls as free.
-  ``FLOP_FORMULAS`` counts 2 * rows * K * N over the groups: every routed row is
+  ``flop_formulas()`` counts 2 * rows * K * N over the groups: every routed row is
   multiplied by its expert's K x N matrix (2-D x 2-D, the weight gradient's layout, sums
   its per-group K slices to the whole K). The rows past ``offs[-1]``, if any, are
   counted too: their number depends on values, which a fake run does not have.
