@@ -83,6 +83,12 @@ class ShardedModel(nn.Module):
     ``"linear_out_features"``).
     ``prefetch_bytes``: the prefetch window (default: twice the largest
     unit's gathered bytes).
+    ``leaf_modules``: module classes and/or module paths, each such module ONE unit of
+    every parameter below it, gathered when its forward starts whatever its submodules
+    do inside (DeepSpeed's ``set_z3_leaf_modules``): a mixture of experts that calls
+    only the experts its tokens were routed to keeps the ranks in step this way. Modes
+    name the leaf (``modes={"layers.0.moe": "dp"}``); a leaf is not split and runs
+    eager. See [Note: leaf modules] in ``osdp/module_tree.py``.
 
     Plan checks: every unit the plan names must be a module of ``module`` owning the
     parameter count the plan priced, the plan's dtypes must match ``mixed_precision``
@@ -162,6 +168,7 @@ class ShardedModel(nn.Module):
         param_init_fn=None,
         compile=None,
         lockstep_check: bool = True,
+        leaf_modules=None,
     ):
         super().__init__()
         check_wrappable(module)
@@ -183,7 +190,12 @@ class ShardedModel(nn.Module):
             prefetch_bytes=prefetch_bytes,
             checkpoint_blocks=checkpoint_blocks,
             world_size=self.layout.world.size,
+            leaf_modules=leaf_modules,
         )
+        if config.leaves and options.compile is not None:
+            raise ConfigError(f"leaf modules ({', '.join(map(repr, config.leaves[:3]))}) run eager only: the compiled "
+                              "path binds each unit to the module that owns its parameters; drop compile= or "
+                              "leaf_modules=")
         self._init_comm(module, group, config, options)
         self._init_units(module, config, options.mixed_precision, param_init_fn)
         self._init_scheduler(config, options)
@@ -234,7 +246,8 @@ class ShardedModel(nn.Module):
         self._state_keys = list(module.state_dict().keys())
         self._view: ShardedView | None = None  # built on first use, see _sharded_view
         self._comm = CommContext(self.layout.shard.group, self.device, options.timeout_s, layout=self.layout)
-        self._check_same_config(config, own_param_counts(module), options.mixed_precision, options.coalesce_bytes)
+        self._check_same_config(config, own_param_counts(module, config.leaves), options.mixed_precision,
+                                options.coalesce_bytes)
         if options.sync_module_states:
             if has_meta(module):
                 raise ConfigError("sync_module_states=True broadcasts rank 0's weights, and this model is on the "
@@ -253,7 +266,7 @@ class ShardedModel(nn.Module):
             raise ConfigError("param_init_fn= initializes a model built on the meta device; this one has no "
                               "meta parameters or buffers (it is initialized already): drop param_init_fn")
         self._built = build_units(module, config.unit_modes, self._comm.rank, self._comm.world_size, self.device,
-                                  mixed_precision, config.split_ops, meta_init)
+                                  mixed_precision, config.split_ops, meta_init, config.leaves)
         for mod in module.modules():
             mod._osdp_wrapped = True  # see _refuse_wrapped
         install_torch_clip_guard()  # see [Note: global gradient norm]
@@ -319,7 +332,9 @@ class ShardedModel(nn.Module):
         """Modules compute with views of the gathered buffers, or with the parameters
         of direct rep units ([Note: direct replicated units]); split ops drive the
         scheduler themselves; checkpointed blocks recompute."""
-        direct = direct_units(self._built.bindings)
+        # a leaf's rep unit stays hooked: an expert its tokens skipped gets no gradient,
+        # so the per-parameter hooks of a direct unit would never all fire
+        direct = direct_units([b for b in self._built.bindings if b[1] not in self._built.leaves])
         self._bindings = []
         for mod, path, entries in self._built.bindings:
             if all(unit in direct for unit, _ in entries):

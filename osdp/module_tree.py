@@ -2,7 +2,11 @@
 by the compiled runtime (the regions it compiles one by one)."""
 from __future__ import annotations
 
+import difflib
+
 import torch.nn as nn
+
+from .errors import OSDPError, a_type
 
 
 def transformer_blocks(model: nn.Module) -> list[str]:
@@ -13,3 +17,115 @@ def transformer_blocks(model: nn.Module) -> list[str]:
         if isinstance(module, nn.ModuleList)
         for i, _ in enumerate(module)
     ]
+
+
+# [Note: leaf modules]
+# A unit is a module that owns parameters, gathered when its own forward starts. Code
+# that calls submodules depending on data breaks that: a mixture of experts written with
+# one module per expert calls only the experts its tokens were routed to, so the ranks
+# would gather different units. A *leaf module* (DeepSpeed's ``set_z3_leaf_modules``;
+# FSDP2's ``fully_shard`` on the MoE block) is ONE unit: every parameter below it, in one
+# flat buffer, gathered when the leaf's forward starts and released when it ends, whatever
+# its submodules do inside; the units inside it are not units of their own. Its slots are
+# named by their dotted path below the leaf (``experts.3.w1.weight``); a parameter below
+# it used elsewhere too (tied across the leaf's border) is refused, as is splitting it.
+# Leaves are named by module class or path (``leaf_paths``); a plan names them as units,
+# and a plan unit that owns no parameters itself is a leaf (``leaves_of_unit_names``).
+# Gradients: every rank reduces the whole unit, so a parameter below the leaf that took
+# no part in this step's forward on any rank (an expert no token was routed to) gets a
+# zero gradient, as when the code calls it on an empty batch, not the None that one
+# process would leave; an optimizer with momentum or weight decay moves it all the same.
+# The compiled path does not take leaves yet (refused).
+
+
+def leaf_paths(model: nn.Module, leaf_modules) -> tuple[str, ...]:
+    """The module paths ``leaf_modules`` names (module classes and/or paths), outermost
+    only (a leaf inside another is part of it), in module order; an OSDPError for a name
+    that is not a module path or a class no module of the model is."""
+    if leaf_modules is None:
+        return ()
+    if isinstance(leaf_modules, (str, type)) or not hasattr(leaf_modules, "__iter__"):
+        raise OSDPError(f"leaf_modules must be a tuple or list of module classes or module paths, got "
+                        f"{leaf_modules!r} ({a_type(leaf_modules)}): pass ({leaf_modules!r},) for one")
+    wanted = list(leaf_modules)
+    modules = dict(model.named_modules())
+    classes = []
+    for item in wanted:
+        if isinstance(item, type) and issubclass(item, nn.Module):
+            if not any(isinstance(m, item) for m in modules.values()):
+                raise OSDPError(f"leaf_modules: no module of {type(model).__name__} is a {item.__name__}")
+            classes.append(item)
+        elif isinstance(item, str):
+            if item not in modules or item == "":
+                close = difflib.get_close_matches(item, list(modules), n=3)
+                hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+                what = "the whole model cannot be one leaf" if item == "" else "is not a module path of the model"
+                raise OSDPError(f"leaf_modules: {item!r} {what}{hint}")
+        else:
+            raise OSDPError(f"leaf_modules lists module classes (nn.Module subclasses) or module paths (strings), "
+                            f"got {item!r} ({a_type(item)})")
+    paths = []
+    for path, module in modules.items():
+        if not path or any(path.startswith(p + ".") for p in paths):
+            continue
+        if path in wanted or isinstance(module, tuple(classes)):
+            if not any(p is not None for p in module.parameters()):
+                raise OSDPError(f"leaf_modules: {path!r} ({type(module).__name__}) has no parameters; a leaf is "
+                                "the unit of every parameter below it")
+            paths.append(path)
+    _check_own_parameters(model, paths)
+    return tuple(paths)
+
+
+def _check_own_parameters(model: nn.Module, leaves: list[str]) -> None:
+    """A leaf is gathered as one unit: no parameter below it may be used outside it."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    for leaf in leaves:
+        for name, p in model.get_submodule(leaf).named_parameters(prefix=leaf, remove_duplicate=False):
+            outside = [n for n in names[id(p)] if not n.startswith(leaf + ".")]
+            if outside:
+                raise OSDPError(
+                    f"leaf module {leaf!r}: its parameter {name[len(leaf) + 1:]!r} is also {outside[0]!r}, outside "
+                    "it; a leaf is gathered as one unit, so its parameters must be its own: leave the tied "
+                    "modules out of leaf_modules"
+                )
+
+
+def leaves_of_unit_names(model: nn.Module, names) -> tuple[str, ...]:
+    """The leaves among a plan's unit names: modules of ``model`` owning no parameters
+    themselves but some below them ([Note: leaf modules])."""
+    modules = dict(model.named_modules())
+    leaves = []
+    for name in names:
+        module = modules.get(name)
+        if (module is not None and name and not any(p is not None for p in module._parameters.values())
+                and any(True for _ in module.parameters())):
+            leaves.append(name)
+    return tuple(leaves)
+
+
+UnitParam = tuple[str, nn.Module, str, nn.Parameter]  # (name below the unit, owner module, attr, parameter)
+
+
+def unit_params(model: nn.Module, leaves=()) -> list[tuple[str, nn.Module, list[UnitParam]]]:
+    """Per unit in module order: ``(path, module, [(name, owner, attr, param)])``, every
+    parameter the unit's module computes with (``name``: its path below the unit, ``attr``
+    on ``owner``; for an ordinary unit, the module's own parameters with ``name ==
+    attr``). Tied parameters are listed under each module using them, as ``_parameters``
+    has them; a leaf lists those of its whole subtree ([Note: leaf modules])."""
+    leaves = tuple(leaves)
+    units = []
+    for path, module in model.named_modules():
+        if any(path.startswith(leaf + ".") for leaf in leaves):
+            continue
+        if path in leaves:
+            params = [(f"{sub}.{attr}" if sub else attr, owner, attr, p)
+                      for sub, owner in module.named_modules() for attr, p in owner._parameters.items()
+                      if p is not None]
+        else:
+            params = [(attr, module, attr, p) for attr, p in module._parameters.items() if p is not None]
+        if params:
+            units.append((path, module, params))
+    return units

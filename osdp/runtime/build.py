@@ -45,6 +45,8 @@ class BuiltModel:
     # (module, attr, parameter): where each original parameter sits in the module tree
     # (tied ones under each of their modules), for ``register_params``
     tree: list[tuple[nn.Module, str, nn.Parameter]] = field(default_factory=list)
+    # leaf modules, each one unit bound at the leaf ([Note: leaf modules] in module_tree.py)
+    leaves: tuple[str, ...] = ()
 
 
 def register_params(built: BuiltModel) -> None:
@@ -94,9 +96,12 @@ def build_units(
     mixed_precision=None,
     split_ops: dict[str, str] | None = None,
     meta_init: MetaInit | None = None,
+    leaves: tuple[str, ...] = (),
 ) -> BuiltModel:
     """The units of ``model`` (see the module docstring); ``meta_init``: how a model built
-    on the meta device is made real, one module at a time ([Note: meta initialization])."""
+    on the meta device is made real, one module at a time ([Note: meta initialization]);
+    ``leaves``: modules that are one unit each, their subtree's parameters together
+    ([Note: leaf modules] in module_tree.py)."""
     param_dtype = getattr(mixed_precision, "param_dtype", None)
     reduce_dtype = getattr(mixed_precision, "effective_reduce_dtype", None)
     keep_alive = list(model.parameters())  # ids below must not be reused while we work
@@ -104,11 +109,25 @@ def build_units(
     for fqn, p in model.named_parameters(remove_duplicate=False):
         fqns.setdefault(id(p), []).append(fqn)
     owner: dict[int, tuple[ShardUnit, int]] = {}
-    built = BuiltModel()
+    built = BuiltModel(leaves=tuple(leaves))
     tied = tied_uses(model)
     sliced: dict[str, list[list[tuple]]] = {}  # split path -> per slice, its tensors' (offset, shape, stride)
 
     for path, module in list(model.named_modules()):
+        if any(path.startswith(leaf + ".") for leaf in built.leaves):
+            continue  # built with its leaf
+        if path in built.leaves:
+            members = [(f"{path}.{sub}" if sub else path, m) for sub, m in module.named_modules()]
+            if meta_init is not None:
+                for sub_path, member in members:
+                    meta_init.materialize(sub_path, member)
+            held = [(m, [p for p in m._parameters.values() if p is not None]) for _, m in members]
+            _build_leaf(path, module, unit_modes[path], built, owner, fqns, rank, world_size, device, param_dtype,
+                        reduce_dtype)
+            if meta_init is not None:
+                for member, params in held:
+                    meta_init.release(member, params)
+            continue
         if meta_init is not None:
             meta_init.materialize(path, module)
         params = [(a, p) for a, p in module._parameters.items() if p is not None]
@@ -171,6 +190,34 @@ def _build_module(model, path, module, params, modes, built, owner, fqns, tied, 
     for attr, _ in params:
         del module._parameters[attr]
     built.bindings.append((module, path, list(entries.items())))
+
+
+def _build_leaf(path, module, modes, built, owner, fqns, rank, world_size, device, param_dtype,
+                reduce_dtype) -> None:
+    """One unit of every parameter below leaf module ``path``, bound at the leaf: its
+    forward gathers them all, its submodules compute with views of them."""
+    members = [(f"{sub}.{attr}" if sub else attr, member, attr, p) for sub, member in module.named_modules()
+               for attr, p in member._parameters.items() if p is not None]
+    # leaf_paths refused parameters tied across the leaf's border
+    unique: dict[int, tuple[str, nn.Parameter]] = {}
+    for name, _, _, p in members:
+        unique.setdefault(id(p), (name, p))  # a weight tied within the leaf: one slot
+    own = list(unique.values())
+    _, requires_grad = _consistent(path, [p for _, p in own])
+    slots, offset = [], 0
+    for name, p in own:
+        slots.append(ParamSlot(name, tuple(fqns[id(p)]), p.shape, offset, p.numel()))
+        offset += p.numel()
+    unit = ShardUnit(path, slots, [p.detach() for _, p in own], modes[0], rank, world_size, device, requires_grad,
+                     param_dtype, reduce_dtype, param_names=[fqns[id(p)][0] for _, p in own])
+    built.units.append(unit)
+    index = {id(p): i for i, (_, p) in enumerate(own)}
+    for i, (_, p) in enumerate(own):
+        owner[id(p)] = (unit, i)
+    for name, member, attr, p in members:
+        built.tree.append((member, attr, unit.params[index[id(p)]]))
+        del member._parameters[attr]
+    built.bindings.append((module, path, [(unit, [(name, index[id(p)]) for name, _, _, p in members])]))
 
 
 def _cut_of(tensor: torch.Tensor) -> tuple:

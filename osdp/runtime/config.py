@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..contract import LAYOUT_FULL, MODE_HPZ, MODE_REP, SHARDED_MODES, RuntimeConfig, effective_mode
 from ..errors import OSDPError, PlanMismatchError
+from ..module_tree import leaf_paths, leaves_of_unit_names, unit_params
 from .args import mapping_arg, names_arg
 from .modes import Mode, parse_mode
 
@@ -28,6 +29,7 @@ class ResolvedConfig:
     checkpoint_blocks: tuple[str, ...]
     fingerprint: str | None = None
     split_ops: dict[str, str] = field(default_factory=dict)  # split unit -> op name (default: the type's)
+    leaves: tuple[str, ...] = ()  # leaf modules, each one unit ([Note: leaf modules] in module_tree.py)
 
 
 def tied_uses(model: nn.Module) -> dict[str, str]:
@@ -68,19 +70,25 @@ def _onto_owners(mapping: dict, tied: dict[str, str], split_owners, what: str) -
     return out
 
 
-def unit_candidates(model: nn.Module) -> list[str]:
-    """Module paths of modules that own parameters directly, in module order."""
-    return [path for path, m in model.named_modules() if any(p is not None for p in m._parameters.values())]
+def unit_candidates(model: nn.Module, leaves=()) -> list[str]:
+    """Module paths of the units, in module order: the modules that own parameters
+    directly, and the ``leaves`` ([Note: leaf modules] in module_tree.py), whose inner
+    modules are not units."""
+    return [path for path, _, _ in unit_params(model, leaves)]
 
 
 def _check_name(name, candidates: list[str], modules: dict, where: str) -> None:
     if isinstance(name, str) and name in candidates:
         return
     if isinstance(name, str) and name in modules:
+        leaf = next((c for c in candidates if name.startswith(c + ".")), None)
+        if leaf is not None:
+            raise OSDPError(f"{where}: {name!r} is inside leaf module {leaf!r}, which is one unit: name {leaf!r}")
         inside = [c for c in candidates if c.startswith(name + ".") or name == ""][:4]
         raise OSDPError(
             f"{where}: {name!r} is a module that owns no parameters itself; units are the modules "
-            f"that do, name those instead (e.g. {', '.join(map(repr, inside))})"
+            f"that do, name those instead (e.g. {', '.join(map(repr, inside))}), or make it one unit "
+            f"with leaf_modules=({name!r},)"
         )
     close = difflib.get_close_matches(str(name), candidates, n=3)
     hint = f"; did you mean {', '.join(map(repr, close))}?" if close else f"; units are e.g. {', '.join(map(repr, candidates[:4]))}"
@@ -107,10 +115,14 @@ def resolve_config(
     checkpoint_blocks,
     world_size: int,
     split_ops: dict | None = None,
+    leaf_modules=None,
 ) -> ResolvedConfig:
     """``plan``: an ``osdp.contract.RuntimeConfig`` (a Plan's ``runtime_config()``) or
-    None; the keyword arguments are the by-hand alternative."""
+    None; the keyword arguments are the by-hand alternative. ``leaf_modules``: module
+    classes or paths, each module one unit ([Note: leaf modules] in module_tree.py); a
+    plan's leaves are its units that own no parameters themselves."""
     fingerprint = None
+    leaves = leaf_paths(model, leaf_modules)
     split_ops = mapping_arg(split_ops, "split_ops", "of split unit name -> registered split op name")
     if plan is not None:
         if modes or splits:
@@ -130,10 +142,11 @@ def resolve_config(
         if not checkpoint_blocks:
             checkpoint_blocks = tuple(plan.checkpoint_blocks)
         fingerprint = plan.fingerprint
+        leaves = _plan_leaves(model, plan, leaves)
     modes = mapping_arg(modes, "modes", "of unit name -> 'dp'/'zdp' or one mode per slice, e.g. {'lm_head': 'dp'}")
     splits = mapping_arg(splits, "splits", "of unit name -> slice count g >= 1, e.g. {'lm_head': 4}")
     default = parse_mode(default_mode, "default_mode")
-    candidates = unit_candidates(model)
+    candidates = unit_candidates(model, leaves)
     modules = dict(model.named_modules())
     # a tied pair is one unit, named after its owner: see [Note: tied row split]
     tied = tied_uses(model)
@@ -147,6 +160,9 @@ def resolve_config(
     slices: dict[str, int] = {}
     for name, g in splits.items():
         _check_name(name, candidates, modules, "splits")
+        if name in leaves and g != 1:
+            raise OSDPError(f"splits[{name!r}] = {g!r}: {name!r} is a leaf module, gathered whole (a split cuts "
+                            "one module's weights into slices); drop it from leaf_modules to split its parts")
         if isinstance(g, bool) or not isinstance(g, numbers.Integral) or g < 1:
             raise OSDPError(f"splits[{name!r}] = {g!r}: the slice count must be an integer >= 1")
         slices[name] = int(g)
@@ -172,6 +188,9 @@ def resolve_config(
                     f"modes[{key!r}] gives {len(unit_modes)} per-slice modes but splits[{key!r}] = "
                     f"{slices[key]}: give one mode per slice, or one mode for all"
                 )
+            if key in leaves:
+                raise OSDPError(f"modes[{key!r}] gives one mode per slice, but {key!r} is a leaf module, "
+                                "gathered whole: give it one mode")
             slices[key] = len(unit_modes)
         per_unit[key] = unit_modes
 
@@ -201,7 +220,19 @@ def resolve_config(
             raise OSDPError(f"split_ops[{name!r}] = {op_name!r}: give a registered split op name (osdp.ops.registered_split_ops())")
         if len(unit_modes[tied.get(name, name)]) == 1:
             raise OSDPError(f"split_ops[{name!r}] names an op but {name!r} is not split: add splits={{{name!r}: g}}")
-    return ResolvedConfig(unit_modes, prefetch_bytes, blocks, fingerprint, split_ops)
+    return ResolvedConfig(unit_modes, prefetch_bytes, blocks, fingerprint, split_ops, leaves)
+
+
+def _plan_leaves(model: nn.Module, plan, given: tuple[str, ...]) -> tuple[str, ...]:
+    """The plan's leaves (its units that own no parameters themselves); ``leaf_modules=``
+    given beside a plan must name the same ones."""
+    leaves = leaves_of_unit_names(model, plan.unit_modes)
+    if given and given != leaves:
+        raise PlanMismatchError(
+            f"leaf_modules= resolves to {list(given)} but the plan's leaf units are {list(leaves)}: drop "
+            "leaf_modules= (the plan names its units), or plan again with these leaves"
+        )
+    return leaves
 
 
 def _check_whole_rep(name: str, modes: tuple[Mode, ...], named: bool) -> None:
@@ -232,18 +263,15 @@ def _check_tied_uses(plan, tied: dict[str, str]) -> None:
             )
 
 
-def own_param_counts(model: nn.Module) -> dict[str, int]:
-    """Module path -> parameters it owns that no earlier module owns (a tied second use
+def own_param_counts(model: nn.Module, leaves=()) -> dict[str, int]:
+    """Unit path -> parameters it owns that no earlier unit owns (a tied second use
     owns none), in module order: what a plan's units price."""
     seen: set[int] = set()
     counts: dict[str, int] = {}
-    for path, module in model.named_modules():
-        params = [p for p in module._parameters.values() if p is not None]
-        if not params:
-            continue
-        own = [p for p in params if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        counts[path] = sum(p.numel() for p in own)
+    for path, _, params in unit_params(model, leaves):
+        own = {id(p): p for *_, p in params if id(p) not in seen}
+        seen.update(own)
+        counts[path] = sum(p.numel() for p in own.values())
     return counts
 
 
@@ -255,7 +283,7 @@ def check_plan_matches_model(model: nn.Module, plan: RuntimeConfig) -> None:
     differs. A RuntimeConfig without ``unit_param_bytes`` (made by hand) is not checked."""
     if not plan.unit_param_bytes:
         return
-    counts = own_param_counts(model)
+    counts = own_param_counts(model, leaves_of_unit_names(model, plan.unit_param_bytes))
     missing = [name for name, count in counts.items() if count and name not in plan.unit_param_bytes]
     if missing:
         raise PlanMismatchError(

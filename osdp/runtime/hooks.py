@@ -68,14 +68,24 @@ class _PreBackward:
         return None
 
 
+def attr_owner(module: nn.Module, attr: str) -> tuple[nn.Module, str]:
+    """The module holding ``attr`` and its name there: a leaf module's slots are dotted
+    paths below it ([Note: leaf modules] in osdp/module_tree.py)."""
+    sub, _, name = attr.rpartition(".")
+    return (module.get_submodule(sub) if sub else module), name
+
+
 class ModuleBinding:
     """One module and the units whose views it computes with (several when a parameter
-    is tied to another module's unit): ``entries = [(unit, [(attr, slot index)])]``."""
+    is tied to another module's unit): ``entries = [(unit, [(attr, slot index)])]``;
+    a leaf module's attributes are dotted paths to its submodules'."""
 
     def __init__(self, module: nn.Module, path: str, entries, scheduler: Scheduler):
         self.module = module
         self.path = path
         self.entries: list[tuple[ShardUnit, list[tuple[str, int]]]] = entries
+        # per entry, where each view goes: (module holding the attribute, its name, slot)
+        self._targets = [[(*attr_owner(module, attr), i) for attr, i in attrs] for _, attrs in entries]
         self.scheduler = scheduler
         self._stack: list[list[Use]] = []
         scheduler.recover_listeners.append(self._stack.clear)  # a step died mid-forward
@@ -86,11 +96,11 @@ class ModuleBinding:
 
     def set_views(self) -> None:
         """Point the module's parameter attributes at the (freed) gathered buffers."""
-        for unit, attrs in self.entries:
-            for attr, i in attrs:
+        for (unit, _), targets in zip(self.entries, self._targets):
+            for owner, attr, i in targets:
                 # the instance dict: the module's _parameters hold the original
                 # parameters (shards) under the same names, attribute reads find this
-                self.module.__dict__[attr] = unit.views[i]
+                owner.__dict__[attr] = unit.views[i]
 
     def _pre_forward(self, module, args, kwargs):
         sched = self.scheduler
@@ -99,7 +109,7 @@ class ModuleBinding:
         while self._stack and self._stack[-1][0].state is UseState.RECOMPUTE:
             self._stack.pop()
         uses = []
-        for unit, attrs in self.entries:
+        for (unit, _), targets in zip(self.entries, self._targets):
             use = sched.pre_forward(unit)
             uses.append(use)
             if grad_enabled and unit.requires_grad:
@@ -108,8 +118,8 @@ class ModuleBinding:
                 tensors = _GatherFn.apply(sched, use, unit.shard)
             else:
                 tensors = [v.view_as(v) for v in unit.views]
-            for attr, i in attrs:
-                module.__dict__[attr] = tensors[i]  # see set_views
+            for owner, attr, i in targets:
+                owner.__dict__[attr] = tensors[i]  # see set_views
         frozen = [u for u in uses if not u.unit.requires_grad]
         if frozen and grad_enabled:
             args, kwargs = _hook_inputs(sched, frozen, args, kwargs)

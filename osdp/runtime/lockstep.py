@@ -26,10 +26,12 @@ regions; under ``compile={"scope": "model"}`` none is marked.
 A model's own data-dependent calls are not covered: a mixture of experts written with
 one module per expert that calls only the experts its tokens were routed to gathers
 different units on different ranks (and a ``rep`` expert left without a gradient on
-one rank changes the size of its replicated bucket there). Call every expert on every
-rank, one routed no tokens on its empty slice of them (it is gathered and gets a zero
-gradient: tests/runtime/test_lockstep_moe.py), or keep the experts in one module, as
-stock Mixtral and Qwen MoE do.
+one rank changes the size of its replicated bucket there). Make the block one unit,
+``leaf_modules=(MoEBlock,)`` ([Note: leaf modules] in osdp/module_tree.py: every expert
+gathered when the block's forward starts, an expert its tokens skipped reduces a zero
+gradient), or call every expert on every rank, one routed no tokens on its empty slice
+of them (tests/runtime/test_lockstep_moe.py has both), or keep the experts in one
+module, as stock Mixtral and Qwen MoE do.
 
 Ranks that fall out of step all the same are caught by the check in lockstep_check.py.
 """

@@ -161,8 +161,9 @@ def out_of_step_message(logs: list[list[str]], rank: int) -> str:
         f"rank {rank}: the ranks issued different collectives this step ({where}): their models ran different "
         "modules, or in another order, so shards were exchanged between different units and the gradients in "
         ".grad are wrong: call optimizer.zero_grad(), do not step on them. Every rank must call the same modules "
-        "in the same order: a mixture of experts calls every expert on every rank, one routed no tokens on its empty "
-        "slice of them; layers skipped at random must be skipped alike on every rank. See [Note: ranks in "
+        "in the same order: make a mixture of experts' block one unit with leaf_modules=(its class,) (its experts "
+        "gathered together, whatever the routing calls), or call every expert on every rank, one routed no tokens "
+        "on its empty slice of them; layers skipped at random must be skipped alike on every rank. See [Note: ranks in "
         "lockstep] in osdp/runtime/lockstep.py. lockstep_check=False (or OSDP_LOCKSTEP_CHECK=0) turns this "
         "check off"
     )

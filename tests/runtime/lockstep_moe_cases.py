@@ -1,8 +1,14 @@
 """Per-rank body of ``test_lockstep_moe.py``: a mixture of experts written the way users
-write one, one ``nn.Linear`` per expert, top-1 routing. Every expert is called on every
-rank, an expert routed no tokens on its empty slice of them ([Note: ranks in lockstep] in
-osdp/runtime/lockstep.py): the ranks gather the same units in the same order whatever
-the routing, and an expert without tokens on one rank reduces a zero gradient there."""
+write one, one ``nn.Linear`` per expert, top-1 routing ([Note: ranks in lockstep] in
+osdp/runtime/lockstep.py), in two ways:
+
+- every expert called on every rank, one routed no tokens on its empty slice of them:
+  the ranks gather the same units in the same order whatever the routing, and an
+  expert without tokens on one rank reduces a zero gradient there;
+- only the experts routed some tokens called (``SkippingMoE``, the common idiom): the
+  ranks stay in step only when the block is one unit, ``leaf_modules=(SkippingMoE,)``
+  ([Note: leaf modules] in osdp/module_tree.py); with a unit per expert the ranks gather
+  different experts (gloo aborts on the size mismatch, or the lockstep check raises)."""
 from __future__ import annotations
 
 import torch
@@ -31,11 +37,25 @@ class MoE(nn.Module):
         return x + out
 
 
+class SkippingMoE(MoE):
+    """Calls only the experts some token was routed to."""
+
+    def forward(self, x):
+        gates = torch.softmax(self.router(x), -1)
+        route = gates.argmax(-1)
+        out = torch.zeros_like(x)
+        for i, expert in enumerate(self.experts):
+            rows = (route == i).nonzero().flatten()
+            if rows.numel():
+                out = out.index_add(0, rows, expert(x[rows]) * gates[rows, i:i + 1])
+        return x + out
+
+
 class Net(nn.Module):
-    def __init__(self):
+    def __init__(self, block=MoE):
         super().__init__()
         self.inp = nn.Linear(8, DIM)
-        self.moe = nn.ModuleList([MoE(), MoE()])
+        self.moe = nn.ModuleList([block(), block()])
         self.head = nn.Linear(DIM, 3)
 
     def forward(self, x):
@@ -45,9 +65,9 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def build() -> Net:
+def build(block=MoE) -> Net:
     torch.manual_seed(0)
-    return Net()
+    return Net(block)
 
 
 def batch(step: int, world: int) -> dict:
@@ -84,6 +104,13 @@ MODES = {
     "dp": {"default_mode": "dp"},
     "rep_experts": {"modes": {f"moe.{b}.experts.{i}": "rep" for b in range(2) for i in range(EXPERTS)}},
 }
+# the skipping block as one unit: by class, by path, in each mode
+LEAF_MODES = {
+    "leaf_zdp": {"leaf_modules": (SkippingMoE,)},
+    "leaf_dp": {"leaf_modules": ("moe.0", "moe.1"), "default_mode": "dp"},
+    "leaf_rep": {"leaf_modules": (SkippingMoE,), "modes": {"moe.0": "rep", "moe.1": "rep"}},
+    "leaf_mixed": {"leaf_modules": (SkippingMoE,), "modes": {"moe.0": "dp", "inp": "rep"}},
+}
 
 
 def run(rank: int, world: int) -> dict:
@@ -91,4 +118,8 @@ def run(rank: int, world: int) -> dict:
     for name, kwargs in MODES.items():
         model = osdp.OSDP(build(), **kwargs)
         out[name] = {"losses": train(model, world, rank), "state": model.full_state_dict(rank0_only=False)}
+    for name, kwargs in LEAF_MODES.items():
+        model = osdp.OSDP(build(SkippingMoE), **kwargs)
+        out[name] = {"losses": train(model, world, rank), "state": model.full_state_dict(rank0_only=False),
+                     "units": model.unit_names()}
     return out

@@ -37,3 +37,21 @@ def test_moe_trains_as_single_process(results, name):
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(r[name]["state"][key], value, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", list(mc.LEAF_MODES))
+def test_skipping_moe_as_one_unit_trains_as_single_process(results, name):
+    """Each rank calls only its routed experts; the block is one unit, so every rank
+    gathers the same units and reduces every expert's gradient, zero where no token of
+    any rank went: as the plain model that calls every expert gives it. (The skipping
+    model in one process leaves such an expert's .grad None, and AdamW then skips it:
+    its moments would move it otherwise; [Note: leaf modules].)"""
+    reference = mc.build(mc.MoE)
+    ref_losses = mc.train(reference, WORLD, None)
+    for r in results:
+        assert r[name]["units"] == ["inp", "moe.0", "moe.1", "head"]
+        assert r[name]["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(r[name]["state"][key], value, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{key}: {m}")
+

@@ -1,0 +1,135 @@
+"""Leaf modules in one process (a 1-rank gloo group): a module made one unit of every
+parameter below it ([Note: leaf modules] in osdp/module_tree.py). Against the plain
+model: training, a meta-device build, checkpoints read into another unit layout; and
+the errors of leaves that cannot be. Two ranks routing differently:
+test_lockstep_moe.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import osdp
+import osdp.checkpoint as ckpt
+from osdp.contract import RuntimeConfig
+from osdp.errors import OSDPError, PlanMismatchError
+
+from . import lockstep_moe_cases as mc
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
+
+
+def _steps(model, steps=3):
+    """AdamW steps of the user's own loss; the losses."""
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    losses = []
+    for step in range(steps):
+        data = mc.batch(step, 1)
+        loss = nn.functional.cross_entropy(model(data["x"]), data["y"])
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("kwargs", [{"leaf_modules": (mc.SkippingMoE,)},
+                                    {"leaf_modules": ("moe.1", "moe.0"), "default_mode": "dp"},
+                                    {"leaf_modules": (mc.SkippingMoE,), "modes": {"moe.0": "rep"}}])
+def test_leaf_trains_as_the_plain_model(kwargs):
+    model = osdp.OSDP(mc.build(mc.SkippingMoE), **kwargs)
+    reference = mc.build(mc.MoE)  # every expert called: zero gradients where unrouted, as a leaf gets
+    assert _steps(model) == pytest.approx(_steps(reference), rel=1e-6)
+    state = model.full_state_dict(rank0_only=False)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
+def test_leaf_names_its_parameters_as_the_model_does():
+    model = osdp.OSDP(mc.build(mc.SkippingMoE), leaf_modules=(mc.SkippingMoE,))
+    plain = mc.build(mc.SkippingMoE)
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert model.unit_names() == ["inp", "moe.0", "moe.1", "head"]
+    assert [n for n in model.state_dict()] == [n for n in plain.state_dict()]
+
+
+def test_meta_build_of_a_leaf_equals_the_cpu_build():
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        meta = mc.Net(mc.SkippingMoE)
+    model = osdp.OSDP(meta, leaf_modules=(mc.SkippingMoE,))
+    assert not any(p.is_meta for p in model.parameters())
+    state = model.full_state_dict(rank0_only=False)
+    for key, value in mc.build(mc.SkippingMoE).state_dict().items():
+        assert torch.equal(state[key], value), key
+
+
+def test_checkpoint_of_leaves_loads_into_units_per_expert(tmp_path):
+    """A checkpoint names original parameters, not units: saved with leaves, loaded
+    into a unit per expert, with the optimizer state."""
+    leafy = osdp.OSDP(mc.build(mc.SkippingMoE), leaf_modules=(mc.SkippingMoE,), default_mode="dp")
+    optim = torch.optim.AdamW(leafy.parameters(), lr=0.05)
+    for step in range(2):
+        data = mc.batch(step, 1)
+        nn.functional.cross_entropy(leafy(data["x"]), data["y"]).backward()
+        optim.step()
+        optim.zero_grad()
+    ckpt.save(leafy, optim, str(tmp_path / "c"), step=2)
+    per_expert = osdp.OSDP(mc.build(mc.MoE))
+    optim2 = torch.optim.AdamW(per_expert.parameters(), lr=0.05)
+    ckpt.load(per_expert, optim2, str(tmp_path / "c"))
+    want, got = leafy.full_state_dict(rank0_only=False), per_expert.full_state_dict(rank0_only=False)
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+    data = mc.batch(2, 1)
+    assert torch.equal(leafy(data["x"]), per_expert(data["x"]))
+
+
+def test_plan_names_a_leaf_as_its_unit():
+    """A plan whose unit owns no parameters itself is a leaf: the runtime runs it so."""
+    model = mc.build(mc.SkippingMoE)
+    modes = {"inp": ("zdp",), "moe.0": ("dp",), "moe.1": ("rep",), "head": ("zdp",)}
+    counts = {"inp": 8 * 16 + 16, "moe.0": 16 * 4 + 4 + 4 * (16 * 16 + 16), "head": 16 * 3 + 3}
+    counts["moe.1"] = counts["moe.0"]
+    run = RuntimeConfig(unit_modes=modes, world_size=1, unit_param_bytes={k: 4 * v for k, v in counts.items()})
+    wrapped = osdp.OSDP(model, run)
+    assert wrapped.unit_modes() == {"inp": "zdp", "moe.0": "dp", "moe.1": "rep", "head": "zdp"}
+    with pytest.raises(PlanMismatchError, match=r"leaf_modules= resolves to \['moe.0'\].*plan's leaf units are"):
+        osdp.OSDP(mc.build(mc.SkippingMoE), run, leaf_modules=("moe.0",))
+
+
+class _TiedAcross(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 10, bias=False))
+        self.block[1].weight = self.emb.weight
+
+    def forward(self, idx):
+        return self.block(self.emb(idx))
+
+
+@pytest.mark.parametrize("make,kwargs,match", [
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": "moe.0"}, r"tuple or list .* pass \('moe.0',\)"),
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": ("moe.2",)}, r"'moe.2' is not a module path.*'moe.0'"),
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": (nn.Conv2d,)}, r"no module of Net is a Conv2d"),
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": (3,)}, r"module classes .* or module paths .* got 3"),
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": ("",)}, r"the whole model cannot be one leaf"),
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": (mc.SkippingMoE,), "splits": {"moe.0": 2}},
+     r"'moe.0' is a leaf module, gathered whole"),
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": (mc.SkippingMoE,), "modes": {"moe.0": ("dp", "zdp")}},
+     r"'moe.0' is a leaf module, gathered whole: give it one mode"),
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": (mc.SkippingMoE,), "modes": {"moe.0.experts.1": "dp"}},
+     r"'moe.0.experts.1' is inside leaf module 'moe.0', which is one unit"),
+    (lambda: mc.build(mc.SkippingMoE), {"modes": {"moe.0": "dp"}},
+     r"or make it one unit with leaf_modules=\('moe.0',\)"),
+    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": (mc.SkippingMoE,), "compile": True}, r"run eager only"),
+    (_TiedAcross, {"leaf_modules": ("block",)}, r"'1.weight' is also 'emb.weight', outside it"),
+])
+def test_bad_leaves_are_refused_before_the_model_changes(make, kwargs, match):
+    model = make()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(OSDPError, match=match):
+        osdp.OSDP(model, **kwargs)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items())
