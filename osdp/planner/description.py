@@ -28,6 +28,7 @@ def describe(
     measure_backward: bool = True,
     loss_fn: LossFn | None = None,
     fake: bool | None = None,
+    leaf_modules=None,
 ) -> ModelDesc:
     """Describe ``model`` by running one forward of ``example_inputs`` (twice when the
     batch can be halved, to separate per-sample bytes from constant ones).
@@ -42,10 +43,12 @@ def describe(
     ``output.loss`` (a ``ModelOutput``) or the output tensor (its sum if not a scalar).
     ``fake``: measure on fake tensors, allocating nothing of the model's size (see
     ``osdp.planner.fake_describe``); default: when a parameter or buffer is on the meta
-    device.
+    device. ``leaf_modules``: module classes or paths, each one unit of every parameter
+    below it, as ``osdp.OSDP(leaf_modules=...)`` runs them ([Note: leaf modules] in
+    ``osdp/module_tree.py``).
     """
     settings = dict(name=name, blocks=blocks, batch_size=batch_size, measure_backward=measure_backward,
-                    loss_fn=loss_fn)
+                    loss_fn=loss_fn, leaf_modules=leaf_modules)
     if fake or (fake is None and has_meta_parameters(model)):
         return describe_fake(model, example_inputs, **settings)
     return describe_tensors(model, example_inputs, **settings)

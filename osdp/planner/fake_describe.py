@@ -167,6 +167,7 @@ def describe_fake(
     batch_size: int | None = None,
     measure_backward: bool = True,
     loss_fn: LossFn | None = None,
+    leaf_modules=None,
 ) -> ModelDesc:
     """``describe(model, example_inputs, ...)`` measured on fake tensors: nothing of the
     model's size is allocated (see [Note: fake description equals the measured one]).
@@ -176,12 +177,13 @@ def describe_fake(
     ``describe``; tensors may be real, meta or fake (only shapes and dtypes are used).
     ``device``: the device type the fake tensors claim (it picks kernels, e.g. which
     attention kernel runs and what it saves). ``repeat``: measure alike layers once
-    (see [Note: identical blocks]); False measures every layer."""
+    (see [Note: identical blocks]); False measures every layer, as do leaf modules
+    (``leaf_modules``, named by path or class, are not renamed layer by layer)."""
     settings = dict(name=name, blocks=blocks, batch_size=batch_size, measure_backward=measure_backward,
-                    loss_fn=loss_fn)
+                    loss_fn=loss_fn, leaf_modules=leaf_modules)
     device = torch.device(device)
     inputs = as_example_inputs(example_inputs)
-    if repeat and blocks is None:
+    if repeat and blocks is None and not leaf_modules:
         layers = repeated_layers(model)
         if layers is not None:
             desc = _describe_repeated(model, inputs, device, settings, *layers)

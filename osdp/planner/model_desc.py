@@ -47,7 +47,7 @@ import torch.nn as nn
 from ..contract import fuses_head_loss
 from ..errors import OSDPError
 from ..memtrack import IntervalPeakTracker, storage_key
-from ..module_tree import transformer_blocks
+from ..module_tree import leaf_paths, transformer_blocks, unit_params
 from ..ops import registered_split_ops, split_op_of
 from . import grouped_mm
 from .inputs import ExampleInputs, LossFn, as_example_inputs, batch_loss
@@ -324,41 +324,43 @@ def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
 
 
 def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dict[str, int],
-                      loss) -> dict[str, float]:
+                      loss, own_params: dict[str, list[nn.Parameter]], leaves=()) -> dict[str, float]:
     """Per unit, bytes alive at the peak of its backward beyond parameters, gradients and
     the saved activations of the units up to it (see [Note: backward transients]).
-    ``loss``: the model's output -> the scalar whose backward runs."""
+    ``loss``: the model's output -> the scalar whose backward runs; ``own_params``: per
+    unit, the parameters it owns (a tied weight: its first unit's)."""
     params = list(model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
-    modules = dict(model.named_modules())
 
     def grad_bytes():
         return sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
 
     tracker = IntervalPeakTracker(params, extra=grad_bytes)
-    owners: dict[int, str] = {}  # a tied weight belongs to its first module, as in describe
-    for name, module in modules.items():
-        for p in module.parameters(recurse=False):
-            owners.setdefault(id(p), name)
-    hooked = [i for i, name in enumerate(order)
-              if any(owners[id(p)] == name and p.requires_grad for p in modules[name].parameters(recurse=False))]
     done: set[int] = set()
     handles = []
-    for i in hooked:
-        name = order[i]
-        own = [p for p in modules[name].parameters(recurse=False) if owners[id(p)] == name and p.requires_grad]
-
-        def hook(_p, i=i):
-            # a tied weight accumulates once per use: only the last one (every later
-            # unit done) ends this unit's interval
-            if i not in done and all(j in done for j in hooked if j > i):
-                done.add(i)
-                tracker.interval = order[i - 1] if i else None
-
-        handles.append(own[0].register_post_accumulate_grad_hook(hook))
     try:
         with tracker:
             value = loss(inputs.call(model))
+            # a unit's backward ends with its first parameter's gradient; a leaf's with
+            # the last of those this graph gives one (an expert no token reached gets none)
+            in_graph = _params_in_graph(value)
+            ends = {}
+            for i, name in enumerate(order):
+                own = [p for p in own_params.get(name, ()) if p.requires_grad]
+                ends[i] = [p for p in own if id(p) in in_graph] if name in leaves else own[:1]
+            hooked = [i for i in ends if ends[i]]
+            left = {i: len(ends[i]) for i in hooked}
+
+            def hook(_p, i):
+                # a tied weight accumulates once per use: only the last one (every later
+                # unit done) ends this unit's interval
+                left[i] -= 1
+                if i not in done and left[i] <= 0 and all(j in done for j in hooked if j > i):
+                    done.add(i)
+                    tracker.interval = order[i - 1] if i else None
+
+            for i in hooked:
+                handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: hook(p, i)) for p in ends[i]]
             tracker.interval = order[-1]
             value.backward()
     finally:
@@ -371,6 +373,23 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
         peak, grads = tracker.peaks.get(name, (0, 0))
         result[name] = max(peak - param_bytes - grads - prefix, 0) if peak else 0
     return result
+
+
+def _params_in_graph(output: torch.Tensor) -> set[int]:
+    """ids of the parameters whose gradients ``output.backward()`` will accumulate."""
+    found: set[int] = set()
+    seen: set = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None:
+            found.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return found
 
 
 def _attribute_flops(flop_counts, root_name: str, unit_names, order) -> dict[str, float]:
@@ -407,6 +426,7 @@ def describe_tensors(
     batch_size: int | None = None,
     measure_backward: bool = True,
     loss_fn: LossFn | None = None,
+    leaf_modules=None,
 ) -> ModelDesc:
     """``osdp.planner.description.describe`` on the tensors as they are (real, or fake
     under a ``FakeTensorMode``); the arguments are ``describe``'s, which picks fake
@@ -418,23 +438,25 @@ def describe_tensors(
     if batch_size <= 0:
         raise OSDPError(f"example batch size must be positive, got {batch_size}")
 
+    leaves = leaf_paths(model, leaf_modules)
     units: dict[nn.Module, str] = {}
     owner_of: dict[int, str] = {}  # id(param) -> first unit that owns it
     tied: dict[str, str] = {}
-    for path, module in model.named_modules():
-        params = list(module.parameters(recurse=False))
-        if not params:
-            continue
+    unit_tensors: dict[str, list[nn.Parameter]] = {}  # per unit, every parameter it computes with, once
+    for path, module, params in unit_params(model, leaves):
         units[module] = path
-        for p in params:
+        unit_tensors[path] = list({id(p): p for *_, p in params}.values())
+        for p in unit_tensors[path]:
             if id(p) in owner_of:
                 tied.setdefault(path, owner_of[id(p)])
             else:
                 owner_of[id(p)] = path
+    own_params = {path: [p for p in ps if owner_of[id(p)] == path] for path, ps in unit_tensors.items()}
     if not units:
         raise OSDPError(f"{type(model).__name__} has no parameters: there is nothing to shard or plan")
     param_ptrs = {storage_key(p) for p in model.parameters()}
     block_names = transformer_blocks(model) if blocks is None else list(blocks)
+    block_names = [b for b in block_names if not any(b.startswith(leaf + ".") for leaf in leaves)]
     known = dict(model.named_modules())
     for block in block_names:
         if block not in known:
@@ -463,10 +485,12 @@ def describe_tensors(
         grads_full = grads_half = {}
         if measure_backward:
             grads_full = _measure_backward(model, inputs, order, saved,
-                                           lambda out: batch_loss(out, loss_fn, batch_size, batch_size))
+                                           lambda out: batch_loss(out, loss_fn, batch_size, batch_size),
+                                           own_params, leaves)
             if half:
                 grads_half = _measure_backward(model, small, order, saved_half,
-                                               lambda out: batch_loss(out, loss_fn, half, batch_size))
+                                               lambda out: batch_loss(out, loss_fn, half, batch_size),
+                                               own_params, leaves)
     finally:
         model.train(was_training)
 
@@ -501,18 +525,20 @@ def describe_tensors(
         if path == head:
             op = vocab_split_op(type(module))
             axes[path] = (op.op_name, op.axis_length(module))
+        if path in leaves:
+            axes[path] = ("", 0)  # gathered whole ([Note: leaf modules])
     for path, owner in tied.items():
         # a tied use is split with its owner's slicing ([Note: tied weights] in the cost
         # model): only when its own op cuts the owner's axis (rows of the same weight)
         # and it computes with nothing but that weight (the runtime's rule: a module
         # with a bias of its own, or weights of two owners, cannot follow the slices);
         # otherwise neither use splits
-        pure = all(owner_of[id(p)] == owner for p in by_path[path].parameters(recurse=False))
+        pure = all(owner_of[id(p)] == owner for p in unit_tensors[path])
         if not pure or not axes[owner][0] or axes[path][1] != axes[owner][1]:
             axes[path] = axes[owner] = ("", 0)
     for path in order:
         module = by_path[path]
-        own = [p for p in module.parameters(recurse=False) if owner_of[id(p)] == path]
+        own = own_params[path]
         split_op, axis = axes[path]
         splittable = axis >= 2
         ops.append(

@@ -184,10 +184,13 @@ def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3,
     stamps_f: dict[str, float] = {}
     stamps_b: dict[str, float] = {}
     handles = []
-    def stamp(table, name):
+    def stamp(table, name, last=False):
         def hook(*_):  # returns None: a pre-hook's return value would replace the inputs
             _sync(device)
-            table.setdefault(name, time.perf_counter())
+            if last:
+                table[name] = time.perf_counter()
+            else:
+                table.setdefault(name, time.perf_counter())
         return hook
 
     for name, module in units:
@@ -195,6 +198,9 @@ def time_units(model, inputs, desc: ModelDesc, loss_fn=None, repeats: int = 3,
         params = [p for p in module.parameters(recurse=False) if p.requires_grad]
         if params:
             handles.append(params[0].register_post_accumulate_grad_hook(stamp(stamps_b, name)))
+        else:  # a leaf module ([Note: leaf modules]): its backward ends with its last gradient
+            handles += [p.register_post_accumulate_grad_hook(stamp(stamps_b, name, last=True))
+                        for p in module.parameters() if p.requires_grad]
     samples = {name: ([], []) for name, _ in units}
     try:
         for rep in range(repeats + 1):
@@ -375,6 +381,7 @@ def profile(
     reprofile: bool = False,
     progress: bool = True,
     compute_time_s: float | None = None,
+    leaf_modules=None,
 ) -> Profiled:
     """Describe ``model`` and measure this cluster: ``(desc, cluster, run)``, see
     ``Profiled``. Every rank of ``process_group`` calls it (collectively); all get rank
@@ -391,7 +398,9 @@ def profile(
     ``cache_dir`` / ``use_cache`` / ``reprofile`` (or ``$OSDP_REPROFILE=1``): the
     profile cache, see [Note: profile cache] in ``osdp/planner/profile_cache.py``.
     ``compute_time_s``: how long the compute timing may go on once two batches are
-    timed (auto mode's budget: [Note: planning budget])."""
+    timed (auto mode's budget: [Note: planning budget]). ``leaf_modules``: modules that
+    are one unit each, as the runtime will run them ([Note: leaf modules] in
+    osdp/module_tree.py)."""
     inputs = as_example_inputs(example_inputs)
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(process_group) if distributed else 1
@@ -408,7 +417,7 @@ def profile(
     limit = parse_bytes(capacity if memory_limit is None else memory_limit, "memory_limit")
     if device.type != "cuda":  # a CPU device has no memory of its own to read: the run's limit stands in
         capacity, capacity_source = limit, "the memory_limit given to osdp.profile (CPU: no device memory to read)"
-    desc = describe(model, inputs, loss_fn=loss_fn)
+    desc = describe(model, inputs, loss_fn=loss_fn, leaf_modules=leaf_modules)
     dtype = str(next(model.parameters()).dtype)
     label = _device_label(device)
     backend = dist.get_backend(process_group) if distributed else "none"

@@ -133,3 +133,27 @@ def test_bad_leaves_are_refused_before_the_model_changes(make, kwargs, match):
         osdp.OSDP(model, **kwargs)
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_describe_prices_a_leaf_as_the_sum_of_its_parts():
+    """Every expert called (so the per-module description runs the same code): the
+    leaf's parameters, FLOPs and saved bytes are those of the units inside it."""
+    from osdp.planner import describe
+
+    data = mc.batch(0, 2)
+    inputs = (data["x"],)
+    loss = lambda out: out.square().mean()  # noqa: E731
+    parts = describe(mc.build(mc.MoE), inputs, loss_fn=loss)
+    whole = describe(mc.build(mc.MoE), inputs, loss_fn=loss, leaf_modules=(mc.MoE,))
+    assert [op.name for op in whole.ops] == ["inp", "moe.0", "moe.1", "head"]
+    for leaf in ("moe.0", "moe.1"):
+        inside = [op for op in parts.ops if op.name.startswith(leaf + ".")]
+        op = whole.ops[whole.op_index(leaf)]
+        assert op.param_count == sum(o.param_count for o in inside) == 4 * (16 * 16 + 16) + 16 * 4 + 4
+        assert op.tensor_numels == tuple(n for o in inside for n in o.tensor_numels)
+        assert op.flops_per_sample == pytest.approx(sum(o.flops_per_sample for o in inside))
+        assert op.act_bytes_per_sample == pytest.approx(sum(o.act_bytes_per_sample for o in inside))
+        assert not op.splittable and op.kind == "moe"
+    # the blocks: moe.0 and moe.1, each one unit now, with the same inputs
+    assert [(b.name, b.num_ops, b.input_bytes_per_sample) for b in whole.blocks] == [
+        (b.name, 1, b.input_bytes_per_sample) for b in parts.blocks if b.name in ("moe.0", "moe.1")]
