@@ -123,3 +123,18 @@ def run(rank: int, world: int) -> dict:
         out[name] = {"losses": train(model, world, rank), "state": model.full_state_dict(rank0_only=False),
                      "units": model.unit_names()}
     return out
+
+
+def _profile_loss(out):
+    return out.square().mean()
+
+
+def run_auto(rank: int, world: int, cache_dir: str) -> dict:
+    """Auto mode with the skipping blocks as leaves: described, profiled, planned and
+    measured on 2 ranks that route differently, then trained."""
+    x = batch(100, world)["x"][rank * LOCAL_BATCH:(rank + 1) * LOCAL_BATCH]
+    model = osdp.OSDP(build(SkippingMoE), memory_limit="4MiB", example_inputs=(x,), loss_fn=_profile_loss,
+                      leaf_modules=(SkippingMoE,),
+                      auto_kwargs={"cache_dir": cache_dir, "budget_s": 20, "progress": False, "batch": LOCAL_BATCH})
+    return {"units": [u.name for u in model.plan.units], "modes": model.unit_modes(),
+            "losses": train(model, world, rank), "state": model.full_state_dict(rank0_only=False)}

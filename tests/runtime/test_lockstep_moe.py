@@ -55,3 +55,17 @@ def test_skipping_moe_as_one_unit_trains_as_single_process(results, name):
             torch.testing.assert_close(r[name]["state"][key], value, rtol=1e-5, atol=1e-5,
                                        msg=lambda m: f"{key}: {m}")
 
+
+
+def test_skipping_moe_in_auto_mode_plans_and_trains_leaves(tmp_path):
+    """Auto mode's trial steps route differently per rank too: the leaves must reach the
+    description, the plan and every trial."""
+    results = spawn(mc.run_auto, WORLD, str(tmp_path))
+    reference = mc.build(mc.MoE)
+    ref_losses = mc.train(reference, WORLD, None)
+    for r in results:
+        assert r["units"] == ["inp", "moe.0", "moe.1", "head"]
+        assert r["losses"] == pytest.approx(ref_losses, rel=1e-5)
+        for key, value in reference.state_dict().items():
+            torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+    assert results[0]["modes"] == results[1]["modes"]
