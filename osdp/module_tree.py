@@ -33,8 +33,12 @@ def transformer_blocks(model: nn.Module) -> list[str]:
 # and a plan unit that owns no parameters itself is a leaf (``leaves_of_unit_names``).
 # Gradients: every rank reduces the whole unit, so a parameter below the leaf that took
 # no part in this step's forward on any rank (an expert no token was routed to) gets a
-# zero gradient, as when the code calls it on an empty batch, not the None that one
-# process would leave; an optimizer with momentum or weight decay moves it all the same.
+# zero gradient, as when the code calls it on an empty batch and as ZeRO-3 gives it, not
+# the None that one process (or DDP) would leave: an optimizer with momentum or weight
+# decay moves it all the same. Kept so because a checkpoint stores one optimizer state
+# per unit (osdp/checkpoint/_optim_state.py): a unit whose parameters stepped unequally
+# would not fit it. (Giving None needs the ranks to agree on what was used, a small
+# collective per leaf and backward; tried, and left out for that reason.)
 # The compiled path does not take leaves yet (refused).
 
 

@@ -2,7 +2,9 @@
 than the decoder-only LMs of hf_cases.py: BERT masked LM (a prediction head that owns
 the bias its tied decoder adds), T5 (one shared embedding used by the encoder, the
 decoder and the head), ViT (image patches, a classification head), Wav2Vec2 (CTC over
-audio; its positional convolution's weight under ``weight_norm``, a parametrization)."""
+audio; its positional convolution's weight under ``weight_norm``, a parametrization),
+mixtures of experts (Mixtral, DeepSeek-V3, GPT-OSS: experts as 3-D weights; Switch
+Transformers: a module per expert, only routed ones called)."""
 from __future__ import annotations
 
 import torch
@@ -47,10 +49,20 @@ MODELS = {
         num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=32,
         output_router_logits=True, router_aux_loss_coef=0.02, sliding_window=8,
         layer_types=["sliding_attention", "full_attention"])),
+    # experts as one module each, only those routed some token called (an expert_hit
+    # loop): the ranks stay in step with the sparse MLP a leaf module (LEAVES)
+    "switch": ("SwitchTransformersForConditionalGeneration", "SwitchTransformersConfig", dict(
+        vocab_size=100, d_model=32, d_kv=8, d_ff=64, expert_capacity=64, num_layers=2, num_sparse_encoder_layers=1,
+        num_decoder_layers=2, num_sparse_decoder_layers=1, num_heads=4, num_experts=4, router_jitter_noise=0.0,
+        dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)),
     "vit": ("ViTForImageClassification", "ViTConfig", dict(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)),
 }
+
+
+# kind -> the transformers class each of whose modules is one unit ([Note: leaf modules])
+LEAVES = {"switch": "SwitchTransformersSparseMLP"}
 
 
 def build(kind: str, **config):
@@ -73,22 +85,29 @@ def _batch(kind: str, step: int, world: int) -> dict:
         return {"pixel_values": torch.randn(n, 3, 16, 16, generator=gen),
                 "labels": torch.randint(0, 5, (n,), generator=gen)}
     tokens = torch.randint(1, 100, (n, 10), generator=gen)
-    labels = torch.randint(1, 100, (n, 6), generator=gen) if kind == "t5" else tokens
+    labels = torch.randint(1, 100, (n, 6), generator=gen) if kind in ("t5", "switch") else tokens
     return {"input_ids": tokens, "labels": labels}
 
 
 def train(model, kind: str, world: int, rank: int | None) -> list[float]:
-    """STEPS AdamW steps; ``rank`` None: single process, the mean of the ranks' losses."""
-    return split_batch_loop.train(model, lambda step: _batch(kind, step, world), STEPS, world, rank)
+    """STEPS AdamW steps; ``rank`` None: single process, the mean of the ranks' losses,
+    with a zero gradient for a leaf module's parameter no token reached, as OSDP reduces
+    a leaf ([Note: leaf modules]) where one process would leave None."""
+    leaves = [p for m in model.modules() if type(m).__name__ == LEAVES.get(kind) for p in m.parameters()]
+    return split_batch_loop.train(model, lambda step: _batch(kind, step, world), STEPS, world, rank,
+                                  zero_grad_of=leaves if rank is None else ())
 
 
 def run_models(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
     """Per (model, path): the losses and the full state after training."""
+    import transformers
+
     out = {}
     for kind, path in cases:
         torch._dynamo.reset()
         compile_arg = {"backend": "aot_eager"} if path == "compiled" else None
-        model = osdp.OSDP(build(kind), default_mode="zdp", compile=compile_arg)
+        leaves = {"leaf_modules": (getattr(transformers, LEAVES[kind]),)} if kind in LEAVES else {}
+        model = osdp.OSDP(build(kind), default_mode="zdp", compile=compile_arg, **leaves)
         out[f"{kind}-{path}"] = {"losses": train(model, kind, world, rank),
                                  "state": model.full_state_dict(rank0_only=False)}
     return out

@@ -1,5 +1,5 @@
-"""Stock Hugging Face BERT (masked LM), DeepSeek-V3, GPT-OSS and Mixtral (MoE), T5, ViT
-and Wav2Vec2 under OSDP, eager and compiled, on 2 gloo ranks against single-process
+"""Stock Hugging Face BERT (masked LM), DeepSeek-V3, GPT-OSS, Mixtral and Switch
+Transformers (MoE; Switch's sparse MLPs as leaf modules), T5, ViT and Wav2Vec2 under OSDP, eager and compiled, on 2 gloo ranks against single-process
 training: losses and parameters after 3 AdamW steps.
 BERT's prediction head owns the bias that its decoder (tied to the word embeddings) adds:
 eager OSDP left that bias without a gradient ([Note: end of the backward pass] in
@@ -16,7 +16,7 @@ from runtime.dist_harness import spawn  # noqa: E402
 
 from . import other_models_cases as oc  # noqa: E402
 
-KINDS = ("bert", "deepseek_v3", "gpt_oss", "mixtral", "t5", "vit", "wav2vec2")
+KINDS = ("bert", "deepseek_v3", "gpt_oss", "mixtral", "switch", "t5", "vit", "wav2vec2")
 
 
 def _check(cases) -> None:
@@ -36,7 +36,24 @@ def test_stock_models_compiled_train_as_single_process():
     """aot_eager: 40 s more, the compiled path has its own cases in the default run.
     Mixtral's experts run transformers' own grouped matmul op under dynamo (the aten one
     takes bf16 only there); GPT-OSS and DeepSeek-V3 are left out for time."""
-    _check([(kind, "compiled") for kind in KINDS if kind not in ("wav2vec2", "gpt_oss", "deepseek_v3")])
+    _check([(kind, "compiled") for kind in KINDS if kind not in ("wav2vec2", "gpt_oss", "deepseek_v3", "switch")])
+
+
+def test_switch_ranks_call_different_experts():
+    """The premise of Switch Transformers' case: each rank's tokens reach other experts,
+    so without its sparse MLPs as leaf modules the ranks would gather different units."""
+    model = oc.build("switch")
+    hit = {}
+    for name, module in model.named_modules():
+        if name.endswith("mlp.experts"):
+            for expert_name, expert in module.items():
+                expert.register_forward_pre_hook(lambda m, a, key=f"{name}.{expert_name}": hit[rank].add(key))
+    batch = oc._batch("switch", 0, 2)
+    for rank in range(2):
+        hit[rank] = set()
+        part = {k: v[rank * oc.LOCAL_BATCH:(rank + 1) * oc.LOCAL_BATCH] for k, v in batch.items()}
+        model(**part)
+    assert hit[0] != hit[1], hit
 
 
 def _check_one(results, kind: str, path: str) -> None:

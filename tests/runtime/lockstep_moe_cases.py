@@ -89,6 +89,20 @@ def experts_used(model: Net, x) -> list[set[int]]:
     return used
 
 
+def unrouted_somewhere(world: int) -> bool:
+    """Whether some expert gets no token of any rank in some step of plain training."""
+    model = build(SkippingMoE)
+    optim = torch.optim.AdamW(model.parameters(), lr=split_batch_loop.LR, eps=split_batch_loop.EPS)
+    for step in range(STEPS):
+        data = batch(step, world)
+        if any(len(used) < EXPERTS for used in experts_used(model, data["x"])):
+            return True
+        nn.functional.cross_entropy(model(data["x"]), data["y"]).backward()
+        optim.step()
+        optim.zero_grad()
+    return False
+
+
 def _user_loss(model, part: dict):
     return nn.functional.cross_entropy(model(part["x"]), part["y"])
 

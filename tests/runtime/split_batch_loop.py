@@ -14,11 +14,13 @@ def hf_loss(model, part: dict):
     return model(**part).loss
 
 
-def train(model, global_batch, steps: int, world: int, rank: int | None, loss_of=hf_loss) -> list[float]:
+def train(model, global_batch, steps: int, world: int, rank: int | None, loss_of=hf_loss,
+          zero_grad_of=()) -> list[float]:
     """``steps`` AdamW steps on the trainable parameters; ``global_batch(step)``: a dict
     of all ranks' inputs, split along dim 0 (values that are not tensors passed to every
     part); ``loss_of(model, part)``: the loss of one part; ``rank`` None: single
-    process."""
+    process. ``zero_grad_of``: parameters given a zero gradient where the backward gave
+    them none (a leaf module's, as OSDP reduces them: [Note: leaf modules])."""
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=EPS)
     losses = []
     for step in range(steps):
@@ -28,6 +30,9 @@ def train(model, global_batch, steps: int, world: int, rank: int | None, loss_of
         else:
             loss = loss_of(model, parts[rank])
         loss.backward()
+        for p in zero_grad_of:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         optim.step()
         optim.zero_grad()
         if rank is not None:

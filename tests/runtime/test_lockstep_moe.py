@@ -43,9 +43,10 @@ def test_moe_trains_as_single_process(results, name):
 def test_skipping_moe_as_one_unit_trains_as_single_process(results, name):
     """Each rank calls only its routed experts; the block is one unit, so every rank
     gathers the same units and reduces every expert's gradient, zero where no token of
-    any rank went: as the plain model that calls every expert gives it. (The skipping
-    model in one process leaves such an expert's .grad None, and AdamW then skips it:
-    its moments would move it otherwise; [Note: leaf modules].)"""
+    any rank went (some step has such an expert): as the plain model that calls every
+    expert gives it, and as ZeRO-3 does. One process running the skipping model leaves
+    that expert's .grad None instead, and AdamW then skips it ([Note: leaf modules])."""
+    assert mc.unrouted_somewhere(WORLD), "the premise: some expert gets no token of any rank in some step"
     reference = mc.build(mc.MoE)
     ref_losses = mc.train(reference, WORLD, None)
     for r in results:
