@@ -278,7 +278,10 @@ def _build_tied_use(model: nn.Module, path: str, module: nn.Module, owner_path: 
     """Replace the tied use ``path`` of the split unit ``owner_path`` by the split op
     that computes on the owner's slice units; see [Note: tied row split]."""
     owner_module, units = built.splits[owner_path]
-    op_name = split_ops.get(path) or type(owner_module).tied_use_op
+    # a module of the owner's own type (T5's encoder and decoder embeddings of its shared
+    # one) runs the owner's op; another (a head) the op the owner's declares for it
+    same_type = type(module) is type(owner_module).module_type
+    op_name = split_ops.get(path) or (type(owner_module).op_name if same_type else type(owner_module).tied_use_op)
     if op_name is None:
         raise OSDPError(
             f"cannot split {owner_path!r}: its weight is tied to {path!r}, and split op "

@@ -63,6 +63,9 @@ MODELS = {
 
 # kind -> the transformers class each of whose modules is one unit ([Note: leaf modules])
 LEAVES = {"switch": "SwitchTransformersSparseMLP"}
+# kind -> the splits of its "split" case: T5's shared embedding by rows, which its encoder
+# and decoder embeddings (Embeddings of the same weight) and its head (a Linear) follow
+SPLITS = {"t5": {"splits": {"shared": 2}, "modes": {"shared[1]": "dp"}}}
 
 
 def build(kind: str, **config):
@@ -106,8 +109,10 @@ def run_models(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
     for kind, path in cases:
         torch._dynamo.reset()
         compile_arg = {"backend": "aot_eager"} if path == "compiled" else None
-        leaves = {"leaf_modules": (getattr(transformers, LEAVES[kind]),)} if kind in LEAVES else {}
-        model = osdp.OSDP(build(kind), default_mode="zdp", compile=compile_arg, **leaves)
+        extra = {"leaf_modules": (getattr(transformers, LEAVES[kind]),)} if kind in LEAVES else {}
+        if path == "split":
+            extra.update(SPLITS[kind])
+        model = osdp.OSDP(build(kind), default_mode="zdp", compile=None if path == "split" else compile_arg, **extra)
         out[f"{kind}-{path}"] = {"losses": train(model, kind, world, rank),
                                  "state": model.full_state_dict(rank0_only=False)}
     return out

@@ -1,6 +1,6 @@
 """Hugging Face safetensors checkpoints straight into and out of the shards
 (``osdp.checkpoint.load_hf`` / ``save_hf``, [Note: Hugging Face checkpoints]): stock
-``transformers`` GPT-2, Llama and Mixtral (tiny configs, ``save_pretrained``) loaded into models
+``transformers`` GPT-2, Llama, Mixtral and Switch Transformers (tiny configs, ``save_pretrained``) loaded into models
 built on the meta device give the pretrained model's logits, on 1 and 2 ranks, split,
 tied and rep units included; ``save_hf`` -> ``from_pretrained`` is the same model; every
 bad input is one error that changes nothing."""
@@ -46,7 +46,17 @@ def mixtral():
     return transformers.MixtralForCausalLM, config
 
 
-MODELS = {"llama": llama, "gpt2": gpt2, "mixtral": mixtral}
+def switch():
+    """A module per expert, each rank calling only its routed ones: run with the sparse
+    MLPs as leaf modules ([Note: leaf modules] in osdp/module_tree.py), each one unit."""
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, expert_capacity=64, num_layers=2, num_sparse_encoder_layers=1,
+        num_decoder_layers=2, num_sparse_decoder_layers=1, num_heads=4, num_experts=4, decoder_start_token_id=0,
+        pad_token_id=0)
+    return transformers.SwitchTransformersForConditionalGeneration, config
+
+
+MODELS = {"llama": llama, "gpt2": gpt2, "mixtral": mixtral, "switch": switch}
 # split (in features; the tied GPT-2 embedding by rows, its head following), rep, dp, zdp
 PLANS = {
     "llama": dict(splits={"model.layers.0.mlp.down_proj": 2}, modes={"model.norm": "rep", "lm_head": "dp"}),
@@ -54,7 +64,10 @@ PLANS = {
                  splits={"transformer.h.0.mlp.c_fc": 2}),
     "mixtral": dict(splits={"model.layers.0.self_attn.o_proj": 2},
                     modes={"model.layers.0.mlp.experts": "dp", "model.layers.1.mlp.experts": "rep"}),
+    "switch": dict(modes={"encoder.block.1.layer.1.mlp": "dp", "decoder.block.1.layer.2.mlp": "rep"},
+                   splits={"shared": 2}),
 }
+LEAVES = {"switch": "SwitchTransformersSparseMLP"}
 
 
 def pretrained(name: str, path) -> torch.nn.Module:
@@ -70,6 +83,8 @@ def on_meta(name: str, **kwargs):
     with torch.device("meta"):
         model = cls(config)
     torch.manual_seed(1)  # other weights than the checkpoint's: load_hf must replace them all
+    if name in LEAVES:
+        kwargs["leaf_modules"] = (getattr(transformers, LEAVES[name]),)
     return osdp.OSDP(model, param_init_fn=model._init_weights, **kwargs).eval()
 
 
@@ -78,8 +93,9 @@ def tokens():
 
 
 def logits(model):
+    decoder = getattr(model, "unwrapped", model).config.is_encoder_decoder
     with torch.no_grad():
-        return model(input_ids=tokens()).logits
+        return model(input_ids=tokens(), **({"decoder_input_ids": tokens()} if decoder else {})).logits
 
 
 single = pytest.mark.usefixtures("one_rank_group")
