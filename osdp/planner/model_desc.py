@@ -375,6 +375,43 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
     return result
 
 
+def _units_that_never_ran(ran: list[str], units: list[str], tied: dict[str, str],
+                          own_params: dict[str, list]) -> tuple[dict[str, str], list[str]]:
+    """[Note: units that never ran] A unit owning parameters need not run: T5's (and
+    every Hugging Face encoder-decoder's) ``shared`` embedding is read only through the
+    encoder's and decoder's own embeddings tied to it, and a model may hold a module it
+    never calls (an unused pooler). The runtime still holds such a unit's shards and
+    optimizer states, and gathers the owner's unit wherever a tied use runs. So:
+
+    - the first use to run of an owner that never ran stands for the owner: its op
+      takes the owner's name (the unit the runtime gathers there) and parameters, and is
+      no tied use any more (``renames``: use -> owner); a use with parameters of its own
+      cannot take another name, and the owner comes just before it, with no work;
+    - a unit that neither ran nor had a use run comes last, with no work: priced for
+      its parameters, its states and a gather it never needs (on the safe side).
+
+    Returns ``(renames, order)``, the units' order with those names."""
+    renames: dict[str, str] = {}
+    order: list[str] = []
+    placed = set(ran)
+    for path in ran:
+        owner = tied.get(path)
+        if owner is not None and owner not in placed:
+            placed.add(owner)
+            if not own_params.get(path):
+                renames[path] = owner
+                order.append(owner)
+                continue
+            order.append(owner)
+        order.append(path)
+    order += [path for path in units if path not in placed and own_params.get(path)]
+    return renames, order
+
+
+def _renamed(values: dict, renames: dict[str, str]) -> dict:
+    return {renames.get(key, key): value for key, value in values.items()}
+
+
 def _params_in_graph(output: torch.Tensor) -> set[int]:
     """ids of the parameters whose gradients ``output.backward()`` will accumulate."""
     found: set[int] = set()
@@ -470,16 +507,22 @@ def describe_tensors(
                   for m in by_path.values() if isinstance(m, nn.Linear)]
     try:
         try:
-            order, saved, block_in, flops, input_saved = _measure_forward(model, inputs, units, param_ptrs,
-                                                                          block_names)
+            ran, saved, block_in, flops, input_saved = _measure_forward(model, inputs, units, param_ptrs,
+                                                                        block_names)
         finally:
             for h in head_hooks:
                 h.remove()
+        unit_flops = _attribute_flops(flops, type(model).__name__, list(ran), ran)
+        renames, order = _units_that_never_ran(ran, list(units.values()), tied, own_params)
+        saved, input_saved, unit_flops = (_renamed(d, renames) for d in (saved, input_saved, unit_flops))
+        for use in renames:
+            del tied[use]  # it stands for its owner now
         half = batch_size // 2
         if half >= 1 and all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors):
             # clones: a view would share (and count) the full batch's storage
             small = inputs.map_batched(lambda t: t[:half].clone())
             _, saved_half, _, _, _ = _measure_forward(model, small, units, param_ptrs, [])
+            saved_half = _renamed(saved_half, renames)
         else:
             half, small, saved_half = 0, None, {}
         grads_full = grads_half = {}
@@ -509,7 +552,6 @@ def describe_tensors(
 
     per_sample, constant = split_batch(saved, saved_half)
     grad_per_sample, _ = split_batch(grads_full, grads_half)
-    unit_flops = _attribute_flops(flops, type(model).__name__, list(order), order)
 
     ops = []
     head = _vocab_head(order, by_path)
@@ -528,6 +570,8 @@ def describe_tensors(
         if path in leaves:
             axes[path] = ("", 0)  # gathered whole ([Note: leaf modules])
     for path, owner in tied.items():
+        if path not in axes:
+            continue  # a tied use that never ran: no op of its own
         # a tied use is split with its owner's slicing ([Note: tied weights] in the cost
         # model): only when its own op cuts the owner's axis (rows of the same weight)
         # and it computes with nothing but that weight (the runtime's rule: a module

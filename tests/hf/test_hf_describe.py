@@ -106,3 +106,33 @@ def test_loss_forward_is_hf_logits_plus_cross_entropy():
     torch.testing.assert_close(model(idx), logits, rtol=0, atol=0)
     assert causal_lm_loss(logits, targets).dtype == torch.float32
     assert idx.shape == targets.shape == (3, 5) and idx.dtype == torch.int64
+
+
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
+def test_t5_shared_embedding_is_the_unit_its_first_use_gathers():
+    """T5 reads its ``shared`` embedding only through the encoder's and decoder's
+    embeddings tied to it; describe raised KeyError('shared'). Now the encoder's, the
+    first to run, stands for the owner ([Note: units that never ran] in model_desc.py),
+    and a plan of it runs: every module the runtime makes a unit of is priced."""
+    import transformers
+
+    import osdp
+    import osdp.planner as planner
+
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=50, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4,
+                                   decoder_start_token_id=0, dropout_rate=0.0)
+    model = transformers.T5ForConditionalGeneration(config)
+    ids = torch.randint(1, 50, (BATCH, 6), generator=torch.Generator().manual_seed(0))
+    desc = describe(model, {"input_ids": ids, "labels": ids})
+    names = [op.name for op in desc.ops]
+    assert names[0] == "shared" and "encoder.embed_tokens" not in names
+    ops = {op.name: op for op in desc.ops}
+    assert ops["shared"].param_count == 50 * 16 and ops["shared"].tied_to is None
+    assert ops["decoder.embed_tokens"].tied_to == "shared" and ops["lm_head"].tied_to == "shared"
+    assert desc.param_count == sum(p.numel() for p in model.parameters())
+    cluster = planner.load_cluster("titan-rtx-pcie3")
+    plan = planner.make_plan(desc, cluster.for_run(planner.RunSettings(world_size=1, memory_limit_bytes=2**30)))
+    assert "shared" in plan.unit_modes()
+    wrapped = osdp.OSDP(model, plan.runtime_config(), memory_check=False)  # the plan check passes
+    assert wrapped(input_ids=ids[:plan.batch_size], labels=ids[:plan.batch_size]).loss.isfinite()

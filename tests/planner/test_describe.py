@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+import osdp.planner as planner
 from osdp.errors import OSDPError
 from osdp.models import GPT, GPTConfig, example_batch
 from osdp.planner.description import ModelDesc, describe
@@ -116,3 +117,31 @@ def test_model_without_parameters_is_rejected():
 def test_description_round_trips_through_dict():
     desc = describe_gpt(GPTConfig(block_hidden=(64, 128)))
     assert ModelDesc.from_dict(desc.to_dict()) == desc
+
+
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
+def test_a_unit_that_never_runs_is_priced_last():
+    """A module holding parameters the forward never calls (an unused pooler): its shards
+    and optimizer states exist all the same, so it is an op (last, no work), and a plan
+    of the model names every unit the runtime makes ([Note: units that never ran])."""
+    import osdp
+
+    class WithUnused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.used = nn.Linear(8, 8)
+            self.pooler = nn.Linear(8, 8)  # never called
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            return self.head(torch.relu(self.used(x))).sum()
+
+    torch.manual_seed(0)
+    model = WithUnused()
+    desc = describe(model, (torch.randn(4, 8),))
+    assert [op.name for op in desc.ops] == ["used", "head", "pooler"]
+    pooler = desc.ops[2]
+    assert (pooler.param_count, pooler.flops_per_sample, pooler.act_bytes_per_sample) == (72, 0.0, 0.0)
+    plan = planner.make_plan(desc, planner.load_cluster("titan-rtx-pcie3").for_run(
+        planner.RunSettings(world_size=1, memory_limit_bytes=2**30)))
+    osdp.OSDP(model, plan.runtime_config(), memory_check=False)
