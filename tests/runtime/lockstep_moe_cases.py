@@ -124,6 +124,9 @@ LEAF_MODES = {
     "leaf_dp": {"leaf_modules": ("moe.0", "moe.1"), "default_mode": "dp"},
     "leaf_rep": {"leaf_modules": (SkippingMoE,), "modes": {"moe.0": "rep", "moe.1": "rep"}},
     "leaf_mixed": {"leaf_modules": (SkippingMoE,), "modes": {"moe.0": "dp", "inp": "rep"}},
+    # a leaf's block recomputed in backward: the recompute calls the same experts
+    "leaf_checkpointed": {"leaf_modules": (SkippingMoE,), "checkpoint_blocks": ("moe.0", "moe.1"),
+                          "modes": {"moe.1": "dp"}},
 }
 
 
