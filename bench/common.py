@@ -50,13 +50,18 @@ def device_for(rank: int) -> torch.device:
 
 
 class HFWorkload:
-    """A stock Hugging Face causal LM as a bench's model (``config`` of the functions
-    below is a ``GPTConfig`` of osdp's GPT, or one of these): tokens of ``seq_len``, the
-    model's own loss (``model(input_ids=x, labels=x).loss``, the output held through
-    backward), its decoder layers as the blocks FSDP2 shards and checkpoints."""
+    """A stock Hugging Face LM as a bench's model (``config`` of the functions below is a
+    ``GPTConfig`` of osdp's GPT, or one of these): tokens of ``seq_len``, the model's own
+    loss (``model(input_ids=x, labels=x).loss``, the output held through backward), the
+    layers under ``block_lists`` (module paths of ModuleLists) as the blocks FSDP2 shards
+    and checkpoints. ``leaves``: transformers classes OSDP runs as leaf modules ([Note:
+    leaf modules] in osdp/module_tree.py), whose submodules run depending on the data
+    (DDP then looks for unused parameters)."""
 
-    def __init__(self, model_class: str, config_class: str, seq_len: int, **config):
+    def __init__(self, model_class: str, config_class: str, seq_len: int, block_lists=("model.layers",),
+                 leaves=(), **config):
         self.model_class, self.config_class, self.seq_len, self.config = model_class, config_class, seq_len, config
+        self.block_lists, self.leaves = tuple(block_lists), tuple(leaves)
 
     def build(self) -> torch.nn.Module:
         with _without_bench_dir():
@@ -66,9 +71,14 @@ class HFWorkload:
             config = getattr(transformers, self.config_class)(**self.config)
             return getattr(transformers, self.model_class)(config)
 
-    @staticmethod
-    def blocks(model) -> torch.nn.ModuleList:
-        return model.model.layers
+    def blocks(self, model) -> list[torch.nn.Module]:
+        return [block for path in self.block_lists for block in model.get_submodule(path)]
+
+    def leaf_classes(self) -> tuple[type, ...]:
+        with _without_bench_dir():
+            import transformers
+
+            return tuple(getattr(transformers, name) for name in self.leaves)
 
     def tokens(self, batch: int, seed: int, device=None) -> torch.Tensor:
         gen = torch.Generator().manual_seed(seed)
@@ -117,8 +127,8 @@ def wrap_peer(peer: str, config: GPTConfig | HFWorkload, plan=None, checkpoint: 
     if peer == "osdp":
         import osdp
 
-        return osdp.OSDP(model, plan=plan, device=device,
-                         compile=compile)
+        leaves = config.leaf_classes() if isinstance(config, HFWorkload) and config.leaves else None
+        return osdp.OSDP(model, plan=plan, device=device, compile=compile, leaf_modules=leaves)
     model = model.to(device)
     if checkpoint:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
@@ -140,7 +150,9 @@ def wrap_peer(peer: str, config: GPTConfig | HFWorkload, plan=None, checkpoint: 
     if peer == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        unused = isinstance(config, HFWorkload) and bool(config.leaves)  # experts no token reached
+        return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None,
+                                       find_unused_parameters=unused)
     raise ValueError(f"unknown peer {peer!r}; one of {PEERS}")
 
 

@@ -210,25 +210,42 @@ def test_a_cell_short_of_fitting_plans_is_counted_without_the_pick():
     assert regret_bench.fitting(rows, 101) == 2
 
 
-def _hf_workload_worker(rank, world):
-    """One step of each peer on a stock Mixtral (bench/moe.py's workload), against the
+HF_WORKLOADS = {
+    "mixtral": (dict(model_class="MixtralForCausalLM", config_class="MixtralConfig", seq_len=8),
+                dict(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=16),
+                ("osdp", "fsdp_zero3", "ddp")),
+    # experts called only when routed some token: OSDP with leaf modules, DDP finding unused ones
+    "switch": (dict(model_class="SwitchTransformersForConditionalGeneration", config_class="SwitchTransformersConfig",
+                    seq_len=8, block_lists=("encoder.block", "decoder.block"), leaves=("SwitchTransformersSparseMLP",)),
+               dict(vocab_size=64, d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=2,
+                    num_sparse_encoder_layers=1, num_sparse_decoder_layers=1, num_heads=4, num_experts=4,
+                    expert_capacity=64, router_jitter_noise=0.0, dropout_rate=0.0, decoder_start_token_id=0,
+                    pad_token_id=0),
+               ("osdp", "ddp")),
+}
+
+
+def _hf_workload_worker(rank, world, name):
+    """One step of each peer on a stock MoE (bench/moe.py's workloads, tiny), against the
     plain model's loss on the same tokens."""
-    workload = common.HFWorkload("MixtralForCausalLM", "MixtralConfig", seq_len=8, vocab_size=64, hidden_size=16,
-                                 intermediate_size=24, num_hidden_layers=2, num_attention_heads=2,
-                                 num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
-                                 max_position_embeddings=16)
+    shape, config, peers = HF_WORKLOADS[name]
+    workload = common.HFWorkload(**shape, **config)
     torch.manual_seed(0)
     with torch.no_grad():
         want = workload.forward(workload.build(), 2, seed=5).loss.item()
     losses = {}
-    for peer in ("osdp", "fsdp_zero3", "ddp"):
+    for peer in peers:
         model = common.wrap_peer(peer, workload)
         optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
         losses[peer] = common.train_step(model, optim, workload, 2, seed=5)
+        if peer == "osdp" and workload.leaves:
+            assert model.unit_names().count("encoder.block.1.layer.1.mlp") == 1  # a leaf: one unit
     return want, losses
 
 
-def test_hf_workload_steps_every_peer_on_the_stock_model():
+@pytest.mark.parametrize("name", sorted(HF_WORKLOADS))
+def test_hf_workload_steps_every_peer_on_the_stock_model(name):
     pytest.importorskip("transformers")
-    for want, losses in spawn(_hf_workload_worker, 2):
+    for want, losses in spawn(_hf_workload_worker, 2, name):
         assert losses == pytest.approx({peer: want for peer in losses}, rel=1e-5)
