@@ -434,13 +434,15 @@ def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
 
 def _least_memory_options(t: ProblemTemplate, problem, variant) -> list[int]:
     """Per op, under its segment's ``variant``, the option with the least kept plus
-    transient bytes."""
+    transient bytes; of equal ones the one that keeps least (a dp op's kept weights are
+    its zdp twin's transient at its own moment, but are held at every op in between)."""
     seg_of = {i: s for s, seg in enumerate(t.segments) for i in seg.ops}
     option_index = []
     for i in range(len(t.desc.ops)):
         v = variant[seg_of[i]]
         idx = np.arange(t.opt_begin[i, v], t.opt_end[i, v])
-        option_index.append(int(idx[np.argmin(t.opt_held_bytes[idx] + problem.opt_local_bytes[idx])]))
+        held = t.opt_held_bytes[idx]
+        option_index.append(int(idx[np.lexsort((held, held + problem.opt_local_bytes[idx]))[0]]))
     return option_index
 
 

@@ -62,3 +62,20 @@ def test_meta_mixtral_in_auto_mode_trains_as_single_process(tmp_path):
     trained = wrapped.full_state_dict()
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
+
+
+def test_least_memory_plan_of_an_infeasible_mixtral_keeps_no_weights():
+    """The infeasible-plan error's least-memory plan: per op, of options with equal kept
+    plus transient bytes, the one that keeps least. The experts' dp option ties with zdp
+    at their own moment, and was listed (kept_dp_weights 73728 B) though it is held at
+    every op in between."""
+    import osdp.planner as planner
+    from osdp.errors import InfeasiblePlanError
+
+    x = _tokens(0, 2)
+    desc = planner.describe(_stock(), {"input_ids": x, "labels": x})
+    device = planner.load_cluster("titan-rtx-pcie3").for_run(planner.RunSettings(world_size=2,
+                                                                               memory_limit_bytes=2**20))
+    with pytest.raises(InfeasiblePlanError) as info:
+        planner.make_plan(desc, device, planner.PlannerSettings(checkpointing="auto"), batch=2)
+    assert info.value.breakdown.get("kept_dp_weights", 0) == 0
