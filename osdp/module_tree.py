@@ -113,6 +113,13 @@ def leaves_of_unit_names(model: nn.Module, names) -> tuple[str, ...]:
 UnitParam = tuple[str, nn.Module, str, nn.Parameter]  # (name below the unit, owner module, attr, parameter)
 
 
+def subtree_params(module: nn.Module) -> list[UnitParam]:
+    """Every parameter below ``module`` as a leaf computes with it, a tied one under each
+    module holding it: ``(dotted name below it, owner module, attr, parameter)``."""
+    return [(f"{sub}.{attr}" if sub else attr, owner, attr, p)
+            for sub, owner in module.named_modules() for attr, p in owner._parameters.items() if p is not None]
+
+
 def unit_params(model: nn.Module, leaves=()) -> list[tuple[str, nn.Module, list[UnitParam]]]:
     """Per unit in module order: ``(path, module, [(name, owner, attr, param)])``, every
     parameter the unit's module computes with (``name``: its path below the unit, ``attr``
@@ -125,9 +132,7 @@ def unit_params(model: nn.Module, leaves=()) -> list[tuple[str, nn.Module, list[
         if any(path.startswith(leaf + ".") for leaf in leaves):
             continue
         if path in leaves:
-            params = [(f"{sub}.{attr}" if sub else attr, owner, attr, p)
-                      for sub, owner in module.named_modules() for attr, p in owner._parameters.items()
-                      if p is not None]
+            params = subtree_params(module)
         else:
             params = [(attr, module, attr, p) for attr, p in module._parameters.items() if p is not None]
         if params:

@@ -343,7 +343,7 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
             value = loss(inputs.call(model))
             # a unit's backward ends with its first parameter's gradient; a leaf's with
             # the last of those this graph gives one (an expert no token reached gets none)
-            in_graph = _params_in_graph(value)
+            in_graph = _params_in_graph(value) if leaves else set()
             ends = {}
             for i, name in enumerate(order):
                 own = [p for p in own_params.get(name, ()) if p.requires_grad]

@@ -26,6 +26,7 @@ import torch.nn as nn
 
 from ..errors import OSDPError
 from ..ops import SplitModule, get_split_op
+from ..module_tree import subtree_params
 from .config import tied_uses
 from .modes import Mode
 from .materialize import MetaInit
@@ -196,9 +197,7 @@ def _build_leaf(path, module, modes, built, owner, fqns, rank, world_size, devic
                 reduce_dtype) -> None:
     """One unit of every parameter below leaf module ``path``, bound at the leaf: its
     forward gathers them all, its submodules compute with views of them."""
-    members = [(f"{sub}.{attr}" if sub else attr, member, attr, p) for sub, member in module.named_modules()
-               for attr, p in member._parameters.items() if p is not None]
-    # leaf_paths refused parameters tied across the leaf's border
+    members = subtree_params(module)  # leaf_paths refused parameters tied across the leaf's border
     unique: dict[int, tuple[str, nn.Parameter]] = {}
     for name, _, _, p in members:
         unique.setdefault(id(p), (name, p))  # a weight tied within the leaf: one slot

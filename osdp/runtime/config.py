@@ -226,7 +226,7 @@ def resolve_config(
 def _plan_leaves(model: nn.Module, plan, given: tuple[str, ...]) -> tuple[str, ...]:
     """The plan's leaves (its units that own no parameters themselves); ``leaf_modules=``
     given beside a plan must name the same ones."""
-    leaves = leaves_of_unit_names(model, plan.unit_modes)
+    leaves = leaf_paths(model, leaves_of_unit_names(model, plan.unit_modes))  # checked as given ones are
     if given and given != leaves:
         raise PlanMismatchError(
             f"leaf_modules= resolves to {list(given)} but the plan's leaf units are {list(leaves)}: drop "
