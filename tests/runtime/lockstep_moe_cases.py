@@ -155,3 +155,17 @@ def run_auto(rank: int, world: int, cache_dir: str) -> dict:
                       auto_kwargs={"cache_dir": cache_dir, "budget_s": 20, "progress": False, "batch": LOCAL_BATCH})
     return {"units": [u.name for u in model.plan.units], "modes": model.unit_modes(),
             "losses": train(model, world, rank), "state": model.full_state_dict(rank0_only=False)}
+
+
+def run_layouts(rank: int, world: int) -> dict:
+    """Leaves on 4 ranks as 2 nodes x 2: HSDP (a replicate x shard mesh) and full
+    sharding with hpz units, each rank its own routing."""
+    from .hsdp_cases import layout_kwargs
+
+    out = {}
+    for layout in ("hsdp", "full_node2"):
+        for name, modes in (("hpz", {"default_mode": "hpz"}), ("mixed", {"modes": {"moe.0": "hpz", "moe.1": "dp"}})):
+            model = osdp.OSDP(build(SkippingMoE), leaf_modules=(SkippingMoE,), **modes, **layout_kwargs(layout))
+            out[f"{layout}-{name}"] = {"losses": train(model, world, rank),
+                                       "state": model.full_state_dict(rank0_only=False)}
+    return out

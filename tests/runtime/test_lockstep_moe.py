@@ -70,3 +70,18 @@ def test_skipping_moe_in_auto_mode_plans_and_trains_leaves(tmp_path):
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")
     assert results[0]["modes"] == results[1]["modes"]
+
+
+@pytest.mark.slow
+def test_skipping_moe_as_leaves_on_hsdp_and_hpz_layouts():
+    """4 ranks (about 10 s): the leaf units' shard and replica collectives, and their
+    node copies, with ranks that call different experts."""
+    results = spawn(mc.run_layouts, 4)
+    reference = mc.build(mc.MoE)
+    ref_losses = mc.train(reference, 4, None)
+    for r in results:
+        for name, got in r.items():
+            assert got["losses"] == pytest.approx(ref_losses, rel=1e-5), name
+            for key, value in reference.state_dict().items():
+                torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-5,
+                                           msg=lambda m: f"{name} {key}: {m}")
