@@ -31,6 +31,16 @@ from .head_cross_entropy import split_head_cross_entropy  # noqa: E402
 import sys as _sys  # noqa: E402
 
 
+def _register_experts_op(module_type: type) -> None:
+    """A ``transformers`` experts class gets its split op on its first lookup (one op per
+    class; [Note: experts split] in split_experts.py)."""
+    if "transformers" in _sys.modules and module_type not in _registry._DEFAULTS:
+        from .split_experts import experts_op, is_experts_type
+
+        if is_experts_type(module_type):
+            experts_op(module_type)
+
+
 def _register_lazy_ops() -> None:
     if "transformers.pytorch_utils" in _sys.modules and "osdp.ops.split_conv1d" not in _sys.modules:
         from . import split_conv1d  # noqa: F401  -- inside: needs the optional transformers package
@@ -38,6 +48,7 @@ def _register_lazy_ops() -> None:
 
 def get_split_op(module, name: str = "", op_name: str | None = None):
     _register_lazy_ops()
+    _register_experts_op(type(module))
     return _registry.get_split_op(module, name, op_name)
 
 

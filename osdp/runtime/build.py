@@ -112,6 +112,7 @@ def build_units(
     owner: dict[int, tuple[ShardUnit, int]] = {}
     built = BuiltModel(leaves=tuple(leaves))
     tied = tied_uses(model)
+    _check_splits(model, unit_modes, split_ops or {}, tied)  # before any module changes
     sliced: dict[str, list[list[tuple]]] = {}  # split path -> per slice, its tensors' (offset, shape, stride)
 
     for path, module in list(model.named_modules()):
@@ -247,9 +248,21 @@ def _build_slices(path, sliced, whole, fqns, modes, rank, world_size, device, re
             reduce_dtype, param_names=names, local_storage=storage.narrow(0, start, size),
         ))
         start += size
-    cut_shapes = {attr: whole[attr].shape for attr, t in sliced[0].items() if t.shape != whole[attr].shape}
+    # the cut parameters: over every slice (the experts split cuts gate_up in its first
+    # slices and down in its last ones)
+    cut_shapes = {attr: whole[attr].shape for tensors in sliced for attr, t in tensors.items()
+                  if t.shape != whole[attr].shape}
     SplitParams(path, units, storage, cut_shapes)
     return units
+
+
+def _check_splits(model: nn.Module, unit_modes, split_ops: dict[str, str], tied: dict[str, str]) -> None:
+    """Every split asked for can be made: checked before the first unit is built, so
+    that a refused one leaves the model as it was."""
+    for path, modes in unit_modes.items():
+        if len(modes) > 1 and path not in tied:
+            module = model.get_submodule(path)
+            get_split_op(module, path, split_ops.get(path)).check(module, len(modes), path)
 
 
 def _check_splittable(model: nn.Module, path: str, params, fqns: dict, owner: dict, tied: dict[str, str]) -> None:

@@ -65,7 +65,12 @@ MODELS = {
 LEAVES = {"switch": "SwitchTransformersSparseMLP"}
 # kind -> the splits of its "split" case: T5's shared embedding by rows, which its encoder
 # and decoder embeddings (Embeddings of the same weight) and its head (a Linear) follow
-SPLITS = {"t5": {"splits": {"shared": 2}, "modes": {"shared[1]": "dp"}}}
+SPLITS = {"t5": {"splits": {"shared": 2}, "modes": {"shared[1]": "dp"}},
+          # the experts by groups, two phases ([Note: experts split] in osdp/ops/split_experts.py)
+          "mixtral": {"splits": {"model.layers.0.mlp.experts": 4, "model.layers.1.mlp.experts": 8},
+                      "modes": {"model.layers.0.mlp.experts[1]": "dp", "model.layers.0.mlp.experts[3]": "dp"}},
+          "deepseek_v3": {"splits": {"model.layers.1.mlp.experts": 4, "model.layers.2.mlp.experts": 2},
+                          "modes": {"model.layers.2.mlp.experts": "dp"}}}
 
 
 def build(kind: str, **config):
@@ -114,5 +119,5 @@ def run_models(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
             extra.update(SPLITS[kind])
         model = osdp.OSDP(build(kind), default_mode="zdp", compile=None if path == "split" else compile_arg, **extra)
         out[f"{kind}-{path}"] = {"losses": train(model, kind, world, rank),
-                                 "state": model.full_state_dict(rank0_only=False)}
+                                 "state": model.full_state_dict(rank0_only=False), "units": model.unit_names()}
     return out

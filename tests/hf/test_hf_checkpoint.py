@@ -62,7 +62,8 @@ PLANS = {
     "llama": dict(splits={"model.layers.0.mlp.down_proj": 2}, modes={"model.norm": "rep", "lm_head": "dp"}),
     "gpt2": dict(modes={"transformer.wte": ("zdp", "dp"), "transformer.ln_f": "rep"},
                  splits={"transformer.h.0.mlp.c_fc": 2}),
-    "mixtral": dict(splits={"model.layers.0.self_attn.o_proj": 2},
+    # the first layer's experts split by experts (3 groups of one, gate_up then down)
+    "mixtral": dict(splits={"model.layers.0.self_attn.o_proj": 2, "model.layers.0.mlp.experts": 6},
                     modes={"model.layers.0.mlp.experts": "dp", "model.layers.1.mlp.experts": "rep"}),
     "switch": dict(modes={"encoder.block.1.layer.1.mlp": "dp", "decoder.block.1.layer.2.mlp": "rep"},
                    splits={"shared": 2}),

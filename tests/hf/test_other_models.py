@@ -31,8 +31,10 @@ def test_stock_models_train_as_single_process():
     which the compiled path's stand-in module refused (TypeError: not subscriptable).
     T5 split: its shared embedding cut by rows, the encoder's and decoder's embeddings
     tied to it ran the head's op ("unit 'encoder.embed_tokens' is a Embedding; split op
-    'linear_out_features' splits Linear") before they ran the owner's."""
-    _check([(kind, "eager") for kind in KINDS] + [("wav2vec2", "compiled"), ("t5", "split")])
+    'linear_out_features' splits Linear") before they ran the owner's. Mixtral and
+    DeepSeek-V3 split: their experts by groups of experts, gate_up then down slices
+    ([Note: experts split]), the ranks routing their own tokens."""
+    _check([(kind, "eager") for kind in KINDS] + [("wav2vec2", "compiled")] + [(kind, "split") for kind in oc.SPLITS])
 
 
 @pytest.mark.slow
@@ -65,6 +67,9 @@ def _check_one(results, kind: str, path: str) -> None:
     ref_losses = oc.train(model, kind, 2, None)
     for rank in results:
         r = rank[f"{kind}-{path}"]
+        if path == "split":  # every unit asked for is split as asked
+            for name, g in oc.SPLITS[kind]["splits"].items():
+                assert [u for u in r["units"] if u.startswith(name + "[")] == [f"{name}[{i}]" for i in range(g)]
         assert r["losses"] == pytest.approx(ref_losses, rel=1e-5), kind
         for key, value in model.state_dict().items():
             torch.testing.assert_close(r["state"][key], value, rtol=1e-5, atol=1e-5, msg=lambda m: f"{key}: {m}")

@@ -54,8 +54,14 @@ def gpt(**kw):
     ],
 )
 def test_bad_configs_raise_clear_errors(kwargs, match):
+    model = gpt()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(OSDPError, match=match):
-        osdp.OSDP(gpt(), **kwargs)
+        osdp.OSDP(model, **kwargs)
+    # refused before anything changed (a slice count was checked after the units
+    # before it were built, which had taken their parameters out of the model)
+    after = model.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items())
 
 
 class _TiedHeadWithBias(nn.Module):
