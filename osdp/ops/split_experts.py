@@ -69,9 +69,9 @@ class _SplitExpertsFn(torch.autograd.Function):
     def forward(ctx, hidden, top_k_index, top_k_weights, expects_backward: bool, module: "ExpertsSplit", *shards):
         route = module.route(top_k_index)
         x_rows = hidden[route.tokens]
-        pre, uses_up = module.gate_up_phase(x_rows, route, expects_backward)
+        pre, uses_up = module.phase(0, x_rows, 2 * module.intermediate_size, route, expects_backward)
         act = module.gate(pre)
-        out_rows, uses_down = module.down_phase(act, route, expects_backward)
+        out_rows, uses_down = module.phase(module.groups, act, module.hidden_size, route, expects_backward)
         weights = top_k_weights.reshape(-1)[route.perm]
         weighted = out_rows * weights.unsqueeze(-1).to(out_rows.dtype)
         # back in token order, summed over each token's k experts, as transformers does
@@ -122,6 +122,7 @@ class ExpertsSplit(SplitModule):
     def __init__(self, module: nn.Module, g: int):
         super().__init__(g)
         self.num_experts, two_i, self.hidden_size = module.gate_up_proj.shape
+        self.intermediate_size = two_i // 2
         self.groups = g // 2
         self.per_group = self.num_experts // self.groups
         self.act_fn = module.act_fn
@@ -183,36 +184,21 @@ class ExpertsSplit(SplitModule):
     def _experts_of(self, j: int) -> range:
         return range(j * self.per_group, (j + 1) * self.per_group)
 
-    def gate_up_phase(self, x_rows, route: Route, expects_backward: bool):
-        """The pre-activation rows, slice by slice (slices ``0 .. m-1``); their uses."""
+    def phase(self, first: int, x_rows, width: int, route: Route, expects_backward: bool):
+        """Each expert's rows of ``x_rows @ W_e^T`` (``width`` columns), slice by slice over
+        the phase's slices ``first .. first + m - 1`` (``gate_up``: 0, [E/m, 2I, H] each;
+        ``down``: m, [E/m, H, I]); the result and the slices' uses."""
         sched = self.scheduler
-        pre = x_rows.new_empty(x_rows.shape[0], 2 * self._intermediate())
+        out = x_rows.new_empty(x_rows.shape[0], width)
         uses = []
         for j in range(self.groups):
-            unit = self.units[j]
+            unit = self.units[first + j]
             use = sched.pre_forward(unit)
-            weight = unit.views[0]  # [E/m, 2I, H]
+            weight = unit.views[0]
             for local, e in enumerate(self._experts_of(j)):
                 r0, r1 = route.bounds[e]
                 if r1 > r0:
-                    torch.mm(x_rows[r0:r1], weight[local].t(), out=pre[r0:r1])
-            sched.post_forward(use, expects_backward, True)
-            uses.append(use)
-        return pre, uses
-
-    def down_phase(self, act, route: Route, expects_backward: bool):
-        """The expert output rows, slice by slice (slices ``m .. 2m-1``); their uses."""
-        sched = self.scheduler
-        out = act.new_empty(act.shape[0], self.hidden_size)
-        uses = []
-        for j in range(self.groups):
-            unit = self.units[self.groups + j]
-            use = sched.pre_forward(unit)
-            weight = unit.views[0]  # [E/m, H, I]
-            for local, e in enumerate(self._experts_of(j)):
-                r0, r1 = route.bounds[e]
-                if r1 > r0:
-                    torch.mm(act[r0:r1], weight[local].t(), out=out[r0:r1])
+                    torch.mm(x_rows[r0:r1], weight[local].t(), out=out[r0:r1])
             sched.post_forward(use, expects_backward, True)
             uses.append(use)
         return out, uses
@@ -253,9 +239,6 @@ class ExpertsSplit(SplitModule):
             product = torch.mm(d_y[r0:r1].t(), x[r0:r1])
             dw.add_(product) if accumulate else dw.copy_(product)
         sched.post_backward(use, None)
-
-    def _intermediate(self) -> int:
-        return self.units[0].slots[0].shape[1] // 2
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         # decided here: inside Function.forward grad mode is always off
