@@ -68,7 +68,7 @@ class _SplitExpertsFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, top_k_index, top_k_weights, expects_backward: bool, module: "ExpertsSplit", *shards):
         route = module.route(top_k_index)
-        x_rows = hidden[route.tokens]
+        x_rows = hidden[route.tokens].to(module.compute_dtype)  # as transformers casts to the weights'
         pre, uses_up = module.phase(0, x_rows, 2 * module.intermediate_size, route, expects_backward)
         act = module.gate(pre)
         out_rows, uses_down = module.phase(module.groups, act, module.hidden_size, route, expects_backward)
@@ -98,7 +98,7 @@ class _SplitExpertsFn(torch.autograd.Function):
         d_act = module.down_backward(d_weighted * weights.unsqueeze(-1), act.detach(), route, uses_down)
         (d_pre,) = torch.autograd.grad(act, pre_leaf, d_act)
         d_hidden = None
-        x_rows = hidden[route.tokens]
+        x_rows = hidden[route.tokens].to(module.compute_dtype)
         d_rows = module.gate_up_backward(d_pre, x_rows, route, uses_up, need_dx=ctx.needs_input_grad[0])
         if d_rows is not None:
             d_hidden = torch.zeros_like(hidden).index_add_(0, route.tokens, d_rows.to(hidden.dtype))
@@ -177,6 +177,11 @@ class ExpertsSplit(SplitModule):
             bounds.append((start, start + n))
             start += n
         return Route(perm=perm, tokens=perm // k, inverse=inverse, bounds=bounds)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The gathered slices' dtype (mixed precision's ``param_dtype``)."""
+        return self.units[0].views[0].dtype
 
     def gate(self, pre: torch.Tensor) -> torch.Tensor:
         return self._apply_gate(pre)

@@ -97,3 +97,21 @@ def test_bad_slice_counts_and_layouts_are_refused_before_the_model_changes():
     layout = r"GptOssExperts.*has_bias=True, is_transposed=True, is_concatenated=False: leave it unsplit"
     with pytest.raises(OSDPError, match=layout):
         osdp.OSDP(oc.build("gpt_oss"), splits={EXPERTS.format(0): 2})
+
+
+def test_inputs_are_cast_to_the_gathered_dtype():
+    """bf16 gathers (mixed precision), an fp32 input: cast as transformers casts it to
+    the weights' dtype, against the plain experts module in bf16."""
+    from osdp.runtime.mixed_precision import MixedPrecision
+
+    model = osdp.OSDP(oc.build("mixtral"), splits={EXPERTS.format(0): 4},
+                      mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    plain = oc.build("mixtral").model.layers[0].mlp.experts.to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(6, 32, generator=gen, requires_grad=True)
+    index, weights = torch.randint(0, 4, (6, 2), generator=gen), torch.rand(6, 2, generator=gen)
+    out = model.unwrapped.model.layers[0].mlp.experts(hidden, index, weights)
+    out.sum().backward()
+    assert out.dtype == hidden.grad.dtype == torch.float32
+    want = plain(hidden.detach().to(torch.bfloat16), index, weights.to(torch.bfloat16))
+    torch.testing.assert_close(out, want.float(), rtol=2e-2, atol=2e-2)
