@@ -22,6 +22,7 @@ from . import split_linear as _split_linear  # noqa: F401,E402
 from . import split_linear_out as _split_linear_out  # noqa: F401,E402
 from .matmul_split import MatmulSplit  # noqa: E402
 from .head_cross_entropy import split_head_cross_entropy  # noqa: E402
+from .split_experts import experts_op, is_experts_type  # noqa: E402  (transformers' classes: on first lookup)
 
 # [Note: lazily registered ops]
 # Hugging Face's Conv1D lives in `transformers`, which osdp does not import (it is an
@@ -31,14 +32,11 @@ from .head_cross_entropy import split_head_cross_entropy  # noqa: E402
 import sys as _sys  # noqa: E402
 
 
-def _register_experts_op(module_type: type) -> None:
+def _register_experts_op(module) -> None:
     """A ``transformers`` experts class gets its split op on its first lookup (one op per
     class; [Note: experts split] in split_experts.py)."""
-    if "transformers" in _sys.modules and module_type not in _registry._DEFAULTS:
-        from .split_experts import experts_op, is_experts_type
-
-        if is_experts_type(module_type):
-            experts_op(module_type)
+    if "transformers" in _sys.modules and default_split_op(module) is None and is_experts_type(type(module)):
+        experts_op(type(module))
 
 
 def _register_lazy_ops() -> None:
@@ -48,7 +46,7 @@ def _register_lazy_ops() -> None:
 
 def get_split_op(module, name: str = "", op_name: str | None = None):
     _register_lazy_ops()
-    _register_experts_op(type(module))
+    _register_experts_op(module)
     return _registry.get_split_op(module, name, op_name)
 
 
