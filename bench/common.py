@@ -255,6 +255,20 @@ def timed_rounds(fns, rounds: int) -> list[float]:
     return max_over_ranks([statistics.median(x) for x in times])
 
 
+def osdp_at_plan(peer: str, config, plan, start: float):
+    """OSDP run with ``plan`` (auto mode's, at a budget; None: no plan fits) as ``peer``,
+    at the plan's batch: its row (``peer``, ``batch``, ``peak_bytes`` measured,
+    ``predicted_samples_per_s``, ``bench_s`` since ``start``), model and optimizer; no
+    model without a plan."""
+    if plan is None:
+        return dict(peer=peer, batch=0, peak_bytes=0, step_s=0.0, samples_per_s=0.0), None, None
+    model = wrap_peer("osdp", config, plan=plan)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    peak = measured_peak_bytes(model, optim, config, plan.batch_size)
+    return dict(peer=peer, batch=plan.batch_size, peak_bytes=peak, predicted_samples_per_s=plan.predicted.samples_per_s,
+                bench_s=time.perf_counter() - start), model, optim
+
+
 def peer_at_largest_batch(peer: str, config, budget_bytes: int):
     """A peer other than OSDP (``_ckpt``: checkpointing every block) at the largest batch
     whose measured peak fits ``budget_bytes``: its row (``peer``, ``batch``,

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from common import (ROOT, HFWorkload, measured_peak_bytes, peer_at_largest_batch, spawn, time_interleaved,
-                    train_step, wrap_peer, write_csv)
+from common import (ROOT, HFWorkload, osdp_at_plan, peer_at_largest_batch, spawn, time_interleaved, train_step,
+                    wrap_peer, write_csv)
 
 # Mixtral scaled to a 2-core CPU: 4 layers, 8 experts of 128 -> 256 -> 128, top 2
 MIXTRAL = HFWorkload("MixtralForCausalLM", "MixtralConfig", seq_len=64, vocab_size=1024, hidden_size=128,
@@ -72,16 +72,13 @@ def _run(rank, world, name, budget_bytes, steps, cache_dir):
                                       comm_sizes=(4096, 65536, 1 << 20, 8 << 20), repeats=2,
                                       leaf_modules=workload.leaf_classes() or None)
             except osdp.InfeasiblePlanError:
-                rows.append(dict(peer=peer, batch=0, peak_bytes=0, step_s=0.0, samples_per_s=0.0))
+                plan = None
+            row, model, optim = osdp_at_plan(peer, workload, plan, start)
+            rows.append(row)
+            if model is None:
                 continue
-            model = wrap_peer("osdp", workload, plan=plan)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            batch = plan.batch_size
-            peak = measured_peak_bytes(model, optim, workload, batch)
             modes = sorted(model.unit_modes().values())
-            rows.append(dict(peer=peer, batch=batch, peak_bytes=peak, bench_s=time.perf_counter() - start,
-                             predicted_samples_per_s=plan.predicted.samples_per_s,
-                             plan=", ".join(f"{modes.count(m)}x {m}" for m in sorted(set(modes)))))
+            row["plan"] = ", ".join(f"{modes.count(m)}x {m}" for m in sorted(set(modes)))
         else:
             row, model, optim = peer_at_largest_batch(peer, workload, budget_bytes)
             rows.append(row)

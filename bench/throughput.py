@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from common import PEERS, ROOT, measured_peak_bytes, peer_at_largest_batch, spawn, time_interleaved, wrap_peer
+from common import PEERS, ROOT, osdp_at_plan, peer_at_largest_batch, spawn, time_interleaved
 
 from osdp.models import GPTConfig
 
@@ -57,17 +57,10 @@ def _run(rank, world, model_name, budget_bytes, steps, cache_dir):
     for peer in PEERS:
         start = time.perf_counter()
         if peer in plans:
-            plan = plans[peer]
-            if plan is None:
-                rows.append(dict(peer=peer, batch=0, peak_bytes=0, step_s=0.0, samples_per_s=0.0))
+            row, model, optim = osdp_at_plan(peer, config, plans[peer], start)
+            rows.append(row)
+            if model is None:
                 continue
-            model = wrap_peer("osdp", config, plan=plan)
-            optim = torch.optim.AdamW(model.parameters(), lr=1e-4)
-            batch = plan.batch_size
-            peak = measured_peak_bytes(model, optim, config, batch)
-            rows.append(dict(peer=peer, batch=batch, peak_bytes=peak,
-                             predicted_samples_per_s=plans[peer].predicted.samples_per_s,
-                             bench_s=time.perf_counter() - start))
         else:
             row, model, optim = peer_at_largest_batch(peer, config, budget_bytes)
             rows.append({**row, "predicted_samples_per_s": ""})

@@ -398,11 +398,10 @@ def _units_that_never_ran(ran: list[str], units: list[str], tied: dict[str, str]
         owner = tied.get(path)
         if owner is not None and owner not in placed:
             placed.add(owner)
+            order.append(owner)
             if not own_params.get(path):
                 renames[path] = owner
-                order.append(owner)
                 continue
-            order.append(owner)
         order.append(path)
     order += [path for path in units if path not in placed and own_params.get(path)]
     return renames, order

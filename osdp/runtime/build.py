@@ -153,8 +153,7 @@ def _build_module(model, path, module, params, modes, built, owner, fqns, tied, 
         return
     if len(modes) > 1:
         _check_splittable(model, path, params, fqns, owner, tied)
-        op = get_split_op(module, path, split_ops.get(path))
-        op.check(module, len(modes), path)
+        op = get_split_op(module, path, split_ops.get(path))  # checked by _check_splits
         _, requires_grad = _consistent(path, [p for _, p in params])
         tensors = op.slice_tensors(module, len(modes))
         sliced[path] = [[_cut_of(t) for t in slice_.values()] for slice_ in tensors]
