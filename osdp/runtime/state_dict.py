@@ -48,6 +48,8 @@ class Piece:
 class ParamInfo:
     fqn: str
     shape: tuple[int, ...]
+    # the parameter's own (master) dtype, what the shards hold: under mixed precision
+    # not the compute dtype, which a full state dict in it would round the weights to
     dtype: torch.dtype
     aliases: tuple[str, ...]  # other names of the same (tied) parameter
     pieces: tuple[Piece, ...]
@@ -128,7 +130,7 @@ def build_layout(model: nn.Module, built: BuiltModel, state_keys: list[str]) -> 
             continue
         for slot in unit.slots:
             fqn = slot.fqns[0]
-            shapes[fqn], dtypes[fqn] = tuple(slot.shape), unit.dtype
+            shapes[fqn], dtypes[fqn] = tuple(slot.shape), unit.shard_dtype
             aliases.update({alias: fqn for alias in slot.fqns[1:]})
             zeros = (0,) * len(slot.shape)
             by_fqn.setdefault(fqn, []).append(Piece(i, fqn, slot.offset, slot.numel, zeros, tuple(slot.shape)))
@@ -140,7 +142,7 @@ def build_layout(model: nn.Module, built: BuiltModel, state_keys: list[str]) -> 
         for slot in units[0].slots:  # the other names of a tied split weight: aliases
             aliases.update({alias: slot.fqns[0] for alias in slot.fqns[1:]})
         for piece in pieces:
-            dtypes[piece.fqn] = built.units[piece.unit].dtype
+            dtypes[piece.fqn] = built.units[piece.unit].shard_dtype
             by_fqn.setdefault(piece.fqn, []).append(piece)
     order = [k for k in state_keys if k in shapes] + [k for k in shapes if k not in state_keys]
     params = {

@@ -175,6 +175,18 @@ def run_w2(rank, world_size, root):
         out["full_file"] = torch.load(full_file, weights_only=True)
     del model, opt
 
+    # under bf16 mixed precision: the fp32 master weights, not their bf16 compute copy
+    import osdp
+
+    model, opt = wrap({**PLAN_A, "mixed_precision": osdp.MixedPrecision(param_dtype=torch.bfloat16)})
+    out["mp_full_initial"] = ck.full_state_dict(model)
+    ck.load_full_state_dict(model, target)
+    out["mp_full_after_load"] = ck.full_state_dict(model)
+    ck.save_full(model, full_file)
+    if rank == 0:
+        out["mp_full_file"] = torch.load(full_file, weights_only=True)
+    del model, opt
+
     # uninterrupted run
     model, opt = wrap(PLAN_A)
     out["losses_uninterrupted"] = train(model, opt, range(STEPS))

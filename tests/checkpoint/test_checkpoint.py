@@ -77,6 +77,16 @@ def test_load_full_state_dict_round_trips(root):
     assert_equal_states(r0["full_after_load_full"], r0["original"], "load_full")
 
 
+def test_full_state_dicts_under_mixed_precision_are_the_master_weights(root):
+    """bf16 compute: full state dicts, their loads and save_full are the fp32 weights
+    (they were bf16, the weights rounded, and a load rounded what it loaded)."""
+    r0 = results(2, root)[0]
+    assert_equal_states(r0["mp_full_initial"], r0["original"], "full_state_dict under bf16 compute")
+    assert_equal_states(r0["mp_full_after_load"], r0["full_target"], "load_full_state_dict under bf16 compute")
+    assert_equal_states(r0["mp_full_file"], r0["full_target"], "save_full under bf16 compute")
+    assert {v.dtype for v in r0["mp_full_file"].values()} == {torch.float32}
+
+
 # ---- resume ---------------------------------------------------------------------------
 def test_resume_same_world_size_and_plan_is_bit_identical(root):
     for r in results(2, root):
