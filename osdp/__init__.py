@@ -23,6 +23,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "OSDP": "osdp.entry",
     "MixedPrecision": "osdp.runtime.mixed_precision",
+    "GradScaler": "osdp.grad_scaler",
     "CompileConfig": "osdp.runtime.compile_config",
     "RuntimeOptions": "osdp.runtime.options",
     "RuntimeConfig": "osdp.contract",

@@ -30,6 +30,7 @@ from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_
 from .runtime.hooks import ModuleBinding
 from .runtime.lockstep import mark_lockstep
 from .runtime.lockstep_check import LockstepCheck
+from .runtime.optimizer_steps import OptimizerSteps
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
@@ -127,10 +128,13 @@ class ShardedModel(nn.Module):
     Lockstep: every rank must call the same modules in the same order (each gather is a
     collective); Hugging Face models are told they are sharded, so that LayerDrop and
     ``generate`` keep their ranks in step, and at the end of each backward the ranks
-    compare the collectives they issued: ranks out of step raise
+    compare the collectives they issued, and the optimizer steps they took on the
+    parameters since the previous check: ranks out of step raise
     ``RanksOutOfStepError`` from ``backward()`` (``lockstep_check=False`` or
     ``OSDP_LOCKSTEP_CHECK=0``: off). See [Note: ranks in lockstep] in
-    ``osdp/runtime/lockstep.py`` and [Note: lockstep check] in ``lockstep_check.py``.
+    ``osdp/runtime/lockstep.py``, [Note: lockstep check] in ``lockstep_check.py`` and
+    [Note: optimizer steps in lockstep] in ``optimizer_steps.py``. With fp16 compute,
+    scale the loss with ``osdp.GradScaler(model)``, not ``torch.amp.GradScaler``.
 
     A model built on the meta device (``with torch.device("meta"): model = ...``) is made
     real one module at a time, each initialized and cut to this rank's shard before the
@@ -317,7 +321,8 @@ class ShardedModel(nn.Module):
         lockstep = None
         if (options.lockstep_check_on and self.layout.world.size > 1
                 and LockstepCheck.applies_to(self.layout.world.group)):
-            lockstep = LockstepCheck(self.layout.world.group, options.timeout_s)
+            steps = OptimizerSteps(p for _, p in _unique_params(self._built.units))
+            lockstep = LockstepCheck(self.layout.world.group, options.timeout_s, steps)
             self._comm.issued = lockstep.log  # [Note: lockstep check]
         self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, options.coalesce_bytes,
                                     lockstep=lockstep)

@@ -12,7 +12,9 @@ step's last reductions are issued, the ranks start comparing their hashes (one
 all-gather of an int64 over every rank of the layout, on a gloo group of their own: CPU
 tensors, so that CUDA does not synchronize for it, and apart from the runtime's groups);
 the scheduler waits for the reductions, finishes the step (nothing gathered, nothing in
-flight), then waits for the comparison, whose latency hid behind the reductions.
+flight), then waits for the comparison, whose latency hid behind the reductions. The
+same all-gather carries the optimizer steps each rank took on the model's parameters
+since the last check ([Note: optimizer steps in lockstep] in optimizer_steps.py).
 Unequal hashes raise :class:`RanksOutOfStepError` out of ``backward()`` on every rank,
 naming the first collective where the ranks differ: ``.grad`` holds wrong gradients,
 and the error comes before the optimizer could step on them. The hash covers everything
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveTimeoutError, RanksOutOfStepError
+from .optimizer_steps import OptimizerSteps, uneven_steps_message
 
 KEPT_ENTRIES = 4096  # descriptions kept for the error message; the hash covers all
 FOLD_ENTRIES = 1024  # notes hashed together
@@ -87,12 +90,14 @@ _CHECK_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class LockstepCheck:
-    """Compares the ranks' :class:`IssueLog` at the end of each backward pass; see
-    [Note: lockstep check]. Built on every rank of ``group`` alike (it may create the
-    gloo group it compares on)."""
+    """Compares the ranks' :class:`IssueLog` at the end of each backward pass ([Note:
+    lockstep check]), and the optimizer steps counted by ``steps`` ([Note: optimizer
+    steps in lockstep] in optimizer_steps.py). Built on every rank of ``group`` alike
+    (it may create the gloo group it compares on)."""
 
-    def __init__(self, group, timeout_s: float):
+    def __init__(self, group, timeout_s: float, steps: OptimizerSteps | None = None):
         self.log = IssueLog()  # CommContext.issued: what this rank issues until the next check
+        self.steps = steps
         self.timeout_s = float(timeout_s)
         self.group = self._check_group(group)
 
@@ -115,9 +120,11 @@ class LockstepCheck:
         return found
 
     def start(self) -> "PendingCheck":
-        """Issue the comparison of everything logged so far (the log starts over: what
-        is issued after this belongs to the next check)."""
-        mine = torch.tensor([self.log.value()], dtype=torch.int64)
+        """Issue the comparison of everything logged so far and of the optimizer steps
+        counted since the last check (both start over: what comes after this belongs to
+        the next check)."""
+        steps = self.steps.take() if self.steps is not None else 0
+        mine = torch.tensor([self.log.value(), steps], dtype=torch.int64)
         entries = self.log.described()
         self.log.reset()
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
@@ -135,7 +142,10 @@ class LockstepCheck:
                 f"rank {rank}: the lockstep check at the end of backward did not complete within "
                 f"timeout_s={self.timeout_s:g} (a peer rank died, hangs, or runs a different step): "
                 f"{type(exc).__name__}: {str(exc).strip()[:200]}") from exc
-        if len({int(t) for t in pending.every}) == 1:
+        steps = [int(t[1]) for t in pending.every]
+        if len(set(steps)) > 1:  # the root cause: the collectives after it are alike
+            raise RanksOutOfStepError(uneven_steps_message(steps, rank))
+        if len({int(t[0]) for t in pending.every}) == 1:
             return
         logs = [None] * len(pending.every)
         dist.all_gather_object(logs, pending.entries, group=self.group)
@@ -144,7 +154,7 @@ class LockstepCheck:
 
 class PendingCheck(NamedTuple):
     work: object  # the all-gather's Work
-    every: list  # every rank's hash, once it is done
+    every: list  # every rank's (hash, optimizer steps), once it is done
     entries: list  # this rank's descriptions, for the message
 
 
