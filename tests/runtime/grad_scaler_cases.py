@@ -80,11 +80,11 @@ def _train(model, opt, scaler, rank: int, skip_step_on_rank0: bool = False) -> d
     return out
 
 
-def _osdp(rank: int, scaler_kind: str, param_dtype=torch.float16) -> dict:
+def _osdp(rank: int, scaler_kind: str, param_dtype=torch.float16, compile=None) -> dict:
     import osdp
 
     mp = osdp.MixedPrecision(param_dtype=param_dtype) if param_dtype is not None else None
-    model = osdp.OSDP(build(), default_mode="zdp", mixed_precision=mp)
+    model = osdp.OSDP(build(), default_mode="zdp", mixed_precision=mp, compile=compile)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     scaler = {"osdp": lambda: osdp.GradScaler(model, init_scale=INIT_SCALE),
               "torch": lambda: torch.amp.GradScaler("cpu", init_scale=INIT_SCALE),
@@ -117,7 +117,9 @@ def _fsdp2(rank: int) -> dict:
 
 
 def run(rank: int, world: int) -> dict:
+    torch._dynamo.reset()
     out = {"osdp": _osdp(rank, "osdp"), "torch": _osdp(rank, "torch"),
+           "osdp_compiled": _osdp(rank, "osdp", compile={"backend": "aot_eager"}),
            "uneven_step": _osdp(rank, "none", param_dtype=None), "fsdp2": _fsdp2(rank)}
     dist.barrier()
     return out

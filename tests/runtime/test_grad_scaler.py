@@ -1,4 +1,4 @@
-"""fp16 loss scaling on 2 gloo ranks when an overflow lands in one rank's gradient
+"""fp16 loss scaling on 2 gloo ranks (eager and compiled) when an overflow lands in one rank's gradient
 shards (grad_scaler_cases.py): ``osdp.GradScaler`` skips the step on every rank and
 trains as FSDP2 with FSDP's ``ShardedGradScaler``; ``torch.amp.GradScaler`` (one rank
 skips, the other steps) and any step taken on some ranks only are caught at the next
@@ -47,6 +47,15 @@ def test_osdp_grad_scaler_skips_on_every_rank_and_trains_as_fsdp2():
         torch.testing.assert_close(ranks[0]["state"][key], want, rtol=1e-6, atol=1e-9, msg=key)
     initial = gc.build().state_dict()
     assert max((ranks[0]["state"][k] - initial[k]).abs().max().item() for k in initial) > 1e-3  # it trained
+
+
+def test_osdp_grad_scaler_on_the_compiled_path_trains_as_eager():
+    for r in results():
+        eager, compiled = r["osdp"], r["osdp_compiled"]
+        assert compiled["error"] is None
+        assert (compiled["scales"], compiled["changed"]) == (eager["scales"], eager["changed"])
+        for key, want in eager["state"].items():
+            assert torch.equal(compiled["state"][key], want), key
 
 
 def test_torch_grad_scaler_is_caught_at_the_next_backward():
