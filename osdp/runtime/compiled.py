@@ -207,7 +207,16 @@ class _ModuleWithViews:
     parameter names, everything else the module's (its methods bound to this object, so
     that a helper method reads the views too). A new object per call, so a
     checkpointed block's forward mutates nothing outside itself (dynamo refuses side
-    effects inside a checkpoint region)."""
+    effects inside a checkpoint region).
+
+    [Note: stand-ins that super() accepts]
+    A forward that calls ``super().forward(...)`` (stock Gemma 2/3's and BART's scaled
+    word embeddings: ``nn.Embedding.forward`` times a scale) needs ``self`` to be an
+    instance of its class: zero-argument ``super()`` checks it. For such a class the
+    stand-in is an instance of a subclass of both (:func:`stand_in_class`), made without
+    running either ``__init__``: its methods are the class's own, found on the type and
+    bound to the stand-in, and everything else still comes from ``__getattr__``. Other
+    modules keep the plain stand-in, which dynamo traces as a user object."""
 
     def __init__(self, module: nn.Module, views: dict[str, torch.Tensor]):
         # One store per attribute: torch 2.11's dynamo breaks the graph on
@@ -234,12 +243,39 @@ class _ModuleWithViews:
         return iter(self._osdp_module)
 
 
+def _calls_zero_arg_super(cls: type) -> bool:
+    """Whether a method of ``cls`` (or of a base below ``nn.Module``) that a forward may
+    call, not a dunder such as ``__init__``, calls ``super()`` with no arguments: its
+    code reads the ``__class__`` cell."""
+    for klass in cls.__mro__:
+        if klass in (nn.Module, object):
+            continue
+        for name, value in vars(klass).items():
+            if name.startswith("__") and name.endswith("__"):
+                continue
+            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            if code is not None and "__class__" in code.co_freevars:
+                return True
+    return False
+
+
+@functools.cache
+def stand_in_class(cls: type) -> type:
+    """The class of a module's stand-in ([Note: stand-ins that super() accepts]):
+    :class:`_ModuleWithViews`, or a subclass of it and of ``cls`` where ``cls``'s code
+    calls ``super()`` with no arguments."""
+    if not _calls_zero_arg_super(cls):
+        return _ModuleWithViews
+    return type(f"{cls.__name__}WithViews", (_ModuleWithViews, cls), {"__module__": __name__})
+
+
 class ModuleUnits:
     """A module's units and which of their slots its attributes read."""
 
-    def __init__(self, entries: list[tuple[CompiledUnit, list[tuple[str, int]]]], base_forward):
+    def __init__(self, entries: list[tuple[CompiledUnit, list[tuple[str, int]]]], base_forward, stand_in: type):
         self.entries = entries
         self.base_forward = base_forward
+        self.stand_in = stand_in
 
     def signature(self) -> tuple:
         return tuple((cunit.signature(), tuple(slots)) for cunit, slots in self.entries)
@@ -250,7 +286,7 @@ class ModuleUnits:
             gathered = cunit.slot_tensors()
             for attr, i in slots:
                 views[attr] = gathered[i]
-        return self.base_forward(_ModuleWithViews(module, views), *args, **kwargs)
+        return self.base_forward(self.stand_in(module, views), *args, **kwargs)
 
 
 class SplitUnits:
@@ -330,7 +366,8 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
         for _, slots in entries:
             for attr, _ in slots:
                 module.__dict__.pop(attr, None)  # eager views, if set: attribute reads find the pieces
-        runner = ModuleUnits([(compiled(u), slots) for u, slots in entries], _base_forward(module))
+        runner = ModuleUnits([(compiled(u), slots) for u, slots in entries], _base_forward(module),
+                             stand_in_class(type(module)))
         _swap_class(module, runner, classes)
     for path, (module, units) in built.splits.items():
         _swap_class(module, SplitUnits([compiled(u) for u in units]), classes)

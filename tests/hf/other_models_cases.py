@@ -4,10 +4,12 @@ the bias its tied decoder adds), T5 (one shared embedding used by the encoder, t
 decoder and the head), ViT (image patches, a classification head), Wav2Vec2 (CTC over
 audio; its positional convolution's weight under ``weight_norm``, a parametrization),
 mixtures of experts (Mixtral, DeepSeek-V3, GPT-OSS: experts as 3-D weights; Switch
-Transformers: a module per expert, only routed ones called)."""
+Transformers: a module per expert, only routed ones called), Gemma 2 (soft-capped logits,
+a scaled word embedding that calls ``super().forward``)."""
 from __future__ import annotations
 
 import torch
+from torch._dynamo.utils import counters
 
 import osdp
 
@@ -55,6 +57,12 @@ MODELS = {
         vocab_size=100, d_model=32, d_kv=8, d_ff=64, expert_capacity=64, num_layers=2, num_sparse_encoder_layers=1,
         num_decoder_layers=2, num_sparse_decoder_layers=1, num_heads=4, num_experts=4, router_jitter_noise=0.0,
         dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)),
+    # logit soft-capping, sliding and full attention, a scaled word embedding whose
+    # forward calls super().forward (an nn.Embedding subclass)
+    "gemma2": ("Gemma2ForCausalLM", "Gemma2Config", dict(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, sliding_window=4,
+        final_logit_softcapping=30.0, attn_logit_softcapping=50.0, attention_dropout=0.0)),
     "vit": ("ViTForImageClassification", "ViTConfig", dict(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)),
@@ -118,6 +126,8 @@ def run_models(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
         if path == "split":
             extra.update(SPLITS[kind])
         model = osdp.OSDP(build(kind), default_mode="zdp", compile=None if path == "split" else compile_arg, **extra)
+        counters.clear()
         out[f"{kind}-{path}"] = {"losses": train(model, kind, world, rank),
-                                 "state": model.full_state_dict(rank0_only=False), "units": model.unit_names()}
+                                 "state": model.full_state_dict(rank0_only=False), "units": model.unit_names(),
+                                 "breaks": [str(k)[:300] for k in counters["graph_break"]]}
     return out

@@ -343,6 +343,34 @@ def test_a_forward_set_on_a_block_still_runs_compiled(fake_world, checkpointed):
     assert "forward" not in model.module.blocks[0].__dict__
 
 
+class _ScaledEmbedding(torch.nn.Embedding):
+    """As stock Gemma 2/3's and BART's scaled word embeddings: ``super().forward``."""
+
+    def forward(self, ids):
+        return super().forward(ids) * 2.0
+
+
+@pytest.mark.parametrize("fake_world", [1], indirect=True)
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_a_module_calling_super_forward_runs_compiled(fake_world, scope):
+    """[Note: stand-ins that super() accepts]: the unit's forward calls zero-argument
+    ``super()``, which refused the stand-in (TypeError: super(type, obj)); now the loss
+    of the plain model, with no graph break."""
+    def scaled(gpt):
+        wte = gpt.wte
+        gpt.wte = _ScaledEmbedding(wte.num_embeddings, wte.embedding_dim)
+        gpt.wte.weight = wte.weight
+        return gpt
+
+    batch = example_batch(_gpt().config, 2)
+    plain = scaled(_gpt())(*batch)
+    torch._dynamo.reset()
+    counters.clear()
+    model = osdp.OSDP(scaled(_gpt()), default_mode="zdp", compile={"scope": scope, "backend": "aot_eager"})
+    assert model(*batch).item() == pytest.approx(plain.item(), rel=1e-6)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
 @pytest.mark.parametrize("fake_world", [2], indirect=True)
 @pytest.mark.parametrize("outside_backend,gathers", [("aot_eager", 6), (None, 10)])
 def test_units_outside_the_blocks_take_their_own_backend(fake_world, outside_backend, gathers):
