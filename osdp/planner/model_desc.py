@@ -387,8 +387,11 @@ def _units_that_never_ran(ran: list[str], units: list[str], tied: dict[str, str]
       takes the owner's name (the unit the runtime gathers there) and parameters, and is
       no tied use any more (``renames``: use -> owner); a use with parameters of its own
       cannot take another name, and the owner comes just before it, with no work;
-    - a unit that neither ran nor had a use run comes last, with no work: priced for
-      its parameters, its states and a gather it never needs (on the safe side).
+    - a unit that neither ran nor had a use run comes with no work after the last unit
+      that ran inside its nearest enclosing module (last of all when none did): priced
+      for its parameters, its states and a gather it never needs (on the safe side), and
+      inside its block, which stays one contiguous run of ops (an unused module in a
+      layer left the block in two pieces, refused as "cannot be checkpointed").
 
     Returns ``(renames, order)``, the units' order with those names."""
     renames: dict[str, str] = {}
@@ -403,8 +406,22 @@ def _units_that_never_ran(ran: list[str], units: list[str], tied: dict[str, str]
                 renames[path] = owner
                 continue
         order.append(path)
-    order += [path for path in units if path not in placed and own_params.get(path)]
+    for path in units:
+        if path not in placed and own_params.get(path):
+            order.insert(_after_its_enclosing_module(order, path), path)
     return renames, order
+
+
+def _after_its_enclosing_module(order: list[str], path: str) -> int:
+    """Where in ``order`` the unit ``path`` goes: after the last unit inside its nearest
+    enclosing module that has one, or at the end."""
+    parts = path.split(".")
+    for depth in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:depth]) + "."
+        inside = [i for i, other in enumerate(order) if other.startswith(prefix)]
+        if inside:
+            return inside[-1] + 1
+    return len(order)
 
 
 def _renamed(values: dict, renames: dict[str, str]) -> dict:

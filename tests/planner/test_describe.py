@@ -145,3 +145,42 @@ def test_a_unit_that_never_runs_is_priced_last():
     plan = planner.make_plan(desc, planner.load_cluster("titan-rtx-pcie3").for_run(
         planner.RunSettings(world_size=1, memory_limit_bytes=2**30)))
     osdp.OSDP(model, plan.runtime_config(), memory_check=False)
+
+
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
+def test_a_unit_that_never_runs_inside_a_block_stays_in_its_block():
+    """An unused module inside a layer comes after the layer's last unit, so the layer
+    is one contiguous block (last of all, it split the block: "does not run as one
+    contiguous piece; it cannot be checkpointed"), and auto mode plans and trains it."""
+    import osdp
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+            self.side = nn.Linear(8, 8)  # never called
+
+        def forward(self, x):
+            return torch.relu(self.fc(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList([Layer(), Layer()])
+            self.head = nn.Linear(8, 2)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return self.head(x).sum()
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    desc = describe(Net(), (x,))
+    assert [op.name for op in desc.ops] == ["layers.0.fc", "layers.0.side", "layers.1.fc", "layers.1.side", "head"]
+    assert [(b.name, b.first_op, b.num_ops) for b in desc.blocks] == [("layers.0", 0, 2), ("layers.1", 2, 2)]
+    assert (desc.ops[1].param_count, desc.ops[1].flops_per_sample) == (72, 0.0)
+    torch.manual_seed(0)
+    model = osdp.OSDP(Net(), memory_limit="1GiB", example_inputs=(x,), auto_kwargs={"use_plan_cache": False})
+    model(x).backward()
+    assert set(model.unit_names()) >= {"layers.0.side", "layers.1.side"}
