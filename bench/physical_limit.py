@@ -75,7 +75,7 @@ def local_collectives():
     from osdp.runtime.lockstep_check import LockstepCheck
 
     start = LockstepCheck.start
-    LockstepCheck.start = lambda self: self.log.reset()  # no comparison to finish
+    LockstepCheck.start = LockstepCheck.skip  # no comparison to finish
     try:
         with _patched(all_gather_flat=_local_gather, reduce_scatter_flat=_local_reduce_scatter,
                       all_reduce_flat=_local_all_reduce):

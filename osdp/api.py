@@ -30,6 +30,7 @@ from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_
 from .runtime.hooks import ModuleBinding
 from .runtime.lockstep import mark_lockstep
 from .runtime.lockstep_check import LockstepCheck
+from .runtime.foreign_reads import ForeignReadCheck
 from .runtime.optimizer_steps import OptimizerSteps
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
@@ -350,6 +351,14 @@ class ShardedModel(nn.Module):
             split_module.bind(self._scheduler, units)
         apply_checkpointing(self.module, config.checkpoint_blocks, self._scheduler.end_recompute)
         self.checkpoint_blocks = config.checkpoint_blocks
+        runners: dict = {}  # unit -> the modules that gather it ([Note: weights read outside their unit])
+        for binding in self._bindings:
+            for unit, _ in binding.entries:
+                runners.setdefault(unit, set()).add(id(binding.module))
+        for split_module, units in self._built.splits.values():
+            for unit in units:
+                runners.setdefault(unit, set()).add(id(split_module))
+        self._foreign_reads = ForeignReadCheck(self.module, runners)  # the first forward's
 
     def _init_compiled(self, config) -> None:
         """The compiled path: modules gather through collectives the compiler sees, no
@@ -358,6 +367,7 @@ class ShardedModel(nn.Module):
         self._region_classes = install_compiled(self.module, self._built, self.layout, config.checkpoint_blocks)
         self.checkpoint_blocks = config.checkpoint_blocks
         self._bindings = []
+        self._foreign_reads = None
         mark_sharded_grads(self._built.units)
 
     def _init_memory_check(self, options: RuntimeOptions) -> None:
@@ -436,8 +446,27 @@ class ShardedModel(nn.Module):
         else:
             for unit in follow_requires_grad(self._built.units):  # [Note: trainability follows the parameters]
                 self._direct_grad_hooks.hook(unit)
-            output = self._scheduled_forward(args, kwargs)
+            check = self._foreign_reads
+            if check is not None and not torch.compiler.is_compiling():  # not under an outer torch.compile
+                output = self._checked_forward(check, args, kwargs)
+            else:
+                output = self._scheduled_forward(args, kwargs)
         return output if policy is None else policy.cast_output(output)
+
+    def _checked_forward(self, check: ForeignReadCheck, args, kwargs):
+        """The first forward that completes runs under ``check`` ([Note: weights read
+        outside their unit] in osdp/runtime/foreign_reads.py)."""
+        marking = [b for b in self._bindings if isinstance(b, ModuleBinding)]
+        for binding in marking:
+            binding.mark_reads = True
+        try:
+            with check:
+                output = self._scheduled_forward(args, kwargs)
+        finally:
+            for binding in marking:
+                binding.mark_reads = False
+        self._foreign_reads = None
+        return output
 
     def _scheduled_forward(self, args, kwargs):
         self._scheduler.begin_forward()

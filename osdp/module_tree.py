@@ -30,7 +30,8 @@ def transformer_blocks(model: nn.Module) -> list[str]:
 # named by their dotted path below the leaf (``experts.3.w1.weight``); a parameter below
 # it used elsewhere too (tied across the leaf's border) is refused, as is splitting it.
 # Leaves are named by module class or path (``leaf_paths``); a plan names them as units,
-# and a plan unit that owns no parameters itself is a leaf (``leaves_of_unit_names``).
+# and a plan unit with parameters below it that no unit of the plan owns is a leaf
+# (``leaves_of_unit_names``).
 # Gradients: every rank reduces the whole unit, so a parameter below the leaf that took
 # no part in this step's forward on any rank (an expert no token was routed to) gets a
 # zero gradient, as when the code calls it on an empty batch and as ZeRO-3 gives it, not
@@ -98,14 +99,19 @@ def _check_own_parameters(model: nn.Module, leaves: list[str]) -> None:
 
 
 def leaves_of_unit_names(model: nn.Module, names) -> tuple[str, ...]:
-    """The leaves among a plan's unit names: modules of ``model`` owning no parameters
-    themselves but some below them ([Note: leaf modules])."""
+    """The leaves among a plan's unit names: modules of ``model`` with parameters below
+    them (in submodules) that no named module owns ([Note: leaf modules]); a leaf may own
+    parameters itself too (stock Mamba's mixer: ``A_log`` and ``D`` beside its
+    projections)."""
     modules = dict(model.named_modules())
+    owned = {id(p) for name in names if name in modules for p in modules[name]._parameters.values() if p is not None}
     leaves = []
     for name in names:
         module = modules.get(name)
-        if (module is not None and name and not any(p is not None for p in module._parameters.values())
-                and any(True for _ in module.parameters())):
+        if module is None or not name:
+            continue
+        below = [p for sub, child in module.named_modules() if sub for p in child._parameters.values() if p is not None]
+        if below and not any(id(p) in owned for p in below):
             leaves.append(name)
     return tuple(leaves)
 

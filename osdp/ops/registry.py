@@ -147,8 +147,14 @@ def get_split_op(module: nn.Module, name: str = "", op_name: str | None = None) 
     default = _DEFAULTS.get(type(module))
     if default is None:
         known = ", ".join(sorted(t.__name__ for t in _DEFAULTS)) or "none"
+        base = next((t for t in type(module).__mro__[1:] if t in _DEFAULTS), None)
+        # ops are looked up by exact type: a subclass may compute otherwise (stock Gemma's
+        # and BART's scaled word embeddings multiply the lookup), which a base's op would drop
+        subclass = ("" if base is None else
+                    f" (a subclass of {base.__name__}, whose split op would not run its own forward: "
+                    "register an op for it, see 'Extending: a new split op' in the README)")
         raise OSDPError(
-            f"unit {name!r} is a {type(module).__name__}, which has no split op; "
+            f"unit {name!r} is a {type(module).__name__}, which has no split op{subclass}; "
             f"modules that can be split: {known}"
         )
     return _REGISTRY[default]

@@ -120,7 +120,7 @@ def resolve_config(
     """``plan``: an ``osdp.contract.RuntimeConfig`` (a Plan's ``runtime_config()``) or
     None; the keyword arguments are the by-hand alternative. ``leaf_modules``: module
     classes or paths, each module one unit ([Note: leaf modules] in module_tree.py); a
-    plan's leaves are its units that own no parameters themselves."""
+    plan's leaves are its units with parameters below them that no unit of it owns."""
     fingerprint = None
     leaves = leaf_paths(model, leaf_modules)
     split_ops = mapping_arg(split_ops, "split_ops", "of split unit name -> registered split op name")
@@ -224,7 +224,7 @@ def resolve_config(
 
 
 def _plan_leaves(model: nn.Module, plan, given: tuple[str, ...]) -> tuple[str, ...]:
-    """The plan's leaves (its units that own no parameters themselves); ``leaf_modules=``
+    """The plan's leaves (its units with parameters below them that no unit of it owns); ``leaf_modules=``
     given beside a plan must name the same ones."""
     leaves = leaf_paths(model, leaves_of_unit_names(model, plan.unit_modes))  # checked as given ones are
     if given and given != leaves:

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from .foreign_reads import mark
 from .modes import UseState
 from .scheduler import Scheduler, Use
 from .shard_unit import ShardUnit
@@ -84,9 +85,12 @@ class ModuleBinding:
         self.module = module
         self.path = path
         self.entries: list[tuple[ShardUnit, list[tuple[str, int]]]] = entries
-        # per entry, where each view goes: (module holding the attribute, its name, slot)
-        self._targets = [[(*attr_owner(module, attr), i) for attr, i in attrs] for _, attrs in entries]
+        # per entry, where each view goes: (module holding the attribute, its name, slot,
+        # the parameter's full name)
+        self._targets = [[(*attr_owner(module, attr), i, f"{path}.{attr}" if path else attr) for attr, i in attrs]
+                         for _, attrs in entries]
         self.scheduler = scheduler
+        self.mark_reads = False  # [Note: weights read outside their unit] (foreign_reads.py)
         self._stack: list[list[Use]] = []
         scheduler.recover_listeners.append(self._stack.clear)  # a step died mid-forward
         self.handles = [
@@ -97,10 +101,12 @@ class ModuleBinding:
     def set_views(self) -> None:
         """Point the module's parameter attributes at the (freed) gathered buffers."""
         for (unit, _), targets in zip(self.entries, self._targets):
-            for owner, attr, i in targets:
+            for owner, attr, i, name in targets:
                 # the instance dict: the module's _parameters hold the original
                 # parameters (shards) under the same names, attribute reads find this
                 owner.__dict__[attr] = unit.views[i]
+                if not unit.replicated:
+                    mark(unit.views[i], unit, name)
 
     def _pre_forward(self, module, args, kwargs):
         sched = self.scheduler
@@ -118,8 +124,10 @@ class ModuleBinding:
                 tensors = _GatherFn.apply(sched, use, unit.shard)
             else:
                 tensors = [v.view_as(v) for v in unit.views]
-            for owner, attr, i in targets:
+            for owner, attr, i, name in targets:
                 owner.__dict__[attr] = tensors[i]  # see set_views
+                if self.mark_reads and not unit.replicated:
+                    mark(tensors[i], unit, name)
         frozen = [u for u in uses if not u.unit.requires_grad]
         if frozen and grad_enabled:
             args, kwargs = _hook_inputs(sched, frozen, args, kwargs)

@@ -130,6 +130,13 @@ class LockstepCheck:
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         return PendingCheck(dist.all_gather(every, mine, group=self.group, async_op=True), every, entries)
 
+    def skip(self) -> None:
+        """Forget what was logged and counted since the last check, comparing nothing (a
+        step whose collectives are stood in for: bench/physical_limit.py)."""
+        self.log.reset()
+        if self.steps is not None:
+            self.steps.take()
+
     def finish(self, pending: "PendingCheck | None") -> None:
         """Wait for the comparison; ranks out of step raise :class:`RanksOutOfStepError`."""
         if pending is None:

@@ -31,23 +31,32 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 
+# every live counter; one global hook for all, registered once and never removed: a
+# hook removed when its model is collected, which may happen inside an optimizer's step,
+# changes torch's dict of global hooks while the step iterates it ("OrderedDict mutated
+# during iteration")
+_COUNTERS: weakref.WeakSet = weakref.WeakSet()
+_HOOKED = False
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    for counter in list(_COUNTERS):
+        counter._stepped(optimizer)
+
+
 class OptimizerSteps:
     """How many optimizer steps touched ``params`` since the last :meth:`take`."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
+        global _HOOKED
         self._param_ids = frozenset(id(p) for p in params)
         # optimizer -> (its groups' sizes when tested, whether it holds one of the params)
         self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._count = 0
-        counter = weakref.ref(self)  # the global hook must not keep the model's state alive
-
-        def hook(optimizer, args, kwargs):
-            alive = counter()
-            if alive is not None:
-                alive._stepped(optimizer)
-
-        handle = register_optimizer_step_post_hook(hook)
-        weakref.finalize(self, handle.remove)
+        _COUNTERS.add(self)  # weakly: the hook does not keep the model's state alive
+        if not _HOOKED:
+            register_optimizer_step_post_hook(_count_step)
+            _HOOKED = True
 
     def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
         sizes = tuple(len(group["params"]) for group in optimizer.param_groups)

@@ -63,6 +63,10 @@ MODELS = {
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=32, sliding_window=4,
         final_logit_softcapping=30.0, attn_logit_softcapping=50.0, attention_dropout=0.0)),
+    # a state-space model: its mixer computes with its children's weights (conv1d,
+    # dt_proj) without calling them, so the mixer is a leaf module (LEAVES)
+    "mamba": ("MambaForCausalLM", "MambaConfig", dict(
+        vocab_size=100, hidden_size=32, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4, use_cache=False)),
     "vit": ("ViTForImageClassification", "ViTConfig", dict(
         image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5)),
@@ -70,7 +74,7 @@ MODELS = {
 
 
 # kind -> the transformers class each of whose modules is one unit ([Note: leaf modules])
-LEAVES = {"switch": "SwitchTransformersSparseMLP"}
+LEAVES = {"switch": "SwitchTransformersSparseMLP", "mamba": "MambaMixer"}
 # kind -> the splits of its "split" case: T5's shared embedding by rows, which its encoder
 # and decoder embeddings (Embeddings of the same weight) and its head (a Linear) follow
 SPLITS = {"t5": {"splits": {"shared": 2}, "modes": {"shared[1]": "dp"}},
@@ -116,16 +120,16 @@ def train(model, kind: str, world: int, rank: int | None) -> list[float]:
 
 def run_models(rank: int, world: int, cases: list[tuple[str, str]]) -> dict:
     """Per (model, path): the losses and the full state after training."""
-    import transformers
-
     out = {}
     for kind, path in cases:
         torch._dynamo.reset()
         compile_arg = {"backend": "aot_eager"} if path == "compiled" else None
-        extra = {"leaf_modules": (getattr(transformers, LEAVES[kind]),)} if kind in LEAVES else {}
+        plain = build(kind)
+        extra = {"leaf_modules": tuple({type(m) for m in plain.modules() if type(m).__name__ == LEAVES[kind]})
+                 } if kind in LEAVES else {}
         if path == "split":
             extra.update(SPLITS[kind])
-        model = osdp.OSDP(build(kind), default_mode="zdp", compile=None if path == "split" else compile_arg, **extra)
+        model = osdp.OSDP(plain, default_mode="zdp", compile=None if path == "split" else compile_arg, **extra)
         counters.clear()
         out[f"{kind}-{path}"] = {"losses": train(model, kind, world, rank),
                                  "state": model.full_state_dict(rank0_only=False), "units": model.unit_names(),

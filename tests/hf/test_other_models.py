@@ -1,4 +1,5 @@
-"""Stock Hugging Face BERT (masked LM), DeepSeek-V3, Gemma 2, GPT-OSS, Mixtral and Switch
+"""Stock Hugging Face BERT (masked LM), DeepSeek-V3, Gemma 2, GPT-OSS, Mamba (its mixer a
+leaf module: it reads its children's weights), Mixtral and Switch
 Transformers (MoE; Switch's sparse MLPs as leaf modules), T5, ViT and Wav2Vec2 under
 OSDP, eager and compiled, on 2 gloo ranks against single-process training: losses and
 parameters after 3 AdamW steps.
@@ -17,7 +18,7 @@ from runtime.dist_harness import spawn  # noqa: E402
 
 from . import other_models_cases as oc  # noqa: E402
 
-KINDS = ("bert", "deepseek_v3", "gemma2", "gpt_oss", "mixtral", "switch", "t5", "vit", "wav2vec2")
+KINDS = ("bert", "deepseek_v3", "gemma2", "gpt_oss", "mamba", "mixtral", "switch", "t5", "vit", "wav2vec2")
 
 
 def _check(cases) -> None:
@@ -64,6 +65,22 @@ def test_switch_ranks_call_different_experts():
         part = {k: v[rank * oc.LOCAL_BATCH:(rank + 1) * oc.LOCAL_BATCH] for k, v in batch.items()}
         model(**part)
     assert hit[0] != hit[1], hit
+
+
+@pytest.mark.usefixtures("one_rank_group")  # tests/conftest.py
+def test_mamba_without_its_mixer_as_a_leaf_names_the_leaf():
+    """Stock Mamba's mixer reads its conv1d's and dt_proj's weights itself: without the
+    mixer as a leaf module the first forward says so ([Note: weights read outside their
+    unit] in osdp/runtime/foreign_reads.py; it failed with "setStorage: ... storage of
+    size 0" inside transformers)."""
+    import osdp
+
+    model = osdp.OSDP(oc.build("mamba"), default_mode="zdp")
+    tokens = torch.randint(1, 100, (2, 10))
+    mixer = r"'backbone\.layers\.0\.mixer"
+    with pytest.raises(osdp.OSDPError, match=mixer + r"\.\w+\.\w+' .* was read in the forward of " + mixer
+                       + r"' \(MambaMixer\).*leaf_modules=\(MambaMixer,\)"):
+        model(input_ids=tokens, labels=tokens)
 
 
 def _check_one(results, kind: str, path: str) -> None:

@@ -98,3 +98,33 @@ def test_grad_scaler_on_one_rank_scales_as_torch_does():
     assert runs["osdp"][0][gc.OVERFLOW_STEP] == gc.INIT_SCALE / 2
     for key, want in runs["torch"][2].items():
         assert torch.equal(runs["osdp"][2][key], want), key
+
+
+def test_optimizer_step_counting_survives_models_collected_during_a_step():
+    """A counter collected while an optimizer steps (a garbage collection inside the step)
+    must not change torch's global hooks as the step iterates them ("OrderedDict mutated
+    during iteration", seen in the suite); the counters of live models keep counting."""
+    import gc
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    from osdp.runtime.optimizer_steps import OptimizerSteps
+
+    # first: the counters' hooks come after it in torch's dict of global hooks
+    handle = register_optimizer_step_post_hook(lambda *_: gc.collect())
+    gc.disable()  # collected inside the step, not before it
+    param = nn.Parameter(torch.ones(2))
+    live = OptimizerSteps([param])
+    for _ in range(3):  # unreachable counters in reference cycles: only gc frees them
+        dead = OptimizerSteps([param])
+        dead.cycle = dead
+        del dead
+    try:
+        optim = torch.optim.SGD([param], lr=0.1)
+        param.grad = torch.ones(2)
+        optim.step()
+        optim.step()
+    finally:
+        gc.enable()
+        handle.remove()
+    assert live.take() == 2

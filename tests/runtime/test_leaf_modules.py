@@ -157,3 +157,94 @@ def test_describe_prices_a_leaf_as_the_sum_of_its_parts():
     # the blocks: moe.0 and moe.1, each one unit now, with the same inputs
     assert [(b.name, b.num_ops, b.input_bytes_per_sample) for b in whole.blocks] == [
         (b.name, 1, b.input_bytes_per_sample) for b in parts.blocks if b.name in ("moe.0", "moe.1")]
+
+
+# ---- weights read outside their unit ([Note: weights read outside their unit]) ------------
+class _ReadsChild(nn.Module):
+    """As stock Mamba's mixer: computes with a child's weight itself (``calls_child``:
+    after calling the child, as code that reuses a projection's weight does)."""
+
+    def __init__(self, calls_child: bool):
+        super().__init__()
+        self.calls_child = calls_child
+        self.child = nn.Linear(4, 4)
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        y = self.child(x) * self.scale if self.calls_child else x * self.scale
+        return y + x.to(self.child.weight.dtype) @ self.child.weight.t()  # a metadata read, then the weight
+
+
+class _ReadsChildNet(nn.Module):
+    def __init__(self, calls_child: bool):
+        super().__init__()
+        self.inner = _ReadsChild(calls_child)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.inner(x)))
+
+
+def _reads_child_net(calls_child: bool) -> _ReadsChildNet:
+    torch.manual_seed(0)
+    return _ReadsChildNet(calls_child)
+
+
+@pytest.mark.parametrize("calls_child", [False, True])
+@pytest.mark.parametrize("mode", ["zdp", "dp"])
+def test_a_weight_read_outside_its_unit_names_the_leaf_that_works(calls_child, mode):
+    """The first forward raises, naming the weight, the reading module and the
+    ``leaf_modules=`` that works (it failed deep inside the model: a freed buffer, or in
+    backward on a gradient of the wrong size); with that leaf the model trains as the
+    plain one."""
+    model = osdp.OSDP(_reads_child_net(calls_child), default_mode=mode)
+    with pytest.raises(OSDPError, match=r"'inner\.child\.weight' \(unit 'inner\.child'\) was read in the forward of "
+                                        r"'inner' \(_ReadsChild\), outside the forward of its own module 'inner\.child'"
+                                        r".*leaf_modules=\(_ReadsChild,\)"):
+        model(torch.randn(2, 4))
+    leaf = osdp.OSDP(_reads_child_net(calls_child), default_mode=mode, leaf_modules=(_ReadsChild,))
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    losses = []
+    for wrapped in (leaf, _reads_child_net(calls_child)):
+        optim = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
+        for _ in range(3):
+            nn.functional.cross_entropy(wrapped(x), y).backward()
+            optim.step()
+            optim.zero_grad()
+        losses.append(nn.functional.cross_entropy(wrapped(x), y).item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_the_read_check_runs_on_the_first_forward_that_completes():
+    """A first forward that fails (a wrong input) leaves the check for the next one;
+    after one completes, no forward runs under it."""
+    model = osdp.OSDP(_reads_child_net(False), default_mode="zdp")
+    with pytest.raises(RuntimeError, match="mat1 and mat2 shapes cannot be multiplied|size"):
+        model(torch.randn(2, 5))
+    with pytest.raises(OSDPError, match="was read in the forward of 'inner'"):
+        model(torch.randn(2, 4))
+    fine = osdp.OSDP(_reads_child_net(False), default_mode="zdp", leaf_modules=(_ReadsChild,))
+    fine(torch.randn(2, 4))
+    assert fine._foreign_reads is None
+
+
+def test_auto_mode_plans_a_leaf_that_owns_parameters_itself():
+    """A leaf owning parameters beside its submodules' (``scale`` beside ``child``, as
+    Mamba's mixer owns ``A_log`` and ``D``): auto mode's plan names it as one unit and
+    the runtime takes it as a leaf (it took a plan unit owning parameters for an ordinary
+    one: "the plan leaves out ... 'inner.child'"), training as the plain model."""
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    model = osdp.OSDP(_reads_child_net(True), memory_limit="1GiB", example_inputs=(x[:2],),
+                      leaf_modules=(_ReadsChild,), auto_kwargs={"use_plan_cache": False})
+    assert model.unit_names() == ["inner", "head"]
+    plain = _reads_child_net(True)
+    losses = []
+    for wrapped in (model, plain):
+        optim = torch.optim.AdamW(wrapped.parameters(), lr=0.05)
+        for step in range(3):
+            part = slice(2 * step, 2 * step + 2)
+            nn.functional.cross_entropy(wrapped(x[part]), y[part]).backward()
+            optim.step()
+            optim.zero_grad()
+        losses.append(nn.functional.cross_entropy(wrapped(x[:2]), y[:2]).item())
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)

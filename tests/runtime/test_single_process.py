@@ -2,6 +2,7 @@
 the modules they replace, the registry, eval mode and the plan object."""
 from __future__ import annotations
 
+import collections
 
 import pytest
 import torch
@@ -73,6 +74,18 @@ class _TiedHeadWithBias(nn.Module):
 
     def forward(self, idx):
         return self.lm_head(self.wte(idx))
+
+
+def test_a_subclass_of_a_splittable_module_is_refused_with_why():
+    """Split ops go by exact type: a subclass's own forward (a scaled embedding, as stock
+    Gemma's and BART's) would not run in its base's op."""
+    class Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    with pytest.raises(OSDPError, match=r"unit 'emb' is a Scaled, which has no split op \(a subclass of Embedding, "
+                                        r"whose split op would not run its own forward: register an op"):
+        osdp.OSDP(nn.Sequential(collections.OrderedDict(emb=Scaled(10, 4))), splits={"emb": 2})
 
 
 def test_tied_splits_that_cannot_work_are_refused():

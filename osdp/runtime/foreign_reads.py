@@ -1,0 +1,116 @@
+"""A unit's weights read outside its module's forward: caught on the first forward.
+
+[Note: weights read outside their unit]
+OSDP gathers a unit's weights when ITS module's forward starts and frees them (zdp) or
+keeps them for backward (dp) after; the module's parameter attributes are views of that
+gathered buffer. A module that reads a child's weight without calling the child breaks
+this: stock Hugging Face Mamba's mixer convolves with ``self.conv1d.weight`` and
+projects with ``self.dt_proj.weight`` itself, every SSM layer of the kind does, and so
+does code that concatenates its projections' weights. Each child is a unit of its own,
+not gathered then: the read finds a freed buffer (``setStorage: ... out of bounds for
+storage of size 0``, raised deep inside the model), or, worse, a buffer still gathered
+for a prefetch or a dp use, whose values are right but whose gradient reaches no
+reduction, so the weight would never train. The fix is the user's: make the reading
+module one unit, ``leaf_modules=(MambaMixer,)`` ([Note: leaf modules] in
+osdp/module_tree.py), which gathers every parameter below it when its forward starts.
+
+So the first forward of an eager model runs under :class:`ForeignReadCheck`, a
+``TorchFunctionMode``: the tensors installed as a sharded unit's module attributes are
+marked with their unit and name (hooks.py), global module hooks keep the modules
+running, and an operator given a marked tensor while no module that computes with its
+unit is running raises, naming the reading module, the weight and the ``leaf_modules=``
+that would work. Replicated units are not checked: their attributes hold whole weights.
+Cost: the first forward only. Not covered: later forwards (a read on a data-dependent
+path the first step did not take), reads during backward, the compiled path (whose
+stand-in modules hand a child's attribute through as the real module's: this rank's
+piece of the parameter, which fails on its shape).
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch.nn as nn
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+from ..errors import ConfigError
+
+SLOT_MARK = "_osdp_slot"  # on an installed attribute tensor: (unit, the parameter's full name)
+# what a read of a weight's metadata calls, right on a view of a freed buffer too (stock
+# Mamba's block casts its input to ``self.norm.weight.dtype``): property getters
+# (``dtype``, ``shape``, ``device``, ...) and these methods
+_METADATA = frozenset({"__get__", "size", "dim", "numel", "nelement", "stride", "element_size", "is_floating_point",
+                       "is_complex", "is_contiguous", "get_device", "type"})
+
+
+def mark(tensor, unit, name: str) -> None:
+    """Mark ``tensor``, installed as the attribute ``name`` of a module computing with
+    ``unit``, for the check."""
+    setattr(tensor, SLOT_MARK, (unit, name))
+
+
+class ForeignReadCheck(TorchFunctionMode):
+    """Raises :class:`ConfigError` when an operator reads a sharded unit's attribute
+    while none of ``runners[unit]`` (the modules computing with it) is running."""
+
+    def __init__(self, model: nn.Module, runners: dict):
+        super().__init__()
+        self.runners = runners  # unit -> ids of the modules that gather it
+        self.paths = {id(m): path for path, m in model.named_modules()}
+        self.running: Counter = Counter()  # module id -> calls in progress
+        self.stack: list[nn.Module] = []
+        self._handles = []
+
+    def __enter__(self):
+        self._handles = [register_module_forward_pre_hook(self._enter_module),
+                         register_module_forward_hook(self._exit_module)]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        return super().__exit__(*exc)
+
+    def _enter_module(self, module, args):
+        self.running[id(module)] += 1
+        self.stack.append(module)
+
+    def _exit_module(self, module, args, output):
+        self.running[id(module)] -= 1
+        if self.stack and self.stack[-1] is module:
+            self.stack.pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _METADATA:
+            return func(*args, **kwargs)
+        for value in tree_flatten((args, kwargs))[0]:
+            slot = getattr(value, SLOT_MARK, None)
+            if slot is not None and not any(self.running[m] for m in self.runners.get(slot[0], ())):
+                raise ConfigError(self._message(*slot))
+        return func(*args, **kwargs)
+
+    def _reader(self, owner_path: str) -> nn.Module | None:
+        """The innermost running module that contains the module ``owner_path``."""
+        for module in reversed(self.stack):
+            path = self.paths.get(id(module))
+            if path is not None and (path == "" or owner_path == path or owner_path.startswith(path + ".")):
+                return module
+        return None
+
+    def _message(self, unit, name: str) -> str:
+        reader = self._reader(name.rpartition(".")[0])
+        if reader is None:
+            where, fix = "outside any module that contains it", "Read it inside its own module's forward"
+        else:
+            path = self.paths[id(reader)]
+            where = (f"in the forward of {path!r} ({type(reader).__name__}), outside the forward of its own module "
+                     f"{name.rpartition('.')[0]!r}")
+            fix = (f"Make {path!r} one unit: leaf_modules=({type(reader).__name__},) (or the path {path!r}) gathers "
+                   "every parameter below it when its forward starts")
+        return (
+            f"{name!r} (unit {unit.name!r}) was read {where}: OSDP gathers a unit's weights only while its own "
+            f"module runs, so there they are freed or another use's, and their gradient would reach no reduction. "
+            f"{fix}. See [Note: weights read outside their unit] in osdp/runtime/foreign_reads.py"
+        )
