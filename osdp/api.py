@@ -197,7 +197,6 @@ class ShardedModel(nn.Module):
             world_size=self.layout.world.size,
             leaf_modules=leaf_modules,
         )
-        refuse_compiled_leaves(config.leaves, options.compile)
         self._init_comm(module, group, config, options)
         self._init_units(module, config, options.mixed_precision, param_init_fn)
         self._init_scheduler(config, options)
@@ -818,14 +817,6 @@ def check_wrappable(module: nn.Module) -> None:
             f"{type(module).__name__} has no parameters: there is nothing to shard (OSDP wraps "
             "models with parameters; run a parameter-free module as it is)"
         )
-
-
-def refuse_compiled_leaves(leaves, compile_config) -> None:
-    """Leaf modules ([Note: leaf modules] in module_tree.py) run eager only."""
-    if leaves and compile_config is not None:
-        names = repr(leaves) if isinstance(leaves, (str, type)) else ", ".join(map(repr, list(leaves)[:3]))
-        raise ConfigError(f"leaf modules ({names}) run eager only: the compiled path binds each unit to the module "
-                          "that owns its parameters; drop compile= or leaf_modules=")
 
 
 def _refuse_parameter_adapters(module: nn.Module) -> None:

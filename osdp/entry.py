@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from .api import ShardedModel, check_wrappable, refuse_compiled_leaves
+from .api import ShardedModel, check_wrappable
 from .auto import plan_with_values, value_holder
 from .errors import ConfigError
 from .planner.cost_model import PlannerSettings
@@ -63,7 +63,6 @@ class OSDP(ShardedModel):
         check_wrappable(module)
         # checked before minutes of profiling, not after
         options = RuntimeOptions.from_args(**{k: v for k, v in runtime.items() if k in OPTION_KEYWORDS})
-        refuse_compiled_leaves(runtime.get("leaf_modules"), options.compile)
         layout = ShardLayout.from_arg(runtime.get("process_group"), runtime.get("mesh"), runtime.get("node_size"))
         mixed_precision = options.mixed_precision
         # a model on meta is initialized now, drawing what a build without auto mode draws

@@ -40,7 +40,8 @@ def transformer_blocks(model: nn.Module) -> list[str]:
 # per unit (osdp/checkpoint/_optim_state.py): a unit whose parameters stepped unequally
 # would not fit it. (Giving None needs the ranks to agree on what was used, a small
 # collective per leaf and backward; tried, and left out for that reason.)
-# The compiled path does not take leaves yet (refused).
+# The compiled path runs a leaf on its own submodules with their parameters swapped
+# for the gathered views ([Note: compiled leaves] in osdp/runtime/compiled.py).
 
 
 def leaf_paths(model: nn.Module, leaf_modules) -> tuple[str, ...]:

@@ -101,6 +101,7 @@ import os
 import torch
 import torch.distributed.distributed_c10d as c10d
 import torch.nn as nn
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from ..errors import ConfigError
@@ -289,6 +290,34 @@ class ModuleUnits:
         return self.base_forward(self.stand_in(module, views), *args, **kwargs)
 
 
+class LeafUnits(ModuleUnits):
+    """[Note: compiled leaves] A leaf module's unit ([Note: leaf modules] in
+    osdp/module_tree.py) holds the parameters of its whole subtree, which its submodules
+    read from themselves, where a stand-in of the leaf cannot reach. So the leaf's
+    forward runs on the module itself with every submodule's parameters swapped for the
+    gathered views for the call (``torch.nn.utils.stateless._reparametrize_module``, what
+    ``torch.func.functional_call`` does: dynamo traces it, no graph break) and put back
+    after. A ``rep`` leaf computes with a copy of its flat parameters: AOT autograd gave
+    some of its parameters zero or wrong gradients when the swapped-in tensors were views
+    of :class:`ReplicaGrad`'s output, itself a view of its input (measured on 2 ranks:
+    experts' gradients 0 where eager's were not; a copy made them equal), and unlike
+    other rep units a leaf cannot compute with its parameters themselves (an expert no
+    token reached would get no gradient)."""
+
+    def forward(self, module: nn.Module, args, kwargs):
+        views = {}
+        for cunit, slots in self.entries:
+            if cunit.unit.replicated:
+                flat = cunit.gathered()
+                gathered = cunit.views(flat.clone() if flat.dtype == cunit.unit.shard_dtype else flat)
+            else:
+                gathered = cunit.slot_tensors()
+            for attr, i in slots:
+                views[attr] = gathered[i]
+        with _reparametrize_module(module, views):
+            return self.base_forward(module, *args, **kwargs)
+
+
 class SplitUnits:
     """A split op's slice units: the op computes slice by slice with their views."""
 
@@ -366,13 +395,16 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
         for _, slots in entries:
             for attr, _ in slots:
                 module.__dict__.pop(attr, None)  # eager views, if set: attribute reads find the pieces
-        runner = ModuleUnits([(compiled(u), slots) for u, slots in entries], _base_forward(module),
-                             stand_in_class(type(module)))
+        runner = (LeafUnits if path in built.leaves else ModuleUnits)(
+            [(compiled(u), slots) for u, slots in entries], _base_forward(module), stand_in_class(type(module)))
         _swap_class(module, runner, classes)
     for path, (module, units) in built.splits.items():
         _swap_class(module, SplitUnits([compiled(u) for u in units]), classes)
     if os.environ.get("OSDP_COMPILED_REP_BUCKET", "1") != "0":
-        _bucket_replica_grads(list(cache.values()), group)  # before the signatures: it sets cunit.bucketed
+        # before the signatures: it sets cunit.bucketed. Not a leaf's unit: computing with its
+        # own parameters, an expert no token reached would get no gradient, where a leaf's
+        # every parameter gets one (zero), as eagerly ([Note: leaf modules])
+        _bucket_replica_grads([c for u, c in cache.items() if u.name not in built.leaves], group)
     regions = RegionClasses()
     if checkpoint_blocks:
         disable_kv_cache(model)

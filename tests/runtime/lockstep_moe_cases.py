@@ -127,6 +127,14 @@ LEAF_MODES = {
     # a leaf's block recomputed in backward: the recompute calls the same experts
     "leaf_checkpointed": {"leaf_modules": (SkippingMoE,), "checkpoint_blocks": ("moe.0", "moe.1"),
                           "modes": {"moe.1": "dp"}},
+    # compiled ([Note: compiled leaves] in osdp/runtime/compiled.py): the routing's
+    # nonzero breaks the graph inside the leaf; a rep leaf gives its unrouted experts a
+    # zero gradient as eagerly (computing with its own parameters, they got none)
+    "leaf_zdp_compiled": {"leaf_modules": (SkippingMoE,), "compile": {"backend": "aot_eager"}},
+    "leaf_rep_compiled": {"leaf_modules": (SkippingMoE,), "modes": {"moe.0": "rep", "moe.1": "dp"},
+                          "compile": {"backend": "aot_eager", "scope": "model"}},
+    "leaf_checkpointed_compiled": {"leaf_modules": (SkippingMoE,), "checkpoint_blocks": ("moe.0", "moe.1"),
+                                   "modes": {"moe.1": "dp"}, "compile": {"backend": "aot_eager"}},
 }
 
 
@@ -136,6 +144,7 @@ def run(rank: int, world: int) -> dict:
         model = osdp.OSDP(build(), **kwargs)
         out[name] = {"losses": train(model, world, rank), "state": model.full_state_dict(rank0_only=False)}
     for name, kwargs in LEAF_MODES.items():
+        torch._dynamo.reset()
         model = osdp.OSDP(build(SkippingMoE), **kwargs)
         out[name] = {"losses": train(model, world, rank), "state": model.full_state_dict(rank0_only=False),
                      "units": model.unit_names()}

@@ -123,7 +123,6 @@ class _TiedAcross(nn.Module):
      r"'moe.0.experts.1' is inside leaf module 'moe.0', which is one unit"),
     (lambda: mc.build(mc.SkippingMoE), {"modes": {"moe.0": "dp"}},
      r"or make it one unit with leaf_modules=\('moe.0',\)"),
-    (lambda: mc.build(mc.SkippingMoE), {"leaf_modules": (mc.SkippingMoE,), "compile": True}, r"run eager only"),
     (_TiedAcross, {"leaf_modules": ("block",)}, r"'1.weight' is also 'emb.weight', outside it"),
 ])
 def test_bad_leaves_are_refused_before_the_model_changes(make, kwargs, match):
