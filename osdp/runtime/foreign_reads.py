@@ -103,6 +103,10 @@ class ForeignReadCheck(TorchFunctionMode):
         reader = self._reader(name.rpartition(".")[0])
         if reader is None:
             where, fix = "outside any module that contains it", "Read it inside its own module's forward"
+        elif not self.paths[id(reader)]:  # the model itself: it cannot be a leaf
+            where = f"in the forward of the model ({type(reader).__name__}) itself"
+            fix = ("Compute with it through a module that holds it (a head reading an embedding's weight: an "
+                   "nn.Linear whose weight is that embedding's, a tied use OSDP gathers there)")
         else:
             path = self.paths[id(reader)]
             where = (f"in the forward of {path!r} ({type(reader).__name__}), outside the forward of its own module "

@@ -247,3 +247,22 @@ def test_auto_mode_plans_a_leaf_that_owns_parameters_itself():
             optim.zero_grad()
         losses.append(nn.functional.cross_entropy(wrapped(x[:2]), y[:2]).item())
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+
+
+def test_a_weight_read_by_the_model_itself_says_to_go_through_a_module():
+    """The model's own forward reads its embedding's weight for the logits (no head
+    module): the model cannot be a leaf, so the error says to tie a head to it."""
+    class OwnLogits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(10, 4)
+            self.mix = nn.Linear(4, 4)
+
+        def forward(self, idx):
+            return self.mix(self.emb(idx)) @ self.emb.weight.t()
+
+    torch.manual_seed(0)
+    model = osdp.OSDP(OwnLogits(), default_mode="zdp")
+    with pytest.raises(OSDPError, match=r"'emb\.weight' \(unit 'emb'\) was read in the forward of the model "
+                                        r"\(OwnLogits\) itself.*an nn\.Linear whose weight is that embedding's"):
+        model(torch.tensor([[1, 2, 3]]))
