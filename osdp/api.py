@@ -537,7 +537,12 @@ class ShardedModel(nn.Module):
         """Run micro-batch ``index`` (0-based, of ``accumulation_steps``) with the plan's
         gradient sync policy: ``with model.micro_batch(i): model(x).backward()``."""
         if not 0 <= index < self.accumulation_steps:
-            raise OSDPError(f"micro-batch index {index} out of range 0..{self.accumulation_steps - 1}")
+            why = ("" if self._run is not None and self._run.accumulation_steps > 1 else
+                   f": model.accumulation_steps is {self.accumulation_steps} "
+                   + ("without a plan" if self._run is None else "in this plan")
+                   + " (a plan made with accumulation sets it); to accumulate by hand, run the micro-batches' "
+                   "backward under `with model.no_sync():` and the last one outside it, or call backward on each")
+            raise OSDPError(f"micro-batch index {index} out of range 0..{self.accumulation_steps - 1}{why}")
         sync = self.gradient_sync == "every" or index == self.accumulation_steps - 1
         sync = sync or self.compile_config is not None  # compiled: every backward reduces (same gradients)
         previous = self._scheduler.sync_gradients

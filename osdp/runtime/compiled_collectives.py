@@ -11,6 +11,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .compiled_prefetch import _ALL_GATHER
+from .mixed_precision import average_factors
 
 _C10D = torch.ops._c10d_functional
 # a dp unit's gathers name the shard group by this alias, so that a checkpointed
@@ -35,14 +36,17 @@ class GatherShard(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        pre, post = average_factors(ctx.world, ctx.reduce_dtype)  # [Note: fp16 gradient average]
         grad = grad.to(ctx.reduce_dtype).contiguous()
+        if pre != 1:
+            grad = grad / pre
         if ctx.rank_if_all_reduce is not None:  # [Note: gloo reduce-scatter]
             total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
             n = total.numel() // ctx.world
             shard = total.narrow(0, ctx.rank_if_all_reduce * n, n)
         else:
             shard = _C10D.wait_tensor(_C10D.reduce_scatter_tensor(grad, "sum", ctx.world, ctx.group_name))
-        return (shard / ctx.world).to(ctx.master_dtype), None, None, None, None, None
+        return (shard / post).to(ctx.master_dtype), None, None, None, None, None
 
 
 class ReplicaGrad(torch.autograd.Function):
@@ -59,9 +63,12 @@ class ReplicaGrad(torch.autograd.Function):
     def backward(ctx, grad):
         if ctx.group_name is None:
             return grad.to(ctx.master_dtype), None, None, None, None
+        pre, post = average_factors(ctx.world, ctx.reduce_dtype)  # [Note: fp16 gradient average]
         grad = grad.to(ctx.reduce_dtype).contiguous()
+        if pre != 1:
+            grad = grad / pre
         total = _C10D.wait_tensor(_C10D.all_reduce(grad, "sum", ctx.group_name))
-        return (total / ctx.world).to(ctx.master_dtype), None, None, None, None
+        return (total / post).to(ctx.master_dtype), None, None, None, None
 
 
 def recompute_gathers_policy(ctx, func, *args, **kwargs):

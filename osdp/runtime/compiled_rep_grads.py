@@ -12,6 +12,7 @@ import torch.nn as nn
 
 from ..contract import MAX_INFLIGHT_REPLICATE_BUCKETS, REPLICATE_BUCKET_BYTES
 from ..schedule_rules import pack_buckets, waits_before_issue
+from .mixed_precision import average_factors
 
 if TYPE_CHECKING:
     from .compiled import CompiledUnit
@@ -119,15 +120,19 @@ class ReplicaGradBucket:
             return
         for _ in range(waits_before_issue(len(self.in_flight), MAX_INFLIGHT_REPLICATE_BUCKETS)):
             self._finish(*self.in_flight.pop(0))  # first: two staging copies are never live at once
-        reduce_dtype = self.entries[indices[0]][1].reduce_dtype
-        flat = torch.cat([self.pending[i].reshape(-1).to(reduce_dtype) for i in indices])
+        cunit = self.entries[indices[0]][1]
+        flat = torch.cat([self.pending[i].reshape(-1).to(cunit.reduce_dtype) for i in indices])
+        pre, _ = average_factors(cunit.world, cunit.reduce_dtype)  # [Note: fp16 gradient average]
+        if pre != 1:
+            flat.div_(pre)
         self.in_flight.append((c10d.all_reduce(flat, group=self.group, async_op=True), flat, indices))
 
     def _finish(self, work, flat: torch.Tensor, indices: list[int]) -> None:
         """Wait for a bucket and make each of its ``.grad`` the set-aside gradient plus
         the average."""
         work.wait()
-        flat = flat / self.entries[indices[0]][1].world
+        cunit = self.entries[indices[0]][1]
+        flat = flat / average_factors(cunit.world, cunit.reduce_dtype)[1]
         offset = 0
         for i in indices:
             param, grad, before = self.entries[i][0], self.pending.pop(i), self.set_aside.pop(i)

@@ -77,6 +77,23 @@ class MixedPrecision:
         return tree_map(cast, output)
 
 
+def average_factors(world: int, dtype: torch.dtype) -> tuple[int, float]:
+    """[Note: fp16 gradient average] The gradient average over ``world`` ranks is a sum
+    then a division. In fp16 (largest 65504) the sum overflows where the mean would not:
+    a gradient of 40000 on each of 2 ranks gave inf, where FSDP2 gave 40000, so a loss
+    scaler skipped steps FSDP2 takes and kept half its scale. So in fp16 (as FSDP does)
+    the gradient is divided by ``pre`` before the sum and the sum by ``post`` after:
+    ``pre`` about the square root of ``world``, a power of two dividing it (FSDP's
+    factor: 2 for 2 or 4 ranks, 4 for 8 or 16).
+    Other dtypes have fp32's range: divided once, after (``pre`` 1). Returns ``(pre,
+    post)``, ``pre * post == world``."""
+    pre = 1
+    if dtype == torch.float16:
+        while world % (2 * pre) == 0 and world / pre > pre:
+            pre *= 2
+    return pre, world / pre
+
+
 def _bytes(dtype: torch.dtype | None, default: int) -> int:
     return default if dtype is None else torch.empty((), dtype=dtype).element_size()
 

@@ -66,6 +66,7 @@ from ..schedule_rules import by_key, group_full, waits_after_issue, waits_before
 from .collectives import CommContext, Pending, named_units
 from .direct import drop_local_grads, local_grad_pieces
 from .ledger import MemoryLedger
+from .mixed_precision import average_factors
 from .shard_unit import ShardUnit
 
 
@@ -76,6 +77,7 @@ class InflightReduce(NamedTuple):
     outputs: tuple[torch.Tensor, ...]  # sharded results, one per unit
     inputs: tuple[torch.Tensor, ...]  # unsharded gradients: alive until waited
     pending: Pending
+    post: float  # what the sums are divided by for the mean ([Note: fp16 gradient average])
 
 
 class InflightBucket(NamedTuple):
@@ -176,9 +178,12 @@ class GradReducer:
 
     def _issue(self, units: list[ShardUnit], dtype: torch.dtype) -> None:
         flats, outs = [], []
+        pre, post = average_factors(self.comm.data_parallel_size, dtype)  # [Note: fp16 gradient average]
         for unit in units:
             flat, unit.grad_flat = unit.grad_flat, None
             self._grad_bytes[unit] = flat.numel() * flat.element_size()
+            if pre != 1:
+                flat.div_(pre)  # before the cast: an fp32 accumulator's sum may not fit fp16
             flats.append(flat if flat.dtype == dtype else flat.to(dtype))  # fp32 accumulators
             outs.append(unit.reduce_output())
             self.ledger.reduce_scattered(unit.name)
@@ -189,7 +194,7 @@ class GradReducer:
                 outs, flats, f"coalesced reduce-scatter of {len(units)} units ({named_units(units)})",
                 members=tuple(u.name for u in units),
             )
-        self._inflight.append(InflightReduce(tuple(units), tuple(outs), tuple(flats), pending))
+        self._inflight.append(InflightReduce(tuple(units), tuple(outs), tuple(flats), pending, post))
         for _ in range(waits_after_issue(len(self._inflight), self.max_inflight)):
             self._finish_oldest()
 
@@ -200,8 +205,9 @@ class GradReducer:
         for unit, out in zip(done.units, done.outputs):
             if keep:
                 # average over every rank of the layout, replicas included (each rank's
-                # loss is a local mean); see [Note: shard layout] in mesh.py
-                out.div_(self.comm.data_parallel_size)
+                # loss is a local mean); see [Note: shard layout] in mesh.py; in fp16,
+                # part of it before the sum ([Note: fp16 gradient average])
+                out.div_(done.post)
                 unit.accumulate_sharded_grad(out)
             self.ledger.grad_free(unit.name, self._grad_bytes.pop(unit))
 

@@ -123,3 +123,37 @@ def run(rank: int, world: int) -> dict:
            "uneven_step": _osdp(rank, "none", param_dtype=None), "fsdp2": _fsdp2(rank)}
     dist.barrier()
     return out
+
+
+# ---- a mean that fits fp16 whose sum does not ([Note: fp16 gradient average]) -------------
+MEAN_OVERFLOW_INPUT = 40000.0  # each rank's gradient; the sum of 2, 80000, is past fp16's 65504
+
+
+def _mean_overflow_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4, bias=False))
+
+
+def _mean_overflow_grads(model, rank: int) -> list[torch.Tensor]:
+    model(torch.full((1, 4), MEAN_OVERFLOW_INPUT)).float().sum().backward()
+    return [p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad.clone() for p in model.parameters()]
+
+
+def run_mean_overflow(rank: int, world: int) -> dict:
+    """Each parameter's gradient (this rank's shard, or whole) under fp16 compute: eager
+    and compiled, sharded and replicated; FSDP2's as the reference."""
+    import osdp
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    out = {}
+    for name, kwargs in {"zdp": {"default_mode": "zdp"}, "rep": {"default_mode": "rep"},
+                         "zdp_compiled": {"default_mode": "zdp", "compile": {"backend": "aot_eager"}},
+                         "rep_compiled": {"default_mode": "rep", "compile": {"backend": "aot_eager"}}}.items():
+        torch._dynamo.reset()
+        model = osdp.OSDP(_mean_overflow_model(), mixed_precision=osdp.MixedPrecision(torch.float16), **kwargs)
+        out[name] = _mean_overflow_grads(model, rank)
+    fsdp2 = _mean_overflow_model()
+    fully_shard(fsdp2, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16))
+    out["fsdp2"] = _mean_overflow_grads(fsdp2, rank)
+    dist.barrier()
+    return out

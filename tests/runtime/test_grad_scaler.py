@@ -128,3 +128,16 @@ def test_optimizer_step_counting_survives_models_collected_during_a_step():
         gc.enable()
         handle.remove()
     assert live.take() == 2
+
+
+def test_an_fp16_mean_whose_sum_overflows_stays_finite():
+    """Each rank's gradient is 40000, the mean 40000, the sum past fp16's largest: summed
+    then divided it was inf (so a loss scaler skipped a step FSDP2 takes); divided in part
+    before the sum, as FSDP2 does, it is FSDP2's 40000, eager and compiled, sharded and
+    replicated ([Note: fp16 gradient average] in osdp/runtime/mixed_precision.py)."""
+    for r in spawn(gc.run_mean_overflow, 2):
+        (want,) = r["fsdp2"]
+        assert torch.equal(want, torch.full_like(want, gc.MEAN_OVERFLOW_INPUT))
+        for name in ("zdp", "rep", "zdp_compiled", "rep_compiled"):
+            (got,) = r[name]
+            assert torch.equal(got, torch.full_like(got, gc.MEAN_OVERFLOW_INPUT)), (name, got)

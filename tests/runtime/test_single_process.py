@@ -408,8 +408,14 @@ def test_mixed_precision_and_option_validation():
 def test_micro_batch_index_and_sync_switch():
     model = osdp.OSDP(gpt(), plan=_plan_for(gpt(), accumulation_steps=2, gradient_sync="last"))
     assert model.accumulation_steps == 2 and model.gradient_sync == "last"
-    with pytest.raises(OSDPError, match=r"micro-batch index 2 out of range 0..1"):
+    with pytest.raises(OSDPError, match=r"micro-batch index 2 out of range 0..1$"):
         with model.micro_batch(2):
+            pass
+    # without a plan there is one micro-batch: the error says how to accumulate by hand
+    by_hand = osdp.OSDP(gpt(), default_mode="zdp")
+    with pytest.raises(OSDPError, match=r"out of range 0..0: model.accumulation_steps is 1 without a plan.*"
+                                        r"model.no_sync\(\)"):
+        with by_hand.micro_batch(1):
             pass
     with model.micro_batch(0):
         assert model.requires_gradient_sync is False
