@@ -63,6 +63,8 @@ class ForeignReadCheck(TorchFunctionMode):
         self._handles = []
 
     def __enter__(self):
+        self.running.clear()  # a first forward that raised left its modules "running"
+        self.stack.clear()
         self._handles = [register_module_forward_pre_hook(self._enter_module),
                          register_module_forward_hook(self._exit_module)]
         return super().__enter__()
