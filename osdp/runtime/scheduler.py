@@ -110,14 +110,18 @@ def _outside_inference_mode(method):
     never be saved for backward, so a gather buffer or staging copy made there would
     fail at once or poison the next training step. The scheduler's forward entry points
     run with inference mode off; the module's own compute stays inside it (its outputs
-    are inference tensors, as the user asked)."""
+    are inference tensors, as the user asked). Never traced by dynamo (an outer
+    ``torch.compile`` of an eager-wrapped model): this one wrapper of every entry point
+    was compiled again per argument count until dynamo's recompile limit (2-layer GPT,
+    4 steps: 27 graphs, 15 untraced; the steps' time 11.5 -> 8.0 s, medians of 3 runs on
+    a busy 2-core machine)."""
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         if torch.is_inference_mode_enabled():
             with torch.inference_mode(False):
                 return method(self, *args, **kwargs)
         return method(self, *args, **kwargs)
-    return run
+    return torch.compiler.disable(run)
 
 
 class Scheduler:
