@@ -264,7 +264,8 @@ def run_outer_compile(rank: int, world: int) -> dict:
     losses = (_train(outer, rank, world, cfg), _train(eager, rank, world, cfg))
     # dynamo tracing into the scheduler's entry points (one wrapper shared by all of them,
     # recompiled per argument count until dynamo's recompile limit)
-    scheduler_traced = sum(n for reason, n in counters["unimplemented"].items() if "is_inference_mode_enabled" in reason)
+    scheduler_traced = sum(n for reason, n in counters["unimplemented"].items()
+                           if "is_inference_mode_enabled" in reason)
     states = (wrapped.full_state_dict(rank0_only=False), eager.full_state_dict(rank0_only=False))
     return {"losses": losses, "state_diff": max((states[0][k] - v).abs().max().item() for k, v in states[1].items()),
             "scheduler_traced": scheduler_traced, "graphs": counters["stats"]["unique_graphs"]}
