@@ -281,13 +281,21 @@ class ModuleUnits:
     def signature(self) -> tuple:
         return tuple((cunit.signature(), tuple(slots)) for cunit, slots in self.entries)
 
-    def forward(self, module: nn.Module, args, kwargs):
+    @staticmethod
+    def slot_tensors(cunit: CompiledUnit) -> list[torch.Tensor]:
+        return cunit.slot_tensors()
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Attribute name -> what the module computes with for this call."""
         views = {}
         for cunit, slots in self.entries:
-            gathered = cunit.slot_tensors()
+            gathered = self.slot_tensors(cunit)
             for attr, i in slots:
                 views[attr] = gathered[i]
-        return self.base_forward(self.stand_in(module, views), *args, **kwargs)
+        return views
+
+    def forward(self, module: nn.Module, args, kwargs):
+        return self.base_forward(self.stand_in(module, self.views()), *args, **kwargs)
 
 
 class LeafUnits(ModuleUnits):
@@ -304,17 +312,15 @@ class LeafUnits(ModuleUnits):
     other rep units a leaf cannot compute with its parameters themselves (an expert no
     token reached would get no gradient)."""
 
+    @staticmethod
+    def slot_tensors(cunit: CompiledUnit) -> list[torch.Tensor]:
+        if not cunit.unit.replicated:
+            return cunit.slot_tensors()
+        flat = cunit.gathered()
+        return cunit.views(flat.clone() if flat.dtype == cunit.unit.shard_dtype else flat)
+
     def forward(self, module: nn.Module, args, kwargs):
-        views = {}
-        for cunit, slots in self.entries:
-            if cunit.unit.replicated:
-                flat = cunit.gathered()
-                gathered = cunit.views(flat.clone() if flat.dtype == cunit.unit.shard_dtype else flat)
-            else:
-                gathered = cunit.slot_tensors()
-            for attr, i in slots:
-                views[attr] = gathered[i]
-        with _reparametrize_module(module, views):
+        with _reparametrize_module(module, self.views()):
             return self.base_forward(module, *args, **kwargs)
 
 
