@@ -348,7 +348,9 @@ class ShardedModel(nn.Module):
         self._direct_grad_hooks = DirectGradHooks(direct, self._scheduler)
         for split_module, units in self._built.splits.values():
             split_module.bind(self._scheduler, units)
-        apply_checkpointing(self.module, config.checkpoint_blocks, self._scheduler.end_recompute)
+        hooked = {b.path: b for b in self._bindings if isinstance(b, ModuleBinding)}
+        apply_checkpointing(self.module, config.checkpoint_blocks, self._scheduler.end_recompute,
+                            lambda path: hooked[path].recomputing() if path in hooked else contextlib.nullcontext())
         self.checkpoint_blocks = config.checkpoint_blocks
         runners: dict = {}  # unit -> the modules that gather it ([Note: weights read outside their unit])
         for binding in self._bindings:

@@ -15,6 +15,7 @@ any block is checkpointed and the model has ``config.use_cache``, it is set to F
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -24,11 +25,14 @@ from torch.utils.checkpoint import checkpoint
 log = logging.getLogger("osdp.runtime")
 
 
-def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_end=None) -> None:
+def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_end=None,
+                        recompute_context=None) -> None:
     """The eager path's checkpointing (the compiled path's is a region class, [Note: one
     code object per region plan] in compiled_regions.py). ``on_recompute_end()``:
     called when a block's forward run by checkpoint returns or stops (in backward, the
-    recompute's end: the memory ledger labels what follows)."""
+    recompute's end: the memory ledger labels what follows). ``recompute_context(path)``:
+    a context manager around the recompute of the block at ``path``, which runs the
+    block's forward without its own module hooks."""
     if blocks:
         disable_kv_cache(model)
     for path in blocks:
@@ -42,10 +46,14 @@ def apply_checkpointing(model: nn.Module, blocks: tuple[str, ...], on_recompute_
                 if on_recompute_end is not None:
                     on_recompute_end()
 
-        def forward(*args, _inner=inner, _run=run, **kwargs):
+        def contexts(_path=path):
+            recompute = recompute_context(_path) if recompute_context is not None else contextlib.nullcontext()
+            return contextlib.nullcontext(), recompute
+
+        def forward(*args, _inner=inner, _run=run, _contexts=contexts, **kwargs):
             if not torch.is_grad_enabled():
                 return _inner(*args, **kwargs)
-            return checkpoint(_run, *args, use_reentrant=False, **kwargs)
+            return checkpoint(_run, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
 
         module.forward = forward
 

@@ -20,15 +20,24 @@ marked with their unit and name (hooks.py), global module hooks keep the modules
 running, and an operator given a marked tensor while no module that computes with its
 unit is running raises, naming the reading module, the weight and the ``leaf_modules=``
 that would work. Replicated units are not checked: their attributes hold whole weights.
-Cost: the first forward only. Not covered: later forwards (a read on a data-dependent
-path the first step did not take), reads during backward, the compiled path (whose
-stand-in modules hand a child's attribute through as the real module's: this rank's
-piece of the parameter, which fails on its shape).
+Cost: the first forward only.
+
+Always on, outside the first forward: while none of its modules runs, a sharded unit's
+attribute is a :class:`FreedWeight`, a tensor with the weight's shape, dtype and device
+but no data, whose every operator raises :class:`ConfigError` naming the weight and its
+module (hooks.py installs it at wrap time and once its module's forward returns). The
+view of the freed buffer that stood there before turned a read on a later forward, in a
+backward, in a user's hook or in ``model.apply(init_fn)`` into ``setStorage: ... out of
+bounds`` or, through an operator that trusts its input's size (``weight.sum()``), a
+segmentation fault. Metadata (``dtype``, ``shape``, ``device``) still reads. Not
+covered: the compiled path (whose stand-in modules hand a child's attribute through as
+the real module's: this rank's piece of the parameter, which fails on its shape).
 """
 from __future__ import annotations
 
 from collections import Counter
 
+import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
@@ -48,6 +57,40 @@ def mark(tensor, unit, name: str) -> None:
     """Mark ``tensor``, installed as the attribute ``name`` of a module computing with
     ``unit``, for the check."""
     setattr(tensor, SLOT_MARK, (unit, name))
+
+
+class FreedWeight(torch.Tensor):
+    """What a sharded unit's weight attribute holds while none of its modules runs: its
+    metadata, no data; every operator on it raises (see the Note above)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # operators reach __torch_dispatch__
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, unit, name: str, module_path: str):
+        freed = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
+                                                    device=like.device)
+        freed.unit_name, freed.weight_name, freed.module_path = unit.name, name, module_path
+        mark(freed, unit, name)  # the first forward's check names the reader ([Note: weights read outside ...])
+        return freed
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        freed = next(t for t in tree_flatten((args, kwargs))[0] if isinstance(t, FreedWeight))
+        module = repr(freed.module_path) if freed.module_path else "the model"
+        raise ConfigError(
+            f"{func.__name__} read {freed.weight_name!r} (unit {freed.unit_name!r}) outside the forward of its module "
+            f"{module}: OSDP gathers a unit's weights only while a module computing with them runs; each rank holds "
+            "only its shard otherwise. A module that computes with a child's weight without calling the child: "
+            "make it one unit, leaf_modules=(ItsClass,). To read the values: model.full_state_dict(); to "
+            "initialize them: param_init_fn= on a model built on the meta device, or before wrapping. See "
+            "[Note: weights read outside their unit] in osdp/runtime/foreign_reads.py")
+
+    def __repr__(self):
+        return (f"FreedWeight({self.weight_name!r}, shape={tuple(self.shape)}, dtype={self.dtype}: "
+                "gathered only while its module runs)")
+
+    def __deepcopy__(self, memo):  # copy.deepcopy of a wrapped model copies no data here either
+        return self
 
 
 class ForeignReadCheck(TorchFunctionMode):

@@ -11,11 +11,13 @@ module's backward.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from .foreign_reads import mark
+from .foreign_reads import FreedWeight, mark
 from .modes import UseState
 from .scheduler import Scheduler, Use
 from .shard_unit import ShardUnit
@@ -89,24 +91,48 @@ class ModuleBinding:
         # the parameter's full name)
         self._targets = [[(*attr_owner(module, attr), i, f"{path}.{attr}" if path else attr) for attr, i in attrs]
                          for _, attrs in entries]
+        # per target, what its attribute holds while the module does not run: nothing for
+        # a replicated unit (whole weights), else a FreedWeight ([Note: weights read
+        # outside their unit] in foreign_reads.py)
+        self._freed = [[None if unit.replicated else FreedWeight(unit.views[i], unit, name, path)
+                        for _, _, i, name in targets] for (unit, _), targets in zip(entries, self._targets)]
         self.scheduler = scheduler
         self.mark_reads = False  # [Note: weights read outside their unit] (foreign_reads.py)
         self._stack: list[list[Use]] = []
-        scheduler.recover_listeners.append(self._stack.clear)  # a step died mid-forward
+        self._last_views = [unit.views for unit, _ in entries]  # per entry, what the last forward installed
+        scheduler.recover_listeners.append(self._recover)
         self.handles = [
             module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
             module.register_forward_hook(self._post_forward, with_kwargs=True),
         ]
 
     def set_views(self) -> None:
-        """Point the module's parameter attributes at the (freed) gathered buffers."""
-        for (unit, _), targets in zip(self.entries, self._targets):
-            for owner, attr, i, name in targets:
+        """Point the module's parameter attributes at what they hold while it does not
+        run: a replicated unit's views, a sharded unit's FreedWeight."""
+        for (unit, _), targets, freed in zip(self.entries, self._targets, self._freed):
+            for (owner, attr, i, _), placeholder in zip(targets, freed):
                 # the instance dict: the module's _parameters hold the original
                 # parameters (shards) under the same names, attribute reads find this
-                owner.__dict__[attr] = unit.views[i]
-                if not unit.replicated:
-                    mark(unit.views[i], unit, name)
+                owner.__dict__[attr] = unit.views[i] if placeholder is None else placeholder
+
+    @contextlib.contextmanager
+    def recomputing(self):
+        """Around the recompute of this module as a checkpointed block, which calls its
+        forward without the hooks: the attributes are what its last forward computed with
+        (views of the buffers the scheduler gathered again for the recompute; as they
+        were, so the recompute saves the tensors the forward saved)."""
+        for targets, tensors in zip(self._targets, self._last_views):
+            for owner, attr, i, _ in targets:
+                owner.__dict__[attr] = tensors[i]
+        try:
+            yield
+        finally:
+            self.set_views()
+
+    def _recover(self) -> None:
+        """A step died mid-forward: no call of the module is in progress."""
+        self._stack.clear()
+        self.set_views()
 
     def _pre_forward(self, module, args, kwargs):
         sched = self.scheduler
@@ -124,6 +150,7 @@ class ModuleBinding:
                 tensors = _GatherFn.apply(sched, use, unit.shard)
             else:
                 tensors = [v.view_as(v) for v in unit.views]
+            self._last_views[len(uses) - 1] = tensors
             for owner, attr, i, name in targets:
                 owner.__dict__[attr] = tensors[i]  # see set_views
                 if self.mark_reads and not unit.replicated:
@@ -141,6 +168,8 @@ class ModuleBinding:
         expects_backward = grad_flows and uses[0].state is not UseState.RECOMPUTE
         for use in uses:
             self.scheduler.post_forward(use, expects_backward)
+        if not self._stack:  # not inside another call of this module
+            self.set_views()
         if grad_flows:  # a recompute's hooks fire only under a reentrant checkpoint
             hook = _PreBackward(self.scheduler, uses)
             for tensor in needs_grad:

@@ -267,3 +267,72 @@ def test_a_weight_read_by_the_model_itself_says_to_go_through_a_module():
     with pytest.raises(OSDPError, match=r"'emb\.weight' \(unit 'emb'\) was read in the forward of the model "
                                         r"\(OwnLogits\) itself.*an nn\.Linear whose weight is that embedding's"):
         model(torch.tensor([[1, 2, 3]]))
+
+
+class _ReadsChildSometimes(_ReadsChild):
+    """Reads its child's weight only when asked: a data-dependent path the first
+    forward did not take."""
+
+    def forward(self, x, read: bool = False):
+        y = self.child(x) * self.scale
+        return y + x @ self.child.weight.t() if read else y
+
+
+@pytest.mark.parametrize("mode", ["zdp", "dp"])
+def test_a_weight_read_on_a_later_forward_is_refused(mode):
+    """The first forward's check does not see a read on a path it did not take; the
+    attribute itself refuses it on any later forward ([Note: weights read outside their
+    unit]), where it found a freed buffer (zdp: ``setStorage ... out of bounds``) or,
+    worse, the buffer dp keeps for backward: right values, a gradient that reaches no
+    reduction, silently."""
+    torch.manual_seed(0)
+    model = osdp.OSDP(_ReadsChildSometimes(calls_child=True), default_mode=mode)
+    x = torch.randn(2, 4)
+    model(x).sum().backward()
+    with pytest.raises(OSDPError, match=r"t\.default read 'child\.weight' \(unit 'child'\) outside the forward of its "
+                                        r"module 'child'.*leaf_modules="):
+        model(x, read=True)
+    model(x).sum().backward()  # the failed forward left nothing behind
+
+
+def test_a_sharded_weight_outside_its_forward_keeps_its_metadata_and_refuses_data():
+    """Between steps a sharded unit's attribute tells its dtype, shape and device and
+    refuses its values, naming where they are; a view of the freed buffer stood there
+    (``weight.t()``: ``setStorage ... out of bounds``, ``weight.sum()``: a segmentation
+    fault). Inside the forward, and through ``full_state_dict``, the values are there."""
+    model = osdp.OSDP(_reads_child_net(False), default_mode="zdp", leaf_modules=(_ReadsChild,))
+    model(torch.randn(2, 4)).sum().backward()
+    weight = model.module.head.weight
+    assert (weight.dtype, weight.shape, weight.device) == (torch.float32, (3, 4), torch.device("cpu"))
+    assert "FreedWeight('head.weight', shape=(3, 4)" in repr(weight)
+    for read in (lambda: weight.t(), lambda: torch.randn(2, 4) @ weight.T,
+                 lambda: nn.init.normal_(weight), lambda: model.module.inner.child.weight.view(-1)):
+        with pytest.raises(OSDPError, match=r"read '(head|inner\.child)\.weight'.*full_state_dict"):
+            read()
+    # a hook registered after wrapping runs after OSDP's: the forward is over
+    model.module.head.register_forward_hook(lambda m, args, out: m.weight.detach().clone())
+    with pytest.raises(OSDPError, match=r"detach\.default read 'head\.weight'"):
+        model(torch.randn(2, 4))
+
+
+def test_a_checkpointed_leaf_recomputes_with_its_weights():
+    """A checkpointed block that is itself a unit (a leaf) recomputes without its module
+    hooks: it computes with the weights of its forward, not the placeholders that stand
+    between forwards."""
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    losses = []
+    for mode in ("zdp", "dp"):
+        model = osdp.OSDP(_reads_child_net(True), default_mode=mode, leaf_modules=(_ReadsChild,),
+                          checkpoint_blocks=("inner",))
+        losses.append(_train(model, x, y))
+    losses.append(_train(_reads_child_net(True), x, y))
+    assert losses[0] == pytest.approx(losses[2], rel=1e-6) and losses[1] == pytest.approx(losses[2], rel=1e-6)
+
+
+def _train(model, x, y) -> float:
+    optim = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for _ in range(3):
+        nn.functional.cross_entropy(model(x), y).backward()
+        optim.step()
+        optim.zero_grad()
+    return nn.functional.cross_entropy(model(x), y).item()
