@@ -60,6 +60,8 @@ class _SplitMatmulFn(torch.autograd.Function):
         x2 = x.reshape(-1, module.in_features)
         dy2 = dy.reshape(-1, module.out_features)
         need_dx = ctx.needs_input_grad[0]
+        if need_dx:
+            module.refuse_create_graph()
         dx = module.new_input_grad(x2) if need_dx else None
 
         def grads_of(i, weight, grads, accumulate, n0):

@@ -87,6 +87,18 @@ class SplitModule(nn.Module):
         # original parameters (see [Note: original parameters] in shard_unit.py)
         self.flat_shards = [u.shard for u in units]
 
+    def refuse_create_graph(self) -> None:
+        """Called by a backward that computes its input's gradient in place (``out=``
+        kernels), which autograd cannot differentiate again: under ``create_graph`` it
+        raised "functions with out=... arguments don't support automatic
+        differentiation", naming no module."""
+        if torch.is_grad_enabled():  # the engine runs a create_graph pass with grad mode on
+            name = self.units[0].name.rpartition("[")[0] if self.units else type(self).__name__
+            raise OSDPError(
+                f"a backward with create_graph=True (a gradient penalty through autograd.grad) reached the split op "
+                f"of {name!r}, whose backward cannot be differentiated again: leave {name!r} unsplit (no splits= "
+                "entry), or take the gradient before it")
+
     @classmethod
     def axis_length(cls, module: nn.Module) -> int:
         """Length of the axis the op cuts (the most slices it can make)."""

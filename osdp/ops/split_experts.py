@@ -83,6 +83,7 @@ class _SplitExpertsFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, d_out):
         module, route = ctx.module, ctx.route
+        module.refuse_create_graph()
         hidden, top_k_weights, pre, out_rows = ctx.saved_tensors
         weights = top_k_weights.reshape(-1)[route.perm].to(out_rows.dtype)
         d_weighted = d_out[route.tokens].to(out_rows.dtype)  # each row's token's gradient

@@ -56,16 +56,18 @@ class _InputGradFn(torch.autograd.Function):
 
 
 class _PreBackward:
-    """Tensor hook on a module's outputs: the first one to fire starts the uses' backward."""
+    """Tensor hook on a module's outputs: the first one to fire in a backward pass starts
+    the uses' backward ([Note: backward passes through one graph] in scheduler.py)."""
 
     def __init__(self, scheduler: Scheduler, uses: list[Use]):
         self.scheduler = scheduler
         self.uses = uses
-        self.fired = False
+        self.fired_in: int | None = None  # the graph task it last fired in
 
     def __call__(self, grad):
-        if not self.fired:
-            self.fired = True
+        backward_pass = torch._C._current_graph_task_id()
+        if backward_pass != self.fired_in:
+            self.fired_in = backward_pass
             for use in self.uses:
                 self.scheduler.pre_backward(use)
         return None

@@ -65,6 +65,20 @@ grad, so those uses expect no backward, and it runs the backward of the recomput
 itself: the recompute's uses carry the same backward hooks as any use, which then gather
 again (gathered three times a step, against twice non-reentrant), reduce and free. In a
 non-reentrant recompute those hooks never fire.
+
+[Note: backward passes through one graph]
+Plain PyTorch lets a forward's graph be walked more than once: ``backward(retain_graph=
+True)`` then another backward (the gradients add up), and ``autograd.grad(...,
+create_graph=True)`` for a gradient penalty, whose backward walks the graph of that
+first backward too. Each walk is a graph task of autograd's engine; a use remembers the
+one its backward ran in (``backward_pass``), and a use whose backward ran in an earlier
+pass, or never ran (abandoned), starts a backward again in a later one: gathered again,
+its gradient added and reduced like any. The hooks on a module's outputs fire once per
+pass (hooks.py). A pass with ``create_graph`` records a graph of its own that computes
+with the gathered weights (dX = dY W saves W), which the next pass walks after or
+before the original forward's hooks fire: so such a pass frees nothing, and the units
+it gathered stay gathered until the end of a backward pass without it (or their next
+use frees them). Every rank runs the same passes, so the collectives stay in step.
 """
 from __future__ import annotations
 
@@ -96,10 +110,16 @@ class Use:
     # backward only scatters dY rows; a dp unit is not kept for such a use)
     needs_weights: bool = True
     entry: list | None = field(default=None, repr=False)  # its slot in the recorded order
+    backward_pass: int | None = None  # the graph task its backward ran in ([Note: backward passes through one graph])
 
 
 def _in_autograd_engine() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _backward_pass() -> int:
+    """The graph task of the backward running now (-1: none)."""
+    return torch._C._current_graph_task_id()
 
 
 def _outside_inference_mode(method):
@@ -142,6 +162,7 @@ class Scheduler:
         self.reducer = GradReducer(comm, ledger, coalesce_bytes)
         self._in_forward = False
         self._in_backward = False
+        self._keeps_gathered = False  # a create_graph backward pass: [Note: backward passes through one graph]
         self._backward_label: tuple[str, str] | None = None  # the ledger's label of the backward in progress
         self._awaiting: dict[Use, None] = {}
         self._computing_backward: dict[Use, None] = {}  # pre_backward ran, post_backward not yet
@@ -253,13 +274,18 @@ class Scheduler:
     def pre_backward(self, use: Use) -> None:
         # a RECOMPUTE use comes here only from a reentrant checkpoint, the one kind that
         # runs the recomputed graph's backward: see [Note: activation checkpointing]
-        if use.state in (UseState.BACKWARD, UseState.DONE):
+        if use.state is UseState.BACKWARD or (use.state is UseState.DONE and use.backward_pass == _backward_pass()):
             return
+        if use.state is UseState.DONE and use.backward_pass is None:
+            return  # no backward was expected (a recompute's use, a use without grad)
+        # AWAIT_BACKWARD; or DONE / ABANDONED in an earlier pass: [Note: backward passes
+        # through one graph]
         self._enter_backward()
         unit = use.unit
         self._awaiting.pop(use, None)
         self.lifecycle.begin_backward_use(unit, use.state is UseState.AWAIT_BACKWARD, use.needs_weights)
         use.state = UseState.BACKWARD
+        use.backward_pass = _backward_pass()
         self._computing_backward[use] = None
         self.prefetch.record_backward_use(unit)
         self.prefetch.gather_for_backward(unit)
@@ -283,11 +309,13 @@ class Scheduler:
         self._computing_backward.pop(use, None)
         self.lifecycle.end_backward_use(unit, was_active, was_awaiting, use.needs_weights)
         use.state = UseState.DONE
+        use.backward_pass = _backward_pass()
         if grads is not None and unit.requires_grad:
             self.reducer.add_grads(unit, grads)
         if self.lifecycle.idle(unit) and unit.grad_flat is not None and self.sync_gradients:
             self.reducer.reduce(unit)
-        self.lifecycle.maybe_reshard(unit)
+        if not self._keeps_gathered:
+            self.lifecycle.maybe_reshard(unit)
         self.prefetch.prefetch_backward()
 
     def direct_grad_accumulated(self, unit: ShardUnit) -> None:
@@ -304,6 +332,8 @@ class Scheduler:
     def _enter_backward(self) -> None:
         if not self._in_backward and _in_autograd_engine():
             self._in_backward = True
+            # the engine runs a create_graph pass with grad mode on
+            self._keeps_gathered = torch.is_grad_enabled()
             Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
@@ -330,9 +360,10 @@ class Scheduler:
             check = self.lockstep.start()
         self.reducer.finish()
         reset_awaited(self.units)
-        self.lifecycle.reshard_where(lambda unit: unit.n_active == 0)
+        if not self._keeps_gathered:
+            self.lifecycle.reshard_where(lambda unit: unit.n_active == 0)
         self.prefetch.end_backward()
-        self._in_backward = False
+        self._in_backward = self._keeps_gathered = False
         self._backward_label = None
         self.lifecycle.ledger.note_use("", "after backward")
         if check is not None:
@@ -351,7 +382,7 @@ class Scheduler:
         self.prefetch.forget_partial()
         if self.lockstep is not None:
             self.lockstep.log.reset()
-        self._in_forward = self._in_backward = False
+        self._in_forward = self._in_backward = self._keeps_gathered = False
         self._backward_label = None
         for listener in self.recover_listeners:
             listener()
