@@ -4,6 +4,7 @@ off (see [Note: calibrate and re-plan]), and measure the few alternatives the mo
 could have mis-ranked beside it ([Note: measured choice])."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import asdict, replace
 
@@ -142,6 +143,22 @@ def auto_plan(
     return plan
 
 
+@contextlib.contextmanager
+def _state_kept(model):
+    """Profiling runs forwards and backwards on the user's model in train mode: its
+    buffers (BatchNorm's running statistics and step counts, moved a different number of
+    times on each rank, as each times its units) and the random streams it draws from
+    (dropout) are put back as they were."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
+
+
 def _forked_holder(model, process_group, layout, mixed_precision, param_init_fn):
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
         return value_holder(model, process_group, layout, mixed_precision, param_init_fn)
@@ -177,8 +194,9 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
     budget = PlanningBudget(budget_s, process_group)  # [Note: planning budget]
     loss_fn = auto_mode_loss(loss_fn, announce=is_rank0(process_group))  # [Note: example inputs and the loss]
     profile_kwargs.setdefault("compute_time_s", budget.seconds * PROFILE_SHARE)  # [Note: planning budget]
-    desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
-                                 cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
+    with _state_kept(model):
+        desc, cluster, run = profile(model, example_inputs, memory_limit=memory_limit, process_group=process_group,
+                                     cache_dir=cache_dir, progress=progress, loss_fn=loss_fn, **profile_kwargs)
     log.info("described %d units%s and profiled this machine in %.1f s", len(desc.ops),
              " on fake tensors (the model is on the meta device)" if has_meta(model) else "", budget.spent())
     compile_config = CompileConfig.from_arg(compile)

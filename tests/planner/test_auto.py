@@ -128,3 +128,30 @@ def test_auto_mode_without_loss_fn_plans_for_the_loops_cross_entropy(tmp_path, c
     assumed = [r.getMessage() for r in caplog.records if r.name == "osdp.auto" and "loss_fn=" in r.getMessage()]
     assert len(assumed) == 1 and "cross_entropy over the last dimension" in assumed[0], caplog.records
     assert model.plan.assumed_loss and model.plan.assumed_loss in assumed[0]
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_auto_mode_leaves_the_models_buffers_and_random_streams_as_they_were(tmp_path):
+    """Profiling runs forwards in train mode on the user's model: a BatchNorm's running
+    statistics moved toward the example batch's, by as many forwards as each rank's
+    timing took (stock ResNet on 2 ranks: num_batches_tracked 0 -> 12 and 0 -> 16, the
+    running means apart), and dropout drew from the user's random stream."""
+    import torch.nn as nn
+
+    import osdp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.1), nn.Linear(16, 3))
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.5)  # as pretrained statistics
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    expected_draw = torch.rand(4, generator=torch.Generator().manual_seed(1))
+    inputs = (torch.randn(8, 8),)
+    torch.manual_seed(1)
+    wrapped = osdp.OSDP(model, memory_limit="64MiB", example_inputs=inputs,
+                        auto_kwargs=dict(calibrate=False, batches=(8,), repeats=1, progress=False,
+                                         cache_dir=str(tmp_path)))
+    draw = torch.rand(4)
+    for name, value in wrapped.module.named_buffers():
+        torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
+    assert torch.equal(draw, expected_draw)
