@@ -31,6 +31,7 @@ from .runtime.hooks import ModuleBinding
 from .runtime.lockstep import mark_lockstep
 from .runtime.lockstep_check import LockstepCheck
 from .runtime.foreign_reads import ForeignReadCheck
+from .runtime.same_values import check_same_values, value_hash
 from .runtime.optimizer_steps import OptimizerSteps
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
@@ -198,6 +199,8 @@ class ShardedModel(nn.Module):
             leaf_modules=leaf_modules,
         )
         self._init_comm(module, group, config, options)
+        if not options.sync_module_states and not has_meta(module):  # [Note: the same values on every rank]
+            check_same_values(self._comm, [(name, value_hash(p)) for name, p in module.named_parameters()])
         self._init_units(module, config, options.mixed_precision, param_init_fn)
         self._init_scheduler(config, options)
         if self.compile_config is None:
@@ -268,6 +271,8 @@ class ShardedModel(nn.Module):
                               "meta parameters or buffers (it is initialized already): drop param_init_fn")
         self._built = build_units(module, config.unit_modes, self._comm.rank, self._comm.world_size, self.device,
                                   mixed_precision, config.split_ops, meta_init, config.leaves)
+        if meta_init is not None:  # [Note: the same values on every rank]
+            check_same_values(self._comm, meta_init.value_hashes)
         for mod in module.modules():
             mod._osdp_wrapped = True  # see _refuse_wrapped
         install_torch_clip_guard()  # see [Note: global gradient norm]

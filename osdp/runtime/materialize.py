@@ -46,6 +46,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import OSDPError
+from .same_values import value_hash
 
 
 def has_meta(model: nn.Module) -> bool:
@@ -96,6 +97,8 @@ class MetaInit:
         self.param_init_fn = param_init_fn
         self.materialize_buffers = materialize_buffers
         self._initialized: set[int] = set()  # parameters an earlier module initialized (tied)
+        # (name, checksum) of each parameter initialized: [Note: the same values on every rank]
+        self.value_hashes: list[tuple[str, int]] = []
 
     def materialize(self, path: str, module: nn.Module) -> None:
         """Give ``module``'s own meta parameters (and buffers) storage and initialize them;
@@ -115,6 +118,7 @@ class MetaInit:
         # a tied weight's second module initializes it again only to draw as it drew
         checked = {k: p for k, p in params.items() if id(p) not in self._initialized}
         self._initialized.update(id(p) for p in params.values())
+        self.value_hashes += [(f"{path}.{k}" if path else k, value_hash(p)) for k, p in checked.items()]
         for kind, names in (("parameter", checked), ("buffer", buffers)):
             for k in names:
                 tensor = module._parameters[k] if kind == "parameter" else module._buffers.get(k)
