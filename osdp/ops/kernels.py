@@ -42,8 +42,8 @@ def ref_addmm_slice_(out, x, w_slice, k0, bias=None):
     xs = x[:, k0 : k0 + w_slice.shape[1]]
     if xs.dtype == out.dtype and w_slice.dtype == out.dtype:
         out.addmm_(xs, w_slice.t())
-    else:
-        out.add_(torch.mm(xs, w_slice.t()).to(out.dtype))
+    else:  # in x's dtype (autocast's, when the split op runs under it), added up in out's
+        out.add_(torch.mm(xs, w_slice.t().to(xs.dtype)).to(out.dtype))
     if bias is not None:
         out.add_(bias.to(out.dtype))
     return out
@@ -79,12 +79,14 @@ def ref_slice_dw(dy, x, k0, ks, out=None, accumulate=False):
 
 
 def addmm_slice_(out, x, w_slice, k0, bias=None):
-    fn = _kernel("addmm_slice_", out)
+    # the fused kernels take one input dtype; under autocast x is in its dtype, the
+    # weights in theirs
+    fn = _kernel("addmm_slice_", out) if x.dtype == w_slice.dtype else None
     return (fn or ref_addmm_slice_)(out, x, w_slice, k0, bias)
 
 
 def slice_dx(dy, w_slice, dx, k0):
-    fn = _kernel("slice_dx", dy)
+    fn = _kernel("slice_dx", dy) if dy.dtype == w_slice.dtype else None
     return (fn or ref_slice_dx)(dy, w_slice, dx, k0)
 
 

@@ -283,7 +283,14 @@ class MatmulSplit(SplitModule):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # decided here: inside Function.forward grad mode is always off
-        expects_backward = torch.is_grad_enabled() and (x.requires_grad or any(s.requires_grad for s in self.flat_shards))
+        expects_backward = torch.is_grad_enabled() and (
+            x.requires_grad or any(s.requires_grad for s in self.flat_shards))
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.is_floating_point():
+            # as autocast runs nn.Linear: x in its dtype, the output too (the slices'
+            # products still add up in the fp32 accumulator); the in-place kernels
+            # inside are not autocast's, so the cast is here (autograd casts dX back)
+            x = x.to(torch.get_autocast_dtype(device))
         return _SplitMatmulFn.apply(x, expects_backward, self, *self.flat_shards)
 
     def extra_repr(self) -> str:

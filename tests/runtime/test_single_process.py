@@ -188,6 +188,32 @@ def test_split_linear_matches_linear(in_features, g, modes):
     torch.testing.assert_close(grads["0.bias"], ref[0].bias.grad, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("axis", ["in_features", "out_features"])
+def test_split_linear_under_autocast_computes_as_linear_does(axis):
+    """Under the user's ``torch.autocast``, nn.Linear computes and returns in autocast's
+    dtype; the split op returned fp32 (its in-place kernels are not autocast's), so the
+    next layer ran in fp32 too. Values within bf16 rounding (the split adds its slices
+    in fp32), dX in x's dtype as autocast's cast gives it."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 5))
+    wrapped = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 5))
+    wrapped.load_state_dict(ref.state_dict())
+    model = osdp.OSDP(wrapped, splits={"0": 2}, split_ops={"0": "linear_" + axis} if axis == "out_features" else None)
+    x = torch.randn(4, 16, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    seen = {}
+    for net, tag in ((model.module, "split"), (ref, "ref")):
+        net[0].register_forward_hook(lambda m, a, out, tag=tag: seen.update({tag: out.dtype}))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, out_ref = model(x), ref(x_ref)
+    assert seen == {"split": torch.bfloat16, "ref": torch.bfloat16} and out.dtype == out_ref.dtype
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=2e-2)
+    out.float().sum().backward()
+    out_ref.float().sum().backward()
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=2e-2, atol=2e-2)
+
+
 def test_split_embedding_matches_embedding_with_padding_idx():
     torch.manual_seed(0)
     ref = nn.Embedding(11, 4, padding_idx=3)
