@@ -267,11 +267,22 @@ def _check_splits(model: nn.Module, unit_modes, split_ops: dict[str, str], tied:
 def _check_splittable(model: nn.Module, path: str, params, fqns: dict, owner: dict, tied: dict[str, str]) -> None:
     """A split unit may share its parameters only with tied uses (modules computing
     with nothing but this unit's parameters), which then split the same way."""
-    if path in tied or any(id(p) in owner for _, p in params):
-        first = tied.get(path) or owner[next(id(p) for _, p in params if id(p) in owner)][0].name
+    if path in tied:
         raise OSDPError(
-            f"cannot split {path!r}: its parameters belong to {first!r} (tied; the first module holding a "
-            f"weight owns it): split {first!r} instead, the tied pair shares one slicing"
+            f"cannot split {path!r}: its parameters belong to {tied[path]!r} (tied; the first module holding a "
+            f"weight owns it): split {tied[path]!r} instead, the tied pair shares one slicing"
+        )
+    shared = [p for _, p in params if id(p) in owner]
+    if shared:
+        # it holds its own parameters beside one an earlier unit owns (XLM-RoBERTa's
+        # decoder: its bias is its head's), so neither that unit nor it can be split
+        holder = owner[id(shared[0])][0].name
+        uses = sorted(use for use, of in tied.items() if of == path)
+        via = f" (nor {', '.join(map(repr, uses))}, which computes with its weight)" if uses else ""
+        raise OSDPError(
+            f"cannot split {path!r}{via}: its parameter {fqns[id(shared[0])][0]!r} belongs to {holder!r}, an "
+            f"earlier unit (the first module holding a weight owns it), and {path!r} holds parameters of its own "
+            "besides it, so the two cannot share one slicing; leave it unsplit"
         )
     for _, p in params:
         for name in fqns[id(p)][1:]:

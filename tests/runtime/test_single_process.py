@@ -76,6 +76,23 @@ class _TiedHeadWithBias(nn.Module):
         return self.lm_head(self.wte(idx))
 
 
+class _HeadFirst(nn.Module):
+    """As XLM-RoBERTa's masked LM: the head, registered before the embeddings, owns the
+    bias its decoder adds, and the decoder's weight is the word embedding's."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Module()
+        self.head.bias = nn.Parameter(torch.zeros(50))
+        self.head.decoder = nn.Linear(8, 50)
+        self.head.decoder.bias = self.head.bias
+        self.wte = nn.Embedding(50, 8)
+        self.wte.weight = self.head.decoder.weight
+
+    def forward(self, idx):
+        return self.head.decoder(self.wte(idx))
+
+
 def test_a_subclass_of_a_splittable_module_is_refused_with_why():
     """Split ops go by exact type: a subclass's own forward (a scaled embedding, as stock
     Gemma's and BART's) would not run in its base's op."""
@@ -94,6 +111,12 @@ def test_tied_splits_that_cannot_work_are_refused():
     with pytest.raises(OSDPError, match=r"cannot split 'wte': its parameter 'wte.weight' is also 'lm_head.weight', "
                                         r"and 'lm_head' owns other parameters"):
         osdp.OSDP(_TiedHeadWithBias(), splits={"wte": 2})
+    # a split of the decoder, or of the embedding tied to it, named the head to split,
+    # which has no split op (found by a helper on stock XLM-RoBERTa)
+    for named in ("head.decoder", "wte"):
+        with pytest.raises(OSDPError, match=r"cannot split 'head.decoder' \(nor 'wte', which computes with its "
+                                            r"weight\): its parameter 'head.bias' belongs to 'head'.*leave it unsplit"):
+            osdp.OSDP(_HeadFirst(), splits={named: 2})
     # one weight, one slicing: the pair split two ways
     with pytest.raises(OSDPError, match=r"splits\['lm_head'\] = 3 but splits\['wte'\] = 2: 'lm_head' is a tied use of 'wte'"):
         osdp.OSDP(gpt(tie_embeddings=True), splits={"wte": 2, "lm_head": 3})
