@@ -294,6 +294,18 @@ class ShardedModel(nn.Module):
         self._buffers = module._buffers
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
 
+    def __deepcopy__(self, memo):
+        raise OSDPError(
+            "a wrapped model cannot be copied (copy.deepcopy, torch.optim.swa_utils.AveragedModel): each rank holds "
+            "pieces of its units, tied to its process group. For an average of the weights (EMA, SWA) keep one of "
+            "this rank's pieces: ema = [p.detach().clone() for p in model.parameters()], updated by "
+            "e.lerp_(p.detach(), 1 - decay) for each pair, copied into the parameters under torch.no_grad() to "
+            "evaluate; model.full_state_dict() gives the whole weights")
+
+    def __reduce_ex__(self, protocol):
+        raise OSDPError("a wrapped model cannot be pickled (torch.save(model)): save its weights with "
+                        "osdp.checkpoint (save, or save_full for one file of the whole model)")
+
     def train(self, mode: bool = True):
         super().train(mode)
         self.module.training = mode  # outside the tree: see [Note: one module tree]

@@ -517,3 +517,36 @@ def test_the_wrapped_models_methods_are_named_with_where_they_are():
         want = plain.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
         got = model.unwrapped.generate(prompt, max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(got, want)
+
+
+def test_copying_a_wrapped_model_is_refused_with_the_ema_that_works():
+    """copy.deepcopy and AveragedModel failed on "cannot pickle 'ProcessGroup'"; the
+    error's recipe (an EMA of this rank's pieces) gives plain PyTorch's EMA."""
+    import copy
+    import pickle
+
+    from torch.optim.swa_utils import AveragedModel
+
+    model = osdp.OSDP(gpt(), default_mode="zdp")
+    for copying in (lambda: copy.deepcopy(model), lambda: AveragedModel(model)):
+        with pytest.raises(OSDPError, match=r"cannot be copied.*ema = \[p.detach\(\).clone\(\)"):
+            copying()
+    with pytest.raises(OSDPError, match=r"cannot be pickled.*osdp.checkpoint"):
+        pickle.dumps(model)
+    plain = gpt()
+    idx, tgt = example_batch(CFG, 2)
+    emas = []
+    for net in (model, plain):
+        optim = torch.optim.SGD(net.parameters(), lr=0.1)
+        ema = [p.detach().clone() for p in net.parameters()]
+        for _ in range(3):
+            net(idx, tgt).backward()
+            optim.step()
+            optim.zero_grad()
+            for e, p in zip(ema, net.parameters()):
+                e.lerp_(p.detach(), 1 - 0.9)
+        with torch.no_grad():
+            for e, p in zip(ema, net.parameters()):
+                p.copy_(e)
+            emas.append(net(idx, tgt))
+    torch.testing.assert_close(emas[0], emas[1], rtol=1e-5, atol=1e-6)
