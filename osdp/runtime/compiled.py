@@ -112,6 +112,7 @@ from .compiled_collectives import (GatherShard, ReplicaGrad, checkpointed_block_
 from .compiled_regions import (RegionClasses, compile_each, inside_any, region_paths, region_signature,
                                with_own_code)
 from .compiled_rep_grads import ReplicaGradBucket
+from .foreign_reads import FreedWeight
 from .modes import Mode
 from .shard_unit import ShardUnit
 
@@ -398,9 +399,16 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
         return cache[unit]
 
     for module, path, entries in built.bindings:
-        for _, slots in entries:
-            for attr, _ in slots:
-                module.__dict__.pop(attr, None)  # eager views, if set: attribute reads find the pieces
+        for unit, slots in entries:
+            for attr, i in slots:
+                module.__dict__.pop(attr, None)  # eager views, if set
+                if path not in built.leaves and not unit.replicated:
+                    # its stand-in computes with the views; a read through the module itself
+                    # (a parent computing with its child's weight) is refused naming the leaf
+                    # that works, where this rank's piece failed on its shape deep inside
+                    # dynamo ([Note: weights read outside their unit] in foreign_reads.py)
+                    name = f"{path}.{attr}" if path else attr
+                    module.__dict__[attr] = FreedWeight(unit.views[i], unit, name, path)
         runner = (LeafUnits if path in built.leaves else ModuleUnits)(
             [(compiled(u), slots) for u, slots in entries], _base_forward(module), stand_in_class(type(module)))
         _swap_class(module, runner, classes)

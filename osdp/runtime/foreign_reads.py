@@ -29,9 +29,11 @@ module (hooks.py installs it at wrap time and once its module's forward returns)
 view of the freed buffer that stood there before turned a read on a later forward, in a
 backward, in a user's hook or in ``model.apply(init_fn)`` into ``setStorage: ... out of
 bounds`` or, through an operator that trusts its input's size (``weight.sum()``), a
-segmentation fault. Metadata (``dtype``, ``shape``, ``device``) still reads. Not
-covered: the compiled path (whose stand-in modules hand a child's attribute through as
-the real module's: this rank's piece of the parameter, which fails on its shape).
+segmentation fault. Metadata (``dtype``, ``shape``, ``device``) still reads. The
+compiled path installs them too (compiled.py): a unit's module computes through a
+stand-in holding the views, so only a read through the module itself finds it, where
+this rank's piece of the parameter stood and failed on its shape deep inside dynamo;
+dynamo traces the metadata reads without a graph break and raises the operator's error.
 """
 from __future__ import annotations
 

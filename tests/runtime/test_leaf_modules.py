@@ -214,6 +214,22 @@ def test_a_weight_read_outside_its_unit_names_the_leaf_that_works(calls_child, m
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
+def test_a_weight_read_outside_its_unit_is_refused_compiled_too():
+    """On the compiled path a read through the child module found this rank's piece of
+    the weight and failed on its shape deep inside dynamo (stock DeBERTa-v2's encoder
+    reads its relative embeddings' weight: "expected input with shape [32], but got input
+    of size [256, 1]"); it is refused naming the weight, and the leaf trains."""
+    compile_arg = {"backend": "aot_eager"}
+    torch._dynamo.reset()
+    model = osdp.OSDP(_reads_child_net(True), default_mode="zdp", compile=compile_arg)
+    with pytest.raises(OSDPError, match=r"read 'inner\.child\.weight' \(unit 'inner\.child'\) outside the forward "
+                                        r"of its module 'inner\.child'.*leaf_modules="):
+        model(torch.randn(2, 4))
+    leaf = osdp.OSDP(_reads_child_net(True), default_mode="zdp", compile=compile_arg, leaf_modules=(_ReadsChild,))
+    x, y = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    assert _train(leaf, x, y) == pytest.approx(_train(_reads_child_net(True), x, y), rel=1e-6)
+
+
 def test_the_read_check_runs_on_the_first_forward_that_completes():
     """A first forward that fails (a wrong input, inside the child's forward) leaves the
     check for the next one, which does not take the child for running still; after one
