@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .api import ShardedModel
-from .errors import OSDPError
+from .errors import InfeasiblePlanError, OSDPError
 from .compiled_choice import compiled_choice
 from .measured_choice import measured_choice
 from .measured_plans import MeasuredPlans
@@ -250,6 +250,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
                                        backend=backend)
             plan = replace(plan, calibration=plan.calibration.with_(budget=budget.record()),
                            assumed_loss=getattr(loss_fn, "assumed", ""))
+            _refuse_measured_over_limit(plan, measured)
             cache.put(key, plan)
         plan = replace(plan, assumed_loss=getattr(loss_fn, "assumed", ""))
         check_same_plan(plan, process_group)
@@ -260,6 +261,25 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
         measure.close()
         raise
     return plan, measure
+
+
+def _refuse_measured_over_limit(plan: Plan, measured: list) -> None:
+    """Every plan auto mode measured went over the limit (the model under-predicted, and
+    calibration found no plan that fits): handed out, it raised MemoryLimitExceeded at
+    every training step. ``measured``: the (plan, Measurement) pairs of the measured
+    choice; all ranks hold the same (rank 0's, broadcast), so all raise alike."""
+    peak = Measurement.from_dict(plan.measured).peak_bytes if plan.measured else None
+    if peak is None or peak <= plan.memory_limit_bytes:
+        return
+    least_plan, least = min([(plan, Measurement.from_dict(plan.measured))] + list(measured),
+                            key=lambda pair: pair[1].peak_bytes)
+    other = (f"; the least any measured plan peaked at is {format_bytes(least.peak_bytes)} "
+             f"({plan_summary(least_plan)}, batch {least_plan.batch_size})" if least.peak_bytes < peak else "")
+    raise InfeasiblePlanError(
+        f"no plan auto mode measured fits in {format_bytes(plan.memory_limit_bytes)}: the model predicted they "
+        f"would, and the best one ({plan_summary(plan)}, batch {plan.batch_size}) measured a peak of "
+        f"{format_bytes(peak)}{other}. Give a memory limit of at least that (memory_limit={int(least.peak_bytes)}), "
+        "or plan by hand with less held (default_mode='zdp', checkpoint_blocks=)", min_bytes=least.peak_bytes)
 
 
 def _plan_on_rank0(desc, device, settings, batch, global_batch, backend, process_group) -> Plan:

@@ -326,3 +326,29 @@ def test_auto_mode_calibrates_on_every_rank_alike(tmp_path):
     assert info.decision.startswith("re-planned"), info.decision
     assert chosen.plan_hash() == a["seen"][-1] and chosen.measured and info.other is not None
     assert info.predicted_phases and info.predicted_groups
+
+
+def test_auto_mode_refuses_a_plan_every_measurement_put_over_the_limit():
+    """Auto mode handed out the best measured plan even when it and every alternative
+    measured over the limit (found by a helper on stock Llama at 1.1x the least-memory
+    limit: measured 382 KiB against 287 KiB, a warning, then MemoryLimitExceeded at every
+    step): it raises, naming the least measured peak as the limit to give."""
+    from osdp.auto import _refuse_measured_over_limit
+    from osdp.errors import InfeasiblePlanError
+
+    desc = describe_gpt(TINY)
+    dev = load_cluster("titan-rtx-pcie3").with_(constant_bytes=0).for_run(
+        RunSettings(world_size=4, memory_limit_bytes=48 * 2**20))
+    plan = make_plan(desc, dev, PlannerSettings(max_slices=4), backend="python")
+    limit = plan.memory_limit_bytes
+
+    def measured(p, peak):
+        return replace(p, measured=Measurement(0.01, 0.003, 0.006, 0.001, peak, p.batch_size).to_dict())
+
+    _refuse_measured_over_limit(measured(plan, limit * 0.99), [])  # fits: kept
+    smaller = replace(plan, batch_size=plan.batch_size - 1)
+    other = (smaller, Measurement(0.01, 0.003, 0.006, 0.001, limit * 1.1, smaller.batch_size))
+    with pytest.raises(InfeasiblePlanError, match=r"no plan auto mode measured fits in .*the least any measured plan "
+                                                  rf"peaked at .*memory_limit={int(limit * 1.1)}") as info:
+        _refuse_measured_over_limit(measured(plan, limit * 1.3), [other])
+    assert info.value.min_bytes == pytest.approx(limit * 1.1)
