@@ -153,7 +153,7 @@ def _fmt_gib(nbytes: float) -> str:
 
 def _why_no_plan(name: str, exc: InfeasiblePlanError) -> str:
     parts = sorted((exc.breakdown or {}).items(), key=lambda kv: -kv[1])[:3]
-    return (f"{name} does not fit: its least-memory plan needs {_fmt_gib(exc.min_bytes or 0)} ("
+    return (f"{name} does not fit: its least-memory plan fits in {_fmt_gib(exc.min_bytes or 0)} ("
             + ", ".join(f"{k} {_fmt_gib(v)}" for k, v in parts) + ")")
 
 

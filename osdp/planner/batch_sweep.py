@@ -392,7 +392,7 @@ def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
     """The error for 'nothing fits', with the smallest plan's exact memory and what to
     change: when gradient accumulators kept across micro-batches are part of the peak,
     first of all reducing after every micro-batch (which frees them)."""
-    smallest = min_memory_estimate(t, batch)
+    smallest, fits_at = least_memory_limit(t, batch)
     limit = t.device.memory_limit_bytes
     lines = ", ".join(f"{k} {format_bytes(v)}" for k, v in smallest.breakdown.items())
     advice = "raise the memory limit, add devices, or allow splitting/checkpointing"
@@ -410,10 +410,31 @@ def _infeasible(t: ProblemTemplate, batch: int) -> InfeasiblePlanError:
         f"no plan fits in {format_bytes(limit)} per device at batch {batch}: "
         f"the least-memory plan found (per op the option with the least kept plus transient bytes"
         f"{', with every block checkpointed or none, the lower' if t.settings.checkpointing != 'none' else ''}) "
-        f"needs {format_bytes(smallest.peak_bytes)}, peaking at {smallest.peak_op} ({lines}); {advice}",
-        min_bytes=smallest.peak_bytes,
+        f"needs {format_bytes(smallest.peak_bytes)}, peaking at {smallest.peak_op} ({lines}), and fits in a limit "
+        f"of {format_bytes(fits_at)}; {advice}",
+        min_bytes=fits_at,
         breakdown=smallest.breakdown,
     )
+
+
+def least_memory_limit(t: ProblemTemplate, batch: int) -> tuple[Estimate, float]:
+    """The least-memory plan as the planner sees it at the limit that holds it, and that
+    limit (``InfeasiblePlanError.min_bytes``): its peak plus the quantization's worst
+    case (one quantum per op and per segment, [Note: memory quantization]), at that
+    limit's prefetch window and quanta, which grow with the budget. Its peak at the limit
+    asked for, where the window was smaller, was no limit that fits (found by a helper:
+    stock Llama, a second run at the stated minimum was infeasible again, needing 1%
+    more)."""
+    estimate = min_memory_estimate(t, batch)
+    limit = estimate.peak_bytes
+    for _ in range(8):  # the window is capped by a share of the budget: a few rounds settle it
+        at = build_template(t.desc, t.device.with_(memory_limit_bytes=limit), t.settings)
+        estimate = min_memory_estimate(at, batch)
+        need = estimate.peak_bytes + (len(at.desc.ops) + len(at.segments)) * at.quantum_bytes
+        if need <= limit:
+            break
+        limit = need
+    return estimate, limit
 
 
 def min_memory_estimate(t: ProblemTemplate, batch: int) -> Estimate:
