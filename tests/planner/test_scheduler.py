@@ -89,7 +89,8 @@ def test_infeasible_plan_error_names_the_minimum_memory():
     # sizes in the unit that fits them: the 1 MiB limit is not "0.00 GiB"
     assert str(err).startswith("no plan fits in 1.00 MiB per device at batch 1")
     needs = sum(err.breakdown.values())
-    assert f"needs {format_bytes(needs)}," in str(err) and f"fits in a limit of {format_bytes(err.min_bytes)};" in str(err)
+    assert f"needs {format_bytes(needs)}," in str(err)
+    assert f"fits in a limit of {format_bytes(err.min_bytes)};" in str(err)
     assert needs < err.min_bytes
     # the limit it states fits (the least-memory plan's peak at the limit asked for did not:
     # the prefetch window and the memory quanta grow with the limit), at any budget asked
