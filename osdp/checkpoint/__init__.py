@@ -70,7 +70,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..errors import OSDPError, PlanMismatchError, UnverifiedCheckpointWarning
+from ..errors import CheckpointCorruptedError, OSDPError, PlanMismatchError, UnverifiedCheckpointWarning
 from ..runtime.view import ShardedView
 from ..runtime.state_dict import (
     Layout,
@@ -218,8 +218,26 @@ def load_full(model, path: str) -> None:
     """Rank 0 reads a full state dict file (``weights_only``) and every rank takes its
     shard (:func:`load_full_state_dict`)."""
     world = _world(_prepare(model))
-    state = on_rank0(world, lambda: torch.load(path, map_location="cpu", weights_only=True))
+    state = on_rank0(world, lambda: _read_full(path))
     load_full_state_dict(model, state if world.rank == 0 else None)
+
+
+def _read_full(path: str) -> dict:
+    """A ``save_full`` file, or a CheckpointCorruptedError naming it: a truncated file
+    made torch.load raise a bare ``OSError: [Errno 22] Invalid argument``. (The file
+    has no checksums, unlike a sharded checkpoint: a flipped bit loads.)"""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no full checkpoint file at {path!r} (osdp.checkpoint.save_full writes one)")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as exc:
+        raise CheckpointCorruptedError(
+            f"{path!r} is not a readable full checkpoint ({type(exc).__name__}: {exc}): truncated or damaged; "
+            f"write it again with osdp.checkpoint.save_full, or load a sharded checkpoint (osdp.checkpoint.load)"
+        ) from exc
+    if not isinstance(state, dict):
+        raise CheckpointCorruptedError(f"{path!r} holds a {type(state).__name__}, not a state dict")
+    return state
 
 
 # ---- sharded checkpoints ----------------------------------------------------------------

@@ -158,3 +158,24 @@ def test_chunks_are_verified_even_where_the_reader_hook_is_not_called(saved, mon
     assert type(info.value).__name__ == "CheckpointCorruptedError"
     assert f"offsets {list(offsets)}" in str(info.value)
     assert_equal_states(ck.full_state_dict(model), before, "model after the failed load")
+
+
+def test_a_truncated_full_checkpoint_file_names_itself(tmp_path, one_rank_group):
+    """load_full of a truncated save_full file raised a bare "OSError: [Errno 22]
+    Invalid argument" (found by a helper); the model is unchanged."""
+    import osdp
+    import osdp.checkpoint as ckpt
+    from osdp.errors import CheckpointCorruptedError
+    from osdp.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = osdp.OSDP(GPT(GPTConfig(vocab_size=50, seq_len=8, num_layers=1, hidden=8, heads=2)), default_mode="zdp")
+    path = str(tmp_path / "model.pt")
+    ckpt.save_full(model, path)
+    before = model.full_state_dict()
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    with pytest.raises(CheckpointCorruptedError, match=r"model\.pt' is not a readable full checkpoint.*truncated"):
+        ckpt.load_full(model, path)
+    for key, value in model.full_state_dict().items():
+        assert torch.equal(value, before[key]), key
