@@ -17,7 +17,7 @@ from .checkpoint import full_state_dict as gathered_state_dict
 from .errors import ConfigError, OSDPError, PlanMismatchError
 from .memtrack import cpu_allocator_window, resident_tensors
 from .planner.calibration import format_report
-from .planner.inputs import argument_tensors
+from .planner.inputs import argument_tensors, sample_shapes
 from .planner.plan import plan_from_arg
 from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
@@ -243,6 +243,8 @@ class ShardedModel(nn.Module):
             check_plan_layout(run, self.layout)  # [Note: plan and layout] in contract.py
         self.plan = plan  # what the user gave (or auto mode made); the runtime reads self._run
         self._run = run
+        # auto mode's example inputs, per argument the shape of one sample (_check_batch)
+        self.planned_sample_shapes: dict[str, tuple[int, ...]] | None = None
 
     def _init_comm(self, module, group, config, options: RuntimeOptions):
         """The comm context; every rank must have resolved the same configuration."""
@@ -511,6 +513,18 @@ class ShardedModel(nn.Module):
                 "the plan's memory prediction holds only up to that batch (use model.batch_size "
                 "samples per device, or plan again for a bigger batch)"
             )
+        planned = self.planned_sample_shapes
+        if planned:  # auto mode: planned for samples of the example's size
+            for name, shape in sample_shapes(args, kwargs).items():
+                example = planned.get(name)
+                if example is not None and len(example) == len(shape) and any(
+                        s > e for s, e in zip(shape, example)):
+                    where = f"argument {name}" if name.isdigit() else f"{name}="
+                    raise OSDPError(
+                        f"{where}: samples of shape {shape} are larger than the example's {example}, which auto "
+                        "mode planned memory for (a longer sequence holds more activations: the plan's memory "
+                        "prediction does not hold). Give example_inputs of the largest samples you train with "
+                        "(the longest sequence), or pad and cut to the example's size")
 
     # ---- gradient accumulation -------------------------------------------------------
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:

@@ -10,6 +10,7 @@ from .api import ShardedModel, check_wrappable
 from .auto import plan_with_values, value_holder
 from .errors import ConfigError
 from .planner.cost_model import PlannerSettings
+from .planner.inputs import as_example_inputs, sample_shapes
 from .planner.plan import plan_from_arg
 from .runtime.materialize import ValuesFrom, has_meta
 from .runtime.mesh import ShardLayout
@@ -81,6 +82,7 @@ class OSDP(ShardedModel):
                 values.close()  # a real model's values are its own: no trial is needed beside it
             init = ValuesFrom(module, ShardValues(values.holder(), release=True)) if on_meta else None
             super().__init__(module, plan, memory_limit=memory_limit, param_init_fn=init, **runtime)
+            self.planned_sample_shapes = sample_shapes(*as_example_inputs(example_inputs))
         finally:
             values.close()  # the last trial (a meta model's values) goes, collected at once
 

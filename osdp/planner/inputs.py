@@ -145,6 +145,13 @@ def argument_tensors(args, kwargs) -> list[torch.Tensor]:
     return [v for v in tree_leaves((tuple(args), dict(kwargs))) if isinstance(v, torch.Tensor)]
 
 
+def sample_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
+    """Per tensor argument with a batch dimension (its position, or its keyword), the
+    shape of one sample: its shape past dim 0."""
+    named = [(str(i), v) for i, v in enumerate(args)] + list(kwargs.items())
+    return {name: tuple(v.shape[1:]) for name, v in named if isinstance(v, torch.Tensor) and v.dim() > 0}
+
+
 def as_example_inputs(example_inputs) -> ExampleInputs:
     """Normalize ``example_inputs`` (see [Note: example inputs and the loss])."""
     if isinstance(example_inputs, ExampleInputs):

@@ -155,3 +155,25 @@ def test_auto_mode_leaves_the_models_buffers_and_random_streams_as_they_were(tmp
     for name, value in wrapped.module.named_buffers():
         torch.testing.assert_close(value, before[name], rtol=0, atol=0, msg=name)
     assert torch.equal(draw, expected_draw)
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_auto_mode_refuses_samples_larger_than_the_examples(tmp_path):
+    """Training on longer sequences than auto mode planned for ran, and the step's
+    memory check blamed the plan ("the plan predicted ... +45.9%; lower the batch size")
+    where the cause was the input (found by a helper on stock GPT-2: sequence 32 against
+    the example's 8). Shorter samples, and other arguments, pass."""
+    import osdp
+    from osdp.errors import OSDPError
+
+    torch.manual_seed(0)
+    vocab, seq = 50, 16
+    tokens = torch.randint(0, vocab, (4, 8), generator=torch.Generator().manual_seed(0))
+    model = osdp.OSDP(TiedTransformer(vocab, seq), memory_limit="64MiB", example_inputs=(tokens,),
+                      auto_kwargs=dict(calibrate=False, batches=(4,), repeats=1, progress=False,
+                                       cache_dir=str(tmp_path)))
+    assert model.planned_sample_shapes == {"0": (8,)}
+    model(tokens[:, :5]).sum().backward()
+    with pytest.raises(OSDPError, match=r"argument 0: samples of shape \(16,\) are larger than the example's \(8,\)"):
+        model(torch.randint(0, vocab, (4, 16)))
+    model(tokens).sum().backward()  # the refused step left nothing behind
