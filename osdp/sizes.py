@@ -44,8 +44,9 @@ def parse_bytes(value, name: str = "") -> float:
                             f"16GB or 512MiB (units: {ACCEPTED_UNITS})")
         number, unit = match.group(1), match.group(2).lower()
         if not unit:
-            raise OSDPError(f"{where}memory size {value!r} has no unit; write it like {number}GiB or {number}MiB "
-                            f"(units: {ACCEPTED_UNITS})")
+            shown_number = number if float(number) > 0 else "8"  # "0GiB" would be refused next
+            raise OSDPError(f"{where}memory size {value!r} has no unit; write it like {shown_number}GiB or "
+                            f"{shown_number}MiB (units: {ACCEPTED_UNITS})")
         if unit not in UNITS:
             raise OSDPError(f"{where}cannot read memory size {value!r}: unknown unit {match.group(2)!r} "
                             f"(units: {ACCEPTED_UNITS})")

@@ -70,6 +70,8 @@ def test_numbers_are_bytes_in_the_api(value, expected):
     [
         ("8", f"memory size '8' has no unit; write it like 8GiB or 8MiB ({UNITS_TEXT})"),
         ("1e99", f"memory size '1e99' has no unit; write it like 1e99GiB or 1e99MiB ({UNITS_TEXT})"),
+        # not '0GiB', which is refused next (found by a helper)
+        ("0", f"memory size '0' has no unit; write it like 8GiB or 8MiB ({UNITS_TEXT})"),
         ("8G", f"cannot read memory size '8G': unknown unit 'G' ({UNITS_TEXT})"),
         ("8XB", f"cannot read memory size '8XB': unknown unit 'XB' ({UNITS_TEXT})"),
         (True, "memory size must be a number of bytes or a string with a unit like '8GiB', got True (a bool)"),
