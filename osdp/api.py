@@ -275,6 +275,8 @@ class ShardedModel(nn.Module):
                                   mixed_precision, config.split_ops, meta_init, config.leaves)
         if meta_init is not None:  # [Note: the same values on every rank]
             check_same_values(self._comm, meta_init.value_hashes)
+        for unit in self._built.units:
+            unit.norm_group = self._comm.group  # [Note: global gradient norm] in grad_norm.py
         for mod in module.modules():
             mod._osdp_wrapped = True  # see _refuse_wrapped
         install_torch_clip_guard()  # see [Note: global gradient norm]

@@ -461,16 +461,17 @@ def mark_sharded_grads(units: list[ShardUnit]) -> None:
     """Mark each gradient as the eager runtime does when it hands one out, once autograd
     has accumulated it: a shard (sharded units) or whole on every rank (rep units), for
     [Note: global gradient norm] in grad_norm.py."""
-    def hook(param, marker):
+    def hook(param, marker, group):
         setattr(param.grad, marker, True)
+        param.grad._osdp_group = group
 
     marked = {}  # a split parameter belongs to all of its slices' units: once
     for unit in units:
         for param in unit.params:
-            marked[id(param)] = (param, "_osdp_replicated" if unit.replicated else "_osdp_sharded")
-    for param, marker in marked.values():
+            marked[id(param)] = (param, "_osdp_replicated" if unit.replicated else "_osdp_sharded", unit.norm_group)
+    for param, marker, group in marked.values():
         if param.requires_grad:
-            param.register_post_accumulate_grad_hook(functools.partial(hook, marker=marker))
+            param.register_post_accumulate_grad_hook(functools.partial(hook, marker=marker, group=group))
 
 
 def _base_forward(module: nn.Module):

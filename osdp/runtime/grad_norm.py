@@ -8,10 +8,16 @@ no parameter, tied weights are one unit), so the p-norm of the whole model's gra
 and ``max`` for the inf-norm. Every rank gets the same value, equal to the norm a single
 process computes over the unsharded gradients (within the rounding of the fp32 local
 norms). torch's ``clip_grad_norm_`` sees only the local shards and would clip each
-rank by a different norm (a silent wrong result), so OSDP refuses it: once an OSDP model
-exists, torch's total-norm helper raises when it is handed OSDP-sharded gradients
-(``p.grad._osdp_sharded``, set by the runtime when it writes a reduced gradient) and
-names ``model.clip_grad_norm_`` instead. Any other call goes to torch unchanged.
+rank by a different norm (a silent wrong result). So once an OSDP model exists, torch's
+total-norm helper (behind ``clip_grad_norm_`` and ``get_total_norm``), handed
+OSDP-sharded gradients (``p.grad._osdp_sharded``, set by the runtime when it writes a
+reduced gradient, with ``_osdp_group``, the model's shard group), computes this global
+norm instead: a collective, as FSDP2's DTensor gradients make torch's own helper do.
+Code that clips through torch (Hugging Face's Trainer through accelerate, Lightning)
+then clips as ``model.clip_grad_norm_`` does; every rank must call it, with the
+gradients of the same parameters. Gradients of models on different groups in one call
+are refused (``model.clip_grad_norm_`` per model); any other call goes to torch
+unchanged.
 
 A ``rep`` unit's gradient is whole and the same on every rank (contract.py [Note:
 replicated units]): summing it over ranks would count it N times, so its ``sum |g|^p``
@@ -58,8 +64,15 @@ def global_grad_norm(params, norm_type: float, group, device: torch.device, fore
     on ``device``."""
     whole = {id(p) for p in replicated}
     held = [p for p in params if p.grad is not None and p.grad.numel() > 0]
-    local = _local_norm([p.grad for p in held if id(p) not in whole], norm_type, device, foreach)
-    once = _local_norm([p.grad for p in held if id(p) in whole], norm_type, device, foreach)
+    return _norm_over_ranks([p.grad for p in held if id(p) not in whole], [p.grad for p in held if id(p) in whole],
+                            norm_type, group, device, foreach)
+
+
+def _norm_over_ranks(sharded, whole, norm_type: float, group, device: torch.device, foreach) -> torch.Tensor:
+    """The norm of ``sharded`` gradients over every rank of ``group``, with ``whole``
+    ones (the same on every rank) counted once."""
+    local = _local_norm(sharded, norm_type, device, foreach)
+    once = _local_norm(whole, norm_type, device, foreach)
     if math.isinf(norm_type):
         dist.all_reduce(local, op=dist.ReduceOp.MAX, group=group)
         total = torch.maximum(local, once)
@@ -70,18 +83,28 @@ def global_grad_norm(params, norm_type: float, group, device: torch.device, fore
     return total.to(torch.float32)
 
 
-def _guarded_total_norm(tensors, *args, **kwargs):
-    if isinstance(tensors, torch.Tensor):
-        tensors = [tensors]
-    else:
-        tensors = list(tensors)
-    if any(getattr(t, "_osdp_sharded", False) for t in tensors):
+def _guarded_total_norm(tensors, norm_type=2.0, error_if_nonfinite: bool = False, foreach=None):
+    """torch's ``_get_total_norm``; over every rank for OSDP-sharded gradients."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    sharded = [t for t in tensors if getattr(t, "_osdp_sharded", False)]
+    if not sharded:
+        return _torch_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+    groups = {id(g): g for g in (getattr(t, "_osdp_group", None) for t in sharded)}
+    if len(groups) != 1 or None in groups.values():
         raise OSDPError(
-            "torch.nn.utils.clip_grad_norm_ / get_total_norm got the gradients of an OSDP model: they "
-            "are this rank's shards only, so the norm would differ per rank; use "
-            "model.clip_grad_norm_(max_norm, norm_type) (the global norm over all ranks)"
-        )
-    return _torch_total_norm(tensors, *args, **kwargs)
+            "torch.nn.utils.clip_grad_norm_ / get_total_norm got the gradients of OSDP models on different "
+            "process groups in one call: clip each with model.clip_grad_norm_(max_norm, norm_type)")
+    norm_type = float(norm_type)
+    held = {id(t) for t in sharded}
+    total = _norm_over_ranks([t for t in sharded if t.numel() > 0],
+                             [t for t in tensors if id(t) not in held and t.numel() > 0],
+                             norm_type, next(iter(groups.values())), sharded[0].device, foreach)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            "`error_if_nonfinite=False`")
+    return total
 
 
 def install_torch_clip_guard() -> None:

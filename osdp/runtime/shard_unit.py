@@ -190,6 +190,9 @@ class ShardUnit:
         # small whole-module unit whose collectives may be coalesced with other small
         # units' (set by the scheduler, see [Note: coalesced small units])
         self.coalescible = False
+        # the group over which its gradients' norm is taken ([Note: global gradient
+        # norm] in grad_norm.py), set by the runtime once the unit is built
+        self.norm_group = None
 
     @property
     def requires_grad(self) -> bool:
@@ -258,7 +261,8 @@ class ShardUnit:
                 param.grad = piece
             else:
                 param.grad.add_(piece)
-            param.grad._osdp_sharded = True  # see [Note: global gradient norm] in api.py
+            param.grad._osdp_sharded = True  # see [Note: global gradient norm] in grad_norm.py
+            param.grad._osdp_group = self.norm_group
 
     def accumulate_replicated_grad(self, flat: torch.Tensor) -> None:
         """Hand a rep unit's averaged gradient (``numel`` elements, already in the

@@ -130,6 +130,7 @@ class SplitParams:
         for param, (lo, n) in zip(self.params, self.ranges):
             grad = self._filling.narrow(0, lo, n).view(param.shape)
             grad._osdp_sharded = True  # see [Note: global gradient norm]
+            grad._osdp_group = self.units[0].norm_group
             param.grad = grad
 
     def accumulate(self, unit: ShardUnit, flat: torch.Tensor) -> None:
@@ -143,6 +144,7 @@ class SplitParams:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
                 param.grad._osdp_sharded = True
+                param.grad._osdp_group = unit.norm_group
             param.grad.view(-1).narrow(0, offset, n).add_(flat.narrow(0, start, n))
 
     def abandon(self) -> None:

@@ -276,14 +276,15 @@ def test_clipping_counts_rep_gradients_once(results, name):
     _assert_states_close(run["state"], ref_state, name)
 
 
-def test_torch_clip_is_refused_with_sharded_grads_and_right_without(results):
+def test_torch_clip_gives_the_global_norm_with_rep_gradients_counted_once(results):
+    """Sharded gradients beside rep ones (whole on every rank): torch's clip_grad_norm_
+    gives the single process's norm, the rep ones counted once (it was refused); all-rep:
+    every gradient whole, torch's own norm is the global one."""
     for rank in range(WORLD):
-        mix, all_rep = results[rank]["loop"]["mix"], results[rank]["loop"]["all_rep"]
-        assert "model.clip_grad_norm_" in mix["torch_clip"]
-        # all-rep: every gradient whole on every rank, torch's norm is the global one
-        assert isinstance(all_rep["torch_clip"], float)
-        torch.testing.assert_close(all_rep["torch_clip"], all_rep["osdp_clip_same_step"], rtol=1e-6, atol=0)
-        torch.testing.assert_close(all_rep["torch_clip"], results[0]["loop_ref"][1][1][0], rtol=1e-5, atol=0)
+        for run in (results[rank]["loop"]["mix"], results[rank]["loop"]["all_rep"]):
+            assert isinstance(run["torch_clip"], float), run["torch_clip"]
+            torch.testing.assert_close(run["torch_clip"], run["osdp_clip_same_step"], rtol=1e-6, atol=0)
+            torch.testing.assert_close(run["torch_clip"], results[0]["loop_ref"][1][1][0], rtol=1e-5, atol=0)
 
 
 # ---- gradient accumulation ----------------------------------------------------------------------
