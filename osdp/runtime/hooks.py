@@ -143,7 +143,7 @@ class ModuleBinding:
         while self._stack and self._stack[-1][0].state is UseState.RECOMPUTE:
             self._stack.pop()
         uses = []
-        for (unit, _), targets in zip(self.entries, self._targets):
+        for entry, ((unit, _), targets) in enumerate(zip(self.entries, self._targets)):
             use = sched.pre_forward(unit)
             uses.append(use)
             if grad_enabled and unit.requires_grad:
@@ -152,7 +152,7 @@ class ModuleBinding:
                 tensors = _GatherFn.apply(sched, use, unit.shard)
             else:
                 tensors = [v.view_as(v) for v in unit.views]
-            self._last_views[len(uses) - 1] = tensors
+            self._last_views[entry] = tensors
             for owner, attr, i, name in targets:
                 owner.__dict__[attr] = tensors[i]  # see set_views
                 if self.mark_reads and not unit.replicated:
