@@ -143,6 +143,9 @@ def train_case(layout: str, case: str, rank: int, world_size: int, coalesce_byte
                 probe["node_copy_units_after_forward"] = sorted(u.name for u in life.node_copy_units())
                 probe["gathered_after_forward"] = wrapped.gathered_units()
             loss.backward()
+            if step == 2:  # torch's own norm helper over the layout ([Note: global gradient norm])
+                grads = [p.grad for p in wrapped.parameters() if p.grad is not None]
+                probe["norms"] = (torch.nn.utils.get_total_norm(grads).item(), wrapped.clip_grad_norm_(1e30).item())
             if step == 1:
                 probe["counts"] = dict(counter.counts)
                 probe["node_copy_bytes_after_backward"] = wrapped._scheduler.lifecycle.node_copy_bytes

@@ -87,6 +87,11 @@ def test_parity_with_single_process(results, run):
     assert max((state[k] - initial[k]).abs().max().item() for k in ref_state) > 1e-2  # it trained
     modes = set(results[0]["train"][run][2]["unit_modes"].values())
     assert "hpz" in modes
+    # torch's gradient norm helper gives the model's global norm on every layout, the same on every rank
+    norms = [results[rank]["train"][run][2]["norms"] for rank in range(4)]
+    for torch_norm, osdp_norm in norms:
+        assert torch_norm == pytest.approx(osdp_norm, rel=1e-6)
+    assert len({round(n[1], 6) for n in norms}) == 1
 
 
 @pytest.mark.slow
