@@ -96,6 +96,7 @@ the whole gradient instead of this rank's 1/N shard (steady step 260.0 -> 270.9 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import torch
@@ -248,14 +249,19 @@ class _ModuleWithViews:
 def _calls_zero_arg_super(cls: type) -> bool:
     """Whether a method of ``cls`` (or of a base below ``nn.Module``) that a forward may
     call, not a dunder such as ``__init__``, calls ``super()`` with no arguments: its
-    code reads the ``__class__`` cell."""
+    code reads the ``__class__`` cell. A decorated method's own code: a decorator's
+    wrapper (``@torch.no_grad()``, stock Marian's and Pegasus's positional embeddings)
+    reads only its own free variables."""
     for klass in cls.__mro__:
         if klass in (nn.Module, object):
             continue
         for name, value in vars(klass).items():
             if name.startswith("__") and name.endswith("__"):
                 continue
-            code = getattr(getattr(value, "__func__", value), "__code__", None)
+            function = getattr(value, "__func__", value)
+            if callable(function):
+                function = inspect.unwrap(function)
+            code = getattr(function, "__code__", None)
             if code is not None and "__class__" in code.co_freevars:
                 return True
     return False
@@ -462,6 +468,8 @@ def mark_sharded_grads(units: list[ShardUnit]) -> None:
     has accumulated it: a shard (sharded units) or whole on every rank (rep units), for
     [Note: global gradient norm] in grad_norm.py."""
     def hook(param, marker, group):
+        if param.grad is None:  # the compiled backward gave it none (an output not in the loss): as eager
+            return
         setattr(param.grad, marker, True)
         param.grad._osdp_group = group
 
