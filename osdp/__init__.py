@@ -24,6 +24,7 @@ _EXPORTS = {
     "OSDP": "osdp.entry",
     "MixedPrecision": "osdp.runtime.mixed_precision",
     "GradScaler": "osdp.grad_scaler",
+    "init_by_submodel": "osdp.runtime.materialize",
     "CompileConfig": "osdp.runtime.compile_config",
     "RuntimeOptions": "osdp.runtime.options",
     "RuntimeConfig": "osdp.contract",

@@ -153,6 +153,28 @@ class MetaInit:
                     _swap_in(p, torch.empty_like(p, device="meta"))
 
 
+def init_by_submodel(model: nn.Module, method: str = "_init_weights"):
+    """A ``param_init_fn`` for a model built on the meta device that initializes each
+    module as Hugging Face's ``initialize_weights`` does: with ``method`` of the nearest
+    module around it (itself included) that has one. A composite model (Llava: a CLIP
+    vision tower inside a Llama model) holds sub-models whose own ``_init_weights``
+    initialize their modules; the outer model's alone leaves theirs unset (found by a
+    helper: Llava's ``class_embedding``, refused at wrap as built on meta and never set)."""
+    if not callable(getattr(model, method, None)):
+        raise OSDPError(f"{type(model).__name__} has no {method}() to initialize its modules with")
+    init_of: dict[int, object] = {}
+
+    def walk(module: nn.Module, init) -> None:
+        own = getattr(module, method, None)
+        init = own if callable(own) else init
+        init_of[id(module)] = init
+        for child in module.children():
+            walk(child, init)
+
+    walk(model, None)
+    return lambda module: init_of[id(module)](module)
+
+
 # ---- other values than a fresh initialization: a model's skeleton and where its values come from
 def meta_skeleton(model: nn.Module) -> nn.Module:
     """A copy of ``model`` whose parameters and buffers are on the meta device (ties

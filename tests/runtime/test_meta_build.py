@@ -152,3 +152,51 @@ def test_a_buffer_set_by_param_init_fn_is_kept():
 
     wrapped = osdp.OSDP(model, param_init_fn=init)
     assert torch.equal(wrapped.module.table, torch.arange(4.0) * 2)
+
+
+class _Tower(nn.Module):
+    """A sub-model with its own initialization (as Llava's CLIP vision tower)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.class_embedding = nn.Parameter(torch.empty(4))  # only _init_weights sets it
+
+    def _init_weights(self, module):
+        for p in module.parameters(recurse=False):
+            p.fill_(2.0)
+
+
+class _Composite(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.tower = _Tower()
+        self.head = nn.Linear(4, 3)
+
+    def _init_weights(self, module):
+        if isinstance(module, nn.Linear):
+            module.weight.fill_(1.0)
+            module.bias.fill_(0.0)
+
+    def forward(self, x):
+        return self.head(self.tower.proj(x) + self.tower.class_embedding)
+
+
+@single
+def test_a_composite_model_on_meta_is_initialized_by_each_submodels_init():
+    """The outer model's _init_weights alone left the sub-model's own parameter unset
+    (refused: built on meta and never set); init_by_submodel gives each module the
+    _init_weights of the nearest module around it, as Hugging Face's initialize_weights."""
+    with torch.device("meta"):
+        outer_only = _Composite()
+    with pytest.raises(OSDPError, match=r"'class_embedding' of 'tower'.*left it unset"):
+        osdp.OSDP(outer_only, param_init_fn=outer_only._init_weights)
+    with torch.device("meta"):
+        model = _Composite()
+    wrapped = osdp.OSDP(model, param_init_fn=osdp.init_by_submodel(model))
+    state = wrapped.full_state_dict()
+    assert torch.equal(state["tower.proj.weight"], torch.full((4, 4), 2.0))
+    assert torch.equal(state["tower.class_embedding"], torch.full((4,), 2.0))
+    assert torch.equal(state["head.weight"], torch.ones(3, 4)) and torch.equal(state["head.bias"], torch.zeros(3))
+    with pytest.raises(OSDPError, match=r"Linear has no _init_weights\(\)"):
+        osdp.init_by_submodel(nn.Linear(2, 2))
