@@ -17,7 +17,7 @@ from .checkpoint import full_state_dict as gathered_state_dict
 from .errors import ConfigError, OSDPError, PlanMismatchError
 from .memtrack import cpu_allocator_window, resident_tensors
 from .planner.calibration import format_report
-from .planner.inputs import argument_tensors, sample_shapes
+from .planner.inputs import argument_tensors, forward_signature, sample_shapes
 from .planner.plan import plan_from_arg
 from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
@@ -245,6 +245,7 @@ class ShardedModel(nn.Module):
         self._run = run
         # auto mode's example inputs, per argument the shape of one sample (_check_batch)
         self.planned_sample_shapes: dict[str, tuple[int, ...]] | None = None
+        self._forward_signature = forward_signature(module)  # the model's own, before any swap
 
     def _init_comm(self, module, group, config, options: RuntimeOptions):
         """The comm context; every rank must have resolved the same configuration."""
@@ -517,11 +518,11 @@ class ShardedModel(nn.Module):
             )
         planned = self.planned_sample_shapes
         if planned:  # auto mode: planned for samples of the example's size
-            for name, shape in sample_shapes(args, kwargs).items():
+            for name, shape in sample_shapes(self._forward_signature, args, kwargs).items():
                 example = planned.get(name)
                 if example is not None and len(example) == len(shape) and any(
                         s > e for s, e in zip(shape, example)):
-                    where = f"argument {name}" if name.isdigit() else f"{name}="
+                    where = f"argument {name}" if name.isdigit() else repr(name)
                     raise OSDPError(
                         f"{where}: samples of shape {shape} are larger than the example's {example}, which auto "
                         "mode planned memory for (a longer sequence holds more activations: the plan's memory "

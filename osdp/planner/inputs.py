@@ -72,6 +72,8 @@ called directly keep rule 3.
 """
 from __future__ import annotations
 
+import inspect
+
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple
@@ -145,11 +147,40 @@ def argument_tensors(args, kwargs) -> list[torch.Tensor]:
     return [v for v in tree_leaves((tuple(args), dict(kwargs))) if isinstance(v, torch.Tensor)]
 
 
-def sample_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
-    """Per tensor argument with a batch dimension (its position, or its keyword), the
-    shape of one sample: its shape past dim 0."""
-    named = [(str(i), v) for i, v in enumerate(args)] + list(kwargs.items())
-    return {name: tuple(v.shape[1:]) for name, v in named if isinstance(v, torch.Tensor) and v.dim() > 0}
+def forward_signature(module) -> inspect.Signature | None:
+    """The signature of ``module``'s forward (None where it has none to read)."""
+    try:
+        return inspect.signature(module.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def sample_shapes(signature: inspect.Signature | None, args, kwargs) -> dict[str, tuple[int, ...]]:
+    """Per tensor with a batch dimension among a call's arguments, named by the
+    parameter of the forward's ``signature`` it binds to (``model(ids)`` and
+    ``model(input_ids=ids)`` alike; its position where it cannot bind them) and its place in a dict,
+    list or tuple argument (``batch.input_ids``, ``inputs[0]``), the shape of one sample:
+    its shape past dim 0."""
+    try:
+        named = dict(signature.bind_partial(*args, **kwargs).arguments)
+    except (AttributeError, TypeError):  # no signature, or one these arguments do not fit
+        named = {**{str(i): v for i, v in enumerate(args)}, **kwargs}
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def visit(path: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            if value.dim() > 0:
+                shapes[path] = tuple(value.shape[1:])
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(f"{path}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(f"{path}[{i}]", item)
+
+    for name, value in named.items():
+        visit(name, value)
+    return shapes
 
 
 def as_example_inputs(example_inputs) -> ExampleInputs:

@@ -172,8 +172,15 @@ def test_auto_mode_refuses_samples_larger_than_the_examples(tmp_path):
     model = osdp.OSDP(TiedTransformer(vocab, seq), memory_limit="64MiB", example_inputs=(tokens,),
                       auto_kwargs=dict(calibrate=False, batches=(4,), repeats=1, progress=False,
                                        cache_dir=str(tmp_path)))
-    assert model.planned_sample_shapes == {"0": (8,)}
+    name = next(iter(model.planned_sample_shapes))  # the forward's first parameter
+    assert model.planned_sample_shapes == {name: (8,)}
     model(tokens[:, :5]).sum().backward()
-    with pytest.raises(OSDPError, match=r"argument 0: samples of shape \(16,\) are larger than the example's \(8,\)"):
-        model(torch.randint(0, vocab, (4, 16)))
-    model(tokens).sum().backward()  # the refused step left nothing behind
+    longer = torch.randint(0, vocab, (4, 16))
+    # positional or by keyword, as the example was given or not (a helper found the
+    # check keyed by position, so model(ids) against example_inputs={"input_ids": ...}
+    # passed unchecked)
+    for call in (lambda: model(longer), lambda: model(**{name: longer})):
+        with pytest.raises(OSDPError, match=rf"'{name}': samples of shape \(16,\) are larger than the example's "
+                                            r"\(8,\)"):
+            call()
+    model(tokens).sum().backward()  # the refused steps left nothing behind
