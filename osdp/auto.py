@@ -27,6 +27,7 @@ from .planner.planner import make_plan
 from .profiler import profile
 from .planner.uniform_plan import uniform_plan
 from .profiler import TrialPool, measure_plans
+from .profiler.plans import forked_rng
 from .rank_agreement import check_same_plan, decide_on_rank0, is_rank0
 from .planner.calibration import Measurement
 from .planning_budget import (DEFAULT_BUDGET_S, MIN_SHARE, PROFILE_SHARE, PlanningBudget, predicted_optimizer_step_s,
@@ -151,7 +152,7 @@ def _state_kept(model):
     (dropout) are put back as they were."""
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
-        with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+        with forked_rng():
             yield
     finally:
         with torch.no_grad():
@@ -160,7 +161,7 @@ def _state_kept(model):
 
 
 def _forked_holder(model, process_group, layout, mixed_precision, param_init_fn):
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else []):
+    with forked_rng():
         return value_holder(model, process_group, layout, mixed_precision, param_init_fn)
 
 

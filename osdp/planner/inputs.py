@@ -73,7 +73,6 @@ called directly keep rule 3.
 from __future__ import annotations
 
 import inspect
-
 import logging
 from collections.abc import Mapping
 from typing import Any, Callable, NamedTuple

@@ -51,6 +51,12 @@ from ..runtime.state_dict import ShardValues
 __all__ = ["TrialPool", "measure_plan", "measure_plans"]
 
 
+def forked_rng():
+    """``torch.random.fork_rng`` over the CPU's and the current CUDA device's streams:
+    what runs inside draws nothing from the caller's."""
+    return torch.random.fork_rng(devices=[torch.cuda.current_device()] if torch.cuda.is_available() else [])
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -166,10 +172,9 @@ def measure_plans(module, plans, example_inputs, *, loss_fn=None, steps: int = 3
     own = pool is None
     if own:
         pool = TrialPool()
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     out = []
     try:
-        with torch.random.fork_rng(devices=devices):
+        with forked_rng():
             for plan in plans:
                 def make(source, plan=plan):
                     return _Trial(module, plan, example_inputs, loss_fn, process_group, layout, options, source)

@@ -114,6 +114,7 @@ from .compiled_regions import (RegionClasses, compile_each, inside_any, region_p
                                with_own_code)
 from .compiled_rep_grads import ReplicaGradBucket
 from .foreign_reads import FreedWeight
+from .grad_norm import mark_sharded
 from .modes import Mode
 from .shard_unit import ShardUnit
 
@@ -413,8 +414,7 @@ def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...])
                     # (a parent computing with its child's weight) is refused naming the leaf
                     # that works, where this rank's piece failed on its shape deep inside
                     # dynamo ([Note: weights read outside their unit] in foreign_reads.py)
-                    name = f"{path}.{attr}" if path else attr
-                    module.__dict__[attr] = FreedWeight(unit.views[i], unit, name, path)
+                    module.__dict__[attr] = FreedWeight(unit.views[i], unit, path, attr)
         runner = (LeafUnits if path in built.leaves else ModuleUnits)(
             [(compiled(u), slots) for u, slots in entries], _base_forward(module), stand_in_class(type(module)))
         _swap_class(module, runner, classes)
@@ -467,19 +467,18 @@ def mark_sharded_grads(units: list[ShardUnit]) -> None:
     """Mark each gradient as the eager runtime does when it hands one out, once autograd
     has accumulated it: a shard (sharded units) or whole on every rank (rep units), for
     [Note: global gradient norm] in grad_norm.py."""
-    def hook(param, marker, group):
+    def hook(param, unit):
         if param.grad is None:  # the compiled backward gave it none (an output not in the loss): as eager
             return
-        setattr(param.grad, marker, True)
-        param.grad._osdp_group = group
+        if unit.replicated:
+            param.grad._osdp_replicated = True
+        else:
+            mark_sharded(param.grad, unit.norm_group)
 
-    marked = {}  # a split parameter belongs to all of its slices' units: once
-    for unit in units:
-        for param in unit.params:
-            marked[id(param)] = (param, "_osdp_replicated" if unit.replicated else "_osdp_sharded", unit.norm_group)
-    for param, marker, group in marked.values():
+    marked = {id(param): (param, unit) for unit in units for param in unit.params}  # a split parameter: once
+    for param, unit in marked.values():
         if param.requires_grad:
-            param.register_post_accumulate_grad_hook(functools.partial(hook, marker=marker, group=group))
+            param.register_post_accumulate_grad_hook(functools.partial(hook, unit=unit))
 
 
 def _base_forward(module: nn.Module):

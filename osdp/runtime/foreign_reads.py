@@ -68,9 +68,11 @@ class FreedWeight(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # operators reach __torch_dispatch__
 
     @staticmethod
-    def __new__(cls, like: torch.Tensor, unit, name: str, module_path: str):
+    def __new__(cls, like: torch.Tensor, unit, module_path: str, attr: str):
+        """``attr`` of the module at ``module_path`` (a leaf's: a dotted path below it)."""
         freed = torch.Tensor._make_wrapper_subclass(cls, like.shape, strides=like.stride(), dtype=like.dtype,
                                                     device=like.device)
+        name = f"{module_path}.{attr}" if module_path else attr
         freed.unit_name, freed.weight_name, freed.module_path = unit.name, name, module_path
         mark(freed, unit, name)  # the first forward's check names the reader ([Note: weights read outside ...])
         return freed

@@ -39,6 +39,12 @@ from ..errors import OSDPError
 _torch_total_norm = _torch_clip._get_total_norm
 
 
+def mark_sharded(grad: torch.Tensor, group) -> None:
+    """Mark ``grad`` as this rank's shard of a gradient whose norm is taken over ``group``."""
+    grad._osdp_sharded = True
+    grad._osdp_group = group
+
+
 def check_norm_args(max_norm, norm_type) -> float:
     """``norm_type`` as a float; OSDPError for values that are not a usable norm."""
     if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0 or math.isinf(max_norm):

@@ -19,7 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from .foreign_reads import FreedWeight, mark
 from .modes import UseState
-from .scheduler import Scheduler, Use
+from .scheduler import Scheduler, Use, backward_pass
 from .shard_unit import ShardUnit
 
 
@@ -65,9 +65,9 @@ class _PreBackward:
         self.fired_in: int | None = None  # the graph task it last fired in
 
     def __call__(self, grad):
-        backward_pass = torch._C._current_graph_task_id()
-        if backward_pass != self.fired_in:
-            self.fired_in = backward_pass
+        current = backward_pass()
+        if current != self.fired_in:
+            self.fired_in = current
             for use in self.uses:
                 self.scheduler.pre_backward(use)
         return None
@@ -96,8 +96,8 @@ class ModuleBinding:
         # per target, what its attribute holds while the module does not run: nothing for
         # a replicated unit (whole weights), else a FreedWeight ([Note: weights read
         # outside their unit] in foreign_reads.py)
-        self._freed = [[None if unit.replicated else FreedWeight(unit.views[i], unit, name, path)
-                        for _, _, i, name in targets] for (unit, _), targets in zip(entries, self._targets)]
+        self._freed = [[None if unit.replicated else FreedWeight(unit.views[i], unit, path, attr) for attr, i in attrs]
+                       for unit, attrs in entries]
         self.scheduler = scheduler
         self.mark_reads = False  # [Note: weights read outside their unit] (foreign_reads.py)
         self._stack: list[list[Use]] = []

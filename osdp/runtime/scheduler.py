@@ -113,13 +113,14 @@ class Use:
     backward_pass: int | None = None  # the graph task its backward ran in ([Note: backward passes through one graph])
 
 
-def _in_autograd_engine() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-def _backward_pass() -> int:
-    """The graph task of the backward running now (-1: none)."""
+def backward_pass() -> int:
+    """The graph task of the backward running now (-1: none): [Note: backward passes
+    through one graph]."""
     return torch._C._current_graph_task_id()
+
+
+def _in_autograd_engine() -> bool:
+    return backward_pass() != -1
 
 
 def _outside_inference_mode(method):
@@ -274,10 +275,10 @@ class Scheduler:
     def pre_backward(self, use: Use) -> None:
         # a RECOMPUTE use comes here only from a reentrant checkpoint, the one kind that
         # runs the recomputed graph's backward: see [Note: activation checkpointing]
-        if use.state is UseState.BACKWARD or (use.state is UseState.DONE and use.backward_pass == _backward_pass()):
+        # done in this pass, or done without a backward (a use that expected none)
+        if use.state is UseState.BACKWARD or (use.state is UseState.DONE
+                                              and use.backward_pass in (None, backward_pass())):
             return
-        if use.state is UseState.DONE and use.backward_pass is None:
-            return  # no backward was expected (a recompute's use, a use without grad)
         # AWAIT_BACKWARD; or DONE / ABANDONED in an earlier pass: [Note: backward passes
         # through one graph]
         self._enter_backward()
@@ -285,7 +286,7 @@ class Scheduler:
         self._awaiting.pop(use, None)
         self.lifecycle.begin_backward_use(unit, use.state is UseState.AWAIT_BACKWARD, use.needs_weights)
         use.state = UseState.BACKWARD
-        use.backward_pass = _backward_pass()
+        use.backward_pass = backward_pass()
         self._computing_backward[use] = None
         self.prefetch.record_backward_use(unit)
         self.prefetch.gather_for_backward(unit)
@@ -309,7 +310,7 @@ class Scheduler:
         self._computing_backward.pop(use, None)
         self.lifecycle.end_backward_use(unit, was_active, was_awaiting, use.needs_weights)
         use.state = UseState.DONE
-        use.backward_pass = _backward_pass()
+        use.backward_pass = backward_pass()
         if grads is not None and unit.requires_grad:
             self.reducer.add_grads(unit, grads)
         if self.lifecycle.idle(unit) and unit.grad_flat is not None and self.sync_gradients:

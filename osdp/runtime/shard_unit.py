@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from .modes import GatherState, Mode
+from .grad_norm import mark_sharded
 
 # [Note: original parameters]
 # What the optimizer and the user see are the ORIGINAL parameters, by their original
@@ -261,8 +262,7 @@ class ShardUnit:
                 param.grad = piece
             else:
                 param.grad.add_(piece)
-            param.grad._osdp_sharded = True  # see [Note: global gradient norm] in grad_norm.py
-            param.grad._osdp_group = self.norm_group
+            mark_sharded(param.grad, self.norm_group)  # [Note: global gradient norm]
 
     def accumulate_replicated_grad(self, flat: torch.Tensor) -> None:
         """Hand a rep unit's averaged gradient (``numel`` elements, already in the

@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 
 from ..errors import OSDPError
+from .grad_norm import mark_sharded
 from .shard_unit import ShardUnit, local_piece_shape
 
 
@@ -129,8 +130,7 @@ class SplitParams:
         self._unissued = set(range(len(self.units)))
         for param, (lo, n) in zip(self.params, self.ranges):
             grad = self._filling.narrow(0, lo, n).view(param.shape)
-            grad._osdp_sharded = True  # see [Note: global gradient norm]
-            grad._osdp_group = self.units[0].norm_group
+            mark_sharded(grad, self.units[0].norm_group)  # see [Note: global gradient norm]
             param.grad = grad
 
     def accumulate(self, unit: ShardUnit, flat: torch.Tensor) -> None:
@@ -143,8 +143,7 @@ class SplitParams:
         for param, (start, n), offset in zip(unit.params, unit.local_ranges, unit.param_offsets):
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-                param.grad._osdp_sharded = True
-                param.grad._osdp_group = unit.norm_group
+                mark_sharded(param.grad, unit.norm_group)
             param.grad.view(-1).narrow(0, offset, n).add_(flat.narrow(0, start, n))
 
     def abandon(self) -> None:
