@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import sys
@@ -212,6 +213,7 @@ class ShardedModel(nn.Module):
                                                  self._region_classes, self.coalesce_bytes)
                                  if self.compile_config is not None else [])
         mark_lockstep(self.module, self.compiled_regions)  # [Note: ranks in lockstep]
+        _show_forward_signature(self, self._forward_signature)
 
     # the runtime options it was built with (self.options), by their keyword names
     @property
@@ -817,6 +819,26 @@ class ShardedModel(nn.Module):
             layout = build_layout(self.module, self._built, list(self._state_keys))
             self._view = ShardedView(self.module, self._built, self._comm, tuple(self._state_keys), layout)
         return self._view
+
+
+def _show_forward_signature(wrapper: ShardedModel, signature: inspect.Signature | None) -> None:
+    """Make ``inspect.signature(wrapper.forward)`` the wrapped model's: libraries read
+    it to choose what to pass (Hugging Face's Trainer keeps only the dataset columns the
+    forward names; with ``*args, **kwargs`` it drops them all). ``inspect`` reads a
+    method's signature from its class's function, so the wrapper gets a subclass of its
+    own whose forward declares it (as FSDP2's ``fully_shard`` gives each module a class)."""
+    if signature is None:
+        return
+    base = type(wrapper)
+
+    def forward(self, *args, **kwargs):
+        return base.forward(self, *args, **kwargs)
+
+    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
+    forward.__doc__ = base.forward.__doc__
+    wrapper.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
+                                                      "__qualname__": base.__qualname__})
 
 
 def _unique_params(units) -> list[tuple[str, nn.Parameter]]:
