@@ -36,9 +36,10 @@ first candidate: options in index order, variant 0 before 1, the lowest end stat
 An option with held_q, local_bytes and time_s all >= those of another option of the same
 op and variant (ties: the higher index) is dropped first: it can never be strictly better.
 
-The optimizer step's moment (``step_bytes``) is the same for every plan: a problem
-whose step does not fit has no feasible plan, checked once before the DP
-(``_step_fits``), and a plan's peak is the larger of its ops' and the step's.
+The moments after the ops (``step_bytes``: the larger of the end of backward's and the
+optimizer step's) are the same for every plan: a problem where they do not fit has no
+feasible plan, checked once before the DP (``_step_fits``), and a plan's peak is the
+larger of its ops' and theirs.
 
 Work is (ops x variants x reachable states x options); only the reachable range
 [lo, hi] of states is scanned, less the states above the largest one from which the rest

@@ -83,9 +83,10 @@ class SearchProblem:
     static_bytes: float  # sharded states + measured constant: paid whatever the plan
     constant_time_s: float  # optimizer step etc.: paid whatever the plan
     seg_names: tuple[str, ...] = ()
-    # bytes live at the optimizer step, static included: the same for every plan, so a
-    # problem whose step_bytes exceed limit_bytes has no feasible plan, and a plan's
-    # peak is at least step_bytes (cost_model/static.py's [Note: optimizer step moment])
+    # bytes live at the end of backward or at the optimizer step, the larger, static
+    # included: the same for every plan, so a problem whose step_bytes exceed limit_bytes
+    # has no feasible plan, and a plan's peak is at least step_bytes (cost_model/static.py's
+    # [Note: end of backward moment] and [Note: optimizer step moment])
     step_bytes: float = 0.0
 
     @property

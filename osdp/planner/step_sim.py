@@ -153,7 +153,8 @@ class StepSim:
 
 class _Unit:
     __slots__ = ("name", "nbytes", "grad_bytes", "dp", "small", "gather_s", "regather_s", "sharded", "ready_s",
-                 "n_active", "n_await", "n_grad", "has_grad", "deferred", "fpos", "bpos", "hpz", "dtype", "rdtype")
+                 "n_active", "n_await", "n_grad", "has_grad", "deferred", "fpos", "bpos", "hpz", "dtype", "rdtype",
+                 "staging")
 
     def __init__(self, name, nbytes, grad_bytes, dp, small, gather_s, regather_s=None, hpz=False, dtype=0.0,
                  rdtype=0.0):
@@ -171,6 +172,7 @@ class _Unit:
         self.has_grad = self.deferred = False
         self.fpos: list[int] = []
         self.bpos: list[int] = []
+        self.staging: list[float] | None = None  # its coalesced gather's buffer, shared by the group
 
 
 class _RepUnit:
@@ -288,6 +290,7 @@ class _Sim:
         self.compute_t = self.comm_t = 0.0
         self.live: dict[_Unit, None] = {}
         self.live_bytes = self.kept_bytes = 0.0
+        self.staging_bytes = 0.0  # coalesced gathers' buffers not waited for yet ([Note: exact gathers])
         self.reductions: list[float] = []  # end times of reductions in flight, oldest first
         # replicated gradients waiting for their all-reduce, per bucket key (dtype pair)
         self.rep_buckets: dict[tuple, list[_RepUnit]] = {}
@@ -311,7 +314,7 @@ class _Sim:
 
     def _note_gathered(self, st, phase: str | None = None) -> None:
         key = (phase or self.phase, st.op, st.slice)
-        self.gathered_at[key] = max(self.gathered_at.get(key, 0.0), self.live_bytes)
+        self.gathered_at[key] = max(self.gathered_at.get(key, 0.0), self.live_bytes + self.staging_bytes)
 
     # ---- clocks ------------------------------------------------------------------------
     def compute(self, kind: str, what: str, seconds: float) -> None:
@@ -377,6 +380,10 @@ class _Sim:
     def wait(self, u: _Unit) -> None:
         if not u.sharded and u.ready_s > self.compute_t:
             self.stall(u.ready_s, f"all-gather of {u.name}")
+        if u.staging is not None:  # the group's first wait copies every member out of it
+            self.staging_bytes -= u.staging[0]
+            u.staging[0] = 0.0
+            u.staging = None
 
     def free(self, u: _Unit) -> None:
         if u.sharded:
@@ -416,8 +423,12 @@ class _Sim:
         what = ", ".join(g.name for g in group) if self.events is not None else ""
         ready = self.collective("all_gather", what, seconds)
         self.n_gathers += 1
+        staging = [float(sum(g.nbytes for g in group))] if len(group) > 1 else None
+        if staging is not None:  # gathered rank-major into one buffer, copied out at the first wait
+            self.staging_bytes += staging[0]
         for g in group:
             self.start_gather(g, ready)
+            g.staging = staging
 
     def prefetch(self, k: int, start: int) -> None:
         """schedule_rules.prefetch_walk over the still-sharded units from ``start``."""

@@ -20,7 +20,11 @@ the average is over every rank of the layout.
 Small units (see [Note: coalesced small units] in prefetch.py) do not reduce alone:
 their unsharded gradients wait, up to ``coalesce_bytes`` in total, and are reduced in
 one collective, at the latest at the end of the backward pass. The unsharded-gradient
-peak may grow by at most ``coalesce_bytes`` (a constant; default 64 KiB).
+peak may grow by at most ``coalesce_bytes`` (a constant; default 64 KiB), and a group in
+flight holds two copies of its own (the rank-major concatenation and the collective's
+output, ``CommContext.reduce_scatter_coalesced``), made while its gradients are still
+there, which are dropped once they are: the planner prices both moments ([Note: pending
+reduction], [Note: end of backward moment]).
 
 [Note: replicated buckets]
 A ``rep`` unit's gradient (contract.py [Note: replicated units]) is not
@@ -194,7 +198,10 @@ class GradReducer:
                 outs, flats, f"coalesced reduce-scatter of {len(units)} units ({named_units(units)})",
                 members=tuple(u.name for u in units),
             )
-        self._inflight.append(InflightReduce(tuple(units), tuple(outs), tuple(flats), pending, post))
+        # a group's collective reduces its own concatenated copy (which its Pending keeps):
+        # the gradients themselves can go now
+        inputs = tuple(flats) if len(units) == 1 else ()
+        self._inflight.append(InflightReduce(tuple(units), tuple(outs), inputs, pending, post))
         for _ in range(waits_after_issue(len(self._inflight), self.max_inflight)):
             self._finish_oldest()
 

@@ -1,5 +1,5 @@
 """``evaluate``: one concrete plan's predicted step time and peak bytes (``Estimate``),
-the peak being at an op or at the optimizer step (docs/design/cost_model.md's [Note:
+the peak being at an op, at the end of backward or at the optimizer step (docs/design/cost_model.md's [Note:
 time model] and [Note: memory model])."""
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from .template import ProblemTemplate
 from .timing import option_times, template_optimizer_s
 
 OPTIMIZER_STEP = "optimizer step"  # Estimate.peak_op when the step is the peak
+END_OF_BACKWARD = "end of backward"  # ... when the end of backward is ([Note: end of backward moment])
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,9 @@ def evaluate(
     total_s = template_optimizer_s(t) + float(sum(times[o] for o in option_index))
     peak_i, breakdown = max(rows, key=lambda row: sum(row[1].values()))
     peak_op = t.desc.ops[peak_i].name
-    if sum(t.step_bytes.values()) > sum(breakdown.values()):  # [Note: optimizer step moment]
-        peak_op, breakdown = OPTIMIZER_STEP, dict(t.step_bytes)
+    for moment, parts in ((OPTIMIZER_STEP, t.step_bytes), (END_OF_BACKWARD, t.end_bytes)):  # the fixed moments
+        if sum(parts.values()) > sum(breakdown.values()):
+            peak_op, breakdown = moment, dict(parts)
     peak = sum(breakdown.values())
     return Estimate(
         step_s=float(total_s),

@@ -15,7 +15,7 @@ from ...contract import is_small_unit
 from ..model_desc import ModelDesc
 from ..device import DeviceInfo
 from .prefetch import _forward_prefetch
-from .replicate import rep_is_direct
+from .replicate import rep_is_direct, rep_op_mask
 from .settings import PlannerSettings, _accumulators_static, layout_collectives, reshard_choices, slice_choices
 from .timing import _shared_latency_s, split_efficiency
 from .unit_bytes import element_bytes, fused_logits_bytes, gathered_bytes, reduced_bytes
@@ -65,7 +65,7 @@ def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) ->
 
 
 def pending_reduce_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
-                         rep: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                         rep: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """[Note: pending reduction] Per op, (the unsharded gradient bytes of other units that
     are live while the op's backward runs, the sharded outputs the reduce-scatter issued
     at its backward allocates).
@@ -85,13 +85,46 @@ def pending_reduce_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     model without it). Where gradients persist between steps (``grads_set_to_none``
     False) an output is added into ``.grad`` and freed when its reduction is waited
     for, so the one in flight is counted too; set to None, it becomes the sharded
-    gradient ``sharded_grads_after`` counts. Returns (pending, outputs, in-flight
-    outputs not counted elsewhere: a split op's first slice meets them)."""
+    gradient ``sharded_grads_after`` counts. A group's reduce-scatter makes two copies
+    beside its gradients when it is issued and holds them, not the gradients, until it is
+    waited for (``_coalesced_copies``); the small units still waiting when backward ends
+    are reduced then ([Note: end of backward moment] in end_of_backward.py).
+    Returns (pending, outputs, in-flight outputs not counted elsewhere: a split op's
+    first slice meets them)."""
+    walk = reduction_walk(desc, device, settings, rep)
+    return walk.pending, walk.outputs, walk.flight_out
+
+
+class ReductionsAtEnd(NamedTuple):
+    """The sharded units' reductions when backward's last op is done: the one in flight
+    (its gradients and copies, and its sharded outputs) at its smallest, its op split
+    into the most slices it may have (only its last slice is then in flight), and the
+    small units' gradients still waiting with their sharded outputs
+    (``pending_reduce_bytes``)."""
+
+    in_flight: float
+    in_flight_out: float
+    waiting: float
+    waiting_out: float
+
+
+class ReductionWalk(NamedTuple):
+    pending: np.ndarray  # pending_reduce_bytes's three
+    outputs: np.ndarray
+    flight_out: np.ndarray
+    sharded_outputs: np.ndarray  # per op, the sharded outputs its backward's reduction allocates (a group's all)
+    end: ReductionsAtEnd
+
+
+def reduction_walk(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings, rep: np.ndarray) -> ReductionWalk:
+    """The reductions of the sharded units' gradients played in backward order
+    ([Note: pending reduction])."""
     n = layout_collectives(device, settings).shard_ranks
     persist = not settings.grads_set_to_none
-    pending, outputs, flight_out = (np.zeros(len(desc.ops)) for _ in range(3))
+    pending, outputs, flight_out, sharded_outputs = (np.zeros(len(desc.ops)) for _ in range(4))
     owners = {group[0] for group in tied_groups(desc)}
     in_flight, in_flight_out, waiting, waiting_out = 0.0, 0.0, 0.0, 0.0
+    least = 1  # the slices the op of the reduction in flight may have at most
     for i in range(len(desc.ops) - 1, -1, -1):
         pending[i] = in_flight + waiting
         flight_out[i] = in_flight_out if persist else 0.0
@@ -100,14 +133,38 @@ def pending_reduce_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
             continue  # no reduction of its own issued here
         grad = reduced_bytes(op, settings)
         out = math.ceil(op.param_count / n) * element_bytes(op)
+        copies, slices = 0.0, 1 if i in owners else max(slice_choices(op, settings))
         if i not in owners and is_small_unit(gathered_bytes(op, settings), settings.coalesce_bytes, is_slice=False):
             waiting, waiting_out = waiting + grad, waiting_out + out
             if waiting < settings.coalesce_bytes:
                 continue
             grad, out, waiting, waiting_out = waiting, waiting_out, 0.0, 0.0
-        outputs[i] = out + flight_out[i]
-        in_flight, in_flight_out = grad, out
-    return pending, outputs, flight_out
+            copies, slices = _coalesced_copies(grad, out, n), 1
+        outputs[i] = out + flight_out[i] + copies
+        sharded_outputs[i] = out
+        # a group in flight holds its copies, its gradients dropped once they are made
+        in_flight, in_flight_out, least = copies or grad, out, slices
+    end = ReductionsAtEnd(in_flight / least, in_flight_out / least, waiting, waiting_out)
+    return ReductionWalk(pending, outputs, flight_out, sharded_outputs, end)
+
+
+def sharded_grads_after(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> np.ndarray:
+    """Per op i, bytes of the sharded gradients alive while op i runs: with gradients
+    set to None between steps, the outputs of the reductions issued before its backward,
+    by the ops after it (a small unit's once its group is issued: before, its
+    gradient waits unsharded, which ``pending`` counts)."""
+    if not settings.grads_set_to_none:
+        return np.zeros(len(desc.ops))
+    issued = reduction_walk(desc, device, settings, rep_op_mask(desc, settings)).sharded_outputs
+    return np.concatenate((np.cumsum(issued[::-1])[::-1][1:], [0.0]))
+
+
+def _coalesced_copies(grads: float, outputs: float, shard_ranks: int) -> float:
+    """Bytes a coalesced reduce-scatter of ``grads`` (sharded outputs ``outputs``) makes
+    beside the gradients and holds until it is waited for: their rank-major
+    concatenation and the collective's output, copied into each unit's afterwards
+    (``CommContext.reduce_scatter_coalesced``); nothing on one rank."""
+    return grads + outputs if shard_ranks > 1 else 0.0
 
 
 def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i,

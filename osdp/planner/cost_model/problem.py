@@ -103,7 +103,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
         static_bytes=float(sum(t.static.values())),
-        step_bytes=float(sum(t.step_bytes.values())),
+        step_bytes=float(max(sum(t.step_bytes.values()), sum(t.end_bytes.values()))),  # the fixed moments
         constant_time_s=template_optimizer_s(t),
         seg_names=tuple(seg.name for seg in t.segments),
     )

@@ -108,6 +108,27 @@ def replicated_grads_bytes(desc: ModelDesc, settings: PlannerSettings, rep: np.n
     return alive
 
 
+def replicated_grads_at_end(desc: ModelDesc, settings: PlannerSettings, rep: np.ndarray) -> tuple[float, float]:
+    """The rep units' gradient bytes when backward ends ([Note: end of backward moment] in
+    end_of_backward.py), as ``replicated_grads_bytes`` counts them: before the last bucket is
+    issued (its buffers filling unless it filled up at its last unit's backward) and
+    once it is (issuing waits for the oldest beyond MAX_INFLIGHT_REPLICATE_BUCKETS,
+    then the staging copy is made)."""
+    buckets = replicate_buckets(desc, settings, rep)
+    if not buckets:
+        return 0.0, 0.0
+    per = {i: _rep_grad_sizes(desc.ops[i], settings) for bucket in buckets for i in bucket}
+    sizes = [[sum(per[i][f] for i in bucket) for f in range(3)] for bucket in buckets]  # buffer, flight, done
+
+    def alive(issued: int, filling: float) -> float:
+        oldest = max(0, issued - MAX_INFLIGHT_REPLICATE_BUCKETS)
+        return sum(s[2] for s in sizes[:oldest]) + sum(s[1] for s in sizes[oldest:issued]) + filling
+
+    last_full = group_full(sum(reduced_bytes(desc.ops[i], settings) for i in buckets[-1]), REPLICATE_BUCKET_BYTES)
+    before = alive(len(buckets), 0.0) if last_full else alive(len(buckets) - 1, sizes[-1][0])
+    return before, alive(len(buckets), 0.0)
+
+
 def _rep_grad_sizes(op: OpDesc, settings: PlannerSettings) -> tuple[float, float, float]:
     """A rep unit's gradient bytes: (its buffer while the bucket fills, buffer + staging
     + a new ``.grad`` while the bucket is in flight, its ``.grad`` once the bucket is done)."""

@@ -1,11 +1,11 @@
-"""Bytes that do not depend on the search's choices: the static states every plan pays,
-the sharded gradients alive at each op, and the optimizer step's moment
-(docs/design/cost_model.md's [Note: memory model]; [Note: optimizer step moment] here)."""
+"""Bytes that do not depend on the search's choices: the static states every plan pays
+and the optimizer step's moment
+(docs/design/cost_model.md's [Note: memory model]; [Note: optimizer step moment] here;
+the other moment after the ops' is end_of_backward.py's)."""
 from __future__ import annotations
 
 import math
 
-import numpy as np
 
 from ..model_desc import ModelDesc
 from ..device import DeviceInfo
@@ -107,15 +107,3 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     parts["optimizer_temporaries"] = {"per_tensor": per_tensor, "foreach": foreach, "none": 0.0,
                                       "auto": max(per_tensor, foreach)}[settings.optimizer_temporaries]
     return parts
-
-
-def sharded_grads_after(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> np.ndarray:
-    """Per op i, bytes of the sharded gradients alive while op i runs: with gradients
-    set to None between steps, those of the ops after i (backward has reduced them)."""
-    if not settings.grads_set_to_none:
-        return np.zeros(len(desc.ops))
-    n = layout_collectives(device, settings).shard_ranks
-    rep = rep_op_mask(desc, settings)  # a rep unit's gradient: replicated_grads_bytes
-    shard = np.array([0.0 if rep[i] else math.ceil(op.param_count / n) * element_bytes(op)
-                      for i, op in enumerate(desc.ops)])
-    return np.concatenate((np.cumsum(shard[::-1])[::-1][1:], [0.0]))

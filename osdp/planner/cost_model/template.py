@@ -11,12 +11,13 @@ import numpy as np
 from ..model_desc import ModelDesc
 from ..device import DeviceInfo
 from ..search_problem import SearchProblem
-from .options import OptionRow, _option_rows, _rep_row, _rows_key, pending_reduce_bytes
+from .options import OptionRow, _option_rows, _rep_row, _rows_key, pending_reduce_bytes, sharded_grads_after
 from .prefetch import _ahead_bytes, prefetch_window
 from .problem import _problem_at
 from .replicate import rep_op_mask, replicate_reduce_s, replicated_grads_bytes
 from .settings import PlannerSettings
-from .static import optimizer_step_bytes, sharded_grads_after, static_bytes
+from .end_of_backward import end_of_backward_bytes
+from .static import optimizer_step_bytes, static_bytes
 from .timing import _compute_fit, coalesced_latency_shares
 from .unit_bytes import activation_scale, fused_logits_bytes
 from .units import tied_grads_bytes, tied_groups
@@ -99,6 +100,8 @@ class ProblemTemplate:
     rep_grads: np.ndarray = field(repr=False, default=None)
     # the optimizer step's bytes by category, static included ([Note: optimizer step moment])
     step_bytes: dict = field(repr=False, default_factory=dict)
+    # the end of backward's, the same way ([Note: end of backward moment])
+    end_bytes: dict = field(repr=False, default_factory=dict)
 
     @property
     def rep_units(self) -> tuple[str, ...]:
@@ -216,6 +219,7 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         rep=rep,
         rep_grads=replicated_grads_bytes(desc, settings, rep),
         step_bytes=optimizer_step_bytes(desc, device, settings),
+        end_bytes=end_of_backward_bytes(desc, device, settings),
     )
 
 
