@@ -7,6 +7,8 @@ import it one way; their names are re-exported here, where callers import them f
 ``describe_gpt(config)`` builds the same description analytically."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch.nn as nn
 
 from .fake_describe import describe_fake, has_meta_parameters
@@ -50,5 +52,18 @@ def describe(
     settings = dict(name=name, blocks=blocks, batch_size=batch_size, measure_backward=measure_backward,
                     loss_fn=loss_fn, leaf_modules=leaf_modules)
     if fake or (fake is None and has_meta_parameters(model)):
-        return describe_fake(model, example_inputs, **settings)
-    return describe_tensors(model, example_inputs, **settings)
+        desc = describe_fake(model, example_inputs, **settings)
+    else:
+        desc = describe_tensors(model, example_inputs, **settings)
+    return replace(desc, buffer_bytes=float(buffer_bytes(model)))
+
+
+def buffer_bytes(model: nn.Module) -> int:
+    """Bytes of ``model``'s buffers, each storage once (on meta too: from their shapes).
+    The runtime leaves buffers whole on every rank; GPT-Neo's causal masks are 4 MiB a
+    layer at 2048 positions."""
+    sizes = {}
+    for buffer in model.buffers():
+        key = id(buffer) if buffer.is_meta else buffer.untyped_storage()._cdata
+        sizes[key] = buffer.numel() * buffer.element_size() if buffer.is_meta else buffer.untyped_storage().nbytes()
+    return sum(sizes.values())

@@ -122,6 +122,8 @@ class ModelDesc:
     ops: tuple[OpDesc, ...]
     blocks: tuple[BlockDesc, ...] = ()
     act_constant_bytes: float = 0.0  # saved bytes independent of the batch (masks, ...)
+    # the model's buffers (every rank holds them whole: causal masks, position tables)
+    buffer_bytes: float = 0.0
     # work not attributed to a unit of its own, counted in totals for reference
     meta: dict = field(default_factory=dict, compare=False)
 
@@ -163,6 +165,7 @@ class ModelDesc:
             "ops": [asdict(op) for op in self.ops],
             "blocks": [asdict(b) for b in self.blocks],
             "act_constant_bytes": self.act_constant_bytes,
+            "buffer_bytes": self.buffer_bytes,
         }
 
     @classmethod
@@ -172,6 +175,7 @@ class ModelDesc:
             ops=tuple(OpDesc(**op) for op in data["ops"]),
             blocks=tuple(BlockDesc(**b) for b in data.get("blocks", ())),
             act_constant_bytes=float(data.get("act_constant_bytes", 0.0)),
+            buffer_bytes=float(data.get("buffer_bytes", 0.0)),
         )
 
 
@@ -507,7 +511,9 @@ def describe_tensors(
     own_params = {path: [p for p in ps if owner_of[id(p)] == path] for path, ps in unit_tensors.items()}
     if not units:
         raise OSDPError(f"{type(model).__name__} has no parameters: there is nothing to shard or plan")
-    param_ptrs = {storage_key(p) for p in model.parameters()}
+    # what the model holds, not its activations: a saved view of a buffer (a causal mask's
+    # slice) is the buffer, which ModelDesc.buffer_bytes counts
+    param_ptrs = {storage_key(t) for t in (*model.parameters(), *model.buffers())}
     block_names = transformer_blocks(model) if blocks is None else list(blocks)
     block_names = [b for b in block_names if not any(b.startswith(leaf + ".") for leaf in leaves)]
     known = dict(model.named_modules())

@@ -91,6 +91,8 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant,
         "sharded_states": sum(t.static.get(k, 0.0) for k in ("sharded_params", "sharded_grads", "optimizer_state")),
         "constant": t.static["constant"],
     }
+    if "buffers" in t.static:
+        static_parts["buffers"] = t.static["buffers"]
     replicated = [k for k in t.static if k.startswith("replicated_")]
     if replicated:  # [Note: rep mode]
         static_parts["replicated_states"] = sum(t.static[k] for k in replicated)

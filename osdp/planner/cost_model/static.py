@@ -17,7 +17,8 @@ LOSS_SCALARS_BYTES = 8.0  # the loss and the gradient backward starts from: two 
 
 
 def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
-    """Bytes every plan pays: 1/N shards of params, grads and optimizer state (padded),
+    """Bytes every plan pays: the model's buffers (whole on every rank: ``buffers``, when
+    it has any), 1/N shards of params, grads and optimizer state (padded),
     and with gradient accumulation synced only at the last micro-batch, the unsharded
     gradient accumulators of every unit. Units that are ``rep`` under ``settings`` hold
     all of theirs instead ([Note: rep mode]): ``replicated_*``, present only when some are."""
@@ -46,6 +47,8 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
         "constant": float(device.constant_bytes) + desc.act_constant_bytes * activation_scale(desc, settings)
         + LOSS_SCALARS_BYTES,
     }
+    if desc.buffer_bytes:
+        result["buffers"] = float(desc.buffer_bytes)  # whole on every rank
     if settings.accumulation_steps > 1 and settings.gradient_sync == "last":
         result["grad_accumulators"] = accumulators
     if not settings.grads_set_to_none:
