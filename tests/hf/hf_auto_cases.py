@@ -59,6 +59,7 @@ class Case:
     example: object = lambda x: {"input_ids": x, "labels": x}
     loss_fn: object = None
     settings: dict = field(default_factory=dict)  # PlannerSettings fields
+    mixes: bool = True  # the plan at memory_limit holds both dp and zdp units
 
 
 CASES = [
@@ -74,9 +75,13 @@ CASES = [
     # another window) planned every unit dp
     Case("llama_labels", "llama", 139_000),
     # a tuple output (return_dict=False, no labels): the profiler's loss is loss_fn's;
-    # zdp 109 kB, dp 131 kB (logsumexp backward holds more than the cross-entropy)
-    Case("gpt2_tuple_loss_fn", "gpt2", 135_000, example=lambda x: {"input_ids": x, "return_dict": False},
-         loss_fn=_first_logits),
+    # zdp 126.7 kB, dp 135.2 kB (logsumexp backward holds more than the cross-entropy).
+    # Planned all zdp below all dp's peak: under the slow link a dp unit pays only where
+    # it takes a whole coalesced group's regather away, and since the model prices a
+    # group's copies (zdp rose from 121.5 kB) mixes were left a window of 0.3 kB; the
+    # cases above mix
+    Case("gpt2_tuple_loss_fn", "gpt2", 130_000, example=lambda x: {"input_ids": x, "return_dict": False},
+         loss_fn=_first_logits, mixes=False),
 ]
 
 
