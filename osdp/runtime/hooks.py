@@ -165,6 +165,7 @@ class ModuleBinding:
 
     def _post_forward(self, module, args, kwargs, output):
         uses = self._stack.pop()
+        output = _off_gathered(output, uses)
         needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         grad_flows = torch.is_grad_enabled() and bool(needs_grad)
         expects_backward = grad_flows and uses[0].state is not UseState.RECOMPUTE
@@ -177,6 +178,30 @@ class ModuleBinding:
             for tensor in needs_grad:
                 tensor.register_hook(hook)
         return output
+
+
+def _off_gathered(output, uses):
+    """``output`` with each tensor that is a view of a gathered buffer of ``uses`` (a
+    module returning its own parameter, or a view of it: Perceiver's latents, ``return
+    self.latents.expand(b, -1, -1)``) replaced by a copy: the buffer is freed (zdp) or
+    reused when the module's forward ends, and a view of it read later would read freed
+    storage (a segmentation fault) or another unit's weights. The copy is differentiable,
+    so the gradient still reaches the parameter through the gathered view."""
+    ptrs = set()
+    for use in uses:
+        unit = use.unit
+        if not unit.replicated:
+            storage = unit.gathered.untyped_storage()
+            if storage.size():
+                ptrs.add(storage.data_ptr())
+    if not ptrs:
+        return output
+    flat, spec = tree_flatten(output)
+    hit = False
+    for i, t in enumerate(flat):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs:
+            flat[i], hit = t.clone(), True
+    return tree_unflatten(flat, spec) if hit else output
 
 
 def _hook_inputs(scheduler, uses, args, kwargs):
