@@ -73,6 +73,11 @@ class _SplitMatmulFn(torch.autograd.Function):
         return (dx, None, None) + (None,) * module.g
 
 
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The accumulator of the slices' sums: fp32, or the input's dtype where it is wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _bias_grad(dy_cols: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
     if not accumulate and out.dtype == dy_cols.dtype:
         torch.sum(dy_cols, 0, out=out)  # straight into the gradient buffer
@@ -121,8 +126,9 @@ class MatmulSplit(SplitModule):
     def new_output(self, x2: torch.Tensor) -> torch.Tensor:
         """The fp32 accumulator of the output."""
         shape, dev = (x2.shape[0], self.out_features), x2.device
-        return torch.zeros(shape, dtype=torch.float32, device=dev) if self.cut == "in" else torch.empty(
-            shape, dtype=torch.float32, device=dev)
+        acc = _acc_dtype(x2.dtype)
+        return torch.zeros(shape, dtype=acc, device=dev) if self.cut == "in" else torch.empty(
+            shape, dtype=acc, device=dev)
 
     def forward_slice(self, out, x2, weight, bias, i: int) -> None:
         """Add slice ``i``'s product into ``out`` (``weight``: Linear layout)."""
@@ -134,7 +140,8 @@ class MatmulSplit(SplitModule):
 
     def new_input_grad(self, x2: torch.Tensor) -> torch.Tensor:
         """dX: written block by block in x's dtype (K-split) or an fp32 accumulator."""
-        return torch.empty_like(x2) if self.cut == "in" else torch.zeros(x2.shape, dtype=torch.float32, device=x2.device)
+        return torch.empty_like(x2) if self.cut == "in" else torch.zeros(x2.shape, dtype=_acc_dtype(x2.dtype),
+                                                                          device=x2.device)
 
     def backward_slice(self, dy2, x2, weight, dx, grads, accumulate: bool, i: int) -> None:
         """Slice ``i``'s part of dX (when ``dx`` is given) and its dW (and db) into
@@ -264,9 +271,10 @@ class MatmulSplit(SplitModule):
             for i in range(self.g):
                 views = slice_views(i)
                 part = x2.narrow(1, self.offsets[i], self.sizes[i]) @ self.linear_view(views["weight"]).t()
-                out = part.float() if out is None else out + part.float()
+                acc = _acc_dtype(part.dtype)
+                out = part.to(acc) if out is None else out + part.to(acc)
                 if i == 0 and self.has_bias:
-                    out = out + views["bias"].float()
+                    out = out + views["bias"].to(acc)
             out = out.to(x.dtype)
         else:
             blocks, bias = [], None
