@@ -17,6 +17,7 @@ from .contract import RuntimeConfig, default_prefetch_bytes
 from .checkpoint import full_state_dict as gathered_state_dict
 from .errors import ConfigError, OSDPError, PlanMismatchError
 from .memtrack import cpu_allocator_window, resident_tensors
+from .module_tree import with_self
 from .planner.calibration import format_report
 from .planner.inputs import argument_tensors, forward_signature, sample_shapes
 from .planner.plan import plan_from_arg
@@ -834,8 +835,7 @@ def _show_forward_signature(wrapper: ShardedModel, signature: inspect.Signature 
     def forward(self, *args, **kwargs):
         return base.forward(self, *args, **kwargs)
 
-    self_param = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
-    forward.__signature__ = signature.replace(parameters=[self_param, *signature.parameters.values()])
+    forward.__signature__ = with_self(signature)
     forward.__doc__ = base.forward.__doc__
     wrapper.__class__ = type(base.__name__, (base,), {"forward": forward, "__module__": base.__module__,
                                                       "__qualname__": base.__qualname__})

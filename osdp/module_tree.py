@@ -1,8 +1,10 @@
 """Where a model's repeated blocks are: read by the planner (checkpointable blocks) and
-by the compiled runtime (the regions it compiles one by one)."""
+by the compiled runtime (the regions it compiles one by one); and the signature a
+module's stand-in forward shows."""
 from __future__ import annotations
 
 import difflib
+import inspect
 
 import torch.nn as nn
 
@@ -145,3 +147,11 @@ def unit_params(model: nn.Module, leaves=()) -> list[tuple[str, nn.Module, list[
         if params:
             units.append((path, module, params))
     return units
+
+
+def with_self(signature: inspect.Signature) -> inspect.Signature:
+    """``signature`` (a bound method's) as its class's function declares it: ``self``
+    first. A function's ``__signature__`` is what ``inspect.signature`` shows of the
+    methods bound from it."""
+    first = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    return signature.replace(parameters=[first, *signature.parameters.values()])

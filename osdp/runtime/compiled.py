@@ -98,6 +98,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import types
 
 import torch
 import torch.distributed.distributed_c10d as c10d
@@ -230,10 +231,13 @@ class _ModuleWithViews:
         object.__setattr__(self, "_osdp_module", module)
 
     def __getattr__(self, name: str):
-        value = getattr(self._osdp_module, name)
-        if getattr(value, "__self__", None) is self._osdp_module and hasattr(value, "__func__"):
-            return value.__func__.__get__(self)  # a method: bound to the views
-        return value
+        module = self._osdp_module
+        function = inspect.getattr_static(type(module), name, None)
+        if isinstance(function, types.FunctionType) and name not in module.__dict__:
+            # a method of the class: bound to the views (dynamo binds ``__func__.__get__``
+            # back to the module itself, whose weights are freed: Funnel's helper read them)
+            return function.__get__(self)
+        return getattr(module, name)
 
     # a container's forward indexes itself: torch.nn.utils.parametrize's
     # ParametrizationList calls ``self[0](self.original)`` (Python finds these on the type)

@@ -92,13 +92,14 @@ gathers take longer.
 """
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ..module_tree import transformer_blocks
+from ..module_tree import transformer_blocks, with_self
 
 def region_signature(module: nn.Module) -> tuple:
     """What the compiled graph of ``module`` depends on besides its class: per
@@ -134,10 +135,22 @@ class RegionClasses:
             name = f"forward_region{len(self.classes)}_{base.__name__}"
             base_forward = base.forward if own is None else _calling(own)
             forward = _region_forward(base_forward, context_fn, name, f"{base.__name__}.{name}")
+            # Hugging Face reads the forward's parameters (generate's model_kwargs check)
+            forward.__signature__ = _shown_signature(base.forward if own is None else own, own is not None)
             cls = self.classes[key] = type(base.__name__, (base,), {"forward": forward,
                                                                     "__module__": base.__module__})
             self.made.add(cls)
         module.__class__ = cls
+
+
+def _shown_signature(fn, bound: bool) -> inspect.Signature | None:
+    """The signature a region's forward shows: the original forward's (``self`` first
+    where ``fn`` is an instance's bound method)."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+    return with_self(signature) if bound else signature
 
 
 def _calling(own):

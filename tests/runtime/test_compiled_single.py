@@ -2,6 +2,8 @@
 broke it (found by a helper on stock VisionEncoderDecoder and MarianMT)."""
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.nn as nn
@@ -62,3 +64,62 @@ def test_compiled_matches_eager_on_decorated_super_forward_and_an_unused_output(
         else:
             torch.testing.assert_close(grads[name].grad.reshape(-1)[: param.numel()],
                                        param.grad.reshape(-1), rtol=1e-5, atol=1e-6, msg=name)
+
+
+class _WithHelper(nn.Module):
+    """As stock Funnel's attention: the forward calls a method of the module that reads
+    the module's own parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.r_bias = nn.Parameter(torch.randn(8))
+
+    def shifted(self, x):
+        return x + self.r_bias
+
+    def forward(self, x):
+        return self.shifted(self.lin(x))
+
+
+class _HelperNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.att = _WithHelper()
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x, scale: float = 1.0):
+        return self.head(self.att(x)) * scale
+
+
+def _helper_net() -> _HelperNet:
+    torch.manual_seed(0)
+    return _HelperNet()
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compiled_runs_a_helper_method_reading_its_modules_weight(scope):
+    """The method was bound back to the module itself under dynamo, whose weight is the
+    freed stand-in: refused as a read outside the module's forward (eager and plain
+    torch.compile run it; found by a helper on Funnel)."""
+    torch._dynamo.reset()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    plain, wrapped = _helper_net(), osdp.OSDP(_helper_net(), default_mode="zdp", compile={**COMPILE, "scope": scope})
+    for model in (plain, wrapped):
+        model(x).pow(2).sum().backward()
+    grads = dict(wrapped.named_parameters())  # one rank: each a flat shard, the whole of it
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(grads[name].grad.reshape(-1)[: param.numel()], param.grad.reshape(-1),
+                                   rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("scope", ["blocks", "model"])
+def test_compiled_model_keeps_its_forward_signature(scope):
+    """Hugging Face's generate reads the model's forward signature (which keyword
+    arguments it passes on): the compiled region's forward showed ``(*args, **kwargs)``,
+    and Idefics3's generate(pixel_values=...) refused its own arguments (found by a
+    helper). The wrapper and the wrapped model both show the model's."""
+    wrapped = osdp.OSDP(_helper_net(), default_mode="zdp", compile={**COMPILE, "scope": scope})
+    expected = inspect.signature(_helper_net().forward)
+    assert inspect.signature(wrapped.unwrapped.forward) == expected
+    assert inspect.signature(wrapped.forward) == expected
