@@ -483,14 +483,15 @@ class ShardedModel(nn.Module):
         """The first forward that completes runs under ``check`` ([Note: weights read
         outside their unit] in osdp/runtime/foreign_reads.py)."""
         marking = [b for b in self._bindings if isinstance(b, ModuleBinding)]
+        check.bound = {id(b.module) for b in marking}
         for binding in marking:
-            binding.mark_reads = True
+            binding.read_check = check
         try:
             with check:
                 output = self._scheduled_forward(args, kwargs)
         finally:
             for binding in marking:
-                binding.mark_reads = False
+                binding.read_check = None
         self._foreign_reads = None
         return output
 

@@ -107,6 +107,10 @@ class ForeignReadCheck(TorchFunctionMode):
         self.paths = {id(m): path for path, m in model.named_modules()}
         self.running: Counter = Counter()  # module id -> calls in progress
         self.stack: list[nn.Module] = []
+        # modules whose forward ends at OSDP's post-forward (their binding calls exited()),
+        # not at torch's global forward hook, which runs before a module's own hooks:
+        # those registered before wrapping run with the weights still gathered
+        self.bound: set[int] = set()
         self._handles = []
 
     def __enter__(self):
@@ -126,6 +130,10 @@ class ForeignReadCheck(TorchFunctionMode):
         self.stack.append(module)
 
     def _exit_module(self, module, args, output):
+        if id(module) not in self.bound:
+            self.exited(module)
+
+    def exited(self, module: nn.Module) -> None:
         self.running[id(module)] -= 1
         if self.stack and self.stack[-1] is module:
             self.stack.pop()

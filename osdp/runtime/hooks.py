@@ -99,12 +99,14 @@ class ModuleBinding:
         self._freed = [[None if unit.replicated else FreedWeight(unit.views[i], unit, path, attr) for attr, i in attrs]
                        for unit, attrs in entries]
         self.scheduler = scheduler
-        self.mark_reads = False  # [Note: weights read outside their unit] (foreign_reads.py)
+        # the first forward's ForeignReadCheck while it runs ([Note: weights read outside
+        # their unit] in foreign_reads.py)
+        self.read_check = None
         self._stack: list[list[Use]] = []
         self._last_views = [unit.views for unit, _ in entries]  # per entry, what the last forward installed
         scheduler.recover_listeners.append(self._recover)
         self.handles = [
-            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            module.register_forward_pre_hook(self._pre_forward, with_kwargs=True, prepend=True),
             module.register_forward_hook(self._post_forward, with_kwargs=True),
         ]
 
@@ -155,7 +157,7 @@ class ModuleBinding:
             self._last_views[entry] = tensors
             for owner, attr, i, name in targets:
                 owner.__dict__[attr] = tensors[i]  # see set_views
-                if self.mark_reads and not unit.replicated:
+                if self.read_check is not None and not unit.replicated:
                     mark(tensors[i], unit, name)
         frozen = [u for u in uses if not u.unit.requires_grad]
         if frozen and grad_enabled:
@@ -164,6 +166,8 @@ class ModuleBinding:
         return args, kwargs
 
     def _post_forward(self, module, args, kwargs, output):
+        if self.read_check is not None:  # the module's own hooks from before wrapping have run
+            self.read_check.exited(module)
         uses = self._stack.pop()
         output = _off_gathered(output, uses)
         needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
