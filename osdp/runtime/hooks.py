@@ -169,8 +169,10 @@ class ModuleBinding:
         if self.read_check is not None:  # the module's own hooks from before wrapping have run
             self.read_check.exited(module)
         uses = self._stack.pop()
-        output = _off_gathered(output, uses)
-        needs_grad = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        flat, spec = tree_flatten(output)
+        if _off_gathered(flat, uses):
+            output = tree_unflatten(flat, spec)
+        needs_grad = [t for t in flat if isinstance(t, torch.Tensor) and t.requires_grad]
         grad_flows = torch.is_grad_enabled() and bool(needs_grad)
         expects_backward = grad_flows and uses[0].state is not UseState.RECOMPUTE
         for use in uses:
@@ -184,28 +186,23 @@ class ModuleBinding:
         return output
 
 
-def _off_gathered(output, uses):
-    """``output`` with each tensor that is a view of a gathered buffer of ``uses`` (a
-    module returning its own parameter, or a view of it: Perceiver's latents, ``return
-    self.latents.expand(b, -1, -1)``) replaced by a copy: the buffer is freed (zdp) or
-    reused when the module's forward ends, and a view of it read later would read freed
-    storage (a segmentation fault) or another unit's weights. The copy is differentiable,
-    so the gradient still reaches the parameter through the gathered view."""
-    ptrs = set()
-    for use in uses:
-        unit = use.unit
-        if not unit.replicated:
-            storage = unit.gathered.untyped_storage()
-            if storage.size():
-                ptrs.add(storage.data_ptr())
-    if not ptrs:
-        return output
-    flat, spec = tree_flatten(output)
+def _off_gathered(outputs: list, uses) -> bool:
+    """Replace in ``outputs`` (a forward's flattened output) each tensor that is a view of
+    a gathered buffer of ``uses`` (a module returning its own parameter, or a view of it:
+    Perceiver's latents, ``return self.latents.expand(b, -1, -1)``) by a copy; whether
+    any was. The buffer is freed (zdp) or reused when the module's forward ends, and a
+    view of it read later would read freed storage (a segmentation fault) or another
+    unit's weights. The copy is differentiable: the gradient still reaches the parameter
+    through the gathered view."""
+    gathered = {use.unit.gathered.untyped_storage().data_ptr() for use in uses
+                if not use.unit.replicated and use.unit.gathered.untyped_storage().size()}
+    if not gathered:
+        return False
     hit = False
-    for i, t in enumerate(flat):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs:
-            flat[i], hit = t.clone(), True
-    return tree_unflatten(flat, spec) if hit else output
+    for i, t in enumerate(outputs):
+        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in gathered:
+            outputs[i], hit = t.clone(), True
+    return hit
 
 
 def _hook_inputs(scheduler, uses, args, kwargs):
