@@ -460,6 +460,8 @@ class ShardedModel(nn.Module):
 
     # ---- running ------------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        if not torch.compiler.is_compiling():
+            self._check_params_in_place()
         if self.plan is not None:
             self._check_batch(args, kwargs)
         policy = self.mixed_precision
@@ -478,6 +480,22 @@ class ShardedModel(nn.Module):
             else:
                 output = self._scheduled_forward(args, kwargs)
         return output if policy is None else policy.cast_output(output)
+
+    def _check_params_in_place(self) -> None:
+        """The wrapper refuses ``.to()`` and casts (``_apply``); a module inside it cast
+        or moved swaps its parameters' data, which the runtime then neither gathers nor
+        hands gradients to: refused here, before a forward computes with the shards as if
+        nothing happened (found by a helper: silent under no_grad, torch's "assign a
+        gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'" in backward)."""
+        for unit in self._built.units:
+            param = unit.replaced_param()
+            if param is not None:
+                raise OSDPError(
+                    f"parameter {param._osdp_name!r} (unit {unit.name!r}) is no longer this rank's piece of its unit: "
+                    f"a module of the wrapped model was cast or moved after wrapping (now {param.dtype} on "
+                    f"{param.device}; model.unwrapped.to(...), submodule.half()), which OSDP cannot follow. Cast "
+                    "or move the model before wrapping (device= on OSDP), or compute in another dtype with "
+                    "mixed_precision=osdp.MixedPrecision(param_dtype=...)")
 
     def _checked_forward(self, check: ForeignReadCheck, args, kwargs):
         """The first forward that completes runs under ``check`` ([Note: weights read

@@ -250,6 +250,15 @@ class ShardUnit:
             return self.split_params.reduce_output(self)
         return torch.empty(self.shard_numel, dtype=self.shard_dtype, device=self.shard.device)
 
+    def replaced_param(self) -> nn.Parameter | None:
+        """The first original parameter whose data is no longer a view of the flat shard
+        (a module cast or moved after wrapping: ``nn.Module._apply`` swaps ``.data``),
+        or None. A split op's cut parameters are its SplitParams' (not checked)."""
+        if self.split_params is not None:
+            return None
+        shard = self.shard.untyped_storage()._cdata
+        return next((p for p in self.params if p.untyped_storage()._cdata != shard), None)
+
     def accumulate_sharded_grad(self, flat: torch.Tensor) -> None:
         """Hand this rank's reduced gradient (``shard_numel`` elements, from
         :meth:`reduce_output`) to the original parameters: views of ``flat`` where they
