@@ -268,7 +268,9 @@ def test_auto_mode_plans_a_leaf_that_owns_parameters_itself():
 
 def test_a_weight_read_by_the_model_itself_says_to_go_through_a_module():
     """The model's own forward reads its embedding's weight for the logits (no head
-    module): the model cannot be a leaf, so the error says to tie a head to it."""
+    module): the model cannot be a leaf, so the error says to tie a head to it, or to
+    keep the unit rep (stock Perceiver's decoder reads its input embedding's weight,
+    passed as an argument: a helper trained it so)."""
     class OwnLogits(nn.Module):
         def __init__(self):
             super().__init__()
@@ -280,9 +282,19 @@ def test_a_weight_read_by_the_model_itself_says_to_go_through_a_module():
 
     torch.manual_seed(0)
     model = osdp.OSDP(OwnLogits(), default_mode="zdp")
+    idx = torch.tensor([[1, 2, 3]])
     with pytest.raises(OSDPError, match=r"'emb\.weight' \(unit 'emb'\) was read in the forward of the model "
-                                        r"\(OwnLogits\) itself.*an nn\.Linear whose weight is that embedding's"):
-        model(torch.tensor([[1, 2, 3]]))
+                                        r"\(OwnLogits\) itself.*an nn\.Linear whose weight is that embedding's"
+                                        r".*modes=\{'emb': 'rep'\}"):
+        model(idx)
+    torch.manual_seed(0)
+    plain = OwnLogits()
+    torch.manual_seed(0)
+    kept = osdp.OSDP(OwnLogits(), default_mode="zdp", modes={"emb": "rep"})
+    plain(idx).sum().backward()
+    kept(idx).sum().backward()
+    torch.testing.assert_close(kept(idx), plain(idx))
+    torch.testing.assert_close(kept.module.emb.weight.grad, plain.emb.weight.grad)
 
 
 class _ReadsChildSometimes(_ReadsChild):
