@@ -149,6 +149,14 @@ def unit_params(model: nn.Module, leaves=()) -> list[tuple[str, nn.Module, list[
     return units
 
 
+def signature_or_none(fn) -> inspect.Signature | None:
+    """``inspect.signature(fn)``, None where it has none to read (a builtin's)."""
+    try:
+        return inspect.signature(fn)
+    except (TypeError, ValueError):
+        return None
+
+
 def with_self(signature: inspect.Signature) -> inspect.Signature:
     """``signature`` (a bound method's) as its class's function declares it: ``self``
     first. A function's ``__signature__`` is what ``inspect.signature`` shows of the

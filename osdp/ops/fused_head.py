@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 
 from ..errors import ConfigError
-from .head_cross_entropy import REDUCTIONS, OnlineLSE, _acc_dtype, row_scale, slice_backward
+from .head_cross_entropy import REDUCTIONS, OnlineLSE, row_scale, slice_backward
+from .kernels import accumulator_dtype
 
 
 class _FusedHeadCrossEntropy(torch.autograd.Function):
@@ -60,7 +61,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out):
         module, (reduction, ignore_index) = ctx.module, ctx.opts
         x2, t2, lse, n_valid = ctx.saved_tensors
-        acc = _acc_dtype(x2.dtype)
+        acc = accumulator_dtype(x2.dtype)
         scale = row_scale(t2, grad_out, n_valid, reduction=reduction, ignore_index=ignore_index, dtype=acc)
         need_dx = ctx.needs_input_grad[0]
         dx = torch.zeros(x2.shape, dtype=acc, device=x2.device)

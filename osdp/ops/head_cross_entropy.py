@@ -56,7 +56,7 @@ import torch
 
 from ..contract import split_sizes
 from ..errors import ConfigError, a_type
-from .kernels import kernels_module
+from .kernels import accumulator_dtype, kernels_module
 
 REDUCTIONS = ("mean", "sum", "none")
 BACKENDS = ("triton", "torch")
@@ -98,10 +98,6 @@ def chunk_tokens_for(tokens: int, hidden: int, slice_rows: int) -> int:
     chunk = max(tokens * hidden, MIN_CHUNK_ELEMENTS) // max(slice_rows, 1)
     chunk = chunk // MIN_CHUNK_TOKENS * MIN_CHUNK_TOKENS  # whole multiples of 64 rows, within the budget
     return max(1, min(tokens, max(MIN_CHUNK_TOKENS, chunk)))
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------------------------------
@@ -215,7 +211,7 @@ class OnlineLSE:
         :func:`chunk_tokens_for`); the Triton forward keeps no logits at all."""
         _check_x_targets(x, targets, ignore_index)
         backend = resolve_backend(backend, x)
-        acc = _acc_dtype(x.dtype)
+        acc = accumulator_dtype(x.dtype)
         if backend == "triton" and acc != torch.float32:
             raise ConfigError(f"backend='triton' runs fp32/fp16/bf16, got x of {x.dtype}; use backend='torch'")
         M = x.shape[0]
@@ -325,7 +321,7 @@ def slice_backward(x: torch.Tensor, w_slice: torch.Tensor, row0: int, lse: torch
     _check_slice(x, w_slice, row0)
     backend = resolve_backend(backend, x)
     (M, H), rs = x.shape, w_slice.shape[0]
-    acc = _acc_dtype(x.dtype)
+    acc = accumulator_dtype(x.dtype)
     chunk = chunk_tokens or chunk_tokens_for(M, H, rs)
     if backend == "triton":
         if targets.dtype not in (torch.int64, torch.int32):
@@ -380,7 +376,7 @@ class _SplitHeadCrossEntropy(torch.autograd.Function):
         x, targets, lse, n_valid, *weights = ctx.saved_tensors
         reduction, ignore_index, backend, chunk_tokens, sizes = ctx.opts
         scale = row_scale(targets, grad_out, n_valid, reduction=reduction, ignore_index=ignore_index,
-                          dtype=_acc_dtype(x.dtype))
+                          dtype=accumulator_dtype(x.dtype))
         if sizes is not None:
             slices = weights[0].split(sizes, dim=0)
             dweight = torch.empty_like(weights[0], memory_format=torch.contiguous_format)

@@ -14,6 +14,11 @@ from __future__ import annotations
 
 import torch
 
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype slice sums accumulate in: fp32, or the input's where it is wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 _NOT_LOADED = object()
 _kernels = _NOT_LOADED  # imported at the first CUDA call: Triton costs the planner and CPU runs ~80 MiB
 

@@ -37,6 +37,7 @@ import torch.nn as nn
 
 from ..errors import OSDPError
 from . import kernels
+from .kernels import accumulator_dtype
 from .registry import SplitModule, split_sizes
 
 
@@ -71,11 +72,6 @@ class _SplitMatmulFn(torch.autograd.Function):
         if need_dx:
             dx = dx.to(x.dtype).view_as(x)  # no copy for the K-split (written in x's dtype)
         return (dx, None, None) + (None,) * module.g
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The accumulator of the slices' sums: fp32, or the input's dtype where it is wider (fp64)."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _bias_grad(dy_cols: torch.Tensor, out: torch.Tensor, accumulate: bool) -> None:
@@ -126,7 +122,7 @@ class MatmulSplit(SplitModule):
     def new_output(self, x2: torch.Tensor) -> torch.Tensor:
         """The fp32 accumulator of the output."""
         shape, dev = (x2.shape[0], self.out_features), x2.device
-        acc = _acc_dtype(x2.dtype)
+        acc = accumulator_dtype(x2.dtype)
         return torch.zeros(shape, dtype=acc, device=dev) if self.cut == "in" else torch.empty(
             shape, dtype=acc, device=dev)
 
@@ -140,7 +136,7 @@ class MatmulSplit(SplitModule):
 
     def new_input_grad(self, x2: torch.Tensor) -> torch.Tensor:
         """dX: written block by block in x's dtype (K-split) or an fp32 accumulator."""
-        return torch.empty_like(x2) if self.cut == "in" else torch.zeros(x2.shape, dtype=_acc_dtype(x2.dtype),
+        return torch.empty_like(x2) if self.cut == "in" else torch.zeros(x2.shape, dtype=accumulator_dtype(x2.dtype),
                                                                           device=x2.device)
 
     def backward_slice(self, dy2, x2, weight, dx, grads, accumulate: bool, i: int) -> None:
@@ -271,7 +267,7 @@ class MatmulSplit(SplitModule):
             for i in range(self.g):
                 views = slice_views(i)
                 part = x2.narrow(1, self.offsets[i], self.sizes[i]) @ self.linear_view(views["weight"]).t()
-                acc = _acc_dtype(part.dtype)
+                acc = accumulator_dtype(part.dtype)
                 out = part.to(acc) if out is None else out + part.to(acc)
                 if i == 0 and self.has_bias:
                     out = out + views["bias"].to(acc)

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import torch.nn as nn
 
+from ..memtrack import storage_bytes
 from .fake_describe import describe_fake, has_meta_parameters
 from .inputs import LossFn
 from .model_desc import (BlockDesc, ModelDesc, OpDesc, describe_tensors, module_kind, storage_key, vocab_split_op,
@@ -55,15 +56,6 @@ def describe(
         desc = describe_fake(model, example_inputs, **settings)
     else:
         desc = describe_tensors(model, example_inputs, **settings)
-    return replace(desc, buffer_bytes=float(buffer_bytes(model)))
-
-
-def buffer_bytes(model: nn.Module) -> int:
-    """Bytes of ``model``'s buffers, each storage once (on meta too: from their shapes).
-    The runtime leaves buffers whole on every rank; GPT-Neo's causal masks are 4 MiB a
-    layer at 2048 positions."""
-    sizes = {}
-    for buffer in model.buffers():
-        key = id(buffer) if buffer.is_meta else buffer.untyped_storage()._cdata
-        sizes[key] = buffer.numel() * buffer.element_size() if buffer.is_meta else buffer.untyped_storage().nbytes()
-    return sum(sizes.values())
+    # the runtime leaves buffers whole on every rank (GPT-Neo's causal masks: 4 MiB a
+    # layer at 2048 positions); each storage once, on meta too
+    return replace(desc, buffer_bytes=float(storage_bytes(model.buffers())))

@@ -83,6 +83,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from ..errors import OSDPError
+from ..module_tree import signature_or_none
 
 LossFn = Callable[[Any], torch.Tensor]
 
@@ -148,10 +149,7 @@ def argument_tensors(args, kwargs) -> list[torch.Tensor]:
 
 def forward_signature(module) -> inspect.Signature | None:
     """The signature of ``module``'s forward (None where it has none to read)."""
-    try:
-        return inspect.signature(module.forward)
-    except (TypeError, ValueError):
-        return None
+    return signature_or_none(module.forward)
 
 
 def sample_shapes(signature: inspect.Signature | None, args, kwargs) -> dict[str, tuple[int, ...]]:

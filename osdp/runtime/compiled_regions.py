@@ -99,7 +99,7 @@ import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
-from ..module_tree import transformer_blocks, with_self
+from ..module_tree import signature_or_none, transformer_blocks, with_self
 
 def region_signature(module: nn.Module) -> tuple:
     """What the compiled graph of ``module`` depends on besides its class: per
@@ -146,11 +146,8 @@ class RegionClasses:
 def _shown_signature(fn, bound: bool) -> inspect.Signature | None:
     """The signature a region's forward shows: the original forward's (``self`` first
     where ``fn`` is an instance's bound method)."""
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return None
-    return with_self(signature) if bound else signature
+    signature = signature_or_none(fn)
+    return with_self(signature) if bound and signature is not None else signature
 
 
 def _calling(own):

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..memtrack import storage_key
 from .foreign_reads import FreedWeight, mark
 from .modes import UseState
 from .scheduler import Scheduler, Use, backward_pass
@@ -194,13 +195,13 @@ def _off_gathered(outputs: list, uses) -> bool:
     view of it read later would read freed storage (a segmentation fault) or another
     unit's weights. The copy is differentiable: the gradient still reaches the parameter
     through the gathered view."""
-    gathered = {use.unit.gathered.untyped_storage().data_ptr() for use in uses
+    gathered = {storage_key(use.unit.gathered) for use in uses
                 if not use.unit.replicated and use.unit.gathered.untyped_storage().size()}
     if not gathered:
         return False
     hit = False
     for i, t in enumerate(outputs):
-        if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in gathered:
+        if isinstance(t, torch.Tensor) and storage_key(t) in gathered:
             outputs[i], hit = t.clone(), True
     return hit
 

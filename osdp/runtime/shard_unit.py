@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..memtrack import storage_key
 from .modes import GatherState, Mode
 from .grad_norm import mark_sharded
 
@@ -256,8 +257,8 @@ class ShardUnit:
         or None. A split op's cut parameters are its SplitParams' (not checked)."""
         if self.split_params is not None:
             return None
-        shard = self.shard.untyped_storage()._cdata
-        return next((p for p in self.params if p.untyped_storage()._cdata != shard), None)
+        shard = storage_key(self.shard)
+        return next((p for p in self.params if storage_key(p) != shard), None)
 
     def accumulate_sharded_grad(self, flat: torch.Tensor) -> None:
         """Hand this rank's reduced gradient (``shard_numel`` elements, from

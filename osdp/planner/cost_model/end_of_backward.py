@@ -3,15 +3,12 @@ left (docs/design/cost_model.md's [Note: memory model]; [Note: end of backward m
 here), the same for every plan, like the optimizer step's (static.py)."""
 from __future__ import annotations
 
-import math
-
 from ..device import DeviceInfo
 from ..model_desc import ModelDesc
 from .options import _coalesced_copies, reduction_walk
 from .replicate import rep_op_mask, replicated_grads_at_end
 from .settings import PlannerSettings, layout_collectives
-from .static import LOSS_SCALARS_BYTES, static_bytes
-from .unit_bytes import element_bytes
+from .static import after_backward_bytes
 
 
 def end_of_backward_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
@@ -32,11 +29,7 @@ def end_of_backward_bytes(desc: ModelDesc, device: DeviceInfo, settings: Planner
     n = layout_collectives(device, settings).shard_ranks
     persist = not settings.grads_set_to_none
     rep = rep_op_mask(desc, settings)
-    parts = {k: v for k, v in static_bytes(desc, device, settings).items() if k != "constant"}
-    parts["constant"] = float(device.constant_bytes) + LOSS_SCALARS_BYTES  # the activations' part is gone
-    if settings.grads_set_to_none:
-        parts["sharded_grads"] = float(sum(math.ceil(op.param_count / n) * element_bytes(op)
-                                           for i, op in enumerate(desc.ops) if not rep[i]))
+    parts = after_backward_bytes(desc, device, settings)
     end = reduction_walk(desc, device, settings, rep).end
     last = end.in_flight + (end.in_flight_out if persist else 0.0)
     final = (end.waiting + _coalesced_copies(end.waiting, end.waiting_out, n) + (end.waiting_out if persist else 0.0)

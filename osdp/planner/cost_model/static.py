@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 
-
 from ..model_desc import ModelDesc
 from ..device import DeviceInfo
 from .replicate import _rep_grad_sizes, _rep_owner, rep_op_mask, replicate_buckets
@@ -62,6 +61,21 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
     return result
 
 
+def after_backward_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
+    """The bytes every moment after backward's last op holds, by category: the static
+    states, the loss (the activations' batch-independent part is freed with the graph)
+    and, set to None between steps, every unit's sharded gradient (the rep units' are
+    each moment's own)."""
+    parts = {k: v for k, v in static_bytes(desc, device, settings).items() if k != "constant"}
+    parts["constant"] = float(device.constant_bytes) + LOSS_SCALARS_BYTES
+    if settings.grads_set_to_none:
+        n = layout_collectives(device, settings).shard_ranks
+        rep = rep_op_mask(desc, settings)
+        parts["sharded_grads"] = float(sum(math.ceil(op.param_count / n) * element_bytes(op)
+                                           for i, op in enumerate(desc.ops) if not rep[i]))
+    return parts
+
+
 def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
     """[Note: optimizer step moment] The bytes live while the optimizer steps, by
     category. Backward is over: no gathered weight, activation or gradient buffer is
@@ -84,10 +98,7 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     L2 weight decay (not AdamW) copies each gradient too: not priced."""
     n = layout_collectives(device, settings).shard_ranks
     rep = rep_op_mask(desc, settings)
-    static = static_bytes(desc, device, settings)
-    parts = {k: v for k, v in static.items() if k != "constant"}
-    # the activations' batch-independent part is freed with the graph; the loss stays
-    parts["constant"] = float(device.constant_bytes) + LOSS_SCALARS_BYTES
+    parts = after_backward_bytes(desc, device, settings)
     local = [op.param_count * element_bytes(op) if _rep_owner(desc, rep, i)
              else math.ceil(op.param_count / n) * element_bytes(op)
              for i, op in enumerate(desc.ops)]
@@ -97,9 +108,6 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     pieces = [min(numel, math.ceil(op.param_count / n)) * element_bytes(op) if not _rep_owner(desc, rep, i)
               else numel * element_bytes(op)
               for i, op in enumerate(desc.ops) for numel in op.tensors]
-    if settings.grads_set_to_none:
-        parts["sharded_grads"] = float(sum(math.ceil(op.param_count / n) * element_bytes(op)
-                                           for i, op in enumerate(desc.ops) if not rep[i]))
     rep_done = sum(_rep_grad_sizes(desc.ops[i], settings)[2] for bucket in replicate_buckets(desc, settings, rep)
                    for i in bucket)
     if rep_done:
