@@ -23,7 +23,7 @@ from .planner.inputs import argument_tensors, forward_signature, sample_shapes
 from .planner.plan import plan_from_arg
 from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
-from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext
+from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext, is_collective_failure
 from .runtime.compile_config import CompileConfig
 from .runtime.compiled import compile_regions, install as install_compiled, mark_sharded_grads
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
@@ -109,7 +109,8 @@ class ShardedModel(nn.Module):
     compute in ``param_dtype``, reduction in ``reduce_dtype``, fp32 shards; see
     [Note: mixed precision]). ``timeout_s``: bound on every wait for a collective (a
     dead or hung peer raises ``CollectiveTimeoutError``, an OSDPError, naming the
-    collective and unit). ``coalesce_bytes``: small units' collectives are coalesced up
+    collective and unit; compiled, its own group's timeout: [Note: compiled collective
+    timeouts]). ``coalesce_bytes``: small units' collectives are coalesced up
     to this many bytes (0: off; see [Note: coalesced small units]).
 
     Layout: ``process_group`` (default: the default group) shards every unit over its
@@ -208,7 +209,7 @@ class ShardedModel(nn.Module):
         if self.compile_config is None:
             self._init_hooks(config)
         else:
-            self._init_compiled(config)
+            self._init_compiled(config, options.timeout_s)
         self._init_memory_check(options)
         self.compiled_regions = (compile_regions(self.module, self.compile_config, self._built, self.prefetch_bytes,
                                                  self._region_classes, self.coalesce_bytes)
@@ -386,11 +387,12 @@ class ShardedModel(nn.Module):
                 runners.setdefault(unit, set()).add(id(split_module))
         self._foreign_reads = ForeignReadCheck(self.module, runners)  # the first forward's
 
-    def _init_compiled(self, config) -> None:
+    def _init_compiled(self, config, timeout_s: float) -> None:
         """The compiled path: modules gather through collectives the compiler sees, no
         hooks, no scheduler at run time; see [Note: compiled units] in
         osdp/runtime/compiled.py."""
-        self._region_classes = install_compiled(self.module, self._built, self.layout, config.checkpoint_blocks)
+        self._region_classes = install_compiled(self.module, self._built, self.layout, config.checkpoint_blocks,
+                                                   timeout_s)
         self.checkpoint_blocks = config.checkpoint_blocks
         self._bindings = []
         self._foreign_reads = None
@@ -470,7 +472,12 @@ class ShardedModel(nn.Module):
         if self._memory_check is not None:
             self._memory_check.begin_forward()  # checks the step before; see [Note: measured peak]
         if self.compile_config is not None:  # nothing to schedule: see [Note: compiled units]
-            output = self.module(*args, **kwargs)
+            try:
+                output = self.module(*args, **kwargs)
+            except RuntimeError as exc:  # [Note: compiled collective timeouts]
+                if not is_collective_failure(exc):
+                    raise
+                raise self._comm.failure("a collective of the compiled forward", exc) from exc
         else:
             for unit in follow_requires_grad(self._built.units):  # [Note: trainability follows the parameters]
                 self._direct_grad_hooks.hook(unit)

@@ -37,7 +37,10 @@ the others raise :class:`CollectiveTimeoutError` (an ``OSDPError``) naming the
 collective and the unit(s) it was for, instead of blocking forever. On gloo this is
 ``Work.wait(timeout)``; a peer whose process exited is usually reported sooner, as a
 closed connection, which is turned into the same error. On CUDA the wait is an event
-on the compute stream (no CPU block); NCCL's own watchdog timeout applies there.
+on the compute stream (no CPU block); NCCL's own watchdog timeout applies there. The
+compiled path's collectives are bounded on a group of their own ([Note: compiled
+collective timeouts] in compiled_collectives.py); a compiled forward's failure is the
+same error (:func:`is_collective_failure`), a compiled backward's the backend's own.
 """
 from __future__ import annotations
 
@@ -100,6 +103,12 @@ def reduces_with_all_reduce(device: torch.device) -> bool:
     return gradient_collective(device.type) == "all_reduce"
 
 
+def is_collective_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a backend's report of a collective that failed or timed out:
+    a ``DistError`` (NCCL), or gloo's ``RuntimeError`` naming its transport."""
+    return isinstance(exc, dist.DistError) or (isinstance(exc, RuntimeError) and "gloo/transport" in str(exc))
+
+
 class CommContext:
     """Issues the runtime's collectives on the levels of a layout (``layout``, or the
     1-D layout of ``group``); one instance per OSDP model. ``group``, ``rank`` and
@@ -141,16 +150,17 @@ class CommContext:
         try:
             work.wait(self._timeout)
         except Exception as exc:  # noqa: BLE001 - gloo raises RuntimeError / DistBackendError
-            raise self._error(what, exc) from exc
+            raise self.failure(what, exc) from exc
 
     def _start(self, fn, what: str):
         """Issue an async collective; a peer already gone can fail the issue itself."""
         try:
             return fn(async_op=True)
         except Exception as exc:  # noqa: BLE001
-            raise self._error(what, exc) from exc
+            raise self.failure(what, exc) from exc
 
-    def _error(self, what: str, exc: BaseException) -> CollectiveTimeoutError:
+    def failure(self, what: str, exc: BaseException) -> CollectiveTimeoutError:
+        """The error for ``what`` failing with ``exc`` (a backend's error)."""
         text = str(exc).strip()
         return CollectiveTimeoutError(
             f"rank {self.rank}: {what} failed or did not complete within timeout_s={self.timeout_s:g} "
@@ -181,7 +191,7 @@ class CommContext:
             try:
                 fn(async_op=False)
             except Exception as exc:  # noqa: BLE001 - a peer gone, a freed buffer, ...
-                raise self._error(what, exc) from exc
+                raise self.failure(what, exc) from exc
             if after is not None:
                 after()
             torch._C._autograd._unsafe_set_version_counter((output,), (version,))

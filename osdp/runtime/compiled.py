@@ -110,7 +110,7 @@ from ..errors import ConfigError
 from .activation_checkpoint import disable_kv_cache
 from .compile_config import CompileConfig
 from .compiled_collectives import (GatherShard, ReplicaGrad, checkpointed_block_policy, kept_group_name,
-                                   recompute_gathers_policy, traced_gather_name)
+                                   recompute_gathers_policy, timed_group, traced_gather_name)
 from .compiled_regions import (RegionClasses, compile_each, inside_any, region_paths, region_signature,
                                with_own_code)
 from .compiled_rep_grads import ReplicaGradBucket
@@ -391,13 +391,15 @@ def _refuse(built, layout) -> None:
                               "conv1d_nx): leave it unsplit, or run eager (compile=None)")
 
 
-def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...]) -> RegionClasses:
+def install(model: nn.Module, built, layout, checkpoint_blocks: tuple[str, ...], timeout_s: float) -> RegionClasses:
     """Make every module that computes with units run the compiled path (module
     forwards swapped, no hooks) and checkpoint ``checkpoint_blocks`` with the policy
-    that keeps ``dp`` gathers. The region classes returned are the ones
-    :func:`compile_regions` adds to ([Note: one code object per region plan])."""
+    that keeps ``dp`` gathers; its collectives time out after ``timeout_s`` ([Note:
+    compiled collective timeouts] in compiled_collectives.py). The region classes
+    returned are the ones :func:`compile_regions` adds to ([Note: one code object per
+    region plan])."""
     _refuse(built, layout)
-    group = layout.world.group
+    group = timed_group(layout.world.group, timeout_s)
     inside = inside_any(checkpoint_blocks)
     cache: dict[ShardUnit, CompiledUnit] = {}
     classes: dict[type, type] = {}  # this model's swapped classes

@@ -5,8 +5,10 @@ compiled.py)."""
 from __future__ import annotations
 
 import weakref
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.utils.checkpoint import CheckpointPolicy
 
@@ -84,6 +86,35 @@ def checkpointed_block_policy(ctx, func, *args, **kwargs):
         kept = isinstance(args[2], str) and args[2].endswith(_KEPT_SUFFIX)
         return CheckpointPolicy.MUST_SAVE if kept else CheckpointPolicy.MUST_RECOMPUTE
     return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# [Note: compiled collective timeouts]
+# Eager OSDP bounds each wait on a collective by ``timeout_s`` (collectives.py). A
+# compiled graph's ``wait_tensor`` takes no timeout: the backend bounds it by the
+# process group's own, fixed when the group was made (gloo's default 30 min, NCCL's
+# 10 min). So a compiled step whose peer died or runs something else (a generate loop
+# one rank left early) waited half an hour where eager OSDP raised after 300 s. The
+# compiled path gathers and reduces on a group of its own over the same ranks, made
+# with ``timeout_s``: the user's group keeps its own timeout (a checkpoint barrier may
+# need hours), which setting its default (``_set_pg_timeout``, torchtitan's way after
+# its first step) would have cut for every collective of theirs. Its cost is one more
+# communicator: a few sockets on gloo; on NCCL, buffers on each GPU (unmeasured here).
+_TIMED_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def timed_group(group, timeout_s: float):
+    """A process group over ``group``'s ranks and backend whose collectives time out
+    after ``timeout_s`` ([Note: compiled collective timeouts]); ``group`` itself where
+    nothing can hang (one rank) or the backend is not one OSDP made a group of (a fake
+    or custom process group). Collective over ``group``: every member calls it alike."""
+    backend = str(dist.get_backend(group))
+    if group.size() == 1 or not ("gloo" in backend or "nccl" in backend):
+        return group
+    made = _TIMED_GROUPS.setdefault(group, {})
+    if timeout_s not in made:
+        made[timeout_s] = dist.new_group(dist.get_process_group_ranks(group), backend=backend,
+                                         timeout=timedelta(seconds=timeout_s), use_local_synchronization=True)
+    return made[timeout_s]
 
 
 def kept_group_name(group) -> str:

@@ -343,7 +343,7 @@ def run_features(rank, world_size, cache_dir):
 
 
 # ---- faults -----------------------------------------------------------------------------
-def fault_worker(rank, world_size, port, out_dir, mode, timeout_s):
+def fault_worker(rank, world_size, port, out_dir, mode, timeout_s, compile=None):
     """Own worker (not dist_harness): a rank that dies leaves the group broken, so no
     destroy_process_group; every process exits with os._exit after saving its result."""
     os.environ["MASTER_ADDR"] = "127.0.0.1"
@@ -355,7 +355,7 @@ def fault_worker(rank, world_size, port, out_dir, mode, timeout_s):
         import osdp
 
         model = pc.make_model("uneven")
-        wrapped = osdp.OSDP(model, default_mode="zdp", timeout_s=timeout_s)
+        wrapped = osdp.OSDP(model, default_mode="zdp", timeout_s=timeout_s, compile=compile)
         opt = torch.optim.AdamW(wrapped.parameters(), lr=pc.LR)
         bad = rank == world_size - 1
         for step in range(3):
@@ -363,7 +363,7 @@ def fault_worker(rank, world_size, port, out_dir, mode, timeout_s):
                 if mode == "exit":
                     torch.save({"ok": True, "result": "exited"}, os.path.join(out_dir, f"{rank}.pt"))
                     os._exit(0)
-                time.sleep(timeout_s * 4)  # hang: the others must give up first
+                time.sleep(timeout_s * 20)  # hang (killed once the others gave up): they must give up first
                 torch.save({"ok": True, "result": "slept"}, os.path.join(out_dir, f"{rank}.pt"))
                 os._exit(0)
             start = time.perf_counter()
@@ -372,7 +372,7 @@ def fault_worker(rank, world_size, port, out_dir, mode, timeout_s):
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-            except OSDPError as exc:
+            except (OSDPError, RuntimeError) as exc:
                 result["result"] = (type(exc).__name__, str(exc), time.perf_counter() - start, step)
                 break
         else:

@@ -122,11 +122,11 @@ def test_auto_mode_plans_wraps_and_checks():
 
 
 # ---- faults ---------------------------------------------------------------------------------
-def _run_fault(world_size, mode, timeout_s):
+def _run_fault(world_size, mode, timeout_s, compile=None):
     ctx = mp.get_context("spawn")
     port = free_port()
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=fc.fault_worker, args=(r, world_size, port, out_dir, mode, timeout_s))
+        procs = [ctx.Process(target=fc.fault_worker, args=(r, world_size, port, out_dir, mode, timeout_s, compile))
                  for r in range(world_size)]
         start = time.perf_counter()
         for p in procs:
@@ -162,3 +162,16 @@ def test_dead_or_hung_rank_fails_the_others_within_timeout(world_size, mode):
         assert "failed or did not complete within timeout_s=3" in message
         assert re.search(r"(all-gather|reduce-scatter) of (unit '|\d+ units \(')", message), message
         assert elapsed < timeout_s + 10, elapsed
+
+
+def test_compiled_step_of_a_hung_rank_fails_the_others_within_timeout():
+    """The compiled path's collectives are bounded by timeout_s too, not by the process
+    group's own timeout (gloo's 30 minutes): [Note: compiled collective timeouts]."""
+    timeout_s = 3.0
+    out, alive = _run_fault(2, "hang", timeout_s, compile={"backend": "aot_eager"})
+    assert alive == 0
+    kind, message, elapsed, step = out[0]["result"]
+    assert kind == "CollectiveTimeoutError", message
+    assert step == 1
+    assert "rank 0: a collective of the compiled forward failed or did not complete within timeout_s=3" in message
+    assert elapsed < timeout_s + 10, elapsed
