@@ -93,7 +93,8 @@ class ShardedModel(nn.Module):
     do inside (DeepSpeed's ``set_z3_leaf_modules``): a mixture of experts that calls
     only the experts its tokens were routed to keeps the ranks in step this way. Modes
     name the leaf (``modes={"layers.0.moe": "dp"}``); a leaf is not split and runs
-    eager. See [Note: leaf modules] in ``osdp/module_tree.py``.
+    eager. ``nn.MultiheadAttention`` is a leaf without being named (its forward reads
+    its ``out_proj`` weight itself). See [Note: leaf modules] in ``osdp/module_tree.py``.
 
     Plan checks: every unit the plan names must be a module of ``module`` owning the
     parameter count the plan priced, the plan's dtypes must match ``mixed_precision``

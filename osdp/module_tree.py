@@ -44,15 +44,25 @@ def transformer_blocks(model: nn.Module) -> list[str]:
 # collective per leaf and backward; tried, and left out for that reason.)
 # The compiled path runs a leaf on its own submodules with their parameters swapped
 # for the gathered views ([Note: compiled leaves] in osdp/runtime/compiled.py).
+# Some stock modules are leaves by default (``leaf_paths(defaults=True)``, as OSDP and
+# the planner resolve by-hand and planned units): their forward reads a submodule's
+# weight itself, not through that submodule's forward, so as units of their own the
+# weight would be read outside its unit and refused ([Note: weights read outside their
+# unit] in osdp/runtime/foreign_reads.py). ``nn.MultiheadAttention`` (and so every
+# ``nn.Transformer`` layer) computes with ``out_proj.weight`` inside
+# ``F.multi_head_attention_forward``. A default leaf whose parameters are tied outside
+# it is left to that check. A plan names its leaves itself.
+DEFAULT_LEAF_CLASSES: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
-def leaf_paths(model: nn.Module, leaf_modules) -> tuple[str, ...]:
-    """The module paths ``leaf_modules`` names (module classes and/or paths), outermost
-    only (a leaf inside another is part of it), in module order; an OSDPError for a name
-    that is not a module path or a class no module of the model is."""
+def leaf_paths(model: nn.Module, leaf_modules, *, defaults: bool = False) -> tuple[str, ...]:
+    """The module paths ``leaf_modules`` names (module classes and/or paths), and with
+    ``defaults`` every module of a ``DEFAULT_LEAF_CLASSES`` class ([Note: leaf
+    modules]); outermost only (a leaf inside another is part of it), in module order; an
+    OSDPError for a name that is not a module path or a class no module of the model is."""
     if leaf_modules is None:
-        return ()
-    if isinstance(leaf_modules, (str, type)) or not hasattr(leaf_modules, "__iter__"):
+        leaf_modules = ()
+    elif isinstance(leaf_modules, (str, type)) or not hasattr(leaf_modules, "__iter__"):
         raise OSDPError(f"leaf_modules must be a tuple or list of module classes or module paths, got "
                         f"{leaf_modules!r} ({a_type(leaf_modules)}): pass ({leaf_modules!r},) for one")
     wanted = list(leaf_modules)
@@ -72,6 +82,9 @@ def leaf_paths(model: nn.Module, leaf_modules) -> tuple[str, ...]:
         else:
             raise OSDPError(f"leaf_modules lists module classes (nn.Module subclasses) or module paths (strings), "
                             f"got {item!r} ({a_type(item)})")
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
     paths = []
     for path, module in modules.items():
         if not path or any(path.startswith(p + ".") for p in paths):
@@ -80,25 +93,32 @@ def leaf_paths(model: nn.Module, leaf_modules) -> tuple[str, ...]:
             if not any(p is not None for p in module.parameters()):
                 raise OSDPError(f"leaf_modules: {path!r} ({type(module).__name__}) has no parameters; a leaf is "
                                 "the unit of every parameter below it")
+            _check_own_parameters(model, path, names)
             paths.append(path)
-    _check_own_parameters(model, paths)
+        elif defaults and isinstance(module, DEFAULT_LEAF_CLASSES) and _tied_outside(model, path, names) is None:
+            paths.append(path)
     return tuple(paths)
 
 
-def _check_own_parameters(model: nn.Module, leaves: list[str]) -> None:
+def _tied_outside(model: nn.Module, leaf: str, names: dict[int, list[str]]) -> tuple[str, str] | None:
+    """A parameter below ``leaf`` that is also used outside it (its name below the leaf,
+    its name outside), or None. ``names``: id(parameter) -> every name of it in ``model``."""
+    for name, p in model.get_submodule(leaf).named_parameters(prefix=leaf, remove_duplicate=False):
+        outside = [n for n in names[id(p)] if not n.startswith(leaf + ".")]
+        if outside:
+            return name[len(leaf) + 1:], outside[0]
+    return None
+
+
+def _check_own_parameters(model: nn.Module, leaf: str, names: dict[int, list[str]]) -> None:
     """A leaf is gathered as one unit: no parameter below it may be used outside it."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    for leaf in leaves:
-        for name, p in model.get_submodule(leaf).named_parameters(prefix=leaf, remove_duplicate=False):
-            outside = [n for n in names[id(p)] if not n.startswith(leaf + ".")]
-            if outside:
-                raise OSDPError(
-                    f"leaf module {leaf!r}: its parameter {name[len(leaf) + 1:]!r} is also {outside[0]!r}, outside "
-                    "it; a leaf is gathered as one unit, so its parameters must be its own: leave the tied "
-                    "modules out of leaf_modules"
-                )
+    tied = _tied_outside(model, leaf, names)
+    if tied is not None:
+        inside, outside = tied
+        raise OSDPError(
+            f"leaf module {leaf!r}: its parameter {inside!r} is also {outside!r}, outside it; a leaf is gathered "
+            "as one unit, so its parameters must be its own: leave the tied modules out of leaf_modules"
+        )
 
 
 def leaves_of_unit_names(model: nn.Module, names) -> tuple[str, ...]:

@@ -495,7 +495,7 @@ def describe_tensors(
     if batch_size <= 0:
         raise OSDPError(f"example batch size must be positive, got {batch_size}")
 
-    leaves = leaf_paths(model, leaf_modules)
+    leaves = leaf_paths(model, leaf_modules, defaults=True)  # as OSDP resolves them by hand
     units: dict[nn.Module, str] = {}
     owner_of: dict[int, str] = {}  # id(param) -> first unit that owns it
     tied: dict[str, str] = {}

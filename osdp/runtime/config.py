@@ -143,6 +143,8 @@ def resolve_config(
             checkpoint_blocks = tuple(plan.checkpoint_blocks)
         fingerprint = plan.fingerprint
         leaves = _plan_leaves(model, plan, leaves)
+    else:  # by hand: the stock modules that are leaves by default too ([Note: leaf modules])
+        leaves = leaf_paths(model, leaf_modules, defaults=True)
     modes = mapping_arg(modes, "modes", "of unit name -> 'dp'/'zdp' or one mode per slice, e.g. {'lm_head': 'dp'}")
     splits = mapping_arg(splits, "splits", "of unit name -> slice count g >= 1, e.g. {'lm_head': 4}")
     default = parse_mode(default_mode, "default_mode")
