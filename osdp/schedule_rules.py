@@ -77,13 +77,15 @@ def riders(lead: U, following: Iterable[U], coalesce_bytes: float, room: float, 
     return out
 
 
-def coalesced_groups(sizes: Sequence[float], coalesce_bytes: float) -> list[list[int]]:
-    """Indices of ``sizes`` (small units in use order, all sharded, one key, an
-    unbounded window) grouped as gathers issue them: each group a lead and its
-    :func:`riders`. The packing [Note: coalesced latency] in cost_model/timing.py prices."""
+def coalesced_groups(sizes: Sequence[float], coalesce_bytes: float,
+                     rooms: Sequence[float] | None = None) -> list[list[int]]:
+    """Indices of ``sizes`` (small units in use order, all sharded, one key) grouped as
+    gathers issue them: each group a lead and its :func:`riders`; ``rooms[i]``: the
+    window left when a gather led by unit ``i`` issues (None: unbounded). The packing
+    [Note: coalesced latency] in cost_model/timing.py prices."""
     groups, i = [], 0
     while i < len(sizes):
-        ride = riders(i, range(i + 1, len(sizes)), coalesce_bytes, float("inf"),
+        ride = riders(i, range(i + 1, len(sizes)), coalesce_bytes, float("inf") if rooms is None else rooms[i],
                       size=sizes.__getitem__, key=lambda _: 0, eligible=lambda _: True)
         groups.append([i] + ride)
         i += 1 + len(ride)

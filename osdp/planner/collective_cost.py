@@ -208,5 +208,12 @@ class Collectives:
         return seconds * self.comm_scale
 
 
+def latency_s(seconds_for) -> float:
+    """The latency of a collective whose time for n bytes is ``seconds_for(n)``: every
+    collective here costs latency + bytes x seconds per byte (per level, summed), so
+    its value at 0 bytes, read off two sizes (at 0 itself it is 0: nothing is sent)."""
+    return max(0.0, 2.0 * seconds_for(1.0) - seconds_for(2.0))
+
+
 def collectives(device: DeviceInfo, layout: str = "full") -> Collectives:
     return Collectives(device, layout)

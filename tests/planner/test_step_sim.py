@@ -183,6 +183,32 @@ def test_coalesced_small_units_pay_one_latency():
     assert (apart.all_gathers, apart.reductions) == (8, 4)
 
 
+EIGHT_SMALL = ModelDesc("eight", tuple(unit_op(f"s{i}", params=1024, flops=1e3) for i in range(8)))
+
+
+@pytest.mark.parametrize("window,latencies", [(1e6, 3), (8192, 15)])
+def test_coalesced_small_units_share_every_level_s_latency_as_the_window_groups_them(window, latencies):
+    """Eight 4096-byte units, all zdp, on 2 nodes x 2 ranks where only the inter-node
+    link has latency (2 ms, no bandwidth term). The simulation plays the runtime's
+    walk: an unbounded window gathers all eight together, forward and backward, and one
+    reduction takes every gradient (3 latencies); an 8 KiB window leaves room for a
+    second unit only beside nothing in use, so 7 gathers each way (15). The cost model
+    prices each small unit a share of a collective's latency ([Note: coalesced
+    latency]): it left the inter-node latency whole (48 ms, 24 latencies, either
+    window) and packed groups in an unbounded window (6 ms at 8 KiB)."""
+    lat = 2e-3
+    dev = DeviceInfo(name="2x2", world_size=4, memory_limit_bytes=1e12, all_gather=CollectiveCost(0.0, 0.0),
+                     reduce_scatter=CollectiveCost(0.0, 0.0), inter_all_gather=CollectiveCost(lat, 0.0),
+                     inter_reduce_scatter=CollectiveCost(lat, 0.0), node_size=2, flops_per_s=1e12,
+                     op_overhead_s=0.0, slice_overhead_s=0.0, memory_bandwidth_bytes_per_s=1e30, constant_bytes=0)
+    t = build_template(EIGHT_SMALL, dev, PlannerSettings(prefetch_bytes=window))
+    choice = [option(t, i, 1, 1) for i in range(8)]
+    sim = simulate_step(t, 1, choice, [0] * 8)
+    assert sim.all_gathers + sim.reductions == latencies
+    assert sim.step_s == pytest.approx(latencies * lat, rel=1e-5)
+    assert evaluate(t, 1, choice, [0] * 8).step_s == pytest.approx(latencies * lat, rel=1e-9)
+
+
 BLOCK = ModelDesc("block", tuple(unit_op(f"b.{i}", block="b") for i in range(2)),
                   (BlockDesc("b", 0, 2, 0.0),))
 # optimizer: 2 x 125 000 shard params: 1 MB + 2 MB; 2*2*3e6/bw = 1 ms

@@ -10,7 +10,7 @@ import numpy as np
 from ...errors import OSDPError
 from ..step_sim import gathered_at_compute
 from .options import _option_rows, _rows_key, pending_reduce_bytes
-from .prefetch import _ahead_bytes
+from .prefetch import _ahead_bytes, _staged_ahead
 from .problem import _local_moments
 from .settings import layout_collectives
 from .template import ProblemTemplate
@@ -46,7 +46,8 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> t
     desc, device, settings = t.desc, t.device, t.settings
     window = t.window_bytes
     after, before = _ahead_bytes(desc, window, settings)
-    shares = coalesced_latency_shares(desc, settings)
+    staged_f, staged_b = _staged_ahead(desc, window, settings, device.world_size)
+    shares = coalesced_latency_shares(desc, settings, window)
     pending, issued, flight_out = pending_reduce_bytes(desc, device, settings, t.rep)
     per_node = layout_collectives(device, settings).per_node
     checkpointed_at = {}  # per op, whether its segment runs checkpointed in this plan
@@ -68,12 +69,14 @@ def exact_transients(t: ProblemTemplate, batch: int, option_index, variant) -> t
         fwd = max(at.get(("forward", i, j), 0.0) for j in range(steps)) - kept
         bwd = [max(at.get((phase, i, min(j, steps - 1)), 0.0) for phase in ("backward", "after backward")) - kept
                for j in range(g)]
+        staged = (staged_f[i], staged_b[i])
         key = _rows_key(desc, i, owners, checkpointed_at[i], after[i], before[i], pending[i], issued[i],
-                        flight_out[i]) + (g, k, h, fwd, tuple(bwd))
+                        flight_out[i], staged) + (g, k, h, fwd, tuple(bwd))
         row = rows_of.get(key)
         if row is None:
             rows = _option_rows(desc, i, device, settings, checkpointed_at[i], window, after[i], before[i], shares,
-                                pending[i], issued[i], flight_out[i], exact=(fwd, bwd), only=(g, k, h))
+                                pending[i], issued[i], flight_out[i], exact=(fwd, bwd), only=(g, k, h),
+                                staged=staged)
             row = rows_of[key] = next(row for row in rows if (row.slices, row.zdp, row.hpz) == (g, k, h))
         out[i], release[i] = row.transient_bytes, row.release_bytes
     return out, release

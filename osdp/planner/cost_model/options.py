@@ -44,7 +44,7 @@ class OptionRow(NamedTuple):
     release_bytes: float  # of the transient, what its own saved activations offset ([Note: the hook moment])
 
 
-def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) -> OptionRow:
+def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending, staged=(0.0, 0.0)) -> OptionRow:
     """The one option of an op using a ``rep`` unit ([Note: rep mode]): unsplit, nothing
     gathered or kept; ``reduce_s`` its share of its bucket's all-reduce (charged at the
     owner, the last use in backward; a tied use's: its own bias's, if any); ``pending``:
@@ -58,7 +58,9 @@ def _rep_row(desc, i, settings, window, after_i, before_i, reduce_s, pending) ->
     # tied_grads) and one pending reduce-scatter
     # unsplit: autograd's gradient is live while the hook copies it in (_grads_live); a
     # direct unit's is not copied, it becomes .grad
-    transient = max(min(window, after_i), min(window, before_i) + own_grad + gathered_bytes(owner, settings) + pending)
+    ahead_f, ahead_b = min(window, after_i), min(window, before_i)  # plus their staging (_staged_ahead)
+    transient = max(ahead_f + min(ahead_f, staged[0]),
+                    ahead_b + min(ahead_b, staged[1]) + own_grad + gathered_bytes(owner, settings) + pending)
     return OptionRow(slices=1, zdp=0, hpz=0, held_bytes=0.0, transient_bytes=transient, comm_f_s=0.0, gather_b_s=0.0,
                      reduce_b_s=reduce_s, overlap=True, split_overhead_s=0.0, split_eff=1.0, logits_per_sample=logits,
                      loss_grad_per_sample=2.0 * logits, logits_grad_per_sample=logits, release_bytes=0.0)
@@ -169,7 +171,7 @@ def _coalesced_copies(grads: float, outputs: float, shard_ranks: int) -> float:
 
 def _option_rows(desc, i, device, settings, checkpointed, window, after_i, before_i,
                  shares=(1.0, 1.0), pending=0.0, issued=0.0, flight_out=0.0, exact=None,
-                 only=None) -> list[OptionRow]:
+                 only=None, staged=(0.0, 0.0)) -> list[OptionRow]:
     """The ``OptionRow`` of every option of op ``i`` (docs/design/cost_model.md's [Note:
     time model], [Note: memory model], [Note: hpz mode] and [Note: tied weights]). ``shares``: the latency
     shares of small units ([Note: coalesced latency]); ``pending``: the gradient bytes
@@ -179,7 +181,9 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
     ``exact``: a concrete plan's gathered bytes beyond the kept prefix, ``(forward,
     [backward per slice j])``, in place of the window's bound ([Note: exact gathers]).
     ``only``: a (g, k, h) whose row alone is wanted (pricing one plan: the other rows'
-    slice-by-slice backward made ``exact_transients`` the planner's largest cost)."""
+    slice-by-slice backward made ``exact_transients`` the planner's largest cost).
+    ``staged``: the staging buffers of coalesced gathers ahead, forward and backward
+    (``prefetch._staged_ahead``), which the bound adds to its prefetches."""
     coll = layout_collectives(device, settings)
     group = _group_of(desc, i)
     owner = desc.ops[group[0]]
@@ -202,8 +206,9 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
         reduced_slice = math.ceil(owner.param_count / g / coll.shard_ranks) * element_bytes(owner)
         grad_s = coll.grad_s(grad)
         if len(group) == 1 and is_small_unit(s, settings.coalesce_bytes, is_slice=g > 1):
-            ag = _shared_latency_s(ag, device.all_gather, coll.shard_ranks, shares[0], coll.comm_scale)
-            grad_s = _shared_latency_s(grad_s, device.reduce_scatter, coll.shard_ranks, shares[1], coll.comm_scale)
+            ag = _shared_latency_s(coll.gather_s, s, shares[0])
+            ag_node = _shared_latency_s(coll.node_gather_s, s, shares[0])  # an hpz unit's, grouped per level
+            grad_s = _shared_latency_s(coll.grad_s, grad, shares[1])
         # hpz needs a backward that reads the weights; a tied unit's uses share plain
         # dp/zdp modes (tied_choices enumerates (g, k) only)
         choices = reshard_choices(g, settings, coll.hpz_available and len(group) == 1 and weights_b)
@@ -225,15 +230,15 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             # of this keeper: then only a zdp / hpz slice's moment adds it)
             own_f = s if gathered_f and (keeper != i or k + h > 0) else 0.0
             # the window also prefetches its own later slices (whole units of their own)
-            gathers_f = own_f + _forward_prefetch(s, window, after_i + (gathered_f - 1) * s * (gathered_f > 0)) \
-                if ex is None else ex[0]
+            prefetch_f = _forward_prefetch(s, window, after_i + (gathered_f - 1) * s * (gathered_f > 0))
+            gathers_f = own_f + prefetch_f + min(prefetch_f, staged[0]) if ex is None else ex[0]
             if g > 1 and len(group) == 1:
                 backward = _split_backward_bytes(s, g, k + h, weights_b, window, before_i, grad, pending,
                                                  reduced_slice, None if settings.grads_set_to_none else flight_out,
-                                                 None if ex is None else ex[1])
+                                                 None if ex is None else ex[1], staged[1])
             else:
                 own_b = s if (weights_b and k + h > 0) else 0.0
-                gathers_b = own_b if s > window else min(window, own_b + before_i)
+                gathers_b = _backward_gathers(own_b, 0.0, window, before_i, staged[1])
                 if ex is not None:
                     gathers_b = ex[1][0]
                 backward = gathers_b + _grads_live(grad, untied=len(group) == 1, pending=pending,
@@ -260,6 +265,22 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
     return rows
 
 
+def _backward_gathers(own: float, ahead: float, window: float, before_i: float, staged: float) -> float:
+    """The window's bound on the gathered bytes beside a backward use that gathers
+    ``own`` ([Note: prefetch bounds]), the larger of two moments, both with its
+    gradient live: its compute, where the window was filled at the previous use's
+    release, so only a gather of its own larger than the window leaves no room (a kept
+    dp weight is not in the window, whatever its size: measured by the step simulation,
+    a 2-slice dp head over a 1760 B window prefetched 1720 B beside its second slice,
+    which a bound of nothing let the search count 1.6 KB short); and its own release,
+    which refills the window. ``ahead``: its own slices it reaches next, ``before_i``
+    the ops before it, ``staged`` the staging buffers of coalesced gathers among them
+    (``prefetch._staged_ahead``), live beside their gathers until the first wait."""
+    at_compute = own if own > window else min(window, own + ahead + before_i)
+    after_release = min(window, ahead + before_i)
+    return max(at_compute + min(at_compute - own, staged), after_release + min(after_release, staged))
+
+
 def _grads_live(grad: float, untied: bool, pending: float, autograd: float) -> float:
     """Unsharded gradient bytes live during the backward of an unsplit op or of a tied
     unit's use, ``grad`` being its gradient ([Note: pending reduction]): the unit's buffer
@@ -272,7 +293,7 @@ def _grads_live(grad: float, untied: bool, pending: float, autograd: float) -> f
 
 def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, window: float,
                           before_i: float, grad: float, pending: float, reduced_slice: float,
-                          persist_flight_out: float | None = None, exact_gathers=None) -> float:
+                          persist_flight_out: float | None = None, exact_gathers=None, staged: float = 0.0) -> float:
     """[Note: split backward moments] Bytes a split (untied) op adds at its busiest
     backward moment, beyond the prefix, the larger over its slices j = g-1 .. 0 in the
     order backward runs them, each at the issue of its reduce-scatter (the runtime
@@ -289,7 +310,8 @@ def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, win
                  freed once reduced: its own and the one in flight (slice j+1's, or
                  ``persist_flight_out`` before the first)
     ``exact_gathers[j]``: a concrete plan's gathered bytes beyond the kept prefix at
-    slice j's backward ([Note: exact gathers]), released dp slices included.
+    slice j's backward ([Note: exact gathers]), released dp slices included; ``staged``:
+    as for ``_backward_gathers``.
     It writes its dW into the buffer itself (osdp/ops/matmul_split.py): no autograd
     copy. Measured (I&C 6x128-512 at batch 14, a 4 MiB c_proj in 4 zdp slices on 2
     ranks): 2 MiB of outputs beside the two 1 MiB buffers, predicted to 0.02%.
@@ -305,7 +327,7 @@ def _split_backward_bytes(s: float, g: int, resharded: int, weights_b: bool, win
         own = s if weights_b and j < resharded else 0.0
         # what backward reaches next: its resharded slices below j, then the ops before
         ahead = min(j, resharded) * s if weights_b else 0.0
-        gathers = own if s > window else min(window, own + ahead + before_i)
+        gathers = _backward_gathers(own, ahead, window, before_i, staged)
         in_flight = pending if j == g - 1 else grad
         if persist_flight_out is None:
             outputs = g * reduced_slice

@@ -9,14 +9,19 @@ within the window, stop at the first that does not fit. The closed forms here ar
 bounds of that walk, not a second copy of it: ``_ahead_bytes`` is the most the walk can
 hold ahead of an op (the following ops' bytes, capped by the window; the walk may stop
 earlier at a unit that does not fit whole, never later), and ``_forward_prefetch`` the
-part of it beside a use that counts itself in the window. The exact bytes, op by op,
-come from the step simulation, which runs the walk itself (``step_sim.gathered_at_compute``,
-[Note: exact gathers] in memory.py).
+part of it beside a use that counts itself in the window. Two things beside the
+window's bytes: a coalesced group's staging buffer (``_staged_ahead``), and, in
+backward, the window refilled at a use's own release while its gradient is still live
+(options.py ``_backward_gathers``). The exact bytes, op by op, come from the step
+simulation, which runs the walk itself (``step_sim.gathered_at_compute``, [Note: exact
+gathers] in memory.py); a bound below them let the search return plans that did not
+fit (tests/planner/test_gathers_bound.py holds every op of random plans to it).
 """
 from __future__ import annotations
 
 import math
 
+from ...contract import is_small_unit
 from ..model_desc import ModelDesc
 from .replicate import rep_op_mask
 from .settings import PlannerSettings, slice_choices
@@ -51,16 +56,35 @@ def _ahead_bytes(desc: ModelDesc, window: float, settings: PlannerSettings) -> t
     ``schedule_rules.prefetch_walk`` issues there ([Note: prefetch bounds])."""
     rep = rep_op_mask(desc, settings)  # rep units are never gathered
     sizes = [gathered_bytes(op, settings) if not (op.tied_to or rep[i]) else 0 for i, op in enumerate(desc.ops)]
-    after, before = [0.0] * len(sizes), [0.0] * len(sizes)
-    acc = 0.0
+    return _ahead_of(sizes, window), _ahead_of(sizes[::-1], window)[::-1]
+
+
+def _staged_ahead(desc: ModelDesc, window: float, settings: PlannerSettings,
+                  world_size: int) -> tuple[list[float], list[float]]:
+    """Per op, the most the staging buffers of coalesced gathers issued ahead of it can
+    hold (forward, backward): a group of small units is gathered rank-major into one
+    buffer and copied out at its first wait (runtime/collectives.py), so beside an op
+    a prefetched group holds its bytes twice. At most the small units among the ops the
+    walk can hold ahead (``_ahead_bytes``), capped by the window; none where nothing
+    coalesces (one rank, ``coalesce_bytes`` 0). The gathers a bound adds it to are its
+    cap too: the buffer copies a part of them."""
+    n = len(desc.ops)
+    if world_size <= 1 or settings.coalesce_bytes <= 0:
+        return [0.0] * n, [0.0] * n
+    rep = rep_op_mask(desc, settings)
+    sizes = [gathered_bytes(op, settings) if not (op.tied_to or rep[i]) else 0 for i, op in enumerate(desc.ops)]
+    small = [size if size > 0 and is_small_unit(size, settings.coalesce_bytes, is_slice=False) else 0.0
+             for size in sizes]
+    return _ahead_of(small, window), _ahead_of(small[::-1], window)[::-1]
+
+
+def _ahead_of(sizes: list[float], window: float) -> list[float]:
+    """Per position, the sum of the sizes after it, capped by ``window``."""
+    out, acc = [0.0] * len(sizes), 0.0
     for i in range(len(sizes) - 1, -1, -1):
-        after[i] = min(window, acc)
+        out[i] = min(window, acc)
         acc = min(window, acc + sizes[i])
-    acc = 0.0
-    for i, size in enumerate(sizes):
-        before[i] = min(window, acc)
-        acc = min(window, acc + size)
-    return after, before
+    return out
 
 
 def _forward_prefetch(s: float, window: float, after: float) -> float:

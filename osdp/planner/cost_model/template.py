@@ -12,7 +12,7 @@ from ..model_desc import ModelDesc
 from ..device import DeviceInfo
 from ..search_problem import SearchProblem
 from .options import OptionRow, _option_rows, _rep_row, _rows_key, pending_reduce_bytes, sharded_grads_after
-from .prefetch import _ahead_bytes, prefetch_window
+from .prefetch import _ahead_bytes, _staged_ahead, prefetch_window
 from .problem import _problem_at
 from .replicate import rep_op_mask, replicate_reduce_s, replicated_grads_bytes
 from .settings import PlannerSettings
@@ -129,7 +129,8 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     window = prefetch_window(desc, settings, budget)
     segments = _segments(desc, settings)
     after, before = _ahead_bytes(desc, window, settings)
-    shares = coalesced_latency_shares(desc, settings)
+    staged_f, staged_b = _staged_ahead(desc, window, settings, device.world_size)
+    shares = coalesced_latency_shares(desc, settings, window)
     rep = rep_op_mask(desc, settings)  # [Note: rep mode]: a fixed set per template
     rep_reduce = replicate_reduce_s(desc, device, settings, rep) if rep.any() else {}
     pending, issued, flight_out = pending_reduce_bytes(desc, device, settings, rep)
@@ -149,18 +150,19 @@ def build_template(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
     for seg in segments:
         for variant, checkpointed in enumerate(seg.variants):
             for i in seg.ops:
+                staged = (staged_f[i], staged_b[i])
                 key = _rows_key(desc, i, owners, checkpointed, after[i], before[i], pending[i], issued[i],
-                                flight_out[i])
+                                flight_out[i], staged)
                 if rep[i]:
                     key += ("rep", rep_reduce.get(i, 0.0))
                 b = block_of.get(key)
                 if b is None:
                     if rep[i]:
                         rows = [_rep_row(desc, i, settings, window, after[i], before[i], rep_reduce.get(i, 0.0),
-                                         pending[i])]
+                                         pending[i], staged)]
                     else:
                         rows = _option_rows(desc, i, device, settings, checkpointed, window, after[i], before[i],
-                                            shares, pending[i], issued[i], flight_out[i])
+                                            shares, pending[i], issued[i], flight_out[i], staged=staged)
                     b = block_of[key] = len(blocks)
                     blocks.append(np.array(rows, dtype=np.float64).reshape(len(rows), len(OptionRow._fields)))
                 begin[i, variant] = count
