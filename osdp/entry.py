@@ -82,7 +82,8 @@ class OSDP(ShardedModel):
                 values.close()  # a real model's values are its own: no trial is needed beside it
             init = ValuesFrom(module, ShardValues(values.holder(), release=True)) if on_meta else None
             super().__init__(module, plan, memory_limit=memory_limit, param_init_fn=init, **runtime)
-            self.planned_sample_shapes = sample_shapes(self._forward_signature, *as_example_inputs(example_inputs))
+            inputs = as_example_inputs(example_inputs)
+            self.planned_sample_shapes = sample_shapes(self._forward_signature, inputs.args, inputs.kwargs)
         finally:
             values.close()  # the last trial (a meta model's values) goes, collected at once
 

@@ -18,7 +18,13 @@ in order: ``model(batch)`` with ``batch = {"image": x, "label": y}`` is
 ``example_inputs=(batch,)``). describe halves the batch and the profiler repeats or cuts
 it: every tensor whose dim 0 equals the batch, in containers too, is cut or repeated
 along dim 0; other values (flags such as ``use_cache=False``, tensors of another leading
-size) are passed as they are.
+size) are passed as they are. Inputs whose samples do not sit along dim 0 (a
+vision-language model's packed image patches: Qwen2-VL's ``pixel_values`` are
+``(patches of every image, features)``, its ``image_grid_thw`` one row per image) cannot
+be cut that way: ``ExampleInputs(args, kwargs, at_batch=fn)`` gives ``fn(n)``, the inputs
+of ``n`` samples (any of the forms above), which the profiler uses for every other batch
+size. Without it, a run at another batch that fails with a tensor left as it was says
+which tensors and to give ``at_batch``.
 
 The loss whose backward describe and the profiler run (and measure) is, in order:
 
@@ -91,13 +97,31 @@ log = logging.getLogger("osdp.auto")
 
 
 class ExampleInputs(NamedTuple):
-    """Positional and keyword arguments of one forward: ``model(*args, **kwargs)``."""
+    """Positional and keyword arguments of one forward: ``model(*args, **kwargs)``;
+    ``at_batch``: ``n -> the inputs of n samples``, for inputs whose samples do not sit
+    along dim 0 ([Note: example inputs and the loss])."""
 
     args: tuple = ()
     kwargs: dict = {}
+    at_batch: Callable[[int], object] | None = None
+    # the tensors ``with_batch`` left as they were (named, with their shapes): what a
+    # failing run at that batch names
+    kept_as_given: tuple[str, ...] = ()
 
     def call(self, model):
-        return model(*self.args, **self.kwargs)
+        if not self.kept_as_given:
+            return model(*self.args, **self.kwargs)
+        try:
+            return model(*self.args, **self.kwargs)
+        except Exception as exc:
+            raise OSDPError(
+                f"the example inputs at batch {self.batch_size()} failed ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); describe halves the batch and "
+                f"the profiler repeats or cuts it along dim 0 of every tensor whose dim 0 is the batch, and these "
+                f"were passed as given: {', '.join(self.kept_as_given)}. Where samples do not sit along dim 0 "
+                "(packed image patches and their per-image grids), pass osdp.ExampleInputs(args, kwargs, "
+                "at_batch=fn) with fn(n) returning the inputs of n samples"
+            ) from exc
 
     def tensors(self) -> list[torch.Tensor]:
         """Tensor arguments, positional first, then keyword ones in their order; the
@@ -121,7 +145,7 @@ class ExampleInputs(NamedTuple):
             return fn(v) if isinstance(v, torch.Tensor) else v
 
         args, kwargs = tree_map(one, (tuple(self.args), dict(self.kwargs)))
-        return ExampleInputs(args, kwargs)
+        return self._replace(args=args, kwargs=kwargs)
 
     def map_batched(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ExampleInputs":
         """The same call with ``fn`` applied to every tensor whose dim 0 is the batch."""
@@ -130,7 +154,13 @@ class ExampleInputs(NamedTuple):
 
     def with_batch(self, batch: int) -> "ExampleInputs":
         """The inputs cut to (or repeated up to) ``batch`` samples; fresh storage, so a
-        smaller batch never counts the larger one's bytes."""
+        smaller batch never counts the larger one's bytes. ``at_batch``'s, when given."""
+        if self.at_batch is not None:
+            made = as_example_inputs(self.at_batch(batch))
+            if made.batch_size() != batch:
+                raise OSDPError(f"ExampleInputs.at_batch({batch}) returned inputs of batch {made.batch_size()} "
+                                f"(dim 0 of their first tensor): return {batch} samples")
+            return made._replace(at_batch=self.at_batch)
 
         def resize(t: torch.Tensor) -> torch.Tensor:
             reps = -(-batch // t.shape[0])
@@ -138,7 +168,10 @@ class ExampleInputs(NamedTuple):
                 return t.repeat(reps, *([1] * (t.dim() - 1)))[:batch].clone()
             return t[:batch].clone()
 
-        return self.map_batched(resize)
+        example = self.batch_size()
+        kept = tuple(f"{name} {tuple(shape)}" for name, shape in _tensor_shapes(self.args, self.kwargs).items()
+                     if shape and shape[0] != example)
+        return self.map_batched(resize)._replace(kept_as_given=kept if batch != example else ())
 
 
 def argument_tensors(args, kwargs) -> list[torch.Tensor]:
@@ -150,6 +183,28 @@ def argument_tensors(args, kwargs) -> list[torch.Tensor]:
 def forward_signature(module) -> inspect.Signature | None:
     """The signature of ``module``'s forward (None where it has none to read)."""
     return signature_or_none(module.forward)
+
+
+def _tensor_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a call's arguments, named by its place (``pixel_values``,
+    ``args[1]``, ``batch.image``), and its shape."""
+    shapes: dict[str, tuple[int, ...]] = {}
+
+    def visit(path: str, value) -> None:
+        if isinstance(value, torch.Tensor):
+            shapes[path] = tuple(value.shape)
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(f"{path}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(f"{path}[{i}]", item)
+
+    for i, value in enumerate(args):
+        visit(f"args[{i}]", value)
+    for key, value in kwargs.items():
+        visit(key, value)
+    return shapes
 
 
 def sample_shapes(signature: inspect.Signature | None, args, kwargs) -> dict[str, tuple[int, ...]]:
@@ -183,8 +238,10 @@ def sample_shapes(signature: inspect.Signature | None, args, kwargs) -> dict[str
 def as_example_inputs(example_inputs) -> ExampleInputs:
     """Normalize ``example_inputs`` (see [Note: example inputs and the loss])."""
     if isinstance(example_inputs, ExampleInputs):
-        args, kwargs = example_inputs
-        return ExampleInputs(tuple(args), dict(kwargs))
+        if example_inputs.at_batch is not None and not callable(example_inputs.at_batch):
+            raise OSDPError(f"ExampleInputs.at_batch must be a function of the batch size returning the inputs of "
+                            f"that many samples, got {example_inputs.at_batch!r}")
+        return example_inputs._replace(args=tuple(example_inputs.args), kwargs=dict(example_inputs.kwargs))
     if isinstance(example_inputs, Mapping):
         bad = [k for k in example_inputs if not isinstance(k, str)]
         if bad:

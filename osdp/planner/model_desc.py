@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from ..contract import fuses_head_loss
 from ..errors import OSDPError
@@ -540,9 +541,10 @@ def describe_tensors(
         for use in renames:
             del tied[use]  # it stands for its owner now
         half = batch_size // 2
-        if half >= 1 and all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors):
-            # clones: a view would share (and count) the full batch's storage
-            small = inputs.map_batched(lambda t: t[:half].clone())
+        # the user's at_batch makes real tensors: not on a fake description's
+        resizable = inputs.at_batch is not None and not any(isinstance(t, FakeTensor) for t in tensors)
+        if half >= 1 and (resizable or all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors)):
+            small = inputs.with_batch(half)  # fresh storage: a view would count the full batch's
             _, saved_half, _, _, _ = _measure_forward(model, small, units, param_ptrs, [])
             saved_half = _renamed(saved_half, renames)
         else:

@@ -218,7 +218,7 @@ class _Trial:
         self.compile = options.compile
         self.first_step_s: float | None = None
         self.dev = self.model.device
-        self.inputs = inputs.map_batched(lambda t: t.to(self.dev))
+        self.inputs = inputs.map_tensors(lambda t: t.to(self.dev))  # packed image patches too
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=0.0)
         self.timed: list[tuple] = []
         self.peak: tuple[float, str] | None = None  # (bytes, how they were read)

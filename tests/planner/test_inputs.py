@@ -299,3 +299,42 @@ def test_the_measured_plan_cache_keys_a_batch_dict_by_shapes_not_values():
     assert _inputs_signature((torch.zeros(4, 3),)) == [["0", [4, 3], "torch.float32"]]
     assert _inputs_signature({"use_cache": False}) == [["use_cache", "False"]]
 
+
+
+class _PackedPatches(nn.Module):
+    """A vision-language shape: ``patches`` holds every sample's 3 patches packed along
+    dim 0 (Qwen2-VL's ``pixel_values``), so its dim 0 is not the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.vision = nn.Linear(2, 4)
+
+    def forward(self, ids, patches):
+        images = self.vision(patches).view(ids.shape[0], 3, 4).mean(1)
+        return (self.embed(ids).mean(1) + images).sum()
+
+
+def _packed(batch: int) -> dict:
+    gen = torch.Generator().manual_seed(batch)
+    return {"ids": torch.randint(0, 10, (batch, 5), generator=gen), "patches": torch.randn(3 * batch, 2, generator=gen)}
+
+
+def test_packed_inputs_resize_through_at_batch_and_without_it_the_failure_names_them():
+    model = _PackedPatches()
+    plain = as_example_inputs(_packed(4))
+    with pytest.raises(OSDPError, match=r"at batch 2 failed .*passed as given: patches \(12, 2\).*at_batch=fn"):
+        plain.with_batch(2).call(model)
+    assert plain.with_batch(4).kept_as_given == ()  # the example batch itself runs as given
+    packed = as_example_inputs(ExampleInputs((), _packed(4), at_batch=_packed))
+    for batch in (1, 3, 8):
+        resized = packed.with_batch(batch)
+        assert resized.kwargs["patches"].shape == (3 * batch, 2) and resized.at_batch is _packed
+        resized.call(model)
+    asked = []
+    describe(model, ExampleInputs((), _packed(4), at_batch=lambda n: asked.append(n) or _packed(n)))
+    assert asked == [2]  # describe's second point, at half the batch
+    with pytest.raises(OSDPError, match=r"at_batch\(2\) returned inputs of batch 4"):
+        as_example_inputs(ExampleInputs((), _packed(4), at_batch=lambda n: _packed(4))).with_batch(2)
+    with pytest.raises(OSDPError, match="at_batch must be a function of the batch size"):
+        as_example_inputs(ExampleInputs((), _packed(4), at_batch=8))
