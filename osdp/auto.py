@@ -389,7 +389,7 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
         refs = []
         for b in sorted({batch, max(1, batch // 2)}, reverse=True):
             try:
-                refs.append(make_plan(desc, device, fsdp, batch=b, backend=backend, baselines=False))
+                refs.append(_fsdp_reference(desc, device, fsdp, b, settings, backend))
             except OSDPError:
                 continue
         split = split_reference(desc, device, settings, batch) if refs else None
@@ -417,6 +417,19 @@ def runtime_profile(desc, device, settings: PlannerSettings, batch: int, measure
 REFERENCE_SLICES = 4  # the split reference's slices per splittable op (at most max_slices)
 
 
+def _fsdp_reference(desc, device, fsdp: PlannerSettings, batch: int, settings: PlannerSettings, backend: str):
+    """FSDP full shard at ``batch``; with the units ``settings`` fixes as rep kept rep:
+    a model reading a weight outside its unit runs only so, and the rest all zdp is
+    still FSDP's plan (``uniform_plan``). OSDPError where it does not fit."""
+    rep_units = settings.rep_units if settings.policy == "osdp" else None
+    if not rep_units:
+        return make_plan(desc, device, fsdp, batch=batch, backend=backend, baselines=False)
+    plan = uniform_plan(desc, device, fsdp, batch, rep_units=rep_units)
+    if plan.predicted.peak_bytes > device.memory_limit_bytes:
+        raise OSDPError(f"FSDP with rep units {list(rep_units)} does not fit at batch {batch}")
+    return plan
+
+
 def split_reference(desc, device, settings: PlannerSettings, batch: int) -> Plan | None:
     """FSDP with every splittable op in ``min(REFERENCE_SLICES, max_slices)`` zdp slices
     at ``batch`` (``uniform_plan``), where the planner may split (policy "osdp",
@@ -430,7 +443,7 @@ def split_reference(desc, device, settings: PlannerSettings, batch: int) -> Plan
         return None
     try:
         plan = uniform_plan(desc, device, settings.with_(accumulation_steps=1), batch, slices=slices,
-                            zdp_slices=slices)
+                            zdp_slices=slices, rep_units=settings.rep_units or ())
     except OSDPError:
         return None
     if plan.predicted.peak_bytes > device.memory_limit_bytes or all(u.slices == 1 for u in plan.units):

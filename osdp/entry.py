@@ -3,6 +3,8 @@ front of it. Imports run one way: this module -> ``osdp.auto`` -> ``osdp.profile
 ``osdp.api`` (the runtime); the runtime never imports auto mode."""
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn as nn
 
@@ -68,6 +70,7 @@ class OSDP(ShardedModel):
         mixed_precision = options.mixed_precision
         # a model on meta is initialized now, drawing what a build without auto mode draws
         on_meta = has_meta(module)
+        _check_auto_kwargs(auto_kwargs)
         auto_options = {**dict(auto_kwargs or {}), **({"loss_fn": loss_fn} if loss_fn is not None else {})}
         if runtime.get("leaf_modules"):  # described as the runtime will run them
             auto_options["leaf_modules"] = runtime["leaf_modules"]
@@ -100,6 +103,26 @@ def _check_auto_only_args(auto: bool, auto_only: dict) -> None:
             f"and example_inputs= with no plan=, modes= or splits=): here {'it' if one else 'they'} would be "
             f"ignored; drop {'it' if one else 'them'}, or plan in auto mode"
         )
+
+
+# what OSDP itself passes to auto mode: in auto_kwargs they would collide (a TypeError
+# naming plan_with_values) or be overridden
+_OWN_AUTO_ARGS = ("settings", "mixed_precision", "compile", "process_group", "layout", "holder", "memory_limit",
+                  "example_inputs", "model", "leaf_modules")
+
+
+def _check_auto_kwargs(auto_kwargs) -> None:
+    """``auto_kwargs`` is auto_plan's other options: not a mapping, or one of OSDP's own
+    arguments in it, is refused naming the argument to use instead."""
+    if auto_kwargs is None:
+        return
+    if not isinstance(auto_kwargs, Mapping):
+        raise ConfigError(f"auto_kwargs must be a dict of osdp.auto_plan's options, got {auto_kwargs!r}")
+    own = [k for k in auto_kwargs if k in _OWN_AUTO_ARGS]
+    if own:
+        raise ConfigError(f"auto_kwargs={{{', '.join(repr(k) for k in own)}: ...}}: pass "
+                          f"{', '.join(f'{k}=' for k in own)} to osdp.OSDP itself (auto_kwargs holds auto_plan's "
+                          "other options: cache_dir, budget_s, progress, ...)")
 
 
 def _with_precision(settings: PlannerSettings | None, mixed_precision) -> PlannerSettings:

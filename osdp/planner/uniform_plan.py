@@ -15,15 +15,17 @@ from .search_problem import SearchResult
 
 
 def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings, batch: int, *,
-                 slices: int = 1, zdp_slices: int = 1, checkpointed: bool = False) -> Plan:
+                 slices: int = 1, zdp_slices: int = 1, checkpointed: bool = False, rep_units=()) -> Plan:
     """Every op at ``slices`` slices with ``zdp_slices`` of them zdp (the rest dp); an op
     its split op cannot cut in ``slices`` stays whole with ``min(zdp_slices, 1)`` zdp
-    slices. Every block is checkpointed if ``checkpointed``, none otherwise; no rep units;
-    ``settings`` give the rest (mixed precision, layout, window). Its predictions are the
-    cost model's for exactly this assignment."""
+    slices. Every block is checkpointed if ``checkpointed``, none otherwise; the units
+    ``rep_units`` rep (a model that runs only so: a weight read outside its unit), no
+    others; ``settings`` give the rest (mixed precision, layout, window). Its
+    predictions are the cost model's for exactly this assignment."""
     if slices < 1 or not 0 <= zdp_slices <= slices:
         raise ValueError(f"zdp_slices must be in [0, slices={slices}], got {zdp_slices}")
-    settings = settings.with_(policy="osdp", rep_units=(), checkpointing="all" if checkpointed else "none",
+    settings = settings.with_(policy="osdp", rep_units=tuple(rep_units),
+                              checkpointing="all" if checkpointed else "none",
                               max_slices=max(slices, settings.max_slices))
     t = build_template(desc, device, settings)
     whole = (1, min(zdp_slices, 1))

@@ -173,6 +173,7 @@ class ForeignReadCheck(TorchFunctionMode):
         return (
             f"{name!r} (unit {unit.name!r}) was read {where}: OSDP gathers a unit's weights only while its own "
             f"module runs, so there they are freed or another use's, and their gradient would reach no reduction. "
-            f"{fix}; or keep the unit whole on every rank, modes={{{unit.name!r}: 'rep'}} (its full size in "
-            "memory, read anywhere). See [Note: weights read outside their unit] in osdp/runtime/foreign_reads.py"
+            f"{fix}; or keep the unit whole on every rank, modes={{{unit.name!r}: 'rep'}} (in auto mode "
+            f"settings=osdp.planner.PlannerSettings(rep_units=({unit.name!r},)); its full size in memory, read "
+            "anywhere). See [Note: weights read outside their unit] in osdp/runtime/foreign_reads.py"
         )

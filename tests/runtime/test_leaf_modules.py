@@ -13,6 +13,7 @@ import osdp
 import osdp.checkpoint as ckpt
 from osdp.contract import RuntimeConfig
 from osdp.errors import OSDPError, PlanMismatchError
+from osdp.planner import PlannerSettings
 
 from . import lockstep_moe_cases as mc
 
@@ -266,26 +267,30 @@ def test_auto_mode_plans_a_leaf_that_owns_parameters_itself():
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
 
 
+class OwnLogits(nn.Module):
+    """Logits read off the embedding's weight by the model's own forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.mix = nn.Linear(4, 4)
+
+    def forward(self, idx):
+        return self.mix(self.emb(idx)) @ self.emb.weight.t()
+
+
 def test_a_weight_read_by_the_model_itself_says_to_go_through_a_module():
     """The model's own forward reads its embedding's weight for the logits (no head
     module): the model cannot be a leaf, so the error says to tie a head to it, or to
     keep the unit rep (stock Perceiver's decoder reads its input embedding's weight,
     passed as an argument: a helper trained it so)."""
-    class OwnLogits(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.emb = nn.Embedding(10, 4)
-            self.mix = nn.Linear(4, 4)
-
-        def forward(self, idx):
-            return self.mix(self.emb(idx)) @ self.emb.weight.t()
-
     torch.manual_seed(0)
     model = osdp.OSDP(OwnLogits(), default_mode="zdp")
     idx = torch.tensor([[1, 2, 3]])
     with pytest.raises(OSDPError, match=r"'emb\.weight' \(unit 'emb'\) was read in the forward of the model "
                                         r"\(OwnLogits\) itself.*an nn\.Linear whose weight is that embedding's"
-                                        r".*modes=\{'emb': 'rep'\}"):
+                                        r".*modes=\{'emb': 'rep'\} \(in auto mode "
+                                        r"settings=osdp\.planner\.PlannerSettings\(rep_units=\('emb',\)\)"):
         model(idx)
     torch.manual_seed(0)
     plain = OwnLogits()
@@ -295,6 +300,24 @@ def test_a_weight_read_by_the_model_itself_says_to_go_through_a_module():
     kept(idx).sum().backward()
     torch.testing.assert_close(kept(idx), plain(idx))
     torch.testing.assert_close(kept.module.emb.weight.grad, plain.emb.weight.grad)
+
+
+def test_auto_mode_keeps_the_rep_unit_a_weight_read_outside_its_unit_needs():
+    """In auto mode the error's escape is the planner's fixed rep set: its calibration
+    measured FSDP (every unit zdp) first, which such a model cannot run, so auto mode
+    failed whatever the settings; the reference plans keep those units rep now."""
+    idx = torch.tensor([[1, 2, 3], [3, 2, 1]])
+    torch.manual_seed(0)
+    plain = OwnLogits()
+    torch.manual_seed(0)
+    model = osdp.OSDP(OwnLogits(), memory_limit="1GiB", example_inputs=(idx,),
+                      settings=PlannerSettings(rep_units=("emb",)), auto_kwargs={"use_plan_cache": False})
+    assert model.unit_modes() == {"emb": "rep", "mix": "zdp"}
+    model(idx).sum().backward()
+    plain(idx).sum().backward()
+    torch.testing.assert_close(model.module.emb.weight.grad, plain.emb.weight.grad)
+    with pytest.raises(OSDPError, match=r"auto_kwargs=\{'settings': \.\.\.\}: pass settings= to osdp\.OSDP itself"):
+        osdp.OSDP(OwnLogits(), memory_limit="1GiB", example_inputs=(idx,), auto_kwargs={"settings": None})
 
 
 class _ReadsChildSometimes(_ReadsChild):
