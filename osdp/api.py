@@ -25,7 +25,8 @@ from .runtime.build import build_units, register_params
 from .runtime.activation_checkpoint import apply_checkpointing
 from .runtime.collectives import DEFAULT_TIMEOUT_S, CommContext, is_collective_failure
 from .runtime.compile_config import CompileConfig
-from .runtime.compiled import compile_regions, install as install_compiled, mark_sharded_grads
+from .runtime.compiled import (compile_regions, fused_layer_fast_path_off, install as install_compiled,
+                               mark_sharded_grads)
 from .runtime.config import check_plan_layout, check_plan_matches_model, own_param_counts, resolve_config
 from .runtime.direct import DirectBinding, DirectGradHooks, direct_units
 from .runtime.grad_norm import check_norm_args, global_grad_norm, install_torch_clip_guard
@@ -474,7 +475,8 @@ class ShardedModel(nn.Module):
             self._memory_check.begin_forward()  # checks the step before; see [Note: measured peak]
         if self.compile_config is not None:  # nothing to schedule: see [Note: compiled units]
             try:
-                output = self.module(*args, **kwargs)
+                with fused_layer_fast_path_off():  # [Note: fused layer fast path]
+                    output = self.module(*args, **kwargs)
             except RuntimeError as exc:  # [Note: compiled collective timeouts]
                 if not is_collective_failure(exc):
                     raise

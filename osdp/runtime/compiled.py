@@ -95,6 +95,7 @@ the whole gradient instead of this rank's 1/N shard (steady step 260.0 -> 270.9 
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -119,7 +120,8 @@ from .grad_norm import mark_sharded
 from .modes import Mode
 from .shard_unit import ShardUnit
 
-__all__ = ["CompileConfig", "CompiledUnit", "compile_regions", "install", "mark_sharded_grads"]
+__all__ = ["CompileConfig", "CompiledUnit", "compile_regions", "fused_layer_fast_path_off", "install",
+           "mark_sharded_grads"]
 
 
 # ---- one unit ----------------------------------------------------------------------------------
@@ -378,6 +380,27 @@ def _swap_class(module: nn.Module, runner, classes: dict[type, type]) -> None:
                                                                         "__module__": base.__module__})
     module.__class__ = cls
     module.__dict__["_osdp_compiled"] = runner
+
+
+# [Note: fused layer fast path]
+# In eval under no_grad, torch's nn.TransformerEncoderLayer (and nn.MultiheadAttention)
+# take a "fast path": one fused kernel (torch._transformer_encoder_layer_fwd) fed with
+# the weights of the layer's children, read through the layer itself, not through the
+# children's forwards. Eager OSDP never takes it (torch skips it where a submodule has
+# hooks). The compiled path has no hooks: the kernel read the children's placeholders
+# (FreedWeight) and every eval of a stock encoder layer was refused (found by a helper).
+# A compiled model's forward runs with the fast path off, so each child computes with
+# its gathered views, as in training; the flag is torch's own, put back after.
+@contextlib.contextmanager
+def fused_layer_fast_path_off():
+    """torch's nn.TransformerEncoderLayer / MultiheadAttention fast path off while a
+    compiled model runs ([Note: fused layer fast path])."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
 
 
 def _refuse(built, layout) -> None:

@@ -76,12 +76,12 @@ CASES = [
     Case("llama_labels", "llama", 139_000),
     # a tuple output (return_dict=False, no labels): the profiler's loss is loss_fn's;
     # zdp 126.7 kB, dp 135.2 kB (logsumexp backward holds more than the cross-entropy).
-    # Planned all zdp below all dp's peak: under the slow link a dp unit pays only where
-    # it takes a whole coalesced group's regather away, and since the model prices a
-    # group's copies (zdp rose from 121.5 kB) mixes were left a window of 0.3 kB; the
-    # cases above mix
+    # It planned all zdp for a while: a coalesced group's latency was priced as if the
+    # window held every small unit, so a dp unit paid only where it took a whole group's
+    # regather away; groups are cut by the window now ([Note: coalesced latency]) and it
+    # mixes again
     Case("gpt2_tuple_loss_fn", "gpt2", 130_000, example=lambda x: {"input_ids": x, "return_dict": False},
-         loss_fn=_first_logits, mixes=False),
+         loss_fn=_first_logits),
 ]
 
 

@@ -1,6 +1,7 @@
 """Per-rank body of ``test_stock_mha.py``: stock ``nn.TransformerEncoder`` layers (their
 ``nn.MultiheadAttention`` reads ``out_proj.weight`` itself) wrapped with no
-``leaf_modules``, by hand and from a plan the planner made for them."""
+``leaf_modules``, by hand, compiled and from a plan the planner made for them; then
+evaluated under no_grad."""
 from __future__ import annotations
 
 import torch
@@ -75,6 +76,14 @@ def planned(model: nn.Module, world: int):
     return make_plan(desc, device, PlannerSettings(), batch=LOCAL_BATCH)
 
 
+def evaluated(model) -> torch.Tensor:
+    """The output in eval mode under no_grad, where torch's encoder layers take their
+    fused fast path ([Note: fused layer fast path] in osdp/runtime/compiled.py)."""
+    model.eval()
+    with torch.no_grad():
+        return model(batch(STEPS, 1)[0])
+
+
 def run(rank: int, world: int, configs: list[str]) -> dict:
     out = {}
     for config in configs:
@@ -83,8 +92,10 @@ def run(rank: int, world: int, configs: list[str]) -> dict:
         if config.startswith("planned"):
             plan = planned(model, world)
             wrapped = osdp.OSDP(build(batch_first), plan=plan)
+        elif config.startswith("compiled"):
+            wrapped = osdp.OSDP(model, default_mode="zdp", compile={"backend": "aot_eager"})
         else:
             wrapped = osdp.OSDP(model, default_mode=config.split("_")[0])
         out[config] = {"losses": train(wrapped, rank, world), "state": wrapped.full_state_dict(rank0_only=False),
-                       "units": wrapped.unit_names()}
+                       "units": wrapped.unit_names(), "eval": evaluated(wrapped)}
     return out

@@ -3,7 +3,8 @@
 its ``out_proj.weight`` inside ``F.multi_head_attention_forward``, so as a unit of its
 own that weight was read outside its unit and every run was refused until the user
 named the class. It is a leaf by default now ([Note: leaf modules] in
-osdp/module_tree.py), by hand and in the planner's plans."""
+osdp/module_tree.py), by hand, compiled and in the planner's plans; the trained models
+are evaluated under no_grad too."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +14,7 @@ from . import stock_mha_cases as sc
 from .dist_harness import spawn
 
 WORLD = 2
-CONFIGS = ["zdp_batch_first", "dp_seq_first", "planned_batch_first"]
+CONFIGS = ["zdp_batch_first", "dp_seq_first", "planned_batch_first", "compiled_batch_first"]
 
 
 @pytest.fixture(scope="module")
@@ -32,3 +33,6 @@ def test_stock_encoder_layers_train_as_one_process(results, config):
         assert got["losses"] == pytest.approx(losses, rel=1e-5)
         for key, value in plain.state_dict().items():
             torch.testing.assert_close(got["state"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+        # compiled, the encoder layers' fused eval path read their children's freed
+        # weights and was refused ([Note: fused layer fast path] in osdp/runtime/compiled.py)
+        torch.testing.assert_close(got["eval"], sc.evaluated(plain), rtol=1e-4, atol=1e-5)
