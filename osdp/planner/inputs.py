@@ -185,14 +185,14 @@ def forward_signature(module) -> inspect.Signature | None:
     return signature_or_none(module.forward)
 
 
-def _tensor_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
-    """Every tensor of a call's arguments, named by its place (``pixel_values``,
-    ``args[1]``, ``batch.image``), and its shape."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def _named_tensors(named: dict) -> dict[str, torch.Tensor]:
+    """The tensors among ``named`` values (argument name -> value), in dict, list or
+    tuple values too, each named by its place (``batch.image``, ``inputs[0]``)."""
+    found: dict[str, torch.Tensor] = {}
 
     def visit(path: str, value) -> None:
         if isinstance(value, torch.Tensor):
-            shapes[path] = tuple(value.shape)
+            found[path] = value
         elif isinstance(value, Mapping):
             for key, item in value.items():
                 visit(f"{path}.{key}", item)
@@ -200,11 +200,16 @@ def _tensor_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
             for i, item in enumerate(value):
                 visit(f"{path}[{i}]", item)
 
-    for i, value in enumerate(args):
-        visit(f"args[{i}]", value)
-    for key, value in kwargs.items():
-        visit(key, value)
-    return shapes
+    for name, value in named.items():
+        visit(name, value)
+    return found
+
+
+def _tensor_shapes(args, kwargs) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a call's arguments, named by its place (``pixel_values``,
+    ``args[1]``, ``batch.image``), and its shape."""
+    named = {**{f"args[{i}]": v for i, v in enumerate(args)}, **kwargs}
+    return {path: tuple(t.shape) for path, t in _named_tensors(named).items()}
 
 
 def sample_shapes(signature: inspect.Signature | None, args, kwargs) -> dict[str, tuple[int, ...]]:
@@ -217,22 +222,7 @@ def sample_shapes(signature: inspect.Signature | None, args, kwargs) -> dict[str
         named = dict(signature.bind_partial(*args, **kwargs).arguments)
     except (AttributeError, TypeError):  # no signature, or one these arguments do not fit
         named = {**{str(i): v for i, v in enumerate(args)}, **kwargs}
-    shapes: dict[str, tuple[int, ...]] = {}
-
-    def visit(path: str, value) -> None:
-        if isinstance(value, torch.Tensor):
-            if value.dim() > 0:
-                shapes[path] = tuple(value.shape[1:])
-        elif isinstance(value, Mapping):
-            for key, item in value.items():
-                visit(f"{path}.{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                visit(f"{path}[{i}]", item)
-
-    for name, value in named.items():
-        visit(name, value)
-    return shapes
+    return {path: tuple(t.shape[1:]) for path, t in _named_tensors(named).items() if t.dim() > 0}
 
 
 def as_example_inputs(example_inputs) -> ExampleInputs:

@@ -4,10 +4,11 @@ read by the next module after the unit's weights were freed."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import osdp
+
+from .parity_cases import _mean_loss
 
 LOCAL_BATCH, STEPS, LR = 2, 3, 0.05
 OSDP_ARGS = {
@@ -70,11 +71,8 @@ def train(model, rank: int | None, world: int) -> list[float]:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        loss = loss.detach().clone()
-        if rank is not None:  # the mean over the ranks, as one process computes it
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
+        # the mean over the ranks, as one process computes it
+        losses.append(_mean_loss(loss, world) if rank is not None else loss.item())
     return losses
 
 

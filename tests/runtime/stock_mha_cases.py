@@ -5,7 +5,6 @@ evaluated under no_grad."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -14,6 +13,8 @@ from osdp.planner import PlannerSettings, make_plan
 from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
 from osdp.planner.description import describe
 from osdp.planner.run import RunSettings
+
+from .parity_cases import _mean_loss
 
 LOCAL_BATCH, SEQ, VOCAB, WIDTH, STEPS, LR = 2, 8, 40, 32, 3, 0.02
 
@@ -59,11 +60,8 @@ def train(model, rank: int | None, world: int) -> list[float]:
         loss.backward()
         optim.step()
         optim.zero_grad()
-        loss = loss.detach().clone()
-        if rank is not None:  # the mean over the ranks, as one process computes it
-            dist.all_reduce(loss)
-            loss /= world
-        losses.append(loss.item())
+        # the mean over the ranks, as one process computes it
+        losses.append(_mean_loss(loss, world) if rank is not None else loss.item())
     return losses
 
 
