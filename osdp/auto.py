@@ -104,7 +104,9 @@ def auto_plan(
     - a dict of keyword arguments: ``model(**example_inputs)``; for a stock Hugging Face
       model, ``{"input_ids": x, "labels": y}`` (its second positional argument is
       ``past_key_values``, not the labels);
-    - ``osdp.ExampleInputs(args, kwargs)`` for both.
+    - ``osdp.ExampleInputs(args, kwargs)`` for both; ``ExampleInputs(args, kwargs,
+      at_batch=fn)`` where samples do not sit along dim 0 (packed image patches),
+      ``fn(n)`` the inputs of ``n`` samples for the profiler's other batch sizes.
 
     The batch is dim 0 of the first tensor (in a dict, list or tuple argument too).
     The profiler runs backward on, in order:

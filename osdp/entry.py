@@ -34,8 +34,9 @@ class OSDP(ShardedModel):
     ``model.plan`` is the plan and ``model.batch_size`` the per-device batch the training
     loop must use. ``example_inputs`` is one forward's arguments: a tuple (positional), a
     dict (keyword: a stock Hugging Face model takes ``{"input_ids": x, "labels": y}``) or
-    ``osdp.ExampleInputs(args, kwargs)``; the batch is dim 0 of the first tensor (in a
-    dict, list or tuple argument too). The profiler runs backward on ``loss_fn(output)``
+    ``osdp.ExampleInputs(args, kwargs)`` (with ``at_batch=fn`` for packed inputs, see
+    :func:`osdp.auto.auto_plan`); the batch is dim 0 of the first tensor (in a dict,
+    list or tuple argument too). The profiler runs backward on ``loss_fn(output)``
     when given (a scalar tensor, for any batch), else on ``output.loss`` (a
     ``ModelOutput`` given labels) or on the output tensor: a scalar itself, logits (also
     a ``ModelOutput``'s without a loss) a cross-entropy over their last dimension
