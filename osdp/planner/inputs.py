@@ -109,11 +109,11 @@ class ExampleInputs(NamedTuple):
     kept_as_given: tuple[str, ...] = ()
 
     def call(self, model):
-        if not self.kept_as_given:
-            return model(*self.args, **self.kwargs)
         try:
             return model(*self.args, **self.kwargs)
         except Exception as exc:
+            if not self.kept_as_given:
+                raise
             raise OSDPError(
                 f"the example inputs at batch {self.batch_size()} failed ({type(exc).__name__}: "
                 f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}); describe halves the batch and "

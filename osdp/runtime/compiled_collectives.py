@@ -5,7 +5,6 @@ compiled.py)."""
 from __future__ import annotations
 
 import weakref
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -13,6 +12,7 @@ import torch.distributed.distributed_c10d as c10d
 from torch.utils.checkpoint import CheckpointPolicy
 
 from .compiled_prefetch import _ALL_GATHER
+from .mesh import group_over_ranks_of
 from .mixed_precision import average_factors
 
 _C10D = torch.ops._c10d_functional
@@ -112,8 +112,7 @@ def timed_group(group, timeout_s: float):
         return group
     made = _TIMED_GROUPS.setdefault(group, {})
     if timeout_s not in made:
-        made[timeout_s] = dist.new_group(dist.get_process_group_ranks(group), backend=backend,
-                                         timeout=timedelta(seconds=timeout_s), use_local_synchronization=True)
+        made[timeout_s] = group_over_ranks_of(group, backend=backend, timeout_s=timeout_s)
     return made[timeout_s]
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import CollectiveTimeoutError, RanksOutOfStepError
+from .mesh import group_over_ranks_of
 from .optimizer_steps import OptimizerSteps, uneven_steps_message
 
 KEPT_ENTRIES = 4096  # descriptions kept for the error message; the hash covers all
@@ -114,8 +115,7 @@ class LockstepCheck:
         collectives (which a stream's thread may be issuing meanwhile)."""
         found = _CHECK_GROUPS.get(group)
         if found is None:
-            found = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
-                                   timeout=timedelta(seconds=self.timeout_s), use_local_synchronization=True)
+            found = group_over_ranks_of(group, backend="gloo", timeout_s=self.timeout_s)
             _CHECK_GROUPS[group] = found
         return found
 

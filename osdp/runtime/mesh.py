@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+from datetime import timedelta
 from typing import NamedTuple
 
 import torch.distributed as dist
@@ -60,6 +61,14 @@ def _level(name: str, group) -> Level:
 
 def _single(name: str) -> Level:
     return Level(name, None, 0, 1, (dist.get_rank(),))
+
+
+def group_over_ranks_of(group, *, backend: str, timeout_s: float):
+    """A new process group of ``group``'s ranks beside it, with its own ``backend`` and
+    ``timeout_s``, created by those ranks only (each calls it alike): the lockstep
+    check's gloo group, the compiled path's group bounded by ``timeout_s``."""
+    return dist.new_group(dist.get_process_group_ranks(group), backend=backend,
+                          timeout=timedelta(seconds=timeout_s), use_local_synchronization=True)
 
 
 def _subgroup(ranks: list[int]):

@@ -54,9 +54,15 @@ def _ahead_bytes(desc: ModelDesc, window: float, settings: PlannerSettings) -> t
     """Bytes that can be gathered ahead of each op: the following ops in forward, the
     preceding ones in backward, capped by the window: an upper bound of what
     ``schedule_rules.prefetch_walk`` issues there ([Note: prefetch bounds])."""
-    rep = rep_op_mask(desc, settings)  # rep units are never gathered
-    sizes = [gathered_bytes(op, settings) if not (op.tied_to or rep[i]) else 0 for i, op in enumerate(desc.ops)]
+    sizes = _gathered_sizes(desc, settings)
     return _ahead_of(sizes, window), _ahead_of(sizes[::-1], window)[::-1]
+
+
+def _gathered_sizes(desc: ModelDesc, settings: PlannerSettings) -> list[float]:
+    """Per op, the bytes the walk gathers for it: none for a tied use (its owner's
+    gather) or a rep unit (never gathered)."""
+    rep = rep_op_mask(desc, settings)
+    return [gathered_bytes(op, settings) if not (op.tied_to or rep[i]) else 0 for i, op in enumerate(desc.ops)]
 
 
 def _staged_ahead(desc: ModelDesc, window: float, settings: PlannerSettings,
@@ -71,10 +77,8 @@ def _staged_ahead(desc: ModelDesc, window: float, settings: PlannerSettings,
     n = len(desc.ops)
     if world_size <= 1 or settings.coalesce_bytes <= 0:
         return [0.0] * n, [0.0] * n
-    rep = rep_op_mask(desc, settings)
-    sizes = [gathered_bytes(op, settings) if not (op.tied_to or rep[i]) else 0 for i, op in enumerate(desc.ops)]
     small = [size if size > 0 and is_small_unit(size, settings.coalesce_bytes, is_slice=False) else 0.0
-             for size in sizes]
+             for size in _gathered_sizes(desc, settings)]
     return _ahead_of(small, window), _ahead_of(small[::-1], window)[::-1]
 
 
