@@ -215,7 +215,8 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
                              steps=calibration_steps, mixed_precision=mixed_precision, layout=layout, holder=holder,
                              budget=budget, compile=compile_config)
     del holder  # the pool holds it, until a trial holds the values
-    cache = MeasuredPlans(cache_dir, enabled=use_plan_cache and calibrate, group=process_group)
+    cache = MeasuredPlans(cache_dir, enabled=use_plan_cache and calibrate, group=process_group,
+                          device=_compute_device(model))
     key = cache.key(desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision,
                     compile_config)
     try:
@@ -264,6 +265,13 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
         measure.close()
         raise
     return plan, measure
+
+
+def _compute_device(model) -> torch.device:
+    """Where ``model`` computes: its parameters' device; on meta, this process's GPU or
+    the CPU (where its values will be)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    return default_device() if device.type == "meta" else device
 
 
 def _refuse_measured_over_limit(plan: Plan, measured: list) -> None:

@@ -12,6 +12,12 @@ fresh one (younger than the profile cache's entries may be, ``$OSDP_PROFILE_MAX_
 is the plan, unmeasured again; ``reprofile`` (``$OSDP_REPROFILE=1``) measures anew.
 Rank 0 reads and writes; every rank gets its plan. A file that does not load is
 ignored (and replaced by the next measured plan).
+
+The plan's measurements are as load-dependent as the profile's, so the plan file
+carries the profile cache's speed stamp ([Note: profile cache] in
+osdp/planner/profile_cache.py): the reference matmul's rate when auto mode began
+measuring, checked again when it is done. A plan measured while that speed changed
+is not cached, and a cached plan is read only at its own speed.
 """
 from __future__ import annotations
 
@@ -28,7 +34,8 @@ from torch.utils._pytree import tree_flatten
 
 from .planner.inputs import as_example_inputs
 from .planner.plan import Plan
-from .planner.profile_cache import cache_dir, default_max_age_s, reprofile_requested
+from .planner.profile_cache import (Speed, cache_dir, default_max_age_s, gflops, reprofile_requested, speed_now,
+                                    speed_tolerance, speeds_agree, steady_speed)
 from .rank_agreement import decide_on_rank0, is_rank0
 from .runtime import compiled_coalesce, compiled_prefetch
 
@@ -71,9 +78,13 @@ def _loss_key(loss_fn) -> str | None:
 class MeasuredPlans:
     """See [Note: measured plan cache]."""
 
-    def __init__(self, directory=None, *, enabled: bool = True, group=None):
+    def __init__(self, directory=None, *, enabled: bool = True, group=None, device=None):
+        """``device``: where the model computes, for the speed stamp (every rank of
+        ``group`` calls :meth:`get` and :meth:`put`, which time it together)."""
         self.path = cache_dir(directory) / "plans"
         self.enabled, self.group = enabled, group
+        self.device = torch.device("cpu") if device is None else torch.device(device)
+        self.speed: Speed | None = None  # the machine's speed at get
 
     def key(self, desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision,
             compile=None) -> str:
@@ -102,14 +113,28 @@ class MeasuredPlans:
         return self.path / f"{key}.json"
 
     def get(self, key: str) -> Plan | None:
-        """The cached plan of ``key`` (rank 0's, on every rank), or None."""
+        """The cached plan of ``key`` (rank 0's, on every rank), or None: missing,
+        expired, unreadable, measured at another speed of the machine than now, or
+        bypassed (reprofile)."""
+        if not self.enabled:
+            return None
+        self.speed = speed_now(self.device, self.group)
+
         def cached():
-            if not self.enabled or reprofile_requested():
+            if reprofile_requested():
                 return None
             path = self._file(key)
             try:
-                if path.is_file() and time.time() - path.stat().st_mtime <= default_max_age_s():
-                    return Plan.load(str(path)).to_dict()
+                if not path.is_file() or time.time() - path.stat().st_mtime > default_max_age_s():
+                    return None
+                stored = json.loads(path.read_text())
+                stamp = stored.get("speed_flops_per_s") if isinstance(stored, dict) else None
+                if not isinstance(stamp, (int, float)) or not speeds_agree(self.speed.flops_per_s, stamp,
+                                                                            speed_tolerance()):
+                    log.info("the cached plan %s was measured with the reference matmul at %s, it runs at %s "
+                             "now: measuring again", path, gflops(stamp), gflops(self.speed.flops_per_s))
+                    return None
+                return Plan.from_dict(stored["plan"]).to_dict()
             except Exception as exc:  # a damaged file: measured again, and replaced
                 log.warning("ignoring the cached plan %s (%s: %s); measuring again", path, type(exc).__name__, exc)
             return None
@@ -118,12 +143,18 @@ class MeasuredPlans:
         return None if found is None else Plan.from_dict(found)
 
     def put(self, key: str, plan: Plan) -> None:
-        if not self.enabled or not is_rank0(self.group):
+        """Cache ``plan`` (rank 0 writes; every rank calls, after :meth:`get`), unless the
+        machine's speed changed while it was measured."""
+        if not self.enabled:
             return
+        end = speed_now(self.device, self.group)
+        if not is_rank0(self.group) or not steady_speed(self.speed, end, "auto mode measured its plans"):
+            return
+        stored = {"speed_flops_per_s": min(self.speed.flops_per_s, end.flops_per_s), "plan": plan.to_dict()}
         try:
             self.path.mkdir(parents=True, exist_ok=True)
             tmp = self._file(key).with_suffix(f".tmp{os.getpid()}")
-            plan.save(str(tmp))
+            tmp.write_text(json.dumps(stored, indent=1))
             os.replace(tmp, self._file(key))
         except OSError as exc:
             log.warning("could not cache the measured plan in %s (%s)", self.path, exc)

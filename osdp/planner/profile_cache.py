@@ -8,7 +8,8 @@
 [Note: profile cache]
 Where: ``<dir>/profile-cache.json`` with ``<dir>`` the ``cache_dir`` argument, else
 ``$OSDP_CACHE_DIR``, else ``~/.cache/osdp``. One JSON object: ``version`` and sections
-(``comm``, ``compute``, ``split``) of entries ``{"value": ..., "saved_s": unix time}``.
+(``comm``, ``compute``, ``split``) of entries ``{"value": ..., "saved_s": unix time,
+"speed": FLOP/s}`` (the machine's speed stamp, below).
 
 Keys: every entry's key starts with :func:`machine_key`: host name, processor (the GPU's
 name on CUDA, the CPU model and core count otherwise), torch version, dtype and
@@ -29,6 +30,20 @@ the relative spread ``(max - min) / median`` is above ``threshold`` (default 25%
 attempt and, when even that is noisy, warns with its spread (``NoisyProfileWarning``)
 and reports it noisy: the profiler then uses it for this run but does not cache it.
 
+Speed: a number measured under other load than now misleads the plan as surely as one
+from another machine, and it does so consistently (a busy machine's repeats can agree),
+so the noise check does not catch it. So every profile times a fixed matmul
+(:func:`machine_speed`, every rank at once, as the units are timed) when it opens the
+cache and again before it writes: each entry is stamped with the slower of the two
+rates, and is read only while the rate now is within ``speed_tolerance`` of its stamp
+(default 25%, ``$OSDP_PROFILE_SPEED_TOLERANCE``), in either direction. Faster now:
+the entry was measured under load (another job, or more ranks of this machine
+contending for its cores). Slower now: this run computes under more load than the
+entry saw, and will train under it too. Either way it is measured again. A profile
+whose two stamps disagree by more than the tolerance, or either of which stayed noisy,
+ran under changing load: it is used for this plan and not cached. An entry without a
+stamp (written by an older osdp) is measured again.
+
 Corruption: a file that is not JSON, not an object, of another version or with
 malformed entries is ignored with a ``ProfileCacheWarning`` and rewritten at the next
 save. Saves write a temporary file beside the cache and ``os.replace`` it: a crash or
@@ -48,6 +63,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from ..errors import NoisyProfileWarning, OSDPError, ProfileCacheWarning
 
@@ -57,6 +73,11 @@ DEFAULT_MAX_AGE_S = 7 * 24 * 3600.0
 DEFAULT_NOISE_THRESHOLD = 0.25
 DEFAULT_NOISE_RETRIES = 2
 CACHE_FILE = "profile-cache.json"
+DEFAULT_SPEED_TOLERANCE = 0.25
+# the reference matmul's side per device type: about a millisecond at full speed, long
+# enough to time, short enough to measure at every profile
+SPEED_MATMUL_SIDE = {"cuda": 4096}
+SPEED_MATMUL_SIDE_DEFAULT = 512
 
 
 # ---- where, and whether ----------------------------------------------------------------
@@ -189,17 +210,84 @@ def steady(measure: Callable[[], list[float]], what: str, threshold: float | Non
     return Steady(best.samples, best.spread, retries + 1, True, best.index)
 
 
+# ---- the machine's speed -------------------------------------------------------------------
+
+def gflops(flops_per_s) -> str:
+    """A speed stamp as people read it: '151.7 GFLOP/s' ('no stamp' for None)."""
+    return "no stamp" if flops_per_s is None else f"{flops_per_s * 1e-9:.1f} GFLOP/s"
+
+
+def speed_tolerance() -> float:
+    return _env_number("OSDP_PROFILE_SPEED_TOLERANCE", DEFAULT_SPEED_TOLERANCE)
+
+
+def speeds_agree(a: float, b: float, tolerance: float | None = None) -> bool:
+    """Whether two rates are within ``tolerance`` (a fraction) of each other, the larger
+    over the smaller."""
+    tolerance = speed_tolerance() if tolerance is None else tolerance
+    return min(a, b) > 0 and max(a, b) / min(a, b) <= 1.0 + tolerance
+
+
+@dataclass(frozen=True)
+class Speed:
+    """What :func:`machine_speed` measured: the reference matmul's rate now."""
+
+    flops_per_s: float
+    noisy: bool
+
+
+def machine_speed(device, repeats: int = 5, timer: Callable[[], float] = time.perf_counter) -> Speed:
+    """The rate of a fixed fp32 square matmul on ``device`` now (the median of steady
+    repeats): the stamp of [Note: profile cache]'s speed check. Every rank of a profile
+    calls it at the same moment, so that the ranks' contention for the machine is in it."""
+    device = torch.device(device)
+    side = SPEED_MATMUL_SIDE.get(device.type, SPEED_MATMUL_SIDE_DEFAULT)
+    gen = torch.Generator(device=device).manual_seed(0)  # its own: the ranks' random streams stay as they were
+    a, b = (torch.randn(side, side, generator=gen, device=device) for _ in range(2))
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    with warnings.catch_warnings():  # noise here is reported as Speed.noisy, which the profiler acts on
+        warnings.simplefilter("ignore", NoisyProfileWarning)
+        kept = steady(lambda: timed_samples(lambda: torch.mm(a, b), repeats, timer=timer, sync=sync),
+                      "the reference matmul")
+    return Speed(2.0 * side**3 / kept.median, kept.noisy)
+
+
+def speed_now(device, process_group=None) -> Speed:
+    """:func:`machine_speed` on this rank, every rank of ``process_group`` (all call)
+    timing it at once: their contention for the machine is part of its speed."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier(group=process_group)
+    return machine_speed(device)
+
+
+def steady_speed(start: Speed, end: Speed, what: str) -> bool:
+    """Whether the machine kept one speed from ``start`` to ``end``; if not, warn that
+    ``what`` is used but not cached."""
+    if not start.noisy and not end.noisy and speeds_agree(start.flops_per_s, end.flops_per_s):
+        return True
+    how = "stayed noisy" if start.noisy or end.noisy else "changed"
+    warnings.warn(f"this machine's speed {how} while {what} (a reference matmul at {gflops(start.flops_per_s)} "
+                  f"before, {gflops(end.flops_per_s)} after): used for this plan but not cached (a busy machine? "
+                  "measure again on a quiet one)", NoisyProfileWarning, stacklevel=3)
+    return False
+
+
 # ---- the cache ----------------------------------------------------------------------------
 
 class ProfileCache:
     """Entries by section and key, with their age; see [Note: profile cache]."""
 
     def __init__(self, path: Path | None, max_age_s: float | None = None, reprofile: bool = False,
-                 now: Callable[[], float] = time.time):
+                 now: Callable[[], float] = time.time, speed: float | None = None):
         self.path = path  # None: nothing read or written
         self.max_age_s = default_max_age_s() if max_age_s is None else float(max_age_s)
         self.reprofile = reprofile_requested(reprofile)
         self.now = now
+        # the machine's speed (machine_speed's FLOP/s) reads are judged by and writes
+        # stamped with; None: no speed check
+        self.speed = speed
+        self.speed_tolerance = speed_tolerance()
+        self.stale_speeds: list[float | None] = []  # the stamps of entries passed over as measured at another speed
         self.sections: dict[str, dict] = {name: {} for name in SECTIONS}
         self.dirty = False
         if path is not None:
@@ -207,10 +295,12 @@ class ProfileCache:
 
     @classmethod
     def open(cls, directory=None, *, enabled: bool = True, reprofile: bool = False,
-             max_age_s: float | None = None, now: Callable[[], float] = time.time) -> "ProfileCache":
+             max_age_s: float | None = None, now: Callable[[], float] = time.time,
+             speed: float | None = None) -> "ProfileCache":
         """The cache under ``directory`` (see :func:`cache_dir`); ``enabled=False``: a
-        cache that reads and writes nothing."""
-        return cls(cache_path(directory) if enabled else None, max_age_s, reprofile, now)
+        cache that reads and writes nothing. ``speed``: the machine's speed now
+        (:func:`machine_speed`), for the speed check."""
+        return cls(cache_path(directory) if enabled else None, max_age_s, reprofile, now, speed)
 
     def _load(self) -> None:
         try:
@@ -238,7 +328,8 @@ class ProfileCache:
                 self.sections = {n: {} for n in SECTIONS}
                 return
             for key, entry in section.items():
-                if isinstance(entry, dict) and "value" in entry and isinstance(entry.get("saved_s"), (int, float)):
+                if (isinstance(entry, dict) and "value" in entry and isinstance(entry.get("saved_s"), (int, float))
+                        and isinstance(entry.get("speed", 0.0), (int, float))):
                     self.sections[name][key] = entry
                 else:
                     self.dirty = True  # a malformed entry is dropped at the next save
@@ -252,7 +343,8 @@ class ProfileCache:
         return self.now() - float(entry["saved_s"]) <= self.max_age_s
 
     def get(self, section: str, key: str):
-        """The stored value, or None when missing, expired or bypassed (reprofile)."""
+        """The stored value, or None when missing, expired, measured at another speed
+        than now or bypassed (reprofile)."""
         if self.reprofile or self.path is None:
             return None
         entry = self.sections[section].get(key)
@@ -262,10 +354,18 @@ class ProfileCache:
             del self.sections[section][key]
             self.dirty = True
             return None
+        stamp = entry.get("speed")
+        if self.speed is not None and (stamp is None or not speeds_agree(self.speed, stamp, self.speed_tolerance)):
+            self.stale_speeds.append(stamp)  # kept: a later run at its speed may read it
+            return None
         return entry["value"]
 
     def put(self, section: str, key: str, value) -> None:
-        self.sections[section][key] = {"value": value, "saved_s": float(self.now())}
+        """Store ``value``, stamped with the time and the cache's ``speed``."""
+        entry = {"value": value, "saved_s": float(self.now())}
+        if self.speed is not None:
+            entry["speed"] = float(self.speed)
+        self.sections[section][key] = entry
         self.dirty = True
 
     def save(self) -> None:

@@ -28,9 +28,10 @@ Every rank measures (so contention is real) and rank 0's numbers are broadcast: 
 ranks plan from identical inputs. Results are cached on disk (``profile_cache.py``,
 [Note: profile cache]: ``$OSDP_CACHE_DIR`` or ~/.cache/osdp, keyed by machine, torch
 version, dtype and backend, entries expire, noisy measurements are re-measured and not
-cached, ``reprofile=True`` / ``$OSDP_REPROFILE=1`` bypass it): compute fits per unit
-shape (the shape key holds the unit's kind, size, FLOPs and activation bytes, so a
-changed model re-measures only its changed units), collectives per world size.
+cached, entries measured at another speed of the machine than now are measured again,
+``reprofile=True`` / ``$OSDP_REPROFILE=1`` bypass it): compute fits per unit shape
+(the shape key holds the unit's kind, size, FLOPs and activation bytes, so a changed
+model re-measures only its changed units), collectives per world size.
 
 [Note: compute of a model on meta]
 A model built on the meta device has no weights to time its units with, and nothing
@@ -73,7 +74,8 @@ from ..planner.description import ModelDesc, describe
 from ..planner.inputs import as_example_inputs, batch_loss
 from ..planner.cluster import ClusterProfile
 from ..planner.device import CollectiveCost, ComputeFit, DeviceInfo
-from ..planner.profile_cache import ProfileCache, machine_key, steady, timed_samples
+from ..planner.profile_cache import (ProfileCache, gflops, machine_key, speed_now, steady, steady_speed,
+                                     timed_samples)
 from ..planner.run import RunSettings
 
 log = logging.getLogger("osdp.profile")
@@ -425,7 +427,9 @@ def profile(
     batches = tuple(batches or sorted({max(1, example_batch // 4), max(1, example_batch // 2), example_batch}))
     comm_sizes = tuple(comm_sizes or (FULL_COMM_SIZES if device.type == "cuda" else DEFAULT_COMM_SIZES))
 
-    cache = ProfileCache.open(cache_dir, enabled=use_cache and rank == 0, reprofile=reprofile)
+    start_speed = speed_now(device, process_group) if use_cache else None
+    cache = ProfileCache.open(cache_dir, enabled=use_cache and rank == 0, reprofile=reprofile,
+                              speed=start_speed.flops_per_s if use_cache else None)
     compute_key = machine_key(device, dtype, backend)  # see [Note: profile cache]
     comm_key = f"{compute_key}|world={world}|{gradient_collective(torch.device(device).type)}"
     shape_keys = sorted({shape_key(op) for op in desc.ops})
@@ -433,6 +437,10 @@ def profile(
                     [("comm", comm_key)] + [("compute", f"{compute_key}|{key}") for key in shape_keys])
     cached_fits = {key: ComputeFit(**found[("compute", f"{compute_key}|{key}")]) for key in shape_keys
                    if ("compute", f"{compute_key}|{key}") in found}
+    if cache.stale_speeds:
+        stamps = ", ".join(sorted({gflops(s) for s in cache.stale_speeds}))
+        log.info("profile: %d cached measurements were taken with the reference matmul at %s, it runs at %s now: "
+                 "measuring them again", len(cache.stale_speeds), stamps, gflops(start_speed.flops_per_s))
     todo_keys = set(shape_keys) - set(cached_fits)
     need_comm = world > 1 and ("comm", comm_key) not in found
     steps = (2 * len(comm_sizes) if need_comm else 0) + (len(batches) if todo_keys else 0) + 1
@@ -494,11 +502,14 @@ def profile(
             "device_memory_bytes": capacity_source,
         },
     }
+    end_speed = speed_now(device, process_group) if use_cache else None
     if distributed:  # identical inputs on every rank: rank 0's measurement
         box = [measured]
         dist.broadcast_object_list(box, src=dist.get_global_rank(process_group, 0) if process_group else 0, group=process_group)
         measured = box[0]
-    if rank == 0 and use_cache:  # rank 0's numbers, as broadcast; noisy ones are not kept
+    # rank 0's numbers, as broadcast; noisy ones are not kept, nor any when the machine's speed changed
+    if rank == 0 and use_cache and steady_speed(start_speed, end_speed, "profiling"):
+        cache.speed = min(start_speed.flops_per_s, end_speed.flops_per_s)  # the entries' stamp
         if need_comm and "comm" not in noisy:
             cache.put("comm", comm_key, dict(measured["links"]["intra"]))
         if "compute" not in noisy and not on_meta:

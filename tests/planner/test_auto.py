@@ -20,6 +20,7 @@ def _ranks(rank, world, cache_dir):
     import osdp
     from osdp.errors import InfeasiblePlanError
     from osdp.models import GPT, example_batch, get_preset
+    from osdp.planner import profile_cache as pc
     from osdp.profiler import hardware as prof
 
     torch.manual_seed(0)
@@ -28,22 +29,24 @@ def _ranks(rank, world, cache_dir):
     inputs = example_batch(config, 4)
     kwargs = dict(cache_dir=cache_dir, comm_sizes=(4096, 65536, 1 << 20), repeats=1, progress=False)
     out = {}
-    plan = osdp.auto_plan(model, inputs, "64MiB", **kwargs)
-    out["plan"] = plan.to_dict()
-    out["hash"] = plan.plan_hash()
-
-    # the second call finds everything in the cache: nothing is measured again
-    def refuse(*a, **k):
-        raise AssertionError("measured again despite the cache")
-
-    saved = prof.profile_compute, prof.profile_collectives
-    prof.profile_compute = prof.profile_collectives = refuse
+    # one speed of the machine throughout: a busy test machine would otherwise fail the
+    # speed check ([Note: profile cache]), which is not this test's subject
+    saved = prof.profile_compute, prof.profile_collectives, pc.machine_speed
+    pc.machine_speed = lambda device: pc.Speed(1e11, False)
     try:
+        plan = osdp.auto_plan(model, inputs, "64MiB", **kwargs)
+        out["plan"] = plan.to_dict()
+        out["hash"] = plan.plan_hash()
+
+        # the second call finds everything in the cache: nothing is measured again
+        def refuse(*a, **k):
+            raise AssertionError("measured again despite the cache")
+
+        prof.profile_compute = prof.profile_collectives = refuse
         _, cluster, run = prof.profile(model, inputs, memory_limit="64MiB", **kwargs)
-        device = cluster.for_run(run)
-        out["device"] = device.to_dict()
+        out["device"] = cluster.for_run(run).to_dict()
     finally:
-        prof.profile_compute, prof.profile_collectives = saved
+        prof.profile_compute, prof.profile_collectives, pc.machine_speed = saved
 
     # nothing fits: every rank raises the same typed error instead of hanging
     try:

@@ -1,5 +1,6 @@
 """The profile cache ([Note: profile cache] in osdp/planner/profile_cache.py): keys,
-expiry, noise re-measures (a scripted timer), the reprofile flag and env, corrupt files."""
+expiry, the speed check, noise re-measures (a scripted timer), the reprofile flag and
+env, corrupt files."""
 import json
 import socket
 import warnings
@@ -23,8 +24,44 @@ class Clock:
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch):
-    for name in ("OSDP_REPROFILE", "OSDP_CACHE_DIR", "OSDP_PROFILE_MAX_AGE_S", "OSDP_PROFILE_NOISE"):
+    for name in ("OSDP_REPROFILE", "OSDP_CACHE_DIR", "OSDP_PROFILE_MAX_AGE_S", "OSDP_PROFILE_NOISE",
+                 "OSDP_PROFILE_SPEED_TOLERANCE"):
         monkeypatch.delenv(name, raising=False)
+
+
+class Machine:
+    """The profiler's machine_speed, scripted: ``speeds`` in GFLOP/s, one per call (the
+    last one repeated)."""
+
+    def __init__(self, *speeds, noisy=False):
+        self.speeds, self.noisy, self.calls = list(speeds), noisy, 0
+
+    def __call__(self, device):
+        speed = self.speeds[min(self.calls, len(self.speeds) - 1)]
+        self.calls += 1
+        return pc.Speed(speed * 1e9, self.noisy)
+
+
+def _tiny_gpt():
+    from osdp.models import GPT, example_batch, get_preset
+
+    config = get_preset("tiny")
+    torch.manual_seed(0)
+    return GPT(config), example_batch(config, 2)
+
+
+def _counting_compute(monkeypatch):
+    """The profiler with its unit timing counted: the list grows by one per timing."""
+    from osdp.profiler import hardware as prof
+
+    calls, real = [], prof.profile_compute
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(prof, "profile_compute", counting)
+    return calls
 
 
 # ---- keys and location -----------------------------------------------------------------
@@ -114,23 +151,13 @@ def test_demo_has_a_reprofile_flag():
 def test_profile_bypasses_the_cache_when_reprofiling(tmp_path, monkeypatch, one_rank_group):
     """The profiler itself: a second profile reads the cache (no compute measured),
     a reprofile measures again."""
-    from osdp.models import GPT, example_batch, get_preset
     from osdp.profiler import hardware as prof
 
-    config = get_preset("tiny")
-    torch.manual_seed(0)
-    model = GPT(config)
-    inputs = example_batch(config, 2)
+    monkeypatch.setattr(pc, "machine_speed", Machine(100))  # one speed: the speed check passes
+    model, inputs = _tiny_gpt()
     kwargs = dict(cache_dir=tmp_path, repeats=1, progress=False, memory_limit="64MiB", batches=(1, 2))
     prof.profile(model, inputs, **kwargs)
-    calls = []
-    real = prof.profile_compute
-
-    def counting(*a, **k):
-        calls.append(1)
-        return real(*a, **k)
-
-    monkeypatch.setattr(prof, "profile_compute", counting)
+    calls = _counting_compute(monkeypatch)
     prof.profile(model, inputs, **kwargs)
     assert calls == []
     prof.profile(model, inputs, reprofile=True, **kwargs)
@@ -138,6 +165,141 @@ def test_profile_bypasses_the_cache_when_reprofiling(tmp_path, monkeypatch, one_
     monkeypatch.setenv("OSDP_REPROFILE", "1")
     prof.profile(model, inputs, **kwargs)
     assert calls == [1, 1]
+
+
+# ---- speed --------------------------------------------------------------------------------
+
+def test_an_entry_is_read_only_at_the_speed_it_was_measured_at(tmp_path, monkeypatch):
+    cache = ProfileCache.open(tmp_path, speed=100.0)
+    cache.put("compute", "k", 1)
+    cache.save()
+    assert json.loads(pc.cache_path(tmp_path).read_text())["compute"]["k"]["speed"] == 100.0
+    assert ProfileCache.open(tmp_path, speed=124.0).get("compute", "k") == 1  # within 25%
+    assert ProfileCache.open(tmp_path, speed=81.0).get("compute", "k") == 1
+    faster = ProfileCache.open(tmp_path, speed=130.0)  # quieter now: it was measured under load
+    assert faster.get("compute", "k") is None and faster.stale_speeds == [100.0]
+    faster.save()
+    assert ProfileCache.open(tmp_path, speed=100.0).get("compute", "k") == 1  # kept for a run at its speed
+    assert ProfileCache.open(tmp_path, speed=70.0).get("compute", "k") is None  # busier now
+    assert ProfileCache.open(tmp_path).get("compute", "k") == 1  # no speed: no check
+    monkeypatch.setenv("OSDP_PROFILE_SPEED_TOLERANCE", "0.5")
+    assert ProfileCache.open(tmp_path, speed=140.0).get("compute", "k") == 1
+    monkeypatch.setenv("OSDP_PROFILE_SPEED_TOLERANCE", "fast")
+    with pytest.raises(OSDPError, match=r"OSDP_PROFILE_SPEED_TOLERANCE must be a number, got 'fast'"):
+        ProfileCache.open(tmp_path, speed=100.0)
+
+
+def test_an_entry_without_a_speed_stamp_is_measured_again(tmp_path):
+    """An entry an older osdp wrote (no stamp) is not trusted by a cache that knows its
+    speed; a malformed stamp is dropped as a malformed entry."""
+    path = pc.cache_path(tmp_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"version": pc.CACHE_VERSION, "comm": {}, "split": {}, "compute": {
+        "old": {"value": 1, "saved_s": 1e12}, "bad": {"value": 2, "saved_s": 1e12, "speed": "fast"}}}))
+    assert ProfileCache.open(tmp_path, speed=100.0, now=Clock(1e12)).get("compute", "old") is None
+    assert ProfileCache.open(tmp_path, now=Clock(1e12)).get("compute", "old") == 1
+    assert ProfileCache.open(tmp_path, now=Clock(1e12)).get("compute", "bad") is None
+
+
+def test_machine_speed_is_the_reference_matmul_rate_and_reports_noise():
+    side = pc.SPEED_MATMUL_SIDE_DEFAULT
+    timer = ScriptedTimer([9.0] + [0.01] * 5)
+    assert pc.machine_speed("cpu", timer=timer) == pc.Speed(pytest.approx(2 * side**3 / 0.01), False)
+    noisy = ScriptedTimer(([9.0] + [0.01, 0.03, 0.01, 0.01, 0.01]) * 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # noise is reported in Speed, not warned: the profiler decides
+        speed = pc.machine_speed("cpu", timer=noisy)
+    assert speed.noisy and speed.flops_per_s == pytest.approx(2 * side**3 / 0.01)
+    torch.manual_seed(1)
+    draws = torch.rand(3)
+    torch.manual_seed(1)
+    real = pc.machine_speed("cpu", repeats=2)
+    assert real.flops_per_s > 1e6  # a real matmul on this machine, timed
+    assert torch.equal(torch.rand(3), draws)  # the global random stream untouched (ranks seed their weights)
+
+
+def test_profile_measures_again_what_was_cached_at_another_speed(tmp_path, monkeypatch, one_rank_group):
+    """A cache filled on a busy machine (half speed) is not read on a quiet one: the
+    compute is timed again and cached with the new stamp, which a second quiet
+    profile reads."""
+    from osdp.profiler import hardware as prof
+
+    model, inputs = _tiny_gpt()
+    kwargs = dict(cache_dir=tmp_path, repeats=1, progress=False, memory_limit="64MiB", batches=(2,))
+    monkeypatch.setattr(pc, "machine_speed", Machine(50))
+    prof.profile(model, inputs, **kwargs)
+    stamps = {e["speed"] for e in json.loads(pc.cache_path(tmp_path).read_text())["compute"].values()}
+    assert stamps == {50e9}
+    calls = _counting_compute(monkeypatch)
+    monkeypatch.setattr(pc, "machine_speed", Machine(100))
+    prof.profile(model, inputs, **kwargs)
+    assert calls == [1]
+    stamps = {e["speed"] for e in json.loads(pc.cache_path(tmp_path).read_text())["compute"].values()}
+    assert stamps == {100e9}
+    prof.profile(model, inputs, **kwargs)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("machine, why", [(Machine(100, 60), "changed"), (Machine(100, noisy=True), "stayed noisy")])
+def test_a_profile_through_a_change_of_speed_is_used_but_not_cached(tmp_path, monkeypatch, one_rank_group,
+                                                                     machine, why):
+    from osdp.profiler import hardware as prof
+
+    model, inputs = _tiny_gpt()
+    monkeypatch.setattr(pc, "machine_speed", machine)
+    with pytest.warns(NoisyProfileWarning, match=rf"this machine's speed {why} while profiling .* not cached"):
+        desc, cluster, run = prof.profile(model, inputs, cache_dir=tmp_path, repeats=1, progress=False,
+                                          memory_limit="64MiB", batches=(2,))
+    assert cluster.to_dict()["op_compute"]  # measured and used
+    assert not pc.cache_path(tmp_path).exists()
+    assert machine.calls == 2  # before reading the cache, and before writing it
+
+
+def test_no_cache_no_speed_measured(tmp_path, monkeypatch, one_rank_group):
+    from osdp.profiler import hardware as prof
+
+    machine = Machine(100)
+    monkeypatch.setattr(pc, "machine_speed", machine)
+    model, inputs = _tiny_gpt()
+    prof.profile(model, inputs, cache_dir=tmp_path, use_cache=False, repeats=1, progress=False,
+                 memory_limit="64MiB", batches=(2,))
+    assert machine.calls == 0 and not pc.cache_path(tmp_path).exists()
+
+
+def test_a_measured_plan_is_read_only_at_the_speed_it_was_measured_at(tmp_path, monkeypatch):
+    """[Note: measured plan cache]: auto mode's plan carries the stamp; a plan measured
+    while the speed changed is not cached; an older file without a stamp is measured
+    again."""
+    from osdp.measured_plans import MeasuredPlans
+    from osdp.models import get_preset
+    from osdp.planner import describe_gpt, load_cluster, make_plan
+    from osdp.planner.cluster import RunSettings
+    from osdp.planner.cost_model import PlannerSettings
+
+    device = load_cluster("titan-rtx-pcie3").for_run(RunSettings(world_size=2, memory_limit_bytes=2**30))
+    plan = make_plan(describe_gpt(get_preset("tiny")), device, PlannerSettings(policy="zdp"), backend="python",
+                     baselines=False)
+
+    def cache_at(*speeds):
+        monkeypatch.setattr(pc, "machine_speed", Machine(*speeds))
+        return MeasuredPlans(tmp_path)
+
+    cache = cache_at(50, 60)  # 20% apart: steady; stamped with the slower
+    assert cache.get("k") is None
+    cache.put("k", plan)
+    assert json.loads((tmp_path / "plans" / "k.json").read_text())["speed_flops_per_s"] == 50e9
+    assert cache_at(55).get("k").plan_hash() == plan.plan_hash()
+    assert cache_at(100).get("k") is None  # quieter now
+    changed = cache_at(100, 50)
+    assert changed.get("k") is None
+    with pytest.warns(NoisyProfileWarning, match="speed changed while auto mode measured its plans"):
+        changed.put("k", plan)
+    assert cache_at(50).get("k") is not None  # the old plan stays
+    plan.save(str(tmp_path / "plans" / "old.json"))  # the format before the stamp
+    assert cache_at(50).get("old") is None
+    off = cache_at(50)
+    off.enabled = False
+    assert off.get("k") is None and pc.machine_speed.calls == 0  # disabled: nothing timed
 
 
 # ---- noise ---------------------------------------------------------------------------------
@@ -199,13 +361,10 @@ def test_a_measurement_that_stays_noisy_warns_how_noisy_after_bounded_retries():
 def test_noisy_profile_measurements_are_not_cached(tmp_path, monkeypatch, one_rank_group):
     """The profiler: a compute measurement that stays noisy is used but not cached, so
     the next profile measures it again."""
-    from osdp.models import GPT, example_batch, get_preset
     from osdp.profiler import hardware as prof
 
-    config = get_preset("tiny")
-    torch.manual_seed(0)
-    model = GPT(config)
-    inputs = example_batch(config, 2)
+    monkeypatch.setattr(pc, "machine_speed", Machine(100))
+    model, inputs = _tiny_gpt()
     kwargs = dict(cache_dir=tmp_path, repeats=2, progress=False, memory_limit="64MiB", batches=(2,))
     monkeypatch.setenv("OSDP_PROFILE_NOISE", "0")  # every spread above 0 is noise
     monkeypatch.setattr(prof, "steady", lambda measure, what, **k: pc.steady(measure, what, retries=0, **k))
@@ -245,14 +404,13 @@ def test_malformed_entries_are_dropped_and_good_ones_kept(tmp_path):
     assert set(json.loads(path.read_text())["comm"]) == {"good"}
 
 
-def test_profile_survives_a_corrupt_cache(tmp_path, one_rank_group):
-    from osdp.models import GPT, example_batch, get_preset
+def test_profile_survives_a_corrupt_cache(tmp_path, monkeypatch, one_rank_group):
     from osdp.profiler import hardware as prof
 
+    monkeypatch.setattr(pc, "machine_speed", Machine(100))
     pc.cache_path(tmp_path).parent.mkdir(parents=True, exist_ok=True)
     pc.cache_path(tmp_path).write_text('{"version": 3, "compute": ')
-    config = get_preset("tiny")
     with pytest.warns(ProfileCacheWarning):
-        prof.profile(GPT(config), example_batch(config, 2), cache_dir=tmp_path, repeats=1, progress=False,
-                     memory_limit="64MiB", batches=(2,))
+        prof.profile(*_tiny_gpt(), cache_dir=tmp_path, repeats=1, progress=False, memory_limit="64MiB",
+                     batches=(2,))
     assert json.loads(pc.cache_path(tmp_path).read_text())["compute"]
