@@ -73,9 +73,11 @@ def group_over_ranks_of(group, *, backend: str, timeout_s: float):
 
 def _subgroup(ranks: list[int]):
     """A process group of exactly ``ranks``: one that exists already (a DeviceMesh's, or
-    an earlier layout's), else a new one created by its members only. (Creating a second
-    group of the same members with local synchronization gives it the same hashed name
-    as the first, whose store keys it then trips over: a gloo rendezvous that hangs.)"""
+    an earlier layout's), else a new one created by its members only. Reusing one saves
+    a communicator (NCCL's take device memory). (torch names a group created with local
+    synchronization by a hash of its ranks and of how many groups the process has made,
+    so a new one rendezvous only if its members have made as many groups each: true of
+    OSDP's, which every member makes alike.)"""
     ranks = sorted(ranks)
     from torch.distributed import distributed_c10d as c10d
 
