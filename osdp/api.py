@@ -35,7 +35,7 @@ from .runtime.lockstep import mark_lockstep
 from .runtime.lockstep_check import LockstepCheck
 from .runtime.foreign_reads import ForeignReadCheck
 from .runtime.same_values import check_same_values, value_hash
-from .runtime.optimizer_steps import OptimizerSteps
+from .runtime.optimizer_steps import HeldGradientsCheck, OptimizerSteps
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
@@ -354,6 +354,8 @@ class ShardedModel(nn.Module):
             self._comm.issued = lockstep.log  # [Note: lockstep check]
         self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, options.coalesce_bytes,
                                     lockstep=lockstep)
+        self._held_check = HeldGradientsCheck((p for _, p in _unique_params(self._built.units)),
+                                              self._scheduler.held_gradients)
         split_units = {id(u) for _, units in self._built.splits.values() for u in units}
         self._scheduler.mark_coalescible([u for u in self._built.units if id(u) not in split_units])
         self.coalesce_bytes = self._scheduler.coalesce_bytes
@@ -574,6 +576,14 @@ class ShardedModel(nn.Module):
             raise ConfigError("gradient sync off (no_sync / set_requires_gradient_sync(False)) is not available "
                               "with compile=: every compiled backward reduces its gradients. "
                               "Accumulate with sync on (the same gradients, more communication) or run eager")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``nn.Module.zero_grad``, and the gradients that backward passes with sync off
+        accumulated and none has reduced yet are dropped too (they are not in ``.grad``:
+        ``optimizer.zero_grad()`` cannot see them). See [Note: held gradients at a step]
+        in osdp/runtime/optimizer_steps.py."""
+        super().zero_grad(set_to_none)
+        self._scheduler.drop_held_gradients()
 
     @property
     def requires_gradient_sync(self) -> bool:

@@ -277,7 +277,8 @@ def _sharded_state(view: ShardedView, optimizer, layout: Layout) -> tuple[dict, 
                     raise OSDPError(f"optimizer state {key!r} of {fqn!r} differs between the units holding it")
                 kinds[fqn][key] = ("value", values[0])
     groups = [{k: v for k, v in g.items() if k not in ("params", "param_names")} for g in optimizer.param_groups]
-    return state, {"class": _optimizer_class(optimizer), "param_groups": groups, "state": kinds}
+    return state, {"class": _optimizer_class(optimizer), "param_groups": groups,
+                   "group_params": _group_members(view, layout, optimizer), "state": kinds}
 
 
 def _written_once(view: ShardedView, state: dict) -> dict:
@@ -364,6 +365,38 @@ def read_metadata(path: str) -> dict:
     return meta
 
 
+def _group_members(view: ShardedView, layout: Layout, optimizer) -> list[list[str]]:
+    """Each param group's parameters by their canonical names, in the group's order."""
+    names = {id(p): layout.aliases.get(name, name) for unit in view.built.units
+             for p, name in zip(unit.params, unit.param_names)}
+    return [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+
+def _saved_group_of(view: ShardedView, optimizer, layout: Layout, saved: dict) -> list[int] | str:
+    """[Note: param groups by their parameters] For each of the optimizer's param
+    groups, the saved group holding the same parameters, or what differs. A group's
+    hyperparameters (its lr, weight decay) belong to its parameters: matched by position
+    alone, groups built in another order would load the biases' zero weight decay onto
+    the weights. A checkpoint written before the groups' parameters were saved matches
+    by position (the group counts checked)."""
+    if "group_params" not in saved:
+        return list(range(len(optimizer.param_groups)))
+    unclaimed: dict[frozenset, list[int]] = {}
+    for j, members in enumerate(saved["group_params"]):
+        unclaimed.setdefault(frozenset(members), []).append(j)
+    order = []
+    for i, members in enumerate(_group_members(view, layout, optimizer)):
+        candidates = unclaimed.get(frozenset(members))
+        if not candidates:
+            shown = ", ".join(sorted(members)[:4]) + (", ..." if len(members) > 4 else "")
+            saved_sizes = ", ".join(str(len(m)) for m in saved["group_params"])
+            return (f"its param group {i} holds {len(members)} parameters ({shown}), which no param group of the "
+                    f"checkpoint holds (its groups hold {saved_sizes} parameters): build the optimizer's groups "
+                    "with the parameters they had when it was saved, in any order")
+        order.append(candidates.pop(0))
+    return order
+
+
 def _check_optimizer(view: ShardedView, optimizer, layout: Layout, saved: dict | None) -> str | None:
     if saved is None:
         return "the checkpoint has no optimizer state (it was saved with optimizer=None); pass optimizer=None"
@@ -374,6 +407,9 @@ def _check_optimizer(view: ShardedView, optimizer, layout: Layout, saved: dict |
             f"the checkpoint's optimizer has {len(saved['param_groups'])} param groups, "
             f"this optimizer has {len(optimizer.param_groups)}"
         )
+    order = _saved_group_of(view, optimizer, layout, saved)
+    if isinstance(order, str):
+        return order
     for i in _optimizer_units(view, optimizer):
         fqns = sorted({p.fqn for p in layout.unit_pieces[i]})
         keys = {tuple(sorted(saved["state"][f])) if f in saved["state"] else None for f in fqns}
@@ -389,7 +425,10 @@ def load(model, optimizer, path: str) -> dict:
     from whatever saved chunks overlap them. Raises PlanMismatchError naming what
     differs when the checkpoint is from another model; nothing changes on any error.
     Like ``Optimizer.load_state_dict``, the param groups' hyperparameters (lr, betas,
-    ...) are the checkpoint's afterwards; set new ones after loading. Returns ``{"step": ..., "extra": ...}`` as given to :func:`save`."""
+    ...) are the checkpoint's afterwards; set new ones after loading. Each group takes
+    those of the saved group holding the same parameters, whatever the order the groups
+    were built in ([Note: param groups by their parameters]). Returns ``{"step": ...,
+    "extra": ...}`` as given to :func:`save`."""
     view = _prepare(model)
     layout = view.layout
     comm, units = _world(view), view.built.units
@@ -488,8 +527,9 @@ def _load_optimizer(view: ShardedView, optimizer, saved: dict, new_state: dict[i
         for p in group["params"]:
             index.setdefault(id(p), len(index))
     groups = []
-    for saved_group, group in zip(saved["param_groups"], optimizer.param_groups):
-        new_group = dict(saved_group)
+    order = _saved_group_of(view, optimizer, view.layout, saved)  # checked: a list
+    for j, group in zip(order, optimizer.param_groups):
+        new_group = dict(saved["param_groups"][j])
         new_group["params"] = [index[id(p)] for p in group["params"]]
         if "param_names" in group:
             new_group["param_names"] = list(group["param_names"])

@@ -67,7 +67,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
         dx = torch.zeros(x2.shape, dtype=acc, device=x2.device)
 
         def grads_of(i, weight, grads, accumulate, n0):
-            if grads is None:  # a frozen slice: only its part of dX
+            if grads is None:  # a frozen slice, or no weight gradient wanted: only its part of dX
                 if need_dx:
                     slice_backward(x2, weight, n0, lse, t2, scale, dx_out=dx)
                 return
@@ -80,7 +80,7 @@ class _FusedHeadCrossEntropy(torch.autograd.Function):
                                      dw_out=torch.empty(dw.shape, dtype=acc, device=dw.device))
             dw.add_(dw_i) if accumulate else dw.copy_(dw_i)
 
-        module.backward_slices(ctx.uses, grads_of)
+        module.backward_slices(ctx.uses, grads_of, module.wanted_grads(ctx))
         dx = dx.to(ctx.x_dtype).view(*ctx.x_shape) if need_dx else None
         return (dx, None, None, None, None) + (None,) * module.g
 
@@ -130,7 +130,7 @@ def fused_head_cross_entropy(head, x: torch.Tensor, targets: torch.Tensor, *, ig
     # decided here: inside Function.forward grad mode is always off
     expects_backward = torch.is_grad_enabled() and (x.requires_grad or any(s.requires_grad for s in head.flat_shards))
     loss = _FusedHeadCrossEntropy.apply(x, targets, expects_backward, head, (reduction, ignore_index),
-                                        *head.flat_shards)
+                                        *head.shard_inputs())
     return loss.reshape(targets.shape) if reduction == "none" else loss
 
 

@@ -68,7 +68,7 @@ class _SplitMatmulFn(torch.autograd.Function):
         def grads_of(i, weight, grads, accumulate, n0):
             module.backward_slice(dy2, x2, weight, dx, grads, accumulate, i)
 
-        module.backward_slices(ctx.uses, grads_of)
+        module.backward_slices(ctx.uses, grads_of, module.wanted_grads(ctx))
         if need_dx:
             dx = dx.to(x.dtype).view_as(x)  # no copy for the K-split (written in x's dtype)
         return (dx, None, None) + (None,) * module.g
@@ -196,20 +196,23 @@ class MatmulSplit(SplitModule):
             uses.append(use)
         return uses
 
-    def backward_slices(self, uses: list, fn) -> None:
+    def backward_slices(self, uses: list, fn, wanted: list[bool] | None = None) -> None:
         """For each slice in reverse order (the order backward prefetches in): acquire
         it again (gathered if it was freed), call ``fn(i, weight, grads, accumulate, n0)``,
         release it (its reduce-scatter is issued when this was its last use: for a slice
         tied to an embedding, the lookup's backward comes later and adds its part
         first). ``grads``: views of the slice's unsharded gradient buffer, one per slot
         (``grads[0]`` the weight in STORED layout, ``linear_view`` gives Linear
-        layout), or None when frozen; ``accumulate``: they already hold a gradient
-        (add to it) or not (overwrite every element)."""
+        layout), or None when frozen or not ``wanted`` this pass (a consumer whose
+        Function takes :meth:`shard_inputs` passes :meth:`wanted_grads`; None: every
+        trainable slice's, [Note: weight gradients a backward wants] in registry.py);
+        ``accumulate``: they already hold a gradient (add to it) or not (overwrite every
+        element)."""
         sched = self.scheduler
         for i in reversed(range(self.g)):
             unit, use = self.units[i], uses[i]
             sched.pre_backward(use)
-            grads, accumulate = sched.grad_buffer(unit) if unit.requires_grad else (None, False)
+            grads, accumulate = self.slice_grads(unit, unit.requires_grad if wanted is None else wanted[i])
             fn(i, self.slice_weight(unit, i), grads, accumulate, self.offsets[i])
             sched.post_backward(use, None)
 
@@ -295,7 +298,7 @@ class MatmulSplit(SplitModule):
             # products still add up in the fp32 accumulator); the in-place kernels
             # inside are not autocast's, so the cast is here (autograd casts dX back)
             x = x.to(torch.get_autocast_dtype(device))
-        return _SplitMatmulFn.apply(x, expects_backward, self, *self.flat_shards)
+        return _SplitMatmulFn.apply(x, expects_backward, self, *self.shard_inputs())
 
     def extra_repr(self) -> str:
         return (

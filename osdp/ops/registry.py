@@ -23,6 +23,20 @@ A split op is a :class:`SplitModule` subclass with the class attributes
 
 and the classmethod ``axis_length(module)``. Registering is decorating it with
 :func:`register_split_op`; adding a split op is one file and its test.
+
+[Note: weight gradients a backward wants]
+A split op's autograd Function writes its slices' weight gradients itself, into the
+units' unsharded buffers that backward reduces into ``.grad``. A backward pass may not
+want them: ``torch.autograd.grad(loss, x)`` for an input's gradient (adversarial
+examples, saliency maps) leaves every ``.grad`` as it was in plain PyTorch, and the
+step after it must not see weight gradients from it. The engine knows which nodes a
+pass will run, but a leaf's accumulator cannot be asked under ``autograd.grad``, so the
+Function takes each slice's flat shard through a view (:meth:`SplitModule.shard_inputs`)
+and its backward asks, per slice, whether the engine will run that view's node
+(:meth:`SplitModule.wanted_grads`); a slice it will not run gets no weight gradient (its
+part of the input's gradient is computed as ever). A new op does the same: its
+Function's last inputs are ``shard_inputs()``, and its backward takes the gradient
+buffers from :meth:`SplitModule.slice_grads`.
 """
 from __future__ import annotations
 
@@ -86,6 +100,23 @@ class SplitModule(nn.Module):
         # runs even when x needs no grad); not registered: the optimizer sees the
         # original parameters (see [Note: original parameters] in shard_unit.py)
         self.flat_shards = [u.shard for u in units]
+
+    def shard_inputs(self) -> list[torch.Tensor]:
+        """The slices' flat shards as the op's autograd Function takes them (its last
+        inputs): through a view each, [Note: weight gradients a backward wants]."""
+        return [shard.view_as(shard) for shard in self.flat_shards]
+
+    def wanted_grads(self, ctx) -> list[bool]:
+        """Per slice, inside the Function's backward (``ctx``): whether this pass wants
+        the slice's weight gradient (trainable, and the engine runs its shard's node)."""
+        nodes = ctx.next_functions[-len(self.units):]
+        return [unit.requires_grad and node is not None and torch._C._will_engine_execute_node(node)
+                for unit, (node, _) in zip(self.units, nodes)]
+
+    def slice_grads(self, unit: "ShardUnit", wanted: bool) -> tuple[list[torch.Tensor] | None, bool]:
+        """``unit``'s unsharded gradient views and whether they hold one already (see
+        ``Scheduler.grad_buffer``), or ``(None, False)``: no weight gradient this pass."""
+        return self.scheduler.grad_buffer(unit) if wanted else (None, False)
 
     def refuse_create_graph(self) -> None:
         """Called by a backward that computes its input's gradient in place (``out=``

@@ -62,13 +62,14 @@ class _SplitEmbeddingFn(torch.autograd.Function):
         dy2 = dy.reshape(-1, module.embedding_dim)
         if module.padding_idx is not None:  # nn.Embedding: no gradient for the padding row
             dy2 = dy2.masked_fill((flat_idx == module.padding_idx).unsqueeze(1), 0)
+        wanted = module.wanted_grads(ctx)
         for i in reversed(range(module.g)):
             unit, use = module.units[i], uses[i]
             # rows do not need the weights for backward: no gather, only a gradient
-            if unit.requires_grad:
+            if wanted[i]:
                 r0 = module.offsets[i]
                 mask = (flat_idx >= r0) & (flat_idx < r0 + module.sizes[i])
-                grads, accumulate = sched.grad_buffer(unit)
+                grads, accumulate = module.slice_grads(unit, True)
                 if not accumulate:
                     grads[0].zero_()
                 grads[0].index_add_(0, flat_idx[mask] - r0, dy2[mask].to(grads[0].dtype))
@@ -137,7 +138,7 @@ class SplitEmbedding(SplitModule):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         # decided here: inside Function.forward grad mode is always off
         expects_backward = torch.is_grad_enabled() and any(s.requires_grad for s in self.flat_shards)
-        return _SplitEmbeddingFn.apply(idx, expects_backward, self, *self.flat_shards)
+        return _SplitEmbeddingFn.apply(idx, expects_backward, self, *self.shard_inputs())
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, g={self.g}"

@@ -84,6 +84,7 @@ class _SplitExpertsFn(torch.autograd.Function):
     def backward(ctx, d_out):
         module, route = ctx.module, ctx.route
         module.refuse_create_graph()
+        wanted = module.wanted_grads(ctx)  # asked before the autograd.grad below starts a pass of its own
         hidden, top_k_weights, pre, out_rows = ctx.saved_tensors
         weights = top_k_weights.reshape(-1)[route.perm].to(out_rows.dtype)
         d_weighted = d_out[route.tokens].to(out_rows.dtype)  # each row's token's gradient
@@ -96,11 +97,13 @@ class _SplitExpertsFn(torch.autograd.Function):
             pre_leaf = pre.detach().requires_grad_()
             act = module.gate(pre_leaf)
         uses_up, uses_down = ctx.uses[:module.groups], ctx.uses[module.groups:]
-        d_act = module.down_backward(d_weighted * weights.unsqueeze(-1), act.detach(), route, uses_down)
+        d_act = module.down_backward(d_weighted * weights.unsqueeze(-1), act.detach(), route, uses_down,
+                                     wanted[module.groups:])
         (d_pre,) = torch.autograd.grad(act, pre_leaf, d_act)
         d_hidden = None
         x_rows = hidden[route.tokens].to(module.compute_dtype)
-        d_rows = module.gate_up_backward(d_pre, x_rows, route, uses_up, need_dx=ctx.needs_input_grad[0])
+        d_rows = module.gate_up_backward(d_pre, x_rows, route, uses_up, wanted[:module.groups],
+                                         need_dx=ctx.needs_input_grad[0])
         if d_rows is not None:
             d_hidden = torch.zeros_like(hidden).index_add_(0, route.tokens, d_rows.to(hidden.dtype))
         return (d_hidden, None, d_weights, None, None) + (None,) * module.g
@@ -209,27 +212,29 @@ class ExpertsSplit(SplitModule):
             uses.append(use)
         return out, uses
 
-    def down_backward(self, d_out_rows, act, route: Route, uses) -> torch.Tensor:
-        """dA of every row, and each ``down`` slice's dW, slices in reverse."""
+    def down_backward(self, d_out_rows, act, route: Route, uses, wanted: list[bool]) -> torch.Tensor:
+        """dA of every row, and each ``down`` slice's dW (where ``wanted``: [Note: weight
+        gradients a backward wants] in registry.py), slices in reverse."""
         d_act = torch.empty_like(act)
         for j in reversed(range(self.groups)):
             unit = self.units[self.groups + j]
-            self._slice_backward(unit, uses[j], j, route, d_out_rows, act, d_act)
+            self._slice_backward(unit, uses[j], j, route, d_out_rows, act, d_act, wanted[j])
         return d_act
 
-    def gate_up_backward(self, d_pre, x_rows, route: Route, uses, need_dx: bool):
-        """dX of every row (when ``need_dx``) and each ``gate_up`` slice's dW, in reverse."""
+    def gate_up_backward(self, d_pre, x_rows, route: Route, uses, wanted: list[bool], need_dx: bool):
+        """dX of every row (when ``need_dx``) and each ``gate_up`` slice's dW (where
+        ``wanted``), in reverse."""
         d_rows = torch.empty_like(x_rows) if need_dx else None
         for j in reversed(range(self.groups)):
-            self._slice_backward(self.units[j], uses[j], j, route, d_pre, x_rows, d_rows)
+            self._slice_backward(self.units[j], uses[j], j, route, d_pre, x_rows, d_rows, wanted[j])
         return d_rows
 
-    def _slice_backward(self, unit, use, j: int, route: Route, d_y, x, d_x) -> None:
+    def _slice_backward(self, unit, use, j: int, route: Route, d_y, x, d_x, wanted: bool) -> None:
         """For the experts of group ``j`` with ``y = x @ W_e^T``: ``d_x = d_y @ W_e`` (when
-        given) and ``dW_e = d_y^T @ x`` into the slice's gradient buffer."""
+        given) and ``dW_e = d_y^T @ x`` into the slice's gradient buffer (when ``wanted``)."""
         sched = self.scheduler
         sched.pre_backward(use)
-        grads, accumulate = sched.grad_buffer(unit) if unit.requires_grad else (None, False)
+        grads, accumulate = self.slice_grads(unit, wanted)
         weight = unit.views[0]
         for local, e in enumerate(self._experts_of(j)):
             r0, r1 = route.bounds[e]
@@ -251,7 +256,7 @@ class ExpertsSplit(SplitModule):
         expects_backward = torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
                                                          or any(s.requires_grad for s in self.flat_shards))
         return _SplitExpertsFn.apply(hidden_states, top_k_index, top_k_weights, expects_backward, self,
-                                     *self.flat_shards)
+                                     *self.shard_inputs())
 
     def extra_repr(self) -> str:
         return f"experts={self.num_experts}, hidden={self.hidden_size}, g={self.g} ({self.groups} groups x 2 phases)"

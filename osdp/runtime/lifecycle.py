@@ -140,12 +140,13 @@ class UnitLifecycle:
                 pending.wait()
             unit.state = GatherState.GATHERED
 
-    def is_stale(self, unit: ShardUnit) -> bool:
-        """Gathered, unused, and the weights were updated since (an optimizer step); a
-        rep unit is never stale (:meth:`refresh_replica` renews it in place)."""
+    def is_outdated(self, unit: ShardUnit) -> bool:
+        """Gathered (or gathering), not computing, and the weights were updated since (an
+        optimizer step, a checkpoint load): [Note: outdated gathers] in scheduler.py. A
+        rep unit is never outdated (:meth:`refresh_replica` renews it in place)."""
         return (
-            not unit.replicated and unit.state is GatherState.GATHERED and unit.n_active == 0
-            and unit.n_await == 0 and unit.gathered_version != unit.shard._version
+            not unit.replicated and unit.state is not GatherState.SHARDED and unit.n_active == 0
+            and unit.gathered_version != unit.shard._version
         )
 
     def refresh_replica(self, unit: ShardUnit) -> None:

@@ -1,4 +1,5 @@
-"""Counting the optimizer steps taken on a model's parameters, for the lockstep check.
+"""What a model sees of the optimizers stepping its parameters: the steps they take (for
+the lockstep check), and gradients a step would miss.
 
 [Note: optimizer steps in lockstep]
 Each rank's optimizer steps its own shards of the parameters. A rank that skips a step
@@ -21,6 +22,19 @@ check is after the fact: at the end of the next backward one rank's shards have 
 and another's have not, so the error says to restore the last checkpoint; it comes
 before the optimizer could step again. Cost: a Python call per optimizer step, the
 membership test cached per optimizer and its parameter groups' sizes.
+
+[Note: held gradients at a step]
+Micro-batches whose backward runs with gradient sync off keep their unsharded gradients
+in the units ([Note: gradient accumulation] in reduce.py), not in ``.grad`` (a direct
+``rep`` unit's are in ``.grad``, this rank's alone): only the backward with sync on
+reduces them over the ranks into ``.grad``. An optimizer step taken while some are
+held (every micro-batch ran under ``no_sync``) would step without them, and they would
+be added into the next step's gradients (or each rank would step its rep units with its
+own gradients, and the ranks' copies would part). So a
+global optimizer step pre-hook raises for an optimizer holding one of the model's
+parameters while the model holds such gradients, and says how to reduce or drop them
+(``model.zero_grad()`` drops them; ``optimizer.zero_grad()`` cannot: it sees ``.grad``
+only).
 """
 from __future__ import annotations
 
@@ -28,15 +42,20 @@ import weakref
 from collections.abc import Iterable
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from typing import Callable
+
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+from ..errors import OSDPError
 
 
-# every live counter; one global hook for all, registered once and never removed: a
+# every live watcher; one global hook for each kind, registered once and never removed: a
 # hook removed when its model is collected, which may happen inside an optimizer's step,
 # changes torch's dict of global hooks while the step iterates it ("OrderedDict mutated
 # during iteration")
 _COUNTERS: weakref.WeakSet = weakref.WeakSet()
-_HOOKED = False
+_HELD_CHECKS: weakref.WeakSet = weakref.WeakSet()
+_HOOKED: set[str] = set()
 
 
 def _count_step(optimizer, args, kwargs) -> None:
@@ -44,27 +63,47 @@ def _count_step(optimizer, args, kwargs) -> None:
         counter._stepped(optimizer)
 
 
-class OptimizerSteps:
-    """How many optimizer steps touched ``params`` since the last :meth:`take`."""
+def _check_held(optimizer, args, kwargs) -> None:
+    for check in list(_HELD_CHECKS):
+        check._before_step(optimizer)
+
+
+def _watch(registry: weakref.WeakSet, watcher, kind: str) -> None:
+    registry.add(watcher)  # weakly: the hook does not keep the model's state alive
+    if kind not in _HOOKED:
+        register = register_optimizer_step_post_hook if kind == "post" else register_optimizer_step_pre_hook
+        register(_count_step if kind == "post" else _check_held)
+        _HOOKED.add(kind)
+
+
+class ParamMembership:
+    """Whether an optimizer holds one of ``params``, cached per optimizer and its
+    parameter groups' sizes."""
 
     def __init__(self, params: Iterable[torch.Tensor]):
-        global _HOOKED
         self._param_ids = frozenset(id(p) for p in params)
         # optimizer -> (its groups' sizes when tested, whether it holds one of the params)
         self._holds: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._count = 0
-        _COUNTERS.add(self)  # weakly: the hook does not keep the model's state alive
-        if not _HOOKED:
-            register_optimizer_step_post_hook(_count_step)
-            _HOOKED = True
 
-    def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
+    def __call__(self, optimizer: torch.optim.Optimizer) -> bool:
         sizes = tuple(len(group["params"]) for group in optimizer.param_groups)
         known = self._holds.get(optimizer)
         if known is None or known[0] != sizes:
             holds = any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"])
             known = self._holds[optimizer] = (sizes, holds)
-        self._count += known[1]
+        return known[1]
+
+
+class OptimizerSteps:
+    """How many optimizer steps touched ``params`` since the last :meth:`take`."""
+
+    def __init__(self, params: Iterable[torch.Tensor]):
+        self._holds = ParamMembership(params)
+        self._count = 0
+        _watch(_COUNTERS, self, "post")
+
+    def _stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        self._count += self._holds(optimizer)
 
     def take(self) -> int:
         """The steps counted since the last call; the count starts over."""
@@ -84,3 +123,26 @@ def uneven_steps_message(steps: list[int], rank: int) -> str:
         "rank evaluates on its own data must be decided alike on every rank. See [Note: optimizer steps in lockstep] "
         "in osdp/runtime/optimizer_steps.py. lockstep_check=False (or OSDP_LOCKSTEP_CHECK=0) turns this check off"
     )
+
+
+class HeldGradientsCheck:
+    """Refuses an optimizer step on ``params`` while ``held()`` names units holding
+    gradients no backward has reduced: [Note: held gradients at a step]."""
+
+    def __init__(self, params: Iterable[torch.Tensor], held: Callable[[], list[str]]):
+        self._holds = ParamMembership(params)
+        self._held = held
+        _watch(_HELD_CHECKS, self, "pre")
+
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        names = self._held()
+        if not names or not self._holds(optimizer):
+            return
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        raise OSDPError(
+            f"optimizer.step() while {len(names)} units ({shown}) hold gradients that backward passes with gradient "
+            "sync off (no_sync, set_requires_gradient_sync(False), a micro_batch before the last) accumulated and "
+            "no backward has reduced over the ranks: this step would miss them (a sharded unit's are not in "
+            ".grad, the next step would add them in) or step each rank with its own (a rep unit's). Run the last "
+            "micro-batch's backward with sync on (outside no_sync), or call model.zero_grad() to drop them "
+            "([Note: held gradients at a step] in osdp/runtime/optimizer_steps.py)")

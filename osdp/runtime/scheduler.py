@@ -54,6 +54,20 @@ autograd finds ``_in_backward`` still set (or a use still computing) and recover
 first. An exception on only some ranks leaves the others inside a collective: they
 fail with ``CollectiveTimeoutError`` after ``timeout_s``; that step cannot be saved.
 
+[Note: outdated gathers]
+A unit's gathered copy is reused by its next forward use only while the weights it was
+gathered from are unchanged (``ShardUnit.gathered_version``, the shard's version
+counter). A ``dp`` unit stays gathered while a forward use awaits its backward, and a
+forward whose output gets no backward (a metric computed with grad on between
+``backward`` and ``step``, a forward before ``osdp.checkpoint.load``) leaves such uses
+until the end of the next backward pass. When the weights have changed since (the
+optimizer's step, a load), those uses are abandoned and the unit gathered again: their
+backward would have run through weights modified in place, which plain PyTorch refuses
+at ``backward`` ("modified by an inplace operation"). Every use remembers the version
+its forward computed with, and a backward whose unit's weights changed since raises
+the same way (:class:`~osdp.errors.OSDPError` naming the unit) instead of computing
+with the new weights a gather would give it.
+
 [Note: activation checkpointing]
 A forward that runs inside backward is a checkpoint recompute. It gathers what it needs
 (a ``zdp`` unit is gathered again) and frees only what it gathered itself. A
@@ -88,6 +102,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.autograd import Variable
 
+from ..errors import OSDPError
 from .collectives import CommContext
 from .direct import reset_awaited
 from .ledger import MemoryLedger
@@ -111,6 +126,7 @@ class Use:
     needs_weights: bool = True
     entry: list | None = field(default=None, repr=False)  # its slot in the recorded order
     backward_pass: int | None = None  # the graph task its backward ran in ([Note: backward passes through one graph])
+    weights_version: int | None = None  # the shard's version its forward computed with ([Note: outdated gathers])
 
 
 def backward_pass() -> int:
@@ -227,14 +243,15 @@ class Scheduler:
             life.wait_for_unshard(unit)
             life.ledger.note_use(unit.name, "recompute")
             return Use(unit, UseState.RECOMPUTE, frees_after=not was_gathered)
-        if life.is_stale(unit):
-            life.reshard(unit)  # weights were updated since this copy was gathered
+        if life.is_outdated(unit):  # the weights were updated since this copy was gathered
+            self._abandon_awaiting(unit)
+            life.reshard(unit)
         life.refresh_replica(unit)  # a rep unit's compute copy, cast locally
         self.prefetch.gather_for_forward(unit, in_forward=self._in_forward)
         life.wait_for_unshard(unit)
         life.begin_forward_use(unit)
         life.ledger.note_use(unit.name, "forward")
-        use = Use(unit)
+        use = Use(unit, weights_version=unit.shard._version)
         if self._in_forward:
             use.entry = self.prefetch.record_forward_use(unit)
         return use
@@ -281,8 +298,14 @@ class Scheduler:
             return
         # AWAIT_BACKWARD; or DONE / ABANDONED in an earlier pass: [Note: backward passes
         # through one graph]
-        self._enter_backward()
         unit = use.unit
+        if use.weights_version is not None and use.weights_version != unit.shard._version:
+            raise OSDPError(
+                f"backward through unit {unit.name!r}, whose weights were modified in place (an optimizer step, a "
+                "checkpoint load) after the forward this backward runs through: plain PyTorch refuses it too (one "
+                "of the variables needed for gradient computation has been modified by an inplace operation). Run "
+                "backward before optimizer.step(), or the forward again after it ([Note: outdated gathers])")
+        self._enter_backward()
         self._awaiting.pop(use, None)
         self.lifecycle.begin_backward_use(unit, use.state is UseState.AWAIT_BACKWARD, use.needs_weights)
         use.state = UseState.BACKWARD
@@ -337,6 +360,14 @@ class Scheduler:
             self._keeps_gathered = torch.is_grad_enabled()
             Variable._execution_engine.queue_callback(self._end_backward)
 
+    def _abandon_awaiting(self, unit: ShardUnit) -> None:
+        """Uses of ``unit`` awaiting a backward through weights updated since: abandoned
+        ([Note: outdated gathers])."""
+        for use in [use for use in self._awaiting if use.unit is unit]:
+            del self._awaiting[use]
+            self.lifecycle.drop_await(unit, use.needs_weights)
+            use.state = UseState.ABANDONED
+
     def _end_backward(self) -> None:
         """See [Note: end of the backward pass]."""
         for use in list(self._awaiting):
@@ -387,6 +418,20 @@ class Scheduler:
         self._backward_label = None
         for listener in self.recover_listeners:
             listener()
+
+    def held_gradients(self) -> list[str]:
+        """The units holding gradients no backward has reduced (accumulated with sync
+        off): [Note: held gradients at a step] in optimizer_steps.py. Empty inside a
+        backward pass, which reduces or keeps them at its end."""
+        if self._in_backward:
+            return []
+        return [u.name for u in self.units if self.reducer.has_grad(u)]
+
+    def drop_held_gradients(self) -> None:
+        """``model.zero_grad()``: drop the gradients accumulated with sync off, as plain
+        PyTorch's ``zero_grad`` drops what ``no_sync`` left in ``.grad``."""
+        if not self._in_backward and self.held_gradients():
+            self.reducer.drop(self.units)
 
     def wait_reduce_scatters(self) -> None:
         self.reducer.finish()

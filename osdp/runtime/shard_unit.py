@@ -36,7 +36,7 @@ master flat (a detached alias: the same storage and version counter), so the vie
 modules compute with read the weights the optimizer updates in place, and stay valid
 across steps. Under mixed precision ``gathered`` is its own ``param_dtype`` buffer,
 cast from the master flat at the unit's first use after the master changed (the
-lifecycle compares ``gathered_version`` with the shard's version, as ``is_stale`` does)
+lifecycle compares ``gathered_version`` with the shard's version, as ``is_outdated`` does)
 and kept: static memory, P * param_dtype / dtype bytes.
 """
 from __future__ import annotations
