@@ -35,7 +35,7 @@ from .runtime.lockstep import mark_lockstep
 from .runtime.lockstep_check import LockstepCheck
 from .runtime.foreign_reads import ForeignReadCheck
 from .runtime.same_values import check_same_values, value_hash
-from .runtime.optimizer_steps import HeldGradientsCheck, OptimizerSteps
+from .runtime.optimizer_steps import HeldGradientsCheck, OptimizerSteps, PieceShapeCheck
 from .runtime.ledger import MemoryLedger
 from .runtime.materialize import MetaInit, has_meta
 from .runtime.mesh import ShardLayout
@@ -354,8 +354,9 @@ class ShardedModel(nn.Module):
             self._comm.issued = lockstep.log  # [Note: lockstep check]
         self._scheduler = Scheduler(self._built.units, self._comm, self._ledger, window, options.coalesce_bytes,
                                     lockstep=lockstep)
-        self._held_check = HeldGradientsCheck((p for _, p in _unique_params(self._built.units)),
-                                              self._scheduler.held_gradients)
+        params = _unique_params(self._built.units)
+        self._step_checks = (HeldGradientsCheck((p for _, p in params), self._scheduler.held_gradients),
+                             PieceShapeCheck(params))
         split_units = {id(u) for _, units in self._built.splits.values() for u in units}
         self._scheduler.mark_coalescible([u for u in self._built.units if id(u) not in split_units])
         self.coalesce_bytes = self._scheduler.coalesce_bytes
@@ -645,9 +646,13 @@ class ShardedModel(nn.Module):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         """This rank's sharded state: ``{original name: local piece}`` for parameters
         (tied names share one piece) and the full persistent buffers, under the original
-        model's keys. For a full (gathered) state dict use ``osdp.checkpoint``."""
+        model's keys. For a full (gathered) state dict use ``osdp.checkpoint``. Not for
+        ``torch.distributed.checkpoint``: the pieces are plain tensors under the same keys
+        on every rank, which it would save once as if replicated ([Note: no torch DCP of
+        the local state])."""
         if args:
             raise OSDPError("state_dict takes keyword arguments only (destination=, prefix=, keep_vars=)")
+        _refuse_torch_dcp("state_dict")
         out = destination if destination is not None else {}
         for key, tensor in self._local_state().items():
             out[prefix + key] = tensor if keep_vars else tensor.detach()
@@ -658,6 +663,7 @@ class ShardedModel(nn.Module):
         a full state dict goes through ``osdp.checkpoint.load_full_state_dict``."""
         if assign:
             raise OSDPError("assign=True is not supported: the parameters are views of the flat shards")
+        _refuse_torch_dcp("load_state_dict")
         mine = self._local_state()
         missing = [k for k in mine if k not in state_dict]
         unexpected = [k for k in state_dict if k not in mine]
@@ -859,6 +865,29 @@ class ShardedModel(nn.Module):
             layout = build_layout(self.module, self._built, list(self._state_keys))
             self._view = ShardedView(self.module, self._built, self._comm, tuple(self._state_keys), layout)
         return self._view
+
+
+def _refuse_torch_dcp(method: str) -> None:
+    """[Note: no torch DCP of the local state]
+    ``torch.distributed.checkpoint`` saves a plain tensor found under the same key on
+    every rank once, as replicated, and loads that one copy into every rank: OSDP's local
+    pieces (flat ranges of the parameters, not DTensors) would come back as rank 0's on
+    every rank, silently. Its ``get_state_dict`` / ``set_state_dict`` and a model passed
+    to ``dcp.save`` as a Stateful call :meth:`OSDP.state_dict` from inside the package, so
+    those calls are refused here; ``dcp.save(model.state_dict())`` cannot be seen and is
+    not refused. ``osdp.checkpoint.save`` / ``load`` write through DCP the pieces' boxes
+    of the original tensors (any world size or plan on load)."""
+    frame = sys._getframe(2)
+    for _ in range(40):  # DCP's own frames lie a few calls up
+        if frame is None:
+            return
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            raise OSDPError(
+                f"torch.distributed.checkpoint called model.{method}(): OSDP's state_dict is this rank's pieces as "
+                "plain tensors under the same keys on every rank, which torch's DCP saves once as if replicated "
+                "(every rank would load rank 0's pieces). Save and load with osdp.checkpoint.save(model, optimizer, "
+                "path) / osdp.checkpoint.load(...), which write DCP checkpoints of the original tensors")
+        frame = frame.f_back
 
 
 def _show_forward_signature(wrapper: ShardedModel, signature: inspect.Signature | None) -> None:

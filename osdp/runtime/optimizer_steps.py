@@ -35,6 +35,17 @@ global optimizer step pre-hook raises for an optimizer holding one of the model'
 parameters while the model holds such gradients, and says how to reduce or drop them
 (``model.zero_grad()`` drops them; ``optimizer.zero_grad()`` cannot: it sees ``.grad``
 only).
+
+[Note: optimizers that read shapes]
+The optimizer steps this rank's piece of each parameter of a sharded unit: a flat range
+of its elements, shaped as it can be (a (128, 32) weight's half is a (2048, 1) piece).
+An element-wise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...) computes on each
+element what it would on the whole parameter. One that reads a parameter's shape or all
+of its elements together computes another update, silently: ``Adafactor`` factors the
+second moment over a matrix's rows and columns (on an empty piece it divides by zero),
+``Muon`` orthogonalizes the matrix, ``LBFGS`` takes dot products over every parameter.
+So a step of one of those on a piece is refused, naming the piece; its ``rep`` units
+(whole on every rank) it may step.
 """
 from __future__ import annotations
 
@@ -54,7 +65,7 @@ from ..errors import OSDPError
 # changes torch's dict of global hooks while the step iterates it ("OrderedDict mutated
 # during iteration")
 _COUNTERS: weakref.WeakSet = weakref.WeakSet()
-_HELD_CHECKS: weakref.WeakSet = weakref.WeakSet()
+_STEP_CHECKS: weakref.WeakSet = weakref.WeakSet()  # each with ``_before_step(optimizer)``
 _HOOKED: set[str] = set()
 
 
@@ -63,8 +74,8 @@ def _count_step(optimizer, args, kwargs) -> None:
         counter._stepped(optimizer)
 
 
-def _check_held(optimizer, args, kwargs) -> None:
-    for check in list(_HELD_CHECKS):
+def _check_step(optimizer, args, kwargs) -> None:
+    for check in list(_STEP_CHECKS):
         check._before_step(optimizer)
 
 
@@ -72,7 +83,7 @@ def _watch(registry: weakref.WeakSet, watcher, kind: str) -> None:
     registry.add(watcher)  # weakly: the hook does not keep the model's state alive
     if kind not in _HOOKED:
         register = register_optimizer_step_post_hook if kind == "post" else register_optimizer_step_pre_hook
-        register(_count_step if kind == "post" else _check_held)
+        register(_count_step if kind == "post" else _check_step)
         _HOOKED.add(kind)
 
 
@@ -132,7 +143,7 @@ class HeldGradientsCheck:
     def __init__(self, params: Iterable[torch.Tensor], held: Callable[[], list[str]]):
         self._holds = ParamMembership(params)
         self._held = held
-        _watch(_HELD_CHECKS, self, "pre")
+        _watch(_STEP_CHECKS, self, "pre")
 
     def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
         names = self._held()
@@ -146,3 +157,32 @@ class HeldGradientsCheck:
             ".grad, the next step would add them in) or step each rank with its own (a rep unit's). Run the last "
             "micro-batch's backward with sync on (outside no_sync), or call model.zero_grad() to drop them "
             "([Note: held gradients at a step] in osdp/runtime/optimizer_steps.py)")
+
+
+# torch.optim's optimizers that read a parameter's shape or all its elements together
+SHAPE_READING_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in ("Adafactor", "Muon", "LBFGS")
+                                 if hasattr(torch.optim, name))
+
+
+class PieceShapeCheck:
+    """Refuses a step of a shape-reading optimizer on a piece of a sharded parameter:
+    [Note: optimizers that read shapes]. ``params``: (name, parameter) pairs."""
+
+    def __init__(self, params: Iterable[tuple[str, torch.Tensor]]):
+        self._pieces = {id(p): name for name, p in params
+                        if tuple(getattr(p, "_osdp_full_shape", p.shape)) != tuple(p.shape)}
+        _watch(_STEP_CHECKS, self, "pre")
+
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, SHAPE_READING_OPTIMIZERS):
+            return
+        piece = next((p for group in optimizer.param_groups for p in group["params"] if id(p) in self._pieces), None)
+        if piece is None:
+            return
+        raise OSDPError(
+            f"torch.optim.{type(optimizer).__name__} steps each parameter as a whole (its shape, or all its "
+            f"elements together), and OSDP hands optimizers this rank's piece of each sharded parameter: "
+            f"{self._pieces[id(piece)]!r} is a {tuple(piece.shape)} piece of a {tuple(piece._osdp_full_shape)} "
+            "parameter, so it would compute another update. Use an element-wise optimizer (AdamW, Adam, SGD, "
+            "Adagrad, RMSprop, ...), or keep the units it steps whole with modes={unit: 'rep'} ([Note: optimizers "
+            "that read shapes] in osdp/runtime/optimizer_steps.py)")

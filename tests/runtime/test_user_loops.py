@@ -55,6 +55,19 @@ def test_param_groups_built_in_another_order_take_their_own_hyperparameters_on_l
     assert "its param group 0 holds" in run["refused"] and "which no param group of the checkpoint" in run["refused"]
 
 
+def test_torch_dcp_and_shape_reading_optimizers_are_refused_not_silently_wrong(results):
+    """Before: DCP saved rank 0's pieces for every rank; Adafactor divided by zero on an
+    empty piece, LBFGS and Muon stepped pieces to other values."""
+    run = results["refused_tools"]
+    for call in ("get_state_dict", "dcp.save(Stateful)"):
+        assert run[call].startswith("torch.distributed.checkpoint called model.state_dict()"), call
+        assert "osdp.checkpoint.save(model, optimizer, path)" in run[call]
+    for optimizer in ("Adafactor", "LBFGS"):
+        assert run[optimizer].startswith(f"torch.optim.{optimizer} steps each parameter as a whole"), optimizer
+        assert "piece of a (" in run[optimizer] and "modes={unit: 'rep'}" in run[optimizer]
+    assert run["Adafactor on rep units"] == "stepped"
+
+
 @pytest.mark.parametrize("config", ["dp", "zdp", "random", "split"])
 def test_a_micro_batch_under_no_sync_dropped_by_model_zero_grad_is_gone(results, config):
     """Before the fix its gradients were added into the next synced backward's."""

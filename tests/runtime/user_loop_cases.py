@@ -10,6 +10,8 @@ whole global batch), which must agree.
   hyperparameters ([Note: param groups by their parameters] in osdp/checkpoint);
 - a micro-batch under ``no_sync`` discarded with ``model.zero_grad()``, and a step while
   gradients are held ([Note: held gradients at a step] in optimizer_steps.py);
+- torch's DCP of the local state and shape-reading optimizers: refused ([Note: no torch
+  DCP of the local state] in osdp/api.py, [Note: optimizers that read shapes]);
 - an input's gradient by ``torch.autograd.grad`` through split ops (adversarial
   examples), which leaves ``.grad`` alone ([Note: weight gradients a backward wants] in
   osdp/ops/registry.py).
@@ -174,6 +176,37 @@ def groups_reordered(rank: int, world: int, directory: str) -> dict:
             "refused": refused}
 
 
+# ---- torch's DCP and optimizers that read shapes ------------------------------------------
+
+def refused_tools(rank: int, world: int, directory: str) -> dict:
+    """What OSDP's pieces would silently break: torch's DCP of the local state (saved once
+    as if replicated) and optimizers that step a parameter as a whole."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = osdp.OSDP(pc.make_model("uneven"), default_mode="zdp")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    out = {}
+    calls = {"get_state_dict": lambda: get_state_dict(model, opt),
+             "dcp.save(Stateful)": lambda: dcp.save({"model": model}, checkpoint_id=f"{directory}/dcp")}
+    for optimizer in ("Adafactor", "LBFGS"):
+        shaped = getattr(torch.optim, optimizer)(model.parameters(), lr=LR)
+        calls[optimizer] = lambda shaped=shaped: shaped.step(lambda: model(*pc.global_batch("uneven", 0, world)))
+    model(*pc.global_batch("uneven", 0, world)).backward()
+    for name, call in calls.items():
+        try:
+            call()
+            out[name] = ""
+        except OSDPError as exc:
+            out[name] = str(exc)
+    rep = osdp.OSDP(pc.make_model("uneven"), default_mode="rep")  # whole on every rank: Adafactor may step it
+    factored = torch.optim.Adafactor(rep.parameters(), lr=LR)
+    rep(*pc.global_batch("uneven", 0, world)).backward()
+    factored.step()
+    out["Adafactor on rep units"] = "stepped"
+    return out
+
+
 # ---- micro-batches under no_sync -------------------------------------------------------
 
 def _discard_loop(model, batches, no_sync) -> list[float]:
@@ -290,5 +323,6 @@ def run_all(rank: int, world: int, directory: str) -> dict:
     return {"metric_forward": metric_forward(rank, world), "late_backward": late_backward(rank, world),
             "forward_before_load": forward_before_load(rank, world, directory),
             "groups_reordered": groups_reordered(rank, world, directory),
+            "refused_tools": refused_tools(rank, world, directory),
             "no_sync_discarded": no_sync_discarded(rank, world), "step_while_held": step_while_held(rank, world),
             "input_gradient": input_gradient(rank, world)}
