@@ -18,6 +18,8 @@ whole global batch), which must agree.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn as nn
 
@@ -57,16 +59,22 @@ def _metric_loop(model, batches, mean_loss) -> list[float]:
     return losses
 
 
-def metric_forward(rank: int, world: int) -> dict:
+def _each_config_against_plain(rank: int, world: int, loop) -> dict:
+    """``loop(model, batches, mean_loss)`` on the plain model (the whole global batch)
+    and on each wrapped configuration (this rank's part): losses and parameters."""
     plain = pc.make_model("uneven")
-    expected = _metric_loop(plain, lambda s: pc.global_batch("uneven", s, world), lambda loss: loss.item())
+    expected = loop(plain, lambda s: pc.global_batch("uneven", s, world), lambda loss: loss.item())
     out = {}
     for name, kwargs in _gpt_configs(pc.make_model("uneven")).items():
         wrapped = osdp.OSDP(pc.make_model("uneven"), **kwargs)
-        losses = _metric_loop(wrapped, lambda s: pc._local(pc.global_batch("uneven", s, world), rank),
-                              lambda loss: pc._mean_loss(loss, world))
+        losses = loop(wrapped, lambda s: pc._local(pc.global_batch("uneven", s, world), rank),
+                      lambda loss: pc._mean_loss(loss, world))
         out[name] = {"losses": losses, "expected": expected, "params": _compare(plain, wrapped)}
     return out
+
+
+def metric_forward(rank: int, world: int) -> dict:
+    return _each_config_against_plain(rank, world, _metric_loop)
 
 
 # ---- a backward through a forward taken before the step ---------------------------------
@@ -209,36 +217,21 @@ def refused_tools(rank: int, world: int, directory: str) -> dict:
 
 # ---- micro-batches under no_sync -------------------------------------------------------
 
-def _discard_loop(model, batches, no_sync) -> list[float]:
+def _discard_loop(model, batches, mean_loss) -> list[float]:
     """Each step: a micro-batch under no_sync discarded by model.zero_grad(), then one
     kept (plain: a plain backward discarded)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=pc.EPS)
     losses = []
     for step in range(STEPS):
-        with no_sync(model):
+        with model.no_sync() if isinstance(model, osdp.OSDP) else contextlib.nullcontext():
             (100.0 * model(*batches(100 + step))).backward()  # a bad micro-batch ...
         model.zero_grad()  # ... dropped
-        loss = model(*batches(step))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach().clone())
+        losses += _train(model, opt, [step], batches, mean_loss)
     return losses
 
 
 def no_sync_discarded(rank: int, world: int) -> dict:
-    import contextlib
-
-    plain = pc.make_model("uneven")
-    expected = _discard_loop(plain, lambda s: pc.global_batch("uneven", s, world), lambda m: contextlib.nullcontext())
-    out = {}
-    for name, kwargs in _gpt_configs(pc.make_model("uneven")).items():
-        wrapped = osdp.OSDP(pc.make_model("uneven"), **kwargs)
-        losses = _discard_loop(wrapped, lambda s: pc._local(pc.global_batch("uneven", s, world), rank),
-                               lambda m: m.no_sync())
-        out[name] = {"losses": [pc._mean_loss(loss, world) for loss in losses],
-                     "expected": [loss.item() for loss in expected], "params": _compare(plain, wrapped)}
-    return out
+    return _each_config_against_plain(rank, world, _discard_loop)
 
 
 def step_while_held(rank: int, world: int) -> dict:
