@@ -1,21 +1,22 @@
 """Does a profile cache filled on a busy machine mislead a later profile on a quiet one?
 ([Note: profile cache] in osdp/planner/profile_cache.py, its speed check.)
 
-One process profiles a GPT's units four times, each in a cache directory of its own
-unless said otherwise, and reads the compute rate its profile gives the planner
+One process profiles a GPT's units, each profile reading and writing a cache directory
+as said, and reads the compute rate its profile gives the planner
 (``DeviceInfo.flops_per_s``, the model's FLOPs over its per-sample forward time):
 
   quiet        an empty cache, the machine quiet: the truth
   busy         an empty cache while ``--load`` background processes (one thread each)
-               multiply matrices: what a profile measures on a busy machine, and caches
-               when its speed held steady (the count of entries it cached is printed)
-  quiet+cache  quiet again, reading the busy profile's cache: with the speed check, it
-               measures again
-  quiet+old    the same with the check off ($OSDP_PROFILE_SPEED_TOLERANCE=inf), as the
-               cache was read before the check: the busy numbers, reused
+               multiply matrices: what the profile measures there, and how many compute
+               entries it caches (none when the machine's speed changed or stayed noisy)
+  busy, old    the same with the speed check off (the stamp made constant: the cache
+               before the check), into a directory of its own: its entries are cached
+  quiet+cache  quiet again, reading the "busy, old" cache with the check on: the
+               stamps disagree with the machine now, so it measures again
+  quiet+old    the same with the check off: the busy numbers, reused
 
 Each row prints its rate over the quiet one and whether the profile timed the units
-(False: it read them from the cache). ``--rounds`` repeats the four and prints medians.
+(False: it read them from the cache). ``--rounds`` repeats them and prints medians.
 
     python bench/profile_speed_guard.py [--rounds 3] [--load 2]
 """
@@ -23,18 +24,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from osdp.models import GPT, GPTConfig, example_batch  # noqa: E402
+from osdp.planner import profile_cache  # noqa: E402
 from osdp.planner.profile_cache import ProfileCache  # noqa: E402
 from osdp.profiler import hardware  # noqa: E402
 
@@ -67,25 +71,31 @@ def _cached_compute(cache_dir) -> int:
     return len(ProfileCache.open(cache_dir).sections["compute"])
 
 
+def _check_off():
+    """The speed check off: every stamp the same (the cache as it was before it)."""
+    return mock.patch.object(profile_cache, "speed_now", lambda device, group=None: profile_cache.Speed(1e9, False))
+
+
 def one_round(model, inputs, load: int) -> dict:
-    with tempfile.TemporaryDirectory() as quiet_dir, tempfile.TemporaryDirectory() as busy_dir:
+    with tempfile.TemporaryDirectory() as quiet_dir, tempfile.TemporaryDirectory() as busy_dir, \
+            tempfile.TemporaryDirectory() as old_dir:
         rows = {"quiet": _profile(model, inputs, quiet_dir)}
         workers = _busy(load)
         try:
-            time.sleep(1.0)  # the load running before the profile starts
+            time.sleep(1.0)  # the load running before the profiles start
             rows["busy"] = _profile(model, inputs, busy_dir)
+            with _check_off():
+                rows["busy, old"] = _profile(model, inputs, old_dir)
         finally:
             for worker in workers:
                 worker.kill()
                 worker.wait()
         rows["busy cached"] = _cached_compute(busy_dir)
         time.sleep(1.0)
-        os.environ["OSDP_PROFILE_SPEED_TOLERANCE"] = "inf"
-        try:
-            rows["quiet+old"] = _profile(model, inputs, busy_dir)
-        finally:
-            del os.environ["OSDP_PROFILE_SPEED_TOLERANCE"]
-        rows["quiet+cache"] = _profile(model, inputs, busy_dir)
+        copy = shutil.copytree(old_dir, f"{quiet_dir}/old-copy")  # each quiet reader gets the busy cache
+        rows["quiet+cache"] = _profile(model, inputs, old_dir)
+        with _check_off():
+            rows["quiet+old"] = _profile(model, inputs, copy)
     return rows
 
 
@@ -103,7 +113,7 @@ def main() -> None:
     print(f"  compute entries the busy profile cached (each round): {[r['busy cached'] for r in rounds]}")
     print(f"  {'profile':<12} {'GFLOP/s':>9} {'/ quiet':>8}  timed the units (each round)")
     quiet = statistics.median(r["quiet"][0] for r in rounds)
-    for name in ("quiet", "busy", "quiet+cache", "quiet+old"):
+    for name in ("quiet", "busy", "busy, old", "quiet+cache", "quiet+old"):
         rate = statistics.median(r[name][0] for r in rounds)
         print(f"  {name:<12} {rate * 1e-9:>9.2f} {rate / quiet:>7.2f}x  {[r[name][1] for r in rounds]}")
 

@@ -502,13 +502,19 @@ class ShardedModel(nn.Module):
         gradient with dtype 'float' to a tensor with grad_dtype 'BFloat16'" in backward)."""
         for unit in self._built.units:
             param = unit.replaced_param()
-            if param is not None:
+            if param is None:
+                continue
+            where = f"parameter {param._osdp_name!r} (unit {unit.name!r}) is no longer this rank's piece of its unit"
+            if param.dtype == unit.shard.dtype and param.device == unit.shard.device:
                 raise OSDPError(
-                    f"parameter {param._osdp_name!r} (unit {unit.name!r}) is no longer this rank's piece of its unit: "
-                    f"a module of the wrapped model was cast or moved after wrapping (now {param.dtype} on "
-                    f"{param.device}; model.unwrapped.to(...), submodule.half()), which OSDP cannot follow. Cast "
-                    "or move the model before wrapping (device= on OSDP), or compute in another dtype with "
-                    "mixed_precision=osdp.MixedPrecision(param_dtype=...)")
+                    f"{where}: its data was replaced (p.data = ..., or a new tensor assigned), which OSDP cannot "
+                    "follow. Update parameters in place, as optimizers do: p.data.add_(...), or "
+                    "`with torch.no_grad(): p -= lr * p.grad`")
+            raise OSDPError(
+                f"{where}: a module of the wrapped model was cast or moved after wrapping (now {param.dtype} on "
+                f"{param.device}; model.unwrapped.to(...), submodule.half()), which OSDP cannot follow. Cast "
+                "or move the model before wrapping (device= on OSDP), or compute in another dtype with "
+                "mixed_precision=osdp.MixedPrecision(param_dtype=...)")
 
     def _checked_forward(self, check: ForeignReadCheck, args, kwargs):
         """The first forward that completes runs under ``check`` ([Note: weights read

@@ -164,8 +164,8 @@ class CommContext:
         text = str(exc).strip()
         return CollectiveTimeoutError(
             f"rank {self.rank}: {what} failed or did not complete within timeout_s={self.timeout_s:g} "
-            f"(a peer rank died, hangs, or runs a different step): {type(exc).__name__}: "
-            f"{text.splitlines()[0] if text else ''}"
+            f"(a peer rank died, hangs, or runs a different step; in generate(), ranks that finish at other "
+            f"lengths: pass synced_gpus=True): {type(exc).__name__}: {text.splitlines()[0] if text else ''}"
         )
 
     def _issue(self, stream, fn, output: torch.Tensor, what: str, after: Callable[[], None] | None = None) -> Pending:

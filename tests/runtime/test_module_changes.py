@@ -74,3 +74,16 @@ def test_a_module_cast_after_wrapping_is_refused_at_the_next_forward(cast):
     with pytest.raises(OSDPError, match=refused):
         with torch.no_grad():
             model(idx, idx)
+
+
+def test_parameter_data_assigned_after_wrapping_is_refused_with_the_in_place_update():
+    """``p.data = p.data - lr * p.grad`` (a hand-written SGD) swaps the data as a cast
+    does; the refusal blamed a cast or move that never happened (found by a helper)."""
+    model = osdp.OSDP(_gpt(), default_mode="zdp")
+    idx = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+    model(idx, idx).backward()
+    for p in model.parameters():
+        p.data = p.data - 0.1 * p.grad
+    with pytest.raises(OSDPError, match=r"no longer this rank's piece of its unit: its data was replaced \(p.data = "
+                                        r"\.\.\..*Update parameters in place.*p.data.add_"):
+        model(idx, idx)
