@@ -24,7 +24,7 @@ from .planner.inputs import as_example_inputs, auto_mode_loss
 from .planner.calibration_record import CalibrationRecord
 from .planner.plan import Plan
 from .planner.planner import make_plan
-from .profiler import profile
+from .profiler import compute_device, profile
 from .planner.uniform_plan import uniform_plan
 from .profiler import TrialPool, measure_plans
 from .profiler.plans import forked_rng
@@ -216,7 +216,7 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
                              budget=budget, compile=compile_config)
     del holder  # the pool holds it, until a trial holds the values
     cache = MeasuredPlans(cache_dir, enabled=use_plan_cache and calibrate, group=process_group,
-                          device=_compute_device(model))
+                          device=compute_device(model))
     key = cache.key(desc, device, settings, batch, global_batch, example_inputs, loss_fn, mixed_precision,
                     compile_config)
     try:
@@ -265,13 +265,6 @@ def plan_with_values(model, example_inputs, memory_limit=None, *, holder=None, p
         measure.close()
         raise
     return plan, measure
-
-
-def _compute_device(model) -> torch.device:
-    """Where ``model`` computes: its parameters' device; on meta, this process's GPU or
-    the CPU (where its values will be)."""
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    return default_device() if device.type == "meta" else device
 
 
 def _refuse_measured_over_limit(plan: Plan, measured: list) -> None:

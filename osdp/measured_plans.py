@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten
 from .planner.inputs import as_example_inputs
 from .planner.plan import Plan
 from .planner.profile_cache import (Speed, cache_dir, default_max_age_s, gflops, reprofile_requested, speed_now,
-                                    speed_tolerance, speeds_agree, steady_speed)
+                                    speeds_agree, steady_speed)
 from .rank_agreement import decide_on_rank0, is_rank0
 from .runtime import compiled_coalesce, compiled_prefetch
 
@@ -129,8 +129,7 @@ class MeasuredPlans:
                     return None
                 stored = json.loads(path.read_text())
                 stamp = stored.get("speed_flops_per_s") if isinstance(stored, dict) else None
-                if not isinstance(stamp, (int, float)) or not speeds_agree(self.speed.flops_per_s, stamp,
-                                                                            speed_tolerance()):
+                if not isinstance(stamp, (int, float)) or not speeds_agree(self.speed.flops_per_s, stamp):
                     log.info("the cached plan %s was measured with the reference matmul at %s, it runs at %s "
                              "now: measuring again", path, gflops(stamp), gflops(self.speed.flops_per_s))
                     return None

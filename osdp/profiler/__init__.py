@@ -5,7 +5,7 @@ wrapped by ``osdp.OSDP`` with a plan, trained for a few steps; see [Note: what t
 profiler fits] in ``osdp/planner/calibration.py``). The planner stays pure (it never
 runs torch collectives or the runtime); this package is where its numbers meet the
 machine."""
-from .hardware import profile
+from .hardware import compute_device, profile
 from .plans import TrialPool, measure_plan, measure_plans
 
-__all__ = ["TrialPool", "measure_plan", "measure_plans", "profile"]
+__all__ = ["TrialPool", "compute_device", "measure_plan", "measure_plans", "profile"]

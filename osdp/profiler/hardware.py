@@ -354,6 +354,15 @@ def _cached(cache: ProfileCache, rank: int, process_group, distributed: bool, wa
     return found
 
 
+def compute_device(model: nn.Module) -> torch.device:
+    """Where ``model`` computes: its parameters' device (the CPU without parameters); a
+    model on meta, this process's GPU, else the CPU (where its values will be)."""
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type != "meta":
+        return device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 class Profiled(NamedTuple):
     """What ``profile`` returns: the model, this cluster's hardware as measured, and the
     run it was measured under (``desc, cluster, run = osdp.profiler.profile(...)``)."""
@@ -407,10 +416,8 @@ def profile(
     distributed = dist.is_available() and dist.is_initialized()
     world = dist.get_world_size(process_group) if distributed else 1
     rank = dist.get_rank(process_group) if distributed else 0
-    device = next(model.parameters()).device if any(True for _ in model.parameters()) else torch.device("cpu")
-    on_meta = device.type == "meta"  # [Note: compute of a model on meta]
-    if on_meta:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    on_meta = next((p.is_meta for p in model.parameters()), False)  # [Note: compute of a model on meta]
+    device = compute_device(model)
     if device.type == "cuda":
         capacity = torch.cuda.get_device_properties(device).total_memory
         capacity_source = "torch.cuda.get_device_properties(...).total_memory"
