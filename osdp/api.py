@@ -45,7 +45,7 @@ from .runtime.modes import Mode
 from .runtime.peak import StepMemory, StepMemoryCheck, make_monitor, step_peak_readable
 from .runtime.scheduler import Scheduler
 from .runtime.state_dict import build_layout
-from .runtime.trainable import follow_requires_grad
+from .runtime.trainable import PlannedFrozenCheck, follow_requires_grad
 from .runtime.view import ShardedView
 
 log = logging.getLogger("osdp")
@@ -284,6 +284,9 @@ class ShardedModel(nn.Module):
             check_same_values(self._comm, meta_init.value_hashes)
         for unit in self._built.units:
             unit.norm_group = self._comm.group  # [Note: global gradient norm] in grad_norm.py
+        run = self._run
+        self._planned_frozen = PlannedFrozenCheck(self._built.units, run.frozen_units if run is not None else (),
+                                                  run.model_name if run is not None else "")
         for mod in module.modules():
             mod._osdp_wrapped = True  # see _refuse_wrapped
         install_torch_clip_guard()  # see [Note: global gradient norm]
@@ -476,6 +479,8 @@ class ShardedModel(nn.Module):
             args, kwargs = policy.cast_inputs(args, kwargs)
         if self._memory_check is not None:
             self._memory_check.begin_forward()  # checks the step before; see [Note: measured peak]
+        if not torch.compiler.is_compiling():
+            self._planned_frozen.check()  # [Note: units planned frozen]
         if self.compile_config is not None:  # nothing to schedule: see [Note: compiled units]
             try:
                 with fused_layer_fast_path_off():  # [Note: fused layer fast path]

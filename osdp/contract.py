@@ -230,6 +230,9 @@ class RuntimeConfig:
     layout: str = LAYOUT_FULL
     node_size: int | None = None
     shard_size: int | None = None
+    # units the plan priced frozen (no gradient or optimizer state in its memory): the
+    # runtime warns if one of them trains (runtime/trainable.py)
+    frozen_units: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.layout not in LAYOUTS:

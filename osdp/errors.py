@@ -55,6 +55,12 @@ class MemoryFragmentationWarning(UserWarning):
     (see [Note: measured peak] in osdp/runtime/peak.py)."""
 
 
+class FrozenPlanWarning(UserWarning):
+    """A unit the plan priced frozen trains: its gradient, optimizer state and reductions
+    are in neither the plan's memory nor its time (see [Note: units planned frozen] in
+    osdp/runtime/trainable.py)."""
+
+
 class NoisyProfileWarning(UserWarning):
     """A profile measurement stayed noisy (its repeats spread more than the threshold)
     after the bounded re-measures; the entry is used but not cached as steady (see

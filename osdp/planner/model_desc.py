@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_flatten
 
 from ..contract import fuses_head_loss
 from ..errors import OSDPError
@@ -88,8 +89,18 @@ class OpDesc:
     # that tensor as its input already, so its recompute does not add it again ([Note:
     # checkpointed block input] in the cost model)
     block_input_bytes_per_sample: float = 0.0
+    # its parameters train (requires_grad when described): only a trained unit has a
+    # gradient, optimizer state and a reduction ([Note: frozen units] in the cost model)
+    trainable: bool = True
+    # backward runs through it (its output needed a gradient in the described forward):
+    # False only for a frozen unit that nothing trained feeds (a frozen backbone's
+    # prefix), which neither computes nor gathers anything in backward
+    in_backward: bool = True
 
     def __post_init__(self):
+        if self.trainable and not self.in_backward:
+            raise OSDPError(f"unit {self.name!r} trains but is not in backward: a unit whose parameters train "
+                            "is always in backward (in_backward=True)")
         numels = tuple(int(n) for n in self.tensor_numels)
         if numels and sum(numels) != self.param_count:
             raise OSDPError(f"unit {self.name!r}: tensor_numels {list(numels)} add up to {sum(numels)}, not to its "
@@ -155,9 +166,14 @@ class ModelDesc:
         raise KeyError(f"no unit named {name!r} in model {self.name!r}")
 
     def fingerprint(self) -> str:
-        """Identity of the model's structure: unit names, kinds and sizes in order.
-        Plans and checkpoints carry it so that they are only used with this model."""
+        """Identity of the model's structure: unit names, kinds and sizes in order, and
+        the frozen units when some are. Plans carry it so that they are only used with
+        this model (a fully trainable model's is the same as before units could be
+        frozen)."""
         parts = [(op.name, op.kind, op.param_count, op.tied_to) for op in self.ops]
+        frozen = [op.name for op in self.ops if not op.trainable]
+        if frozen:  # a plan priced for frozen units does not hold when they train
+            parts.append(("frozen", frozen))
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict:
@@ -252,12 +268,17 @@ class _Recorder:
         # storage -> the blocks it is the input of (one tensor may enter several: a
         # pass-through bridge between blocks, then the next block)
         self.block_inputs: dict[int, set[str]] = {}
+        self.in_backward: set[str] = set()  # units whose output needed a gradient
 
     def pre_hook(self, module, _inputs):
         name = self.units[module]
         if name not in self.order:
             self.order.append(name)
         self.current = name
+
+    def post_hook(self, module, _inputs, output):
+        if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]):
+            self.in_backward.add(self.units[module])
 
     def pack(self, tensor: torch.Tensor):
         storage = tensor.untyped_storage()
@@ -303,6 +324,7 @@ def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
     rec = _Recorder(units, param_ptrs)
     block_inputs: dict[str, int] = {}
     handles = [m.register_forward_pre_hook(rec.pre_hook) for m in units]
+    handles += [m.register_forward_hook(rec.post_hook) for m in units]
     modules = dict(model.named_modules())
     for block in blocks:
 
@@ -325,7 +347,7 @@ def _measure_forward(model, inputs: ExampleInputs, units, param_ptrs, blocks):
     if rec.order:
         first = rec.order[0]
         saved[first] = saved.get(first, 0) + pending
-    return rec.order, saved, block_inputs, counter.get_flop_counts(), input_saved
+    return rec.order, saved, block_inputs, counter.get_flop_counts(), input_saved, rec.in_backward
 
 
 def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dict[str, int],
@@ -530,14 +552,15 @@ def describe_tensors(
                   for m in by_path.values() if isinstance(m, nn.Linear)]
     try:
         try:
-            ran, saved, block_in, flops, input_saved = _measure_forward(model, inputs, units, param_ptrs,
-                                                                        block_names)
+            ran, saved, block_in, flops, input_saved, in_backward = _measure_forward(
+                model, inputs, units, param_ptrs, block_names)
         finally:
             for h in head_hooks:
                 h.remove()
         unit_flops = _attribute_flops(flops, type(model).__name__, list(ran), ran)
         renames, order = _units_that_never_ran(ran, list(units.values()), tied, own_params)
         saved, input_saved, unit_flops = (_renamed(d, renames) for d in (saved, input_saved, unit_flops))
+        in_backward = {renames.get(path, path) for path in in_backward}
         for use in renames:
             del tied[use]  # it stands for its owner now
         half = batch_size // 2
@@ -545,7 +568,7 @@ def describe_tensors(
         resizable = inputs.at_batch is not None and not any(isinstance(t, FakeTensor) for t in tensors)
         if half >= 1 and (resizable or all(t.dim() > 0 and t.shape[0] == batch_size for t in tensors)):
             small = inputs.with_batch(half)  # fresh storage: a view would count the full batch's
-            _, saved_half, _, _, _ = _measure_forward(model, small, units, param_ptrs, [])
+            _, saved_half, _, _, _, _ = _measure_forward(model, small, units, param_ptrs, [])
             saved_half = _renamed(saved_half, renames)
         else:
             half, small, saved_half = 0, None, {}
@@ -609,6 +632,8 @@ def describe_tensors(
         own = own_params[path]
         split_op, axis = axes[path]
         splittable = axis >= 2
+        # a tied use trains as its owner does: it computes with the owner's weights
+        trainable = any(p.requires_grad for p in unit_tensors[path])
         ops.append(
             OpDesc(
                 name=path,
@@ -631,6 +656,8 @@ def describe_tensors(
                 tensor_numels=tuple(p.numel() for p in own),
                 # a block's input grows with the batch (no constant part)
                 block_input_bytes_per_sample=min(input_saved.get(path, 0) / batch_size, per_sample.get(path, 0.0)),
+                trainable=trainable,
+                in_backward=trainable or path in in_backward,
             )
         )
     block_descs = _block_descs(ops, block_names, {b: v / batch_size for b, v in block_in.items()})

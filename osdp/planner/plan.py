@@ -49,6 +49,9 @@ class UnitDecision:
     modes: tuple[str, ...]  # one per slice; len = slice count
     checkpointed: bool = False
     split_op: str = ""  # the registered split op (osdp.ops) cutting it, when split
+    # priced frozen: no gradient, optimizer state or reduction ([Note: frozen units] in
+    # the cost model); the runtime warns if it trains. Stored only when true
+    frozen: bool = False
 
     @property
     def slices(self) -> int:
@@ -176,6 +179,7 @@ class Plan:
             layout=self.layout,
             node_size=self.node_size,
             shard_size=self.shard_size,
+            frozen_units=tuple(u.name for u in self.units if u.frozen),
         )
 
     @property
@@ -213,6 +217,9 @@ class Plan:
     def to_dict(self) -> dict:
         data = asdict(self)
         data["units"] = [dict(asdict(u), modes=list(u.modes), slices=u.slices) for u in self.units]
+        for unit in data["units"]:
+            if not unit["frozen"]:  # a trained unit's entry is as before units could be frozen
+                del unit["frozen"]
         data["notes"] = list(self.notes)
         data["calibration"] = copy.deepcopy(self.calibration.to_dict())
         return data
@@ -425,6 +432,8 @@ def _unit(raw, i: int, max_slices) -> UnitDecision:
     checkpointed = raw.get("checkpointed", False)
     if not isinstance(checkpointed, bool):
         raise OSDPError(f"plan field {where}.checkpointed must be true or false, got {checkpointed!r}")
+    if not isinstance(raw.get("frozen", False), bool):
+        raise OSDPError(f"plan field {where}.frozen must be true or false, got {raw['frozen']!r}")
     raw.update(  # fields not checked here pass through as they are
         name=name,
         kind=_field(raw, "kind", str, "a string", f"plan field {where}"),

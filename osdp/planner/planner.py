@@ -49,7 +49,7 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple
         if op.tied_to:  # a second use of another unit's weights: its owner's unit
             if op.param_count:  # and a bias of its own: a unit in its owner's mode (unsplit)
                 units.append(UnitDecision(op.name, op.kind, op.param_bytes, modes_of[op.tied_to],
-                                          op.name in checkpointed, ""))
+                                          op.name in checkpointed, "", frozen=not op.trainable))
             continue
         o = s.result.option_index[i]
         g, k, h = t.shape(o)
@@ -58,7 +58,7 @@ def plan_from_schedule(s: Scheduled, baselines: dict | None = None, notes: tuple
             modes = (MODE_REP,)
         modes_of[op.name] = modes
         units.append(UnitDecision(op.name, op.kind, op.param_bytes, modes,
-                                  op.name in checkpointed, op.split_op if g > 1 else ""))
+                                  op.name in checkpointed, op.split_op if g > 1 else "", frozen=not op.trainable))
     blocks = tuple(seg.name for seg, v in zip(t.segments, s.result.variant) if seg.variants[v])
     rounded_terms = sum(1 for i in range(len(desc.ops)) if t.opt_held_bytes[s.result.option_index[i]] > 0)
     return Plan(

@@ -580,15 +580,15 @@ class _Sim:
             self.compute("backward", st.name, st.bwd_s)
             for r in st.reps:
                 r.n_grad -= 1
-                if sync and r.n_grad == 0:  # its last use in backward
+                if sync and r.n_grad == 0 and r.grad_bytes:  # its last use in backward (a frozen unit: none)
                     self.rep_join(r)
             for u in st.uses:
                 if st.bwd_weights:
                     self.count(u, active=-1)
                 u.n_grad -= 1
-                u.has_grad = True
+                u.has_grad = u.grad_bytes > 0  # a frozen unit has no gradient to reduce
                 # reduced once every use's gradient is in (a tied unit: summed over its uses)
-                if sync and u.n_grad == 0 and u.n_active == 0:
+                if sync and u.has_grad and u.n_grad == 0 and u.n_active == 0:
                     self.reduce(u)
                 self.maybe_free(u)
                 self.prefetch(_B, cursor)

@@ -15,10 +15,21 @@ unit whose parameters disagree is refused, naming them, as at wrapping (build.py
 ``rep`` unit that computes with its parameters directly ([Note: direct replicated
 units] in direct.py) follows them by construction; one frozen when wrapped gets its
 all-reduce hooks when it is unfrozen, so that its gradient is averaged too.
+
+[Note: units planned frozen]
+A plan prices a frozen unit without gradient, optimizer state or reduction ([Note:
+frozen units] in the cost model), so it holds only while that unit stays frozen. A unit
+unfrozen after planning (a backbone trained after its first epoch) trains correctly but
+outside the plan's memory and time: the runtime warns once per unit, at the first
+forward that finds it trainable, naming it and saying to plan again (a memory limit the
+plan packed tightly may then be exceeded: the per-step check raises). Not refused: the
+memory may suffice, and the user's choice is honoured.
 """
 from __future__ import annotations
 
-from ..errors import OSDPError
+import warnings
+
+from ..errors import FrozenPlanWarning, OSDPError
 from .shard_unit import ShardUnit
 
 
@@ -49,3 +60,25 @@ def _refuse_mixed(unit: ShardUnit) -> None:
         f"({', '.join(trainable)}): a unit trains or is frozen as one; set requires_grad alike on "
         "all of its parameters"
     )
+
+
+class PlannedFrozenCheck:
+    """Warns once per unit the plan priced frozen that trains ([Note: units planned
+    frozen]); ``frozen_units``: their module paths (a split unit's slices share one)."""
+
+    def __init__(self, units: list[ShardUnit], frozen_units, plan_name: str):
+        names = set(frozen_units)
+        self._units = [u for u in units if u.name.split("[", 1)[0] in names]
+        self._plan_name = plan_name
+        self._warned: set[str] = set()
+
+    def check(self) -> None:
+        trained = {u.name.split("[", 1)[0] for u in self._units if any(p.requires_grad for p in u.params)}
+        trained -= self._warned
+        if trained:
+            self._warned |= trained
+            warnings.warn(
+                f"unit(s) {', '.join(sorted(trained))} train, but the plan for {self._plan_name} priced them frozen: "
+                "their gradients, optimizer state and reductions are not in its memory or time (a tight memory "
+                "limit may be exceeded); plan again with them trainable",
+                FrozenPlanWarning, stacklevel=3)

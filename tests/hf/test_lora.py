@@ -64,3 +64,31 @@ def test_lora_on_expert_parameters_is_refused_before_anything_changes():
             osdp.OSDP(model, **auto)
     after = model.state_dict()
     assert list(after) == list(before) and all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def test_a_lora_plan_prices_the_frozen_base_without_gradients_or_optimizer_state():
+    """[Note: frozen units]: the base's units are frozen, the adapters train, what runs
+    before the first adapter has no backward; the plan's optimizer state is the
+    adapters' alone (AdamW's two fp32 moments of every adapter element, over 2 ranks)."""
+    from osdp.planner.cluster import DEFAULT_CLUSTER, load_cluster
+    from osdp.planner.cost_model import PlannerSettings, static_bytes
+    from osdp.planner.description import describe
+    from osdp.planner.run import RunSettings
+
+    model = lc.lora_llama()
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    desc = describe(model, {"input_ids": tokens, "labels": tokens})
+    ops = {op.name.split("base_model.model.")[-1]: op for op in desc.ops}
+    assert ops["model.embed_tokens"].trainable is ops["model.embed_tokens"].in_backward is False
+    first = ops["model.layers.0.self_attn.q_proj.base_layer"]
+    assert not first.trainable and not first.in_backward  # it runs before the first adapter
+    later = ops["model.layers.1.self_attn.q_proj.base_layer"]
+    assert not later.trainable and later.in_backward  # layer 0's adapters feed it
+    assert ops["model.layers.0.self_attn.q_proj.lora_A.default"].trainable
+    device = load_cluster(DEFAULT_CLUSTER).for_run(RunSettings(world_size=2, memory_limit_bytes=1 << 30))
+    settings = PlannerSettings()
+    adapters = [p for n, p in model.named_parameters() if p.requires_grad]
+    assert adapters and all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
+    expected = sum(-(-p.numel() // 2) * settings.optimizer_state_bytes_per_param
+                   + settings.optimizer_state_bytes_per_tensor for p in adapters)
+    assert static_bytes(desc, device, settings)["optimizer_state"] == expected

@@ -15,7 +15,7 @@ from .problem import _local_moments
 from .settings import layout_collectives
 from .template import ProblemTemplate
 from .timing import coalesced_latency_shares
-from .unit_bytes import element_bytes, gathered_bytes, reduced_bytes
+from .unit_bytes import element_bytes, gathered_bytes, reduced_bytes, trained_params
 from .units import _group_of, tied_groups
 
 
@@ -156,7 +156,7 @@ def live_memory(template: ProblemTemplate, batch: int, option_index, variant,
                 # ranks, a 2 MiB dp head, 1 MiB over without this)
                 op = t.desc.ops[i]
                 n = layout_collectives(t.device, t.settings).shard_ranks
-                buffer = reduced_bytes(op, t.settings) + math.ceil(op.param_count / n) * element_bytes(op)
+                buffer = reduced_bytes(op, t.settings) + math.ceil(trained_params(op) / n) * element_bytes(op)
                 released = min(logits_grads, buffer)
                 logits_grads -= released
                 own_bytes[i] -= released

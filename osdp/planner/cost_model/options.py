@@ -18,7 +18,7 @@ from .prefetch import _forward_prefetch
 from .replicate import rep_is_direct, rep_op_mask
 from .settings import PlannerSettings, _accumulators_static, layout_collectives, reshard_choices, slice_choices
 from .timing import _shared_latency_s, split_efficiency
-from .unit_bytes import element_bytes, fused_logits_bytes, gathered_bytes, reduced_bytes
+from .unit_bytes import element_bytes, fused_logits_bytes, gathered_bytes, reduced_bytes, trained_params
 from .units import _group_of, backward_needs_weights, tied_groups
 
 
@@ -131,8 +131,8 @@ def reduction_walk(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         pending[i] = in_flight + waiting
         flight_out[i] = in_flight_out if persist else 0.0
         op = desc.ops[i]
-        if not op.param_count or rep[i] or (op.tied_to and i not in owners):
-            continue  # no reduction of its own issued here
+        if not trained_params(op) or rep[i] or (op.tied_to and i not in owners):
+            continue  # no reduction of its own issued here (a frozen unit has none)
         grad = reduced_bytes(op, settings)
         out = math.ceil(op.param_count / n) * element_bytes(op)
         copies, slices = 0.0, 1 if i in owners else max(slice_choices(op, settings))
@@ -203,7 +203,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
         ag, ag_node = coll.gather_s(s), coll.node_gather_s(s)
         grad = full_grad / g
         # one slice's sharded gradient: its reduce-scatter's output
-        reduced_slice = math.ceil(owner.param_count / g / coll.shard_ranks) * element_bytes(owner)
+        reduced_slice = math.ceil(trained_params(owner) / g / coll.shard_ranks) * element_bytes(owner)
         grad_s = coll.grad_s(grad)
         if len(group) == 1 and is_small_unit(s, settings.coalesce_bytes, is_slice=g > 1):
             ag = _shared_latency_s(coll.gather_s, s, shares[0])
@@ -225,7 +225,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             comm_f = gathered_f * ag
             gather_b = regather_b + recompute
             # gradients are reduced after the last use in backward: the first in op order
-            reduce_b = g * grad_s if i == group[0] else 0.0
+            reduce_b = g * grad_s if i == group[0] and owner.trainable else 0.0
             # forward: its gathered slice, unless the prefix holds it already (a dp slice
             # of this keeper: then only a zdp / hpz slice's moment adds it)
             own_f = s if gathered_f and (keeper != i or k + h > 0) else 0.0
@@ -242,7 +242,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
                 if ex is not None:
                     gathers_b = ex[1][0]
                 backward = gathers_b + _grads_live(grad, untied=len(group) == 1, pending=pending,
-                                                   autograd=s if g == 1 else 0.0) + issued
+                                                   autograd=s if g == 1 and owner.trainable else 0.0) + issued
             transient = max(gathers_f, backward)
             release = 0.0
             if g == 1 and len(group) == 1 and logits == 0 and not _accumulators_static(settings):

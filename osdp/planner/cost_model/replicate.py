@@ -62,7 +62,8 @@ def replicate_buckets(desc: ModelDesc, settings: PlannerSettings, rep: np.ndarra
     rule is the runtime's own, ``schedule_rules.pack_buckets`` (``group_full``); the join
     order here is exact for a model whose ops run once each in op order (one bucket key:
     the planner prices one dtype pair)."""
-    owners = [i for i in range(len(desc.ops) - 1, -1, -1) if _rep_owner(desc, rep, i)]
+    # a frozen unit has no gradient to all-reduce ([Note: frozen units])
+    owners = [i for i in range(len(desc.ops) - 1, -1, -1) if _rep_owner(desc, rep, i) and desc.ops[i].trainable]
     return [[owners[k] for k in bucket]
             for bucket in pack_buckets([reduced_bytes(desc.ops[i], settings) for i in owners], REPLICATE_BUCKET_BYTES)]
 

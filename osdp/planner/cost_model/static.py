@@ -10,7 +10,7 @@ from ..model_desc import ModelDesc
 from ..device import DeviceInfo
 from .replicate import _rep_grad_sizes, _rep_owner, rep_op_mask, replicate_buckets
 from .settings import PlannerSettings, _grad_persists, layout_collectives
-from .unit_bytes import activation_scale, element_bytes, reduced_bytes
+from .unit_bytes import activation_scale, element_bytes, reduced_bytes, trained_params, trained_tensors
 
 LOSS_SCALARS_BYTES = 8.0  # the loss and the gradient backward starts from: two fp32 scalars
 
@@ -19,7 +19,8 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
     """Bytes every plan pays: the model's buffers (whole on every rank: ``buffers``, when
     it has any), 1/N shards of params, grads and optimizer state (padded),
     and with gradient accumulation synced only at the last micro-batch, the unsharded
-    gradient accumulators of every unit. Units that are ``rep`` under ``settings`` hold
+    gradient accumulators of every unit (grads, optimizer state and accumulators of
+    trained units only: [Note: frozen units]). Units that are ``rep`` under ``settings`` hold
     all of theirs instead ([Note: rep mode]): ``replicated_*``, present only when some are."""
     n = layout_collectives(device, settings).shard_ranks
     rep = rep_op_mask(desc, settings)
@@ -28,18 +29,20 @@ def static_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings)
     for i, op in enumerate(desc.ops):
         e = element_bytes(op)
         accumulators += reduced_bytes(op, settings)
+        trained = trained_params(op)  # [Note: frozen units]
+        tensors = op.param_tensors if op.trainable else 0
         if _rep_owner(desc, rep, i):
             r_params += op.param_count * e
-            r_optim += op.param_count * settings.optimizer_state_bytes_per_param \
-                + op.param_tensors * settings.optimizer_state_bytes_per_tensor
-            r_grads += op.param_count * e if _grad_persists(settings) else 0.0
+            r_optim += trained * settings.optimizer_state_bytes_per_param \
+                + tensors * settings.optimizer_state_bytes_per_tensor
+            r_grads += trained * e if _grad_persists(settings) else 0.0
             if settings.param_dtype_bytes is not None and settings.param_dtype_bytes != e:
                 r_copies += op.param_count * settings.param_dtype_bytes  # the kept param_dtype copy
             continue
-        shard = math.ceil(op.param_count / n)
-        params += shard * e
+        params += math.ceil(op.param_count / n) * e
+        shard = math.ceil(trained / n)
         grads += shard * e
-        optim += shard * settings.optimizer_state_bytes_per_param + op.param_tensors * settings.optimizer_state_bytes_per_tensor
+        optim += shard * settings.optimizer_state_bytes_per_param + tensors * settings.optimizer_state_bytes_per_tensor
     result = {
         "sharded_params": params,
         "optimizer_state": optim,
@@ -71,9 +74,19 @@ def after_backward_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     if settings.grads_set_to_none:
         n = layout_collectives(device, settings).shard_ranks
         rep = rep_op_mask(desc, settings)
-        parts["sharded_grads"] = float(sum(math.ceil(op.param_count / n) * element_bytes(op)
+        parts["sharded_grads"] = float(sum(math.ceil(trained_params(op) / n) * element_bytes(op)
                                            for i, op in enumerate(desc.ops) if not rep[i]))
     return parts
+
+
+def local_trained_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> list[float]:
+    """Per op, the bytes of its trained parameters on this rank, the ones the optimizer
+    steps: a shard, a rep unit's whole, nothing of a frozen unit ([Note: frozen units])."""
+    n = layout_collectives(device, settings).shard_ranks
+    rep = rep_op_mask(desc, settings)
+    return [trained_params(op) * element_bytes(op) if _rep_owner(desc, rep, i)
+            else math.ceil(trained_params(op) / n) * element_bytes(op)
+            for i, op in enumerate(desc.ops)]
 
 
 def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
@@ -99,15 +112,13 @@ def optimizer_step_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     n = layout_collectives(device, settings).shard_ranks
     rep = rep_op_mask(desc, settings)
     parts = after_backward_bytes(desc, device, settings)
-    local = [op.param_count * element_bytes(op) if _rep_owner(desc, rep, i)
-             else math.ceil(op.param_count / n) * element_bytes(op)
-             for i, op in enumerate(desc.ops)]
+    local = local_trained_bytes(desc, device, settings)
     # every parameter tensor the optimizer steps, in its order (registration order,
     # which follows op order in the models OSDP describes): a tensor's local piece is at
-    # most the tensor and at most its unit's shard
+    # most the tensor and at most its unit's shard; a frozen unit's are not stepped
     pieces = [min(numel, math.ceil(op.param_count / n)) * element_bytes(op) if not _rep_owner(desc, rep, i)
               else numel * element_bytes(op)
-              for i, op in enumerate(desc.ops) for numel in op.tensors]
+              for i, op in enumerate(desc.ops) for numel in trained_tensors(op)]
     rep_done = sum(_rep_grad_sizes(desc.ops[i], settings)[2] for bucket in replicate_buckets(desc, settings, rep)
                    for i in bucket)
     if rep_done:

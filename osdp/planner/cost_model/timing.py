@@ -14,7 +14,7 @@ from ..model_desc import ModelDesc, OpDesc
 from ..device import DeviceInfo
 from .replicate import rep_is_direct, rep_op_mask
 from .settings import PlannerSettings
-from .static import static_bytes
+from .static import local_trained_bytes, static_bytes
 from .unit_bytes import gathered_bytes, reduced_bytes
 
 if TYPE_CHECKING:  # annotations only: template.py imports this module
@@ -22,8 +22,11 @@ if TYPE_CHECKING:  # annotations only: template.py imports this module
 
 
 def shape_key(op: OpDesc) -> str:
-    """Ops with equal keys cost the same compute (identical layers share a fit)."""
-    return f"{op.kind}:{op.param_count}:{op.flops_per_sample:.6g}:{op.act_bytes_per_sample:.6g}"
+    """Ops with equal keys cost the same compute (identical layers share a fit); a frozen
+    op's backward computes less or nothing ([Note: frozen units]), so it has a key of its
+    own (a trained op's key is as it was before ops could be frozen)."""
+    key = f"{op.kind}:{op.param_count}:{op.flops_per_sample:.6g}:{op.act_bytes_per_sample:.6g}"
+    return key if op.trainable else key + (":frozen" if op.in_backward else ":no-backward")
 
 
 def split_efficiency(g: int, device: DeviceInfo) -> float:
@@ -36,18 +39,22 @@ def split_efficiency(g: int, device: DeviceInfo) -> float:
 
 
 def _compute_fit(op: OpDesc, device: DeviceInfo, settings: PlannerSettings):
+    """(forward intercept, forward per sample, backward intercept, backward per sample)
+    seconds: the profile's fit, else the FLOPs at the device's rate; a backward the fit
+    lacks is ``backward_compute_ratio`` forwards, half that for a frozen op (the input's
+    gradient only) and none where no backward reaches ([Note: frozen units])."""
+    ratio = settings.backward_compute_ratio if op.trainable else settings.backward_compute_ratio / 2
     fit = device.op_compute.get(shape_key(op))
     if fit is not None:
-        bi = fit.bwd_intercept_s if fit.bwd_intercept_s is not None else settings.backward_compute_ratio * fit.fwd_intercept_s
-        bs = fit.bwd_per_sample_s if fit.bwd_per_sample_s is not None else settings.backward_compute_ratio * fit.fwd_per_sample_s
-        return fit.fwd_intercept_s, fit.fwd_per_sample_s, bi, bs
-    per_sample = op.flops_per_sample / device.flops_per_s
-    return (
-        device.op_overhead_s,
-        per_sample,
-        settings.backward_compute_ratio * device.op_overhead_s,
-        settings.backward_compute_ratio * per_sample,
-    )
+        f_intercept, f_slope = fit.fwd_intercept_s, fit.fwd_per_sample_s
+        bi = fit.bwd_intercept_s if fit.bwd_intercept_s is not None else ratio * f_intercept
+        bs = fit.bwd_per_sample_s if fit.bwd_per_sample_s is not None else ratio * f_slope
+    else:
+        f_intercept, f_slope = device.op_overhead_s, op.flops_per_sample / device.flops_per_s
+        bi, bs = ratio * f_intercept, ratio * f_slope
+    if not op.in_backward:
+        bi = bs = 0.0
+    return f_intercept, f_slope, bi, bs
 
 
 def coalesced_latency_shares(desc: ModelDesc, settings: PlannerSettings,
@@ -90,8 +97,9 @@ def coalesced_latency_shares(desc: ModelDesc, settings: PlannerSettings,
             # prefetched beside the unit in use, or (no room there) gathered on demand
             rooms.append(window_bytes - in_use if in_use + nbytes <= window_bytes else window_bytes)
         in_use = nbytes
+    # a frozen unit reduces nothing: its gradient joins no group ([Note: frozen units])
     return (share([gathered_bytes(op, settings) for op in small], rooms),
-            share([reduced_bytes(op, settings) for op in small]))
+            share([reduced_bytes(op, settings) for op in small if op.trainable]))
 
 
 def _shared_latency_s(seconds_for, nbytes: float, latency_share: float) -> float:
@@ -173,9 +181,9 @@ def option_times(t: ProblemTemplate, batch: int) -> np.ndarray:
 def optimizer_step_s(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> float:
     """AdamW reads and writes param, moments and reads grad: bandwidth bound."""
     static = static_bytes(desc, device, settings)
-    # grads: as big as params; rep units step their whole parameters
-    state = 2.0 * sum(static.get(k, 0.0) for k in ("sharded_params", "optimizer_state", "replicated_params",
-                                                    "replicated_optimizer_state"))
+    # grads: as big as the params stepped (a rep unit's whole; a frozen unit's none)
+    stepped = sum(local_trained_bytes(desc, device, settings))
+    state = 2.0 * (stepped + static["optimizer_state"] + static.get("replicated_optimizer_state", 0.0))
     return 2.0 * state / device.memory_bandwidth_bytes_per_s
 
 

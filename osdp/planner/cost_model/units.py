@@ -19,7 +19,10 @@ def unit_indices(desc: ModelDesc) -> list[int]:
 def backward_needs_weights(op: OpDesc, g: int) -> bool:
     """Whether a use of ``op``'s weights cut into ``g`` slices reads them in backward: an
     unsplit module always does (the runtime's hooks gather it for its backward); a split
-    op says so in its declaration (``needs_weights_in_backward``, osdp/ops/registry.py)."""
+    op says so in its declaration (``needs_weights_in_backward``, osdp/ops/registry.py).
+    A use no backward reaches reads nothing ([Note: frozen units])."""
+    if not op.in_backward:
+        return False
     if g == 1 or not op.split_op:
         return True
     split = registered_split_ops().get(op.split_op)
