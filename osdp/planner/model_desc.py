@@ -179,7 +179,7 @@ class ModelDesc:
     def to_dict(self) -> dict:
         return {
             "name": self.name,
-            "ops": [asdict(op) for op in self.ops],
+            "ops": [_op_dict(op) for op in self.ops],
             "blocks": [asdict(b) for b in self.blocks],
             "act_constant_bytes": self.act_constant_bytes,
             "buffer_bytes": self.buffer_bytes,
@@ -194,6 +194,16 @@ class ModelDesc:
             act_constant_bytes=float(data.get("act_constant_bytes", 0.0)),
             buffer_bytes=float(data.get("buffer_bytes", 0.0)),
         )
+
+
+def _op_dict(op: OpDesc) -> dict:
+    """An op's JSON form; a trained op's is as before ops could be frozen (caches keyed by
+    a description keep their keys)."""
+    data = asdict(op)
+    for name in ("trainable", "in_backward"):
+        if data[name]:
+            del data[name]
+    return data
 
 
 def module_kind(module: nn.Module) -> str:
