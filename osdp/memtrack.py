@@ -160,6 +160,13 @@ class LiveBytesTracker(TorchDispatchMode):
         self._sample()
         self.peak_bytes = self.current_bytes
 
+    def live_bytes_except(self, tensors) -> int:
+        """Bytes of the live storages it follows, less those of ``tensors``."""
+        known = {id(t.untyped_storage()) for t in tensors
+                 if isinstance(t, torch.Tensor) and t.device.type != "meta"}
+        return sum(storage.nbytes() for key, ref in list(self._live.items())
+                   if key not in known and (storage := ref()) is not None)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         for leaf in tree_flatten(out)[0]:

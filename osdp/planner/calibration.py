@@ -157,7 +157,7 @@ def assignment_of(desc: ModelDesc, device: DeviceInfo, plan, settings: PlannerSe
     tied_uses = {op.name for op in desc.ops if op.tied_to}
     settings = settings.with_(
         policy="osdp", prefetch_bytes=float(plan.prefetch_bytes),
-        max_slices=max([settings.max_slices] + [u.slices for u in plan.units]),
+        max_slices=max([settings.max_slices] + [u.slices for u in plan.units]), split_small_units=True,
         checkpointing="auto" if plan.checkpoint_blocks else settings.checkpointing,
         # its rep units, read off its modes ([Note: rep mode] in docs/design/cost_model.md); a tied
         # use's bias runs its owner's mode and is not a unit of the rep set

@@ -134,6 +134,9 @@ class ModelDesc:
     ops: tuple[OpDesc, ...]
     blocks: tuple[BlockDesc, ...] = ()
     act_constant_bytes: float = 0.0  # saved bytes independent of the batch (masks, ...)
+    # bytes per sample the model's output holds once backward is over (the logits a
+    # loop's ``out`` keeps, a returned cache): [Note: the held output]
+    output_bytes_per_sample: float = 0.0
     # the model's buffers (every rank holds them whole: causal masks, position tables)
     buffer_bytes: float = 0.0
     # work not attributed to a unit of its own, counted in totals for reference
@@ -182,6 +185,7 @@ class ModelDesc:
             "ops": [_op_dict(op) for op in self.ops],
             "blocks": [asdict(b) for b in self.blocks],
             "act_constant_bytes": self.act_constant_bytes,
+            "output_bytes_per_sample": self.output_bytes_per_sample,
             "buffer_bytes": self.buffer_bytes,
         }
 
@@ -192,6 +196,7 @@ class ModelDesc:
             ops=tuple(OpDesc(**op) for op in data["ops"]),
             blocks=tuple(BlockDesc(**b) for b in data.get("blocks", ())),
             act_constant_bytes=float(data.get("act_constant_bytes", 0.0)),
+            output_bytes_per_sample=float(data.get("output_bytes_per_sample", 0.0)),
             buffer_bytes=float(data.get("buffer_bytes", 0.0)),
         )
 
@@ -365,7 +370,9 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
     """Per unit, bytes alive at the peak of its backward beyond parameters, gradients and
     the saved activations of the units up to it (see [Note: backward transients]).
     ``loss``: the model's output -> the scalar whose backward runs; ``own_params``: per
-    unit, the parameters it owns (a tied weight: its first unit's)."""
+    unit, the parameters it owns (a tied weight: its first unit's). Also the bytes still
+    alive once backward is over beside the parameters, their gradients, the buffers and
+    the inputs: what the output holds ([Note: the held output])."""
     params = list(model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in params)
 
@@ -400,6 +407,10 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
                 handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: hook(p, i)) for p in ends[i]]
             tracker.interval = order[-1]
             value.backward()
+            tracker.interval = None
+            grad_tensors = [p.grad for p in params if p.grad is not None]
+            held = tracker.live_bytes_except([*params, *grad_tensors, *model.buffers(), *inputs.tensors(), value])
+            del value
     finally:
         for h in handles:
             h.remove()
@@ -409,7 +420,7 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
         prefix += saved.get(name, 0)
         peak, grads = tracker.peaks.get(name, (0, 0))
         result[name] = max(peak - param_bytes - grads - prefix, 0) if peak else 0
-    return result
+    return result, held
 
 
 def _units_that_never_ran(ran: list[str], units: list[str], tied: dict[str, str],
@@ -583,14 +594,15 @@ def describe_tensors(
         else:
             half, small, saved_half = 0, None, {}
         grads_full = grads_half = {}
+        held_full = held_half = 0
         if measure_backward:
-            grads_full = _measure_backward(model, inputs, order, saved,
-                                           lambda out: batch_loss(out, loss_fn, batch_size, batch_size),
-                                           own_params, leaves)
+            grads_full, held_full = _measure_backward(model, inputs, order, saved,
+                                                      lambda out: batch_loss(out, loss_fn, batch_size, batch_size),
+                                                      own_params, leaves)
             if half:
-                grads_half = _measure_backward(model, small, order, saved_half,
-                                               lambda out: batch_loss(out, loss_fn, half, batch_size),
-                                               own_params, leaves)
+                grads_half, held_half = _measure_backward(model, small, order, saved_half,
+                                                          lambda out: batch_loss(out, loss_fn, half, batch_size),
+                                                          own_params, leaves)
     finally:
         model.train(was_training)
 
@@ -609,6 +621,10 @@ def describe_tensors(
 
     per_sample, constant = split_batch(saved, saved_half)
     grad_per_sample, _ = split_batch(grads_full, grads_half)
+    # [Note: the held output]: what grows with the batch (a batch-independent part, if
+    # any, is within the constant the loss scalars and the device's constant price)
+    held_per_sample = (max((held_full - held_half) / (batch_size - half), 0.0) if half
+                       else held_full / batch_size)
 
     ops = []
     head = _vocab_head(order, by_path)
@@ -676,6 +692,7 @@ def describe_tensors(
         ops=tuple(ops),
         blocks=block_descs,
         act_constant_bytes=constant,
+        output_bytes_per_sample=held_per_sample,
     )
 
 

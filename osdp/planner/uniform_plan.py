@@ -26,7 +26,7 @@ def uniform_plan(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings,
         raise ValueError(f"zdp_slices must be in [0, slices={slices}], got {zdp_slices}")
     settings = settings.with_(policy="osdp", rep_units=tuple(rep_units),
                               checkpointing="all" if checkpointed else "none",
-                              max_slices=max(slices, settings.max_slices))
+                              max_slices=max(slices, settings.max_slices), split_small_units=True)
     t = build_template(desc, device, settings)
     whole = (1, min(zdp_slices, 1))
     choice = []

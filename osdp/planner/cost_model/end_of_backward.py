@@ -1,7 +1,23 @@
 """The end of backward's moment: the bytes live while the runtime reduces what backward
 left (docs/design/cost_model.md's [Note: memory model]; [Note: end of backward moment]
-here), the same for every plan, like the optimizer step's (static.py)."""
+here), the same for every plan, like the optimizer step's (static.py); and the output a
+loop holds through both ([Note: the held output]).
+
+[Note: the held output]
+A training loop holds the model's output through backward and the optimizer step
+(``out = model(**batch); out.loss.backward(); optim.step()``), and the planner prices
+that loop ([Note: example inputs and the loss] in osdp/planner/inputs.py). Inside
+backward the held tensors are in describe's measured transients (its loss holds the
+output); the moments after the ops' are priced, not measured, and used to leave them
+out: a stock Llama (2 layers, hidden 32, vocabulary 100, all rep, 2 gloo ranks, batch 2)
+measured 515756 B at its end of backward against 499964 predicted (+3.2%), the 15.8 kB
+its output held (logits and the returned key/value cache). describe now measures the
+bytes still alive once backward is over beside the parameters, gradients, buffers and
+inputs (``ModelDesc.output_bytes_per_sample``: what grows with the batch), and both
+moments add them at the plan's batch (in the compute dtype, as activations)."""
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from ..device import DeviceInfo
 from ..model_desc import ModelDesc
@@ -9,6 +25,10 @@ from .options import _coalesced_copies, reduction_walk
 from .replicate import rep_op_mask, replicated_grads_at_end
 from .settings import PlannerSettings, layout_collectives
 from .static import after_backward_bytes
+from .unit_bytes import activation_scale
+
+if TYPE_CHECKING:  # annotations only: template.py imports this module
+    from .template import ProblemTemplate
 
 
 def end_of_backward_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerSettings) -> dict[str, float]:
@@ -41,3 +61,11 @@ def end_of_backward_bytes(desc: ModelDesc, device: DeviceInfo, settings: Planner
     if rep_grads:
         parts["replicated_grads"] = parts.get("replicated_grads", 0.0) + rep_grads
     return parts
+
+
+def after_ops_moments(t: ProblemTemplate, batch: int) -> tuple[dict[str, float], dict[str, float]]:
+    """The optimizer step's bytes and the end of backward's at ``batch``, by category: the
+    template's, with the output the loop holds ([Note: the held output])."""
+    held = t.desc.output_bytes_per_sample * batch * activation_scale(t.desc, t.settings)
+    extra = {"held_output": float(held)} if held else {}
+    return {**t.step_bytes, **extra}, {**t.end_bytes, **extra}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .end_of_backward import after_ops_moments
 from .memory import live_memory
 from .template import ProblemTemplate
 from .timing import option_times, template_optimizer_s
@@ -43,7 +44,7 @@ def evaluate(
     total_s = template_optimizer_s(t) + float(sum(times[o] for o in option_index))
     peak_i, breakdown = max(rows, key=lambda row: sum(row[1].values()))
     peak_op = t.desc.ops[peak_i].name
-    for moment, parts in ((OPTIMIZER_STEP, t.step_bytes), (END_OF_BACKWARD, t.end_bytes)):  # the fixed moments
+    for moment, parts in zip((OPTIMIZER_STEP, END_OF_BACKWARD), after_ops_moments(t, batch)):  # the fixed moments
         if sum(parts.values()) > sum(breakdown.values()):
             peak_op, breakdown = moment, dict(parts)
     peak = sum(breakdown.values())

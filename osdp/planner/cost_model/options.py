@@ -136,7 +136,9 @@ def reduction_walk(desc: ModelDesc, device: DeviceInfo, settings: PlannerSetting
         grad = reduced_bytes(op, settings)
         out = math.ceil(op.param_count / n) * element_bytes(op)
         copies, slices = 0.0, 1 if i in owners else max(slice_choices(op, settings))
-        if i not in owners and is_small_unit(gathered_bytes(op, settings), settings.coalesce_bytes, is_slice=False):
+        # a small tied unit joins the group too: the runtime coalesces every whole small
+        # unit (prefetch.mark_coalescible), and the search leaves small units whole
+        if is_small_unit(gathered_bytes(op, settings), settings.coalesce_bytes, is_slice=False):
             waiting, waiting_out = waiting + grad, waiting_out + out
             if waiting < settings.coalesce_bytes:
                 continue

@@ -9,6 +9,7 @@ import numpy as np
 
 from ...errors import OSDPError
 from ..search_problem import SearchProblem
+from .end_of_backward import after_ops_moments
 from .timing import option_times, template_optimizer_s
 
 if TYPE_CHECKING:  # annotations only: template.py imports this module
@@ -103,7 +104,7 @@ def _problem_at(t: ProblemTemplate, batch: int) -> SearchProblem:
         quantum_bytes=q,
         limit_bytes=float(t.device.memory_limit_bytes),
         static_bytes=float(sum(t.static.values())),
-        step_bytes=float(max(sum(t.step_bytes.values()), sum(t.end_bytes.values()))),  # the fixed moments
+        step_bytes=float(max(sum(parts.values()) for parts in after_ops_moments(t, batch))),  # the fixed moments
         constant_time_s=template_optimizer_s(t),
         seg_names=tuple(seg.name for seg in t.segments),
     )

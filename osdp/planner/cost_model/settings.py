@@ -7,11 +7,12 @@ import math
 import numbers
 from dataclasses import dataclass, replace
 
-from ...contract import DEFAULT_COALESCE_BYTES
+from ...contract import DEFAULT_COALESCE_BYTES, is_small_unit
 from ...errors import OSDPError
 from ..collective_cost import LAYOUTS, Collectives
 from ..model_desc import OpDesc
 from ..device import DeviceInfo
+from .unit_bytes import gathered_bytes
 
 POLICIES = ("osdp", "zdp", "dp", "hpz", "rep")
 CHECKPOINTING = ("auto", "none", "all")
@@ -79,6 +80,9 @@ class PlannerSettings:
     # many bytes ([Note: coalesced latency]); 0: off
     coalesce_bytes: int = DEFAULT_COALESCE_BYTES
     rep_units: tuple[str, ...] | None = None  # see the docstring and [Note: rep mode]
+    # whether a small unit may be split: pricing a plan made by hand (calibration's
+    # assignment_of, uniform_plan); the search leaves them whole (slice_choices)
+    split_small_units: bool = False
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -128,8 +132,23 @@ class PlannerSettings:
 
 
 def slice_choices(op: OpDesc, settings: PlannerSettings) -> tuple[int, ...]:
-    """Granularities g for an op: powers of two up to max_slices and the split axis."""
+    """Granularities g for an op: powers of two up to max_slices and the split axis.
+
+    A small unit ([Note: coalesced small units] in runtime/prefetch.py) stays whole: its
+    gradient joins the small units' coalesced reduction, and a slice of it would not (a
+    slice is never small), which moves where that group is issued and what waits beside
+    it, a choice of one op changing the moments of others, which the per-op search
+    cannot price ([Note: pending reduction] plays the groups once, every small unit in
+    them). Measured: a stock Llama (2 layers, hidden 32, 2 gloo ranks, 390 KiB) whose
+    plan split an 8 KiB gate_proj in two had its group issued one op later, at an o_proj
+    holding the group's gradients, their concatenation and the output together: 412380 B
+    against 375408 predicted there (+9.8%; MemoryLimitExceeded). Splitting a unit that
+    small saves at most its own bytes. A plan made by hand may split one
+    (``split_small_units``): priced with the groups as if it were whole."""
     if settings.policy != "osdp" or not op.splittable:
+        return (1,)
+    if not settings.split_small_units and is_small_unit(gathered_bytes(op, settings), settings.coalesce_bytes,
+                                                        is_slice=False):
         return (1,)
     return tuple(g for g in (1, 2, 4, 8, 16, 32, 64) if g <= settings.max_slices and g <= op.max_slices)
 

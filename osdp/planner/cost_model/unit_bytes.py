@@ -23,8 +23,12 @@ a stock Llama with all but ``lm_head`` frozen was priced as fully trained (2 glo
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..model_desc import ModelDesc, OpDesc
-from .settings import PlannerSettings
+
+if TYPE_CHECKING:  # annotations only: settings.py imports this module
+    from .settings import PlannerSettings
 
 
 def element_bytes(op: OpDesc) -> float:
