@@ -76,9 +76,11 @@ def pending_reduce_bytes(desc: ModelDesc, device: DeviceInfo, settings: PlannerS
     op's backward, and the small units' gradients waiting to be reduced together ([Note:
     coalesced reductions]). Played in backward order as the runtime groups them: a unit
     that reduces alone is in flight whole (its slices, if split, are no larger); a small
-    one waits until the waiting ones reach ``coalesce_bytes``, then they are in flight as
-    one group (split instead, its slices reduce alone, smaller still). Rep units reduce in
-    their own buckets and a tied unit at its owner's use, so neither counts elsewhere.
+    one (a tied one too, at its owner's use) waits until the waiting ones reach
+    ``coalesce_bytes``, then they are in flight as one group. The search never splits a
+    small unit (``slice_choices``), so the groups are the same for every plan it prices;
+    a plan made by hand that splits one is priced as if it were whole (its slices would
+    reduce alone and the groups close later). Rep units reduce in their own buckets.
     Outputs: ``GradReducer._issue`` allocates every output of the reduce-scatter it
     issues, then waits for the one in flight, with the op's own gradient and autograd's
     still live: its own shard (unsplit; a split op's slices are priced by
