@@ -54,7 +54,9 @@ MemoryLimitExceeded). The runtime's tracker and an independent count of every st
 operator produces or receives agreed within 0.03 MiB there and on 7 other plans: the
 tracker was right, the step it measured was not the loop's. Measured held, three picks
 peaked at 318.19, 275.17 and 316.67 MiB in that loop (8 MiB less in one that drops the
-output): a plan is conservative by at most the output for such a loop.
+output): a plan is conservative by at most the output for such a loop. After backward
+the cost model adds what describe measured the output to hold ([Note: the held output]
+in osdp/planner/cost_model/end_of_backward.py).
 
 Auto mode (``osdp.auto_plan``, ``osdp.OSDP(model, memory_limit=..., example_inputs=...)``)
 plans for the memory of a step, and a training loop adds to the output what rule 3 leaves
