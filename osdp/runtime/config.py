@@ -48,15 +48,16 @@ def tied_uses(model: nn.Module) -> dict[str, str]:
     return uses
 
 
-def _onto_owners(mapping: dict, tied: dict[str, str], split_owners, what: str) -> dict:
-    """``mapping`` with keys naming a tied use (or a slice of it, ``lm_head[i]``) of a
-    split owner renamed to the owner; the same key given both ways must agree."""
+def _onto_owners(mapping: dict, tied: dict[str, str], what: str) -> dict:
+    """``mapping`` with keys naming a tied use (or a slice of it, ``lm_head[i]``) renamed
+    to its owner; the same key given both ways must agree. A tied use is no unit of its own: its weight is the owner's, so a
+    mode given to it is the owner's ([Note: tied row split] in contract.py)."""
     out: dict = {}
     renamed: dict = {}
     for key, value in mapping.items():
         match = _SLICE_NAME.fullmatch(key) if isinstance(key, str) else None
         base, suffix = (match.group(1), f"[{match.group(2)}]") if match and key not in tied else (key, "")
-        if isinstance(base, str) and base in tied and (split_owners is None or tied[base] in split_owners):
+        if isinstance(base, str) and base in tied:
             renamed[tied[base] + suffix] = (key, value)
         else:
             out[key] = value
@@ -75,6 +76,14 @@ def unit_candidates(model: nn.Module, leaves=()) -> list[str]:
     directly, and the ``leaves`` ([Note: leaf modules] in module_tree.py), whose inner
     modules are not units."""
     return [path for path, _, _ in unit_params(model, leaves)]
+
+
+def mode_names(model: nn.Module, leaves=()) -> list[str]:
+    """The names ``modes=`` and ``splits=`` take, one per unit, in module order: the unit
+    candidates less the tied uses, which their owners name (a mode given to a tied use is
+    its owner's; the two given different modes are refused)."""
+    tied = tied_uses(model)
+    return [name for name in unit_candidates(model, leaves) if name not in tied]
 
 
 def _check_name(name, candidates: list[str], modules: dict, where: str) -> None:
@@ -153,11 +162,10 @@ def resolve_config(
     # a tied pair is one unit, named after its owner: see [Note: tied row split]
     tied = tied_uses(model)
     _check_tied_uses(plan, tied)
-    splits = _onto_owners(splits, tied, None, "splits")
-    split_owners = {name for name, g in splits.items() if g != 1} | {
-        tied.get(k, k) for k, v in modes.items() if isinstance(v, (tuple, list)) and len(v) > 1
-    }
-    modes = _onto_owners(modes, tied, split_owners, "modes")
+    splits = _onto_owners(splits, tied, "splits")
+    # every tied use's mode is its owner's: before, one given to the use of an unsplit owner
+    # was dropped (modes={"lm_head": "dp"} on a tied Llama left the embedding zdp)
+    modes = _onto_owners(modes, tied, "modes")
 
     slices: dict[str, int] = {}
     for name, g in splits.items():

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from osdp.models.hf import example_batch, gpt2_model, hf_loss, llama_model
-from osdp.runtime.config import unit_candidates
+from osdp.runtime.config import mode_names
 
 STEPS = 12
 LOCAL_BATCH = 2
@@ -53,7 +53,7 @@ def _local(batch, rank):
 
 def _random(model, seed):
     rng = random.Random(seed)  # same on every rank
-    return {name: rng.choice(("dp", "zdp")) for name in unit_candidates(model)}
+    return {name: rng.choice(("dp", "zdp")) for name in mode_names(model)}
 
 
 # the device the planned cases plan for: memory limits chosen so that the plans mix

@@ -18,7 +18,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from osdp.runtime.config import unit_candidates
+from osdp.runtime.config import mode_names
 
 from .parity_cases import EPS, LOCAL_BATCH, LR, global_batch, make_model
 
@@ -29,7 +29,7 @@ MODES = ("dp", "zdp", "hpz")
 
 def _random_modes(model, seed):
     rng = random.Random(seed)  # the same on every rank
-    return {name: rng.choice(MODES) for name in unit_candidates(model)}
+    return {name: rng.choice(MODES) for name in mode_names(model)}
 
 
 def mix_kwargs(model):

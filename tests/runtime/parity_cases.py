@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from osdp.errors import PlanMismatchError
 from osdp.models import GPT, GPTConfig, example_batch
-from osdp.runtime.config import unit_candidates
+from osdp.runtime.config import mode_names
 
 STEPS = 20
 LOCAL_BATCH = 2
@@ -86,12 +86,12 @@ def global_batch_sized(key: str, step: int, batch: int):
 
 
 def _alternating(model):
-    return {name: ("dp", "zdp")[i % 2] for i, name in enumerate(unit_candidates(model))}
+    return {name: ("dp", "zdp")[i % 2] for i, name in enumerate(mode_names(model))}
 
 
 def _random(model, seed=7):
     rng = random.Random(seed)  # same on every rank
-    return {name: rng.choice(("dp", "zdp")) for name in unit_candidates(model)}
+    return {name: rng.choice(("dp", "zdp")) for name in mode_names(model)}
 
 
 @dataclass(frozen=True)

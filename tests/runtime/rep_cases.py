@@ -348,10 +348,10 @@ MP_MODES_SEED = 9
 def mp_modes():
     import random
 
-    from osdp.runtime.config import unit_candidates
+    from osdp.runtime.config import mode_names
 
     rng = random.Random(MP_MODES_SEED)
-    modes = {name: rng.choice(("rep", "dp", "zdp")) for name in unit_candidates(pc.make_model("uneven"))}
+    modes = {name: rng.choice(("rep", "dp", "zdp")) for name in mode_names(pc.make_model("uneven"))}
     modes["wte"] = modes["lm_head"] = "rep"
     return modes
 

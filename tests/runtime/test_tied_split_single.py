@@ -158,3 +158,20 @@ def test_row_split_declaration_for_the_planner():
     lin.weight = emb.weight
     for a, b in zip(rows.slice_tensors(emb, 4), head.slice_tensors(lin, 4)):
         assert a["weight"].data_ptr() == b["weight"].data_ptr() and a["weight"].shape == b["weight"].shape
+
+
+def test_a_mode_given_to_an_unsplit_tied_use_is_its_owners():
+    """A tied use is no unit of its own: ``modes={"lm_head": "dp"}`` sets the shared
+    weight's unit (before, it was dropped and the embedding stayed at the default); the two
+    names given different modes are refused, naming both; the names modes= takes leave the
+    use out."""
+    from osdp.errors import OSDPError
+    from osdp.runtime.config import mode_names
+
+    torch.manual_seed(0)
+    assert mode_names(TinyLM()) == ["wte", "ln"]
+    model = osdp.OSDP(TinyLM(), modes={"lm_head": "dp"}, default_mode="zdp")
+    assert model.unit_modes() == {"wte": "dp", "ln": "zdp"}
+    assert osdp.OSDP(TinyLM(), modes={"lm_head": "dp", "wte": "dp"}, default_mode="zdp").unit_modes()["wte"] == "dp"
+    with pytest.raises(OSDPError, match=r"modes\['lm_head'\] = 'dp' but modes\['wte'\] = 'zdp'.*give it once, under 'wte'"):
+        osdp.OSDP(TinyLM(), modes={"lm_head": "dp", "wte": "zdp"})
