@@ -348,5 +348,6 @@ def _describe_repeated(model, inputs, device, settings, path: str, layers: nn.Mo
         # a returned cache grows with the layers; the logits do not
         output_bytes_per_sample=cuts[4].output_bytes_per_sample
         + (n - 4) * (cuts[4].output_bytes_per_sample - cuts[3].output_bytes_per_sample),
+        loss_bytes_per_sample=cuts[4].loss_bytes_per_sample,
         meta={"repeated_layers": f"{prefix}1..{prefix}{n - 2} written out from {prefix}1 of a 4-layer cut"},
     )

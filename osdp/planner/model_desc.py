@@ -24,6 +24,19 @@ its backward interval (from the previous unit's gradient to its own, as the prof
 times it) minus the parameters, the gradients so far and the saved activations of the
 units up to it is that unit's transient. Two batch sizes separate the per-sample part.
 
+[Note: the loss's moment]
+The loss's forward and its backward up to the gradient of the last unit's output are an
+interval of their own, ``ModelDesc.loss_bytes_per_sample`` (beyond every saved
+activation: a cross-entropy's log-probabilities and the gradients it makes, beside the
+held logits). In the last unit's interval, as it was, one line fitted through batches 1
+and 2 took the head's dW (a constant) for the larger moment and the loss's (three
+logits-sized tensors a sample) went unpriced at larger batches: a stock Llama with only
+its head training (vocabulary 4096, batch 8, 2 ranks) measured 45.0 MiB in the
+log-softmax backward against 39.0 predicted (+15%); all of it training, 93.1 against
+91.4. The cost model prices it as the last op's loss moment ([Note: fused
+vocabulary-split loss]). A model that fuses its loss into the split head keeps its loss in
+the head's interval: the cost model prices that loss by formula, from its logits.
+
 [Note: the vocabulary head]
 The last unit to run, when it is an ``nn.Linear`` whose out_features equal the rows of
 an ``nn.Embedding`` of the model (tied to it or not), is the vocabulary head: it is cut
@@ -137,6 +150,9 @@ class ModelDesc:
     # bytes per sample the model's output holds once backward is over (the logits a
     # loop's ``out`` keeps, a returned cache): [Note: the held output]
     output_bytes_per_sample: float = 0.0
+    # bytes per sample the loss's moment holds beyond every saved activation, until its
+    # backward reaches the last unit's output: [Note: the loss's moment]
+    loss_bytes_per_sample: float = 0.0
     # the model's buffers (every rank holds them whole: causal masks, position tables)
     buffer_bytes: float = 0.0
     # work not attributed to a unit of its own, counted in totals for reference
@@ -186,6 +202,7 @@ class ModelDesc:
             "blocks": [asdict(b) for b in self.blocks],
             "act_constant_bytes": self.act_constant_bytes,
             "output_bytes_per_sample": self.output_bytes_per_sample,
+            "loss_bytes_per_sample": self.loss_bytes_per_sample,
             "buffer_bytes": self.buffer_bytes,
         }
 
@@ -197,6 +214,7 @@ class ModelDesc:
             blocks=tuple(BlockDesc(**b) for b in data.get("blocks", ())),
             act_constant_bytes=float(data.get("act_constant_bytes", 0.0)),
             output_bytes_per_sample=float(data.get("output_bytes_per_sample", 0.0)),
+            loss_bytes_per_sample=float(data.get("loss_bytes_per_sample", 0.0)),
             buffer_bytes=float(data.get("buffer_bytes", 0.0)),
         )
 
@@ -381,10 +399,28 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
 
     tracker = IntervalPeakTracker(params, extra=grad_bytes)
     done: set[int] = set()
-    handles = []
+
+    def head_backward_starts(_grad):  # the loss's backward has made the last unit's output's gradient
+        if tracker.interval == _LOSS:
+            tracker.interval = order[-1]
+
+    def hook_head_output(_module, _args, out):
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(head_backward_starts)
+
+    # a model fusing its loss into the split head has that moment priced by formula ([Note:
+    # fused vocabulary-split loss]): its loss stays in the head's interval
+    fused = fuses_head_loss(model)
+    handles = [] if fused else [model.get_submodule(order[-1]).register_forward_hook(hook_head_output)]
     try:
         with tracker:
-            value = loss(inputs.call(model))
+            output = inputs.call(model)
+            # [Note: the loss's moment]: its forward and its backward up to the last
+            # unit's output gradient, an interval of its own
+            tracker.interval = order[-1] if fused else _LOSS
+            value = loss(output)
+            del output  # the loss holds it (hold_output), as a loop's `out` does
             # a unit's backward ends with its first parameter's gradient; a leaf's with
             # the last of those this graph gives one (an expert no token reached gets none)
             in_graph = _params_in_graph(value) if leaves else set()
@@ -405,7 +441,6 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
 
             for i in hooked:
                 handles += [p.register_post_accumulate_grad_hook(lambda p, i=i: hook(p, i)) for p in ends[i]]
-            tracker.interval = order[-1]
             value.backward()
             tracker.interval = None
             grad_tensors = [p.grad for p in params if p.grad is not None]
@@ -415,12 +450,19 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
         for h in handles:
             h.remove()
         model.zero_grad(set_to_none=True)
+    if order[-1] not in tracker.peaks and _LOSS in tracker.peaks:  # no gradient reached the last unit's output
+        tracker.peaks[order[-1]] = tracker.peaks.pop(_LOSS)
     result, prefix = {}, 0
     for name in order:
         prefix += saved.get(name, 0)
         peak, grads = tracker.peaks.get(name, (0, 0))
         result[name] = max(peak - param_bytes - grads - prefix, 0) if peak else 0
-    return result, held
+    peak, grads = tracker.peaks.get(_LOSS, (0, 0))
+    loss_bytes = max(peak - param_bytes - grads - prefix, 0) if peak else 0
+    return result, held, loss_bytes
+
+
+_LOSS = object()  # the loss's interval in _measure_backward (no unit's name)
 
 
 def _units_that_never_ran(ran: list[str], units: list[str], tied: dict[str, str],
@@ -594,15 +636,15 @@ def describe_tensors(
         else:
             half, small, saved_half = 0, None, {}
         grads_full = grads_half = {}
-        held_full = held_half = 0
+        held_full = held_half = loss_full = loss_half = 0
         if measure_backward:
-            grads_full, held_full = _measure_backward(model, inputs, order, saved,
-                                                      lambda out: batch_loss(out, loss_fn, batch_size, batch_size),
-                                                      own_params, leaves)
+            grads_full, held_full, loss_full = _measure_backward(
+                model, inputs, order, saved, lambda out: batch_loss(out, loss_fn, batch_size, batch_size),
+                own_params, leaves)
             if half:
-                grads_half, held_half = _measure_backward(model, small, order, saved_half,
-                                                          lambda out: batch_loss(out, loss_fn, half, batch_size),
-                                                          own_params, leaves)
+                grads_half, held_half, loss_half = _measure_backward(
+                    model, small, order, saved_half, lambda out: batch_loss(out, loss_fn, half, batch_size),
+                    own_params, leaves)
     finally:
         model.train(was_training)
 
@@ -623,8 +665,11 @@ def describe_tensors(
     grad_per_sample, _ = split_batch(grads_full, grads_half)
     # [Note: the held output]: what grows with the batch (a batch-independent part, if
     # any, is within the constant the loss scalars and the device's constant price)
-    held_per_sample = (max((held_full - held_half) / (batch_size - half), 0.0) if half
-                       else held_full / batch_size)
+    held_per_sample, loss_per_sample = ((max((full - halved) / (batch_size - half), 0.0) if half else full / batch_size)
+                                        for full, halved in ((held_full, held_half), (loss_full, loss_half)))
+    # the loss's batch-independent part (its targets shifted, a reduction's temporaries) is
+    # priced with the constant activations: every moment pays it, the loss's included
+    constant += max(loss_full - loss_per_sample * batch_size, 0.0)
 
     ops = []
     head = _vocab_head(order, by_path)
@@ -693,6 +738,7 @@ def describe_tensors(
         blocks=block_descs,
         act_constant_bytes=constant,
         output_bytes_per_sample=held_per_sample,
+        loss_bytes_per_sample=loss_per_sample,
     )
 
 

@@ -117,7 +117,7 @@ def test_a_meta_hugging_face_model_without_labels_is_priced_with_its_loops_loss(
     assert_same(fake, describe(real_model, inputs, loss_fn=AssumedLoss(announce=False)))
     summed = describe(real_model, inputs, loss_fn=lambda out: out.logits.float().sum())
     logits_per_sample = inputs["input_ids"].shape[1] * real_model.config.vocab_size * 4
-    extra = fake.ops[-1].act_grad_bytes_per_sample - summed.ops[-1].act_grad_bytes_per_sample
+    extra = fake.loss_bytes_per_sample - summed.loss_bytes_per_sample  # [Note: the loss's moment]
     assert extra >= 2.5 * logits_per_sample, "the cross-entropy's log-probabilities and gradients"
 
 def test_fake_true_on_a_real_model_reads_metadata_only():

@@ -243,16 +243,15 @@ class _Logits(nn.Module):
 
 
 def test_describe_prices_the_assumed_loss_at_the_head_not_a_free_sum():
-    """The sum's gradient is a broadcast scalar: beside the held logits, the head's
-    backward holds its weight gradient (16 KB against 128 KB of logits here). The
-    assumed cross-entropy's holds the log-probabilities it saved, their gradient and the
-    logits' beside the held logits: nearly 3 logits more."""
+    """The sum's gradient is a broadcast scalar: its loss's moment holds nothing beside
+    the held logits. The assumed cross-entropy's holds the log-probabilities it saved,
+    their gradient and the logits' beside them: nearly 3 logits more."""
     torch.manual_seed(0)
     model, x = _Logits(), torch.randn(64, 16)
     summed = describe(model, (x,))
     assumed = describe(model, (x,), loss_fn=AssumedLoss(announce=False))
     logits_per_sample = 500 * 4
-    extra = assumed.ops[-1].act_grad_bytes_per_sample - summed.ops[-1].act_grad_bytes_per_sample
+    extra = assumed.loss_bytes_per_sample - summed.loss_bytes_per_sample  # [Note: the loss's moment]
     assert extra >= 2.5 * logits_per_sample, (extra, logits_per_sample)
     assert [op.act_bytes_per_sample for op in assumed.ops] == [op.act_bytes_per_sample for op in summed.ops]
 

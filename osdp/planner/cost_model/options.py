@@ -191,6 +191,7 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
     coll = layout_collectives(device, settings)
     group = _group_of(desc, i)
     owner = desc.ops[group[0]]
+    last = i == len(desc.ops) - 1
     full_grad = reduced_bytes(owner, settings)
     logits = fused_logits_bytes(desc, i)
     rows = []
@@ -259,6 +260,8 @@ def _option_rows(desc, i, device, settings, checkpointed, window, after_i, befor
             fused = g > 1 and logits > 0
             logits_saved = 0.0 if fused else logits
             loss_grads = 0.0 if fused else 2.0 * logits
+            if not fused and last:  # the loss's moment as describe measured it ([Note: the loss's moment])
+                loss_grads = max(loss_grads, desc.loss_bytes_per_sample - logits_saved)
             logits_grads = 2.0 * logits / g if fused else logits
             rows.append(OptionRow(slices=g, zdp=k, hpz=h, held_bytes=held, transient_bytes=transient, comm_f_s=comm_f,
                                   gather_b_s=gather_b, reduce_b_s=reduce_b, overlap=2 * s <= window,
@@ -351,6 +354,6 @@ def _rows_key(desc: ModelDesc, i: int, owners, checkpointed, *moment_terms) -> t
     whether it is checkpointed, and its ``_option_rows`` byte terms (``moment_terms``).
     Identical layers share one key, so their rows are computed once."""
     op = desc.ops[i]
-    special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0
+    special = op.tied_to or i in owners or fused_logits_bytes(desc, i) > 0 or i == len(desc.ops) - 1
     sizes = (op.name,) if special else (op.param_count, op.param_bytes, op.splittable, op.in_features, op.split_op)
     return sizes + (checkpointed,) + tuple(moment_terms)
