@@ -39,7 +39,8 @@ def _whisper():
 def _batch(kind: str, seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     if kind == "whisper":
-        return {"input_features": torch.randn(2, 8, 16, generator=g), "labels": torch.randint(3, 100, (2, 6), generator=g)}
+        return {"input_features": torch.randn(2, 8, 16, generator=g),
+                "labels": torch.randint(3, 100, (2, 6), generator=g)}
     x = torch.randint(3, 100, (2, 12), generator=g)
     return {"input_ids": x, "labels": x}
 
@@ -92,3 +93,45 @@ def test_a_plan_at_the_least_memory_holds_its_measured_peak(fake_world, kind):
     print(f"\n{kind}: limit {plan.memory_limit_bytes:.0f} B, predicted {plan.predicted.peak_bytes:.0f} B at "
           f"{plan.predicted.peak_op}, measured {measured.peak_bytes} B {measured.where} "
           f"({measured.prediction_error:+.2%})")
+
+
+@pytest.mark.parametrize("trained", ["everything", "the head"])
+@pytest.mark.parametrize("fake_world", [2], indirect=True)
+def test_the_loss_moment_is_priced_at_a_batch_beyond_the_described_ones(fake_world, trained):
+    """[Note: the loss's moment]: a cross-entropy over a large vocabulary peaks in its own
+    backward (four logits-sized tensors); described at batches 1 and 2, where the head's
+    weight gradient (a constant) is larger, and planned at 8. Before, it was priced by one
+    line through the head's larger moment: 15% under with only the head training."""
+    from osdp.planner.uniform_plan import uniform_plan
+
+    def build():
+        transformers.logging.set_verbosity_error()
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=2048, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, use_cache=False))
+        for name, p in model.named_parameters():
+            p.requires_grad_(trained == "everything" or name.startswith("lm_head"))
+        return model
+
+    def tokens(batch, seed):
+        x = torch.randint(0, 2048, (batch, 32), generator=torch.Generator().manual_seed(seed))
+        return {"input_ids": x, "labels": x}
+
+    desc = describe(build(), tokens(2, 0))
+    device = load_cluster(DEFAULT_CLUSTER).with_(constant_bytes=0).for_run(
+        RunSettings(world_size=fake_world, memory_limit_bytes=1 << 30))
+    # unsplit: a head split in 4 (1 zdp, 3 dp slices) measured 2 KiB (0.015%) over its
+    # prediction with everything training, not found (closing note of stop 57)
+    plan = uniform_plan(desc, device, PlannerSettings(optimizer_temporaries="per_tensor"), 8)
+    model = osdp.OSDP(build(), plan=plan)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    for step in range(2):
+        with model.measuring_memory(optim) as measured:
+            out = model(**tokens(8, step))
+            out.loss.backward()
+            optim.step()
+            optim.zero_grad()
+            del out
+    error = measured[0].peak_bytes / plan.predicted.peak_bytes - 1
+    assert -0.02 <= error <= 0.0, (measured[0].peak_bytes, plan.predicted.peak_bytes, measured[0].where)
