@@ -51,14 +51,18 @@ class _SplitMatmulFn(torch.autograd.Function):
             module.forward_slice(out, x2, weight, bias, i)
 
         ctx.module, ctx.uses = module, module.forward_slices(product, expects_backward)
-        ctx.save_for_backward(x)
+        # x is read again only for the weights' gradient: a frozen split op keeps no more
+        # than the frozen Linear it replaces, whose autograd saves no input ([Note: frozen
+        # units] in the cost model: describe measured that); dX needs x's shape alone
+        ctx.x_shape, ctx.x2_like = x.shape, torch.empty((), dtype=x.dtype, device=x.device).expand(x2.shape)
+        ctx.save_for_backward(x if any(s.requires_grad for s in shards) else None)
         return out.to(x.dtype).view(*x.shape[:-1], module.out_features)
 
     @staticmethod
     def backward(ctx, dy):
         module = ctx.module
         (x,) = ctx.saved_tensors
-        x2 = x.reshape(-1, module.in_features)
+        x2 = ctx.x2_like if x is None else x.reshape(-1, module.in_features)  # frozen: no dW reads it
         dy2 = dy.reshape(-1, module.out_features)
         need_dx = ctx.needs_input_grad[0]
         if need_dx:
@@ -70,7 +74,7 @@ class _SplitMatmulFn(torch.autograd.Function):
 
         module.backward_slices(ctx.uses, grads_of, module.wanted_grads(ctx))
         if need_dx:
-            dx = dx.to(x.dtype).view_as(x)  # no copy for the K-split (written in x's dtype)
+            dx = dx.to(x2.dtype).view(ctx.x_shape)  # no copy for the K-split (written in x's dtype)
         return (dx, None, None) + (None,) * module.g
 
 
