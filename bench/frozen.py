@@ -5,10 +5,10 @@ frozen gains over one priced as if everything trained (the planner before), in o
     python bench/frozen.py --quick    # fewer timed rounds
 
 For each pattern (the head alone trains; LoRA-like: the attention's q and v projections and
-the head train, everything else frozen) the model is profiled once at the budget, then two
-plans are made from the same profile at the planner's own best batch: from the description
-as it is, and from the same description with every unit marked trainable (what the
-planner priced before it read ``requires_grad``). Each plan trains the model (frozen as the
+the head train, everything else frozen) two plans at the planner's own best batch: auto
+mode's (profiled, planned knowing what is frozen, calibrated), and one made from the same
+profile and calibrated factors with every unit marked trainable (what the planner priced
+before it read ``requires_grad``). Each plan trains the model (frozen as the
 pattern says) for a few steps; their steps are timed interleaved (the load of a shared
 machine drifts between plans timed apart) and medians quoted. Printed per pattern: each
 plan's batch, predicted and measured peak against the budget, samples/s, and the ratio
@@ -17,6 +17,7 @@ frozen-aware / priced-trainable.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import os
 import statistics
@@ -56,21 +57,28 @@ def run(rank: int, world: int, budget: int, rounds: int, cache_dir: str):
     import osdp
     from osdp.planner import make_plan
     from osdp.planner.cost_model import PlannerSettings
+    from osdp.planner.device import Calibration
     from osdp.profiler import profile
 
     rows = []
     for pattern, trained in PATTERNS.items():
-        desc, cluster, run_settings = profile(build(trained), tokens(2, 0), memory_limit=budget, cache_dir=cache_dir,
-                                              progress=False, repeats=3)
+        # frozen-aware: auto mode as a user runs it (profiled, planned, calibrated)
+        aware = osdp.OSDP(build(trained), memory_limit=budget, example_inputs=tokens(2, 0),
+                          auto_kwargs=dict(cache_dir=cache_dir, progress=False))
+        # priced trainable: the same profile and calibrated factors, every unit trainable
+        desc, cluster, run_settings = profile(build(trained), tokens(2, 0), memory_limit=budget,
+                                              cache_dir=cache_dir, progress=False)
         device = cluster.for_run(run_settings)
+        factors = aware.plan.calibration.factors
+        if factors:
+            device = device.with_(calibration=Calibration(**factors))
         as_trainable = dataclasses.replace(desc, ops=tuple(
             dataclasses.replace(op, trainable=True, in_backward=True) for op in desc.ops))
-        runs = {}
-        for name, d in (("frozen-aware", desc), ("priced trainable", as_trainable)):
-            plan = make_plan(d, device, PlannerSettings())
-            model = osdp.OSDP(build(trained), plan=plan)
-            optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-            runs[name] = (plan, model, optim)
+        plan = make_plan(as_trainable, device, PlannerSettings())
+        runs = {"frozen-aware": aware, "priced trainable": osdp.OSDP(build(trained), plan=plan)}
+        runs = {name: (model.plan, model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
+                                                             lr=1e-4))
+                for name, model in runs.items()}
         times = {name: [] for name in runs}
         for r in range(rounds + 1):  # round 0 warms up (AdamW's state, the first gathers)
             for name, (plan, model, optim) in runs.items():
@@ -95,6 +103,9 @@ def run(rank: int, world: int, budget: int, rounds: int, cache_dir: str):
             rows.append(dict(pattern=pattern, plan=name, batch=plan.batch_size,
                              predicted=plan.predicted.peak_bytes, measured=step.peak_bytes,
                              predicted_at=plan.predicted.peak_op, measured_at=step.where,
+                             predicted_samples_per_s=plan.predicted.samples_per_s,
+                             modes=dict(collections.Counter(m for u in plan.units for m in u.modes)),
+                             split={u.name: u.slices for u in plan.units if u.slices > 1},
                              breakdown={k: round(v * 2.0**-20, 2) for k, v in plan.predicted.breakdown.items() if v},
                              samples_per_s=plan.batch_size * world / statistics.median(times[name]),
                              trained=sum(p.numel() for p in model.parameters() if p.requires_grad)))
@@ -119,7 +130,8 @@ def main():
     for row in rows:
         print(f"{row['pattern']:12s} {row['plan']:17s} {row['batch']:5d} {row['predicted'] * mib:9.2f} "
               f"{row['measured'] * mib:9.2f} {row['samples_per_s']:10.1f}  predicted at {row['predicted_at']}, "
-              f"measured {row['measured_at']}")
+              f"measured {row['measured_at']}; predicted {row['predicted_samples_per_s']:.1f} samples/s, "
+              f"modes {row['modes']}, split {row['split']}")
     for pattern in PATTERNS:
         aware, before = (next(r for r in rows if r["pattern"] == pattern and r["plan"] == p)
                          for p in ("frozen-aware", "priced trainable"))
