@@ -54,7 +54,7 @@ class _SplitMatmulFn(torch.autograd.Function):
         # x is read again only for the weights' gradient: a frozen split op keeps no more
         # than the frozen Linear it replaces, whose autograd saves no input ([Note: frozen
         # units] in the cost model: describe measured that); dX needs x's shape alone
-        ctx.x_shape, ctx.x2_like = x.shape, torch.empty((), dtype=x.dtype, device=x.device).expand(x2.shape)
+        ctx.x_shape, ctx.x2_spec = x.shape, (x2.shape, x2.dtype, x2.device)
         ctx.save_for_backward(x if any(s.requires_grad for s in shards) else None)
         return out.to(x.dtype).view(*x.shape[:-1], module.out_features)
 
@@ -62,19 +62,19 @@ class _SplitMatmulFn(torch.autograd.Function):
     def backward(ctx, dy):
         module = ctx.module
         (x,) = ctx.saved_tensors
-        x2 = ctx.x2_like if x is None else x.reshape(-1, module.in_features)  # frozen: no dW reads it
+        x2 = None if x is None else x.reshape(-1, module.in_features)  # frozen: no dW reads it
         dy2 = dy.reshape(-1, module.out_features)
         need_dx = ctx.needs_input_grad[0]
         if need_dx:
             module.refuse_create_graph()
-        dx = module.new_input_grad(x2) if need_dx else None
+        dx = module.new_input_grad(*ctx.x2_spec) if need_dx else None
 
         def grads_of(i, weight, grads, accumulate, n0):
             module.backward_slice(dy2, x2, weight, dx, grads, accumulate, i)
 
         module.backward_slices(ctx.uses, grads_of, module.wanted_grads(ctx))
         if need_dx:
-            dx = dx.to(x2.dtype).view(ctx.x_shape)  # no copy for the K-split (written in x's dtype)
+            dx = dx.to(ctx.x2_spec[1]).view(ctx.x_shape)  # no copy for the K-split (written in x's dtype)
         return (dx, None, None) + (None,) * module.g
 
 
@@ -138,10 +138,12 @@ class MatmulSplit(SplitModule):
             block = out.narrow(1, self.offsets[i], self.sizes[i]).zero_()
             kernels.addmm_slice_(block, x2, weight, 0, bias)
 
-    def new_input_grad(self, x2: torch.Tensor) -> torch.Tensor:
-        """dX: written block by block in x's dtype (K-split) or an fp32 accumulator."""
-        return torch.empty_like(x2) if self.cut == "in" else torch.zeros(x2.shape, dtype=accumulator_dtype(x2.dtype),
-                                                                          device=x2.device)
+    def new_input_grad(self, shape, dtype: torch.dtype, device) -> torch.Tensor:
+        """dX of a 2-D input ``shape`` in ``dtype``: written block by block in that dtype
+        (K-split) or an fp32 accumulator."""
+        if self.cut == "in":
+            return torch.empty(shape, dtype=dtype, device=device)
+        return torch.zeros(shape, dtype=accumulator_dtype(dtype), device=device)
 
     def backward_slice(self, dy2, x2, weight, dx, grads, accumulate: bool, i: int) -> None:
         """Slice ``i``'s part of dX (when ``dx`` is given) and its dW (and db) into
@@ -176,7 +178,7 @@ class MatmulSplit(SplitModule):
         for i, w in enumerate(stored):
             op.forward_slice(out, x2, cls.linear_view(w), None, i)
         out.to(x2.dtype)
-        dx = op.new_input_grad(x2)
+        dx = op.new_input_grad(x2.shape, x2.dtype, x2.device)
         for i in reversed(range(g)):
             op.backward_slice(dy2, x2, cls.linear_view(stored[i]), dx, [torch.empty_like(stored[i])], False, i)
 

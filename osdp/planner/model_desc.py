@@ -445,6 +445,8 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
             tracker.interval = None
             grad_tensors = [p.grad for p in params if p.grad is not None]
             held = tracker.live_bytes_except([*params, *grad_tensors, *model.buffers(), *inputs.tensors(), value])
+            # the buffers an op read are followed too: the model's, priced apart (buffer_bytes)
+            followed_buffers = tracker.live_bytes_except([]) - tracker.live_bytes_except(list(model.buffers()))
             del value
     finally:
         for h in handles:
@@ -458,7 +460,7 @@ def _measure_backward(model, inputs: ExampleInputs, order: list[str], saved: dic
         peak, grads = tracker.peaks.get(name, (0, 0))
         result[name] = max(peak - param_bytes - grads - prefix, 0) if peak else 0
     peak, grads = tracker.peaks.get(_LOSS, (0, 0))
-    loss_bytes = max(peak - param_bytes - grads - prefix, 0) if peak else 0
+    loss_bytes = max(peak - param_bytes - grads - prefix - followed_buffers, 0) if peak else 0
     return result, held, loss_bytes
 
 
