@@ -68,12 +68,13 @@ class PlannedFrozenCheck:
 
     def __init__(self, units: list[ShardUnit], frozen_units, plan_name: str):
         names = set(frozen_units)
-        self._units = [u for u in units if u.name.split("[", 1)[0] in names]
+        paths = ((u, u.name.split("[", 1)[0]) for u in units)  # a slice unit's name is "path[i]"
+        self._units = [(u, path) for u, path in paths if path in names]
         self._plan_name = plan_name
         self._warned: set[str] = set()
 
     def check(self) -> None:
-        trained = {u.name.split("[", 1)[0] for u in self._units if any(p.requires_grad for p in u.params)}
+        trained = {path for u, path in self._units if any(p.requires_grad for p in u.params)}
         trained -= self._warned
         if trained:
             self._warned |= trained
